@@ -1,0 +1,5 @@
+import sys
+
+from calibrl.cli import main
+
+sys.exit(main())

@@ -1,0 +1,151 @@
+"""The shared `grpc.aio` server shell of both services.
+
+Each service contributes a registration function (adds its servicer to the
+server) and its fully-qualified service names; this module adds standard health
+checking (grpc.health.v1) and server reflection, and owns the shutdown order:
+on SIGTERM or SIGINT every service is set NOT_SERVING first (so load balancers
+stop routing), then ``server.stop(grace)`` lets calls in flight finish, then the
+service's own ``on_stop`` hooks run (e.g. draining a batcher).
+
+Servicer methods wrap their body in :func:`rpc_errors`, the one place where
+library exceptions become status codes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+import signal
+from dataclasses import dataclass, field
+from typing import Any, Awaitable, Callable, Iterable
+
+from calibrl.config import option
+from calibrl.errors import CalibrlError, grpc_status_for
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class ServingConfig:
+    """Network settings shared by the retrieval and judge servers."""
+
+    host: str = option("127.0.0.1", "Address to bind; 0.0.0.0 to accept remote callers.")
+    port: int = option(50051, "TCP port; 0 picks a free one (tests).")
+    grace_seconds: float = option(10.0, "On SIGTERM, how long calls in flight may take to finish.")
+    max_message_mb: int = option(32, "Largest request or response message, in MiB.")
+
+    def validate(self) -> None:
+        from calibrl.errors import ConfigError
+
+        if not 0 <= self.port <= 65535:
+            raise ConfigError(f"serving.port={self.port}: must be in 0..65535")
+        if self.grace_seconds < 0:
+            raise ConfigError(f"serving.grace_seconds={self.grace_seconds}: must be >= 0")
+        if self.max_message_mb <= 0:
+            raise ConfigError(f"serving.max_message_mb={self.max_message_mb}: must be > 0")
+
+
+def rpc_errors(method: Callable[..., Awaitable[Any]]) -> Callable[..., Awaitable[Any]]:
+    """Decorate an async servicer method: CalibrlError -> its status code; anything
+    else -> INTERNAL with the traceback logged. The server keeps serving either way."""
+
+    @functools.wraps(method)
+    async def wrapper(self: Any, request: Any, context: Any) -> Any:
+        try:
+            return await method(self, request, context)
+        except CalibrlError as exc:
+            await context.abort(grpc_status_for(exc), str(exc))
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - the boundary of the service
+            import grpc
+
+            if isinstance(exc, grpc.aio.AbortError):
+                raise
+            log.exception("internal error in %s", method.__qualname__)
+            await context.abort(grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}")
+
+    return wrapper
+
+
+@dataclass
+class RunningServer:
+    """A started server: its bound port and the means to stop it in order."""
+
+    server: Any
+    port: int
+    health: Any
+    service_names: list[str]
+    on_stop: list[Callable[[], Awaitable[None]]] = field(default_factory=list)
+    _stopped: asyncio.Event = field(default_factory=asyncio.Event)
+
+    async def stop(self, grace: float | None = None) -> None:
+        """NOT_SERVING first, then drain calls in flight for ``grace`` seconds, then hooks."""
+        if self._stopped.is_set():
+            return
+        from grpc_health.v1 import health_pb2
+
+        for name in ["", *self.service_names]:
+            self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+        await self.server.stop(grace)
+        for hook in self.on_stop:
+            await hook()
+        self._stopped.set()
+
+    async def wait(self) -> None:
+        """Block until :meth:`stop` has finished."""
+        await self._stopped.wait()
+
+
+async def start_server(
+    config: ServingConfig,
+    register: Callable[[Any], None],
+    service_names: Iterable[str],
+    on_stop: Iterable[Callable[[], Awaitable[None]]] = (),
+    interceptors: Iterable[Any] = (),
+) -> RunningServer:
+    """Build, bind and start a grpc.aio server with health and reflection."""
+    import grpc
+    from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+    from grpc_reflection.v1alpha import reflection
+
+    max_bytes = config.max_message_mb * 1024 * 1024
+    server = grpc.aio.server(
+        interceptors=list(interceptors),
+        options=[
+            ("grpc.max_receive_message_length", max_bytes),
+            ("grpc.max_send_message_length", max_bytes),
+            ("grpc.so_reuseport", 0),
+        ],
+    )
+    register(server)
+    names = list(service_names)
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    reflection.enable_server_reflection(
+        [*names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME],
+        server,
+    )
+    address = f"{config.host}:{config.port}"
+    port = server.add_insecure_port(address)
+    if port == 0:
+        raise OSError(f"could not bind {address}")
+    await server.start()
+    for name in ["", *names]:
+        health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    log.info("serving %s on %s:%d", ", ".join(names), config.host, port)
+    return RunningServer(server, port, health_servicer, names, list(on_stop))
+
+
+async def serve_until_signal(running: RunningServer, grace: float) -> None:
+    """Run until SIGTERM or SIGINT, then stop in order (NOT_SERVING, drain, hooks)."""
+    loop = asyncio.get_running_loop()
+    stop_requested = asyncio.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop_requested.set)
+    waiter = asyncio.ensure_future(stop_requested.wait())
+    await asyncio.wait([waiter, asyncio.ensure_future(running.server.wait_for_termination())],
+                       return_when=asyncio.FIRST_COMPLETED)
+    log.info("shutting down: NOT_SERVING, draining calls in flight for up to %.1fs", grace)
+    await running.stop(grace)

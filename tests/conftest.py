@@ -1,0 +1,24 @@
+"""Shared fixtures. Tests that need ../shared/data skip with a clear message when it is absent."""
+
+from __future__ import annotations
+
+import os
+import pathlib
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+SHARED_DATA = pathlib.Path(os.environ.get("CALIBRL_SHARED_DATA", ROOT.parent / "shared" / "data"))
+HOTPOTQA = SHARED_DATA / "hotpotqa" / "dev_400.jsonl"
+
+# Nothing in the test suite may reach a model hub.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+@pytest.fixture(scope="session")
+def hotpotqa_path() -> pathlib.Path:
+    if not HOTPOTQA.exists():
+        pytest.skip(f"shared data not found at {HOTPOTQA} (set CALIBRL_SHARED_DATA to its folder)")
+    return HOTPOTQA
