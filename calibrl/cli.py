@@ -22,6 +22,7 @@ COMMANDS: dict[tuple[str, ...], tuple[str, str]] = {
     ("train",): ("trainer.cli:train", "Run GRPO / CalibAdv training against the two services."),
     ("eval",): ("trainer.cli:evaluate", "Evaluate a policy (or its base) on held-out tasks."),
     ("demo",): ("calibrl.demo.cli:main", "Run the whole loop on the built-in domain (no downloads)."),
+    ("health",): ("calibrl.healthcheck:main", "Ask a server over the gRPC health protocol whether it serves."),
 }
 
 

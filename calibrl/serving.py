@@ -21,7 +21,8 @@ from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable, Iterable
 
 from calibrl.config import option
-from calibrl.errors import CalibrlError, grpc_status_for
+from calibrl.errors import CalibrlError, ConfigError, grpc_status_for
+from calibrl.telemetry import TelemetryConfig
 
 log = logging.getLogger(__name__)
 
@@ -34,10 +35,17 @@ class ServingConfig:
     port: int = option(50051, "TCP port; 0 picks a free one (tests).")
     grace_seconds: float = option(10.0, "On SIGTERM, how long calls in flight may take to finish.")
     max_message_mb: int = option(32, "Largest request or response message, in MiB.")
+    tls_cert_file: str = option("", "PEM server certificate; with tls_key_file, serve TLS instead of plaintext.")
+    tls_key_file: str = option("", "PEM private key of tls_cert_file.")
+    tls_client_ca_file: str = option("", "PEM CA bundle; when set, clients must present a certificate it signed (mTLS).")
+    api_keys_file: str = option("", "YAML file of tenants (key SHA-256, limits); when set every call needs a key.")
+    telemetry: TelemetryConfig = option(factory=TelemetryConfig, doc="OpenTelemetry spans and metrics.")
 
     def validate(self) -> None:
-        from calibrl.errors import ConfigError
-
+        if bool(self.tls_cert_file) != bool(self.tls_key_file):
+            raise ConfigError("serving.tls_cert_file and serving.tls_key_file go together: set both or neither")
+        if self.tls_client_ca_file and not self.tls_cert_file:
+            raise ConfigError("serving.tls_client_ca_file (mutual TLS) needs tls_cert_file and tls_key_file")
         if not 0 <= self.port <= 65535:
             raise ConfigError(f"serving.port={self.port}: must be in 0..65535")
         if self.grace_seconds < 0:
@@ -105,14 +113,24 @@ async def start_server(
     on_stop: Iterable[Callable[[], Awaitable[None]]] = (),
     interceptors: Iterable[Any] = (),
 ) -> RunningServer:
-    """Build, bind and start a grpc.aio server with health and reflection."""
+    """Build, bind and start a grpc.aio server with health and reflection, TLS and API
+    keys when configured, and tracing when telemetry is on (see calibrl.telemetry.configure)."""
     import grpc
     from grpc_health.v1 import health, health_pb2, health_pb2_grpc
     from grpc_reflection.v1alpha import reflection
 
+    from calibrl import security, telemetry
+
+    if config.telemetry.enabled and not telemetry.enabled():
+        telemetry.configure(config.telemetry, default_service_name=next(iter(service_names), "calibrl"))
     max_bytes = config.max_message_mb * 1024 * 1024
+    chain = list(interceptors)
+    if config.api_keys_file:
+        chain.insert(0, security.AuthInterceptor(security.load_tenants(config.api_keys_file)))
+    if telemetry.enabled():
+        chain.insert(0, telemetry.TracingInterceptor())
     server = grpc.aio.server(
-        interceptors=list(interceptors),
+        interceptors=chain,
         options=[
             ("grpc.max_receive_message_length", max_bytes),
             ("grpc.max_send_message_length", max_bytes),
@@ -128,7 +146,13 @@ async def start_server(
         server,
     )
     address = f"{config.host}:{config.port}"
-    port = server.add_insecure_port(address)
+    if config.tls_cert_file:
+        credentials = security.server_credentials(
+            config.tls_cert_file, config.tls_key_file, config.tls_client_ca_file or None
+        )
+        port = server.add_secure_port(address, credentials)
+    else:
+        port = server.add_insecure_port(address)
     if port == 0:
         raise OSError(f"could not bind {address}")
     await server.start()
