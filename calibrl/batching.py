@@ -19,6 +19,7 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any, Callable, Generic, Hashable, Sequence, TypeVar
 
+from calibrl import telemetry
 from calibrl.errors import ResourceExhausted, Unavailable
 
 log = logging.getLogger(__name__)
@@ -67,7 +68,10 @@ class MicroBatcher(Generic[ItemT, ResultT]):
         max_queue_items: int = 4096,
         max_wait_ms: float = 2.0,
         executor: concurrent.futures.Executor | None = None,
+        name: str = "batcher",
     ) -> None:
+        self.name = name
+        self._gauge_registered = False
         self._process = process
         self.max_batch_items = max_batch_items
         self.max_queue_items = max_queue_items
@@ -91,6 +95,12 @@ class MicroBatcher(Generic[ItemT, ResultT]):
             raise Unavailable("server is shutting down")
         if not items:
             return []
+        if not self._gauge_registered and telemetry.enabled():
+            telemetry.observe_gauge(
+                "calibrl.queue.depth", lambda: float(self._queued_items), "Items waiting to be batched",
+                batcher=self.name,
+            )
+            self._gauge_registered = True
         if self._queued_items + len(items) > self.max_queue_items:
             self.stats.rejected += 1
             raise ResourceExhausted(
@@ -144,6 +154,7 @@ class MicroBatcher(Generic[ItemT, ResultT]):
                     raise
                 continue
             self.stats.record(size)
+            telemetry.record("batch_size", size, batcher=self.name)
             offset = 0
             for pending in batch:
                 n = len(pending.items)
