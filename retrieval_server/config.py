@@ -1,0 +1,62 @@
+"""Configuration of the retrieval server (one dataclass, loaded with calibrl.config.load_config)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from calibrl.config import option
+from calibrl.errors import ConfigError
+from calibrl.serving import ServingConfig
+from retrieval_server.limits import RetrievalLimits
+from retrieval_server.types import SearchMode
+
+
+@dataclass
+class RetrievalServerConfig:
+    """Everything `calibrl serve retrieval` needs; every field has a default but index_dir."""
+
+    index_dir: str = option("", "Index folder built by `calibrl index build` (required).")
+    default_mode: SearchMode = option(SearchMode.HYBRID, "Mode of requests that leave it unspecified.")
+    max_top_k: int = option(100, "Largest top_k a request may ask for.")
+    max_batch_size: int = option(256, "Most queries (Search) or items (ScoreRetrieval) in one request.")
+    max_query_chars: int = option(2048, "Longest query accepted, in characters.")
+    max_ids_per_item: int = option(1024, "Most gold ids, gold answers or seen ids in one ScoreItem.")
+    hybrid_depth: int = option(100, "Candidates taken from each of dense and BM25 before RRF (raised to max_top_k).")
+    device: str = option("auto", "Embedder and torch-search device: auto (cuda when present), cpu, cuda, cuda:N.")
+    dense_backend: Literal["auto", "faiss", "torch"] = option(
+        "auto", "auto: the index's own type; torch: exact torch.topk search over the stored embeddings."
+    )
+    embedder: str = option("", "Local sentence-transformers folder overriding the manifest's embedder.")
+    encode_batch_size: int = option(64, "Queries per embedder forward pass.")
+    hnsw_ef_search: int = option(128, "HNSW search breadth (raised to at least max_top_k).")
+    ivf_nprobe: int = option(16, "IVF cells visited per query.")
+    verify_checksums: bool = option(True, "Check every index file against the manifest's sha256 at start.")
+    batch_max_items: int = option(256, "Most queries of concurrent callers answered in one batch.")
+    batch_max_wait_ms: float = option(2.0, "How long the batcher waits for more callers before a batch runs.")
+    batch_max_queue_items: int = option(4096, "Queued queries beyond which calls get RESOURCE_EXHAUSTED.")
+    serving: ServingConfig = option(factory=ServingConfig, doc="Network settings (host, port, grace, sizes).")
+
+    def limits(self) -> RetrievalLimits:
+        return RetrievalLimits(
+            max_top_k=self.max_top_k,
+            max_batch_size=self.max_batch_size,
+            max_query_chars=self.max_query_chars,
+            max_ids_per_item=self.max_ids_per_item,
+        )
+
+    def validate(self) -> None:
+        if not self.index_dir:
+            raise ConfigError("index_dir: required; pass --index DIR or index_dir=DIR")
+        for name in ("max_top_k", "max_batch_size", "max_query_chars", "max_ids_per_item", "hybrid_depth",
+                     "encode_batch_size", "hnsw_ef_search", "ivf_nprobe", "batch_max_items"):
+            value = getattr(self, name)
+            if value < 1:
+                raise ConfigError(f"{name}={value}: must be >= 1")
+        if self.batch_max_wait_ms < 0:
+            raise ConfigError(f"batch_max_wait_ms={self.batch_max_wait_ms}: must be >= 0")
+        if self.batch_max_queue_items < self.max_batch_size:
+            raise ConfigError(
+                f"batch_max_queue_items={self.batch_max_queue_items} < max_batch_size={self.max_batch_size}: "
+                "a full request could never be queued; raise batch_max_queue_items"
+            )

@@ -1,0 +1,231 @@
+"""The core of the retrieval service: a loaded index folder that ranks queries and scores them.
+
+Plain Python, no gRPC: the servicer, the trainer's in-process client and the tests
+all call :class:`Retriever` directly::
+
+    retriever = Retriever.load("indexes/hotpotqa")
+    hits = retriever.search(["who directed Alien?"], top_k=5, mode="hybrid")
+    [score] = retriever.score([ScoreItem("who directed Alien?", gold_doc_ids=("Alien (film)",))], top_k=5)
+    score.recall, score.ndcg, score.is_new
+
+Rankings per mode: ``dense`` (inner product of unit embeddings), ``bm25``, and
+``hybrid`` (reciprocal-rank fusion of the two, each ranking cut at a fixed depth
+of max(hybrid_depth, max_top_k) candidates, so a query's fused order never
+depends on the k it was asked with).
+"""
+
+from __future__ import annotations
+
+import logging
+import pathlib
+from typing import TYPE_CHECKING, Any, Sequence
+
+from retrieval_server import limits as rules
+from retrieval_server.corpus import Passage
+from retrieval_server.fusion import RRF_K, reciprocal_rank_fusion
+from retrieval_server.limits import RetrievalLimits
+from retrieval_server.manifest import Manifest, read_manifest, verify_files
+from retrieval_server.signals import score_hits
+from retrieval_server.types import Hit, RetrievalScore, ScoreItem, SearchMode
+
+if TYPE_CHECKING:
+    from retrieval_server.config import RetrievalServerConfig
+
+log = logging.getLogger(__name__)
+
+Ranking = list[tuple[int, float]]  # (passage index, score), best first
+
+
+class Retriever:
+    """Search and reward signals over one fixed index (see the module docstring)."""
+
+    def __init__(
+        self,
+        passages: Sequence[Passage],
+        dense: Any,
+        bm25: Any,
+        embedder: Any,
+        manifest: Manifest,
+        *,
+        limits: RetrievalLimits = RetrievalLimits(),
+        default_mode: SearchMode = SearchMode.HYBRID,
+        hybrid_depth: int = 100,
+        rrf_k: int = RRF_K,
+        encode_batch_size: int = 64,
+        index_dir: pathlib.Path | None = None,
+    ) -> None:
+        self.passages = list(passages)
+        self.dense = dense
+        self.bm25 = bm25
+        self.embedder = embedder
+        self.manifest = manifest
+        self.limits = limits
+        self.default_mode = SearchMode(default_mode)
+        self.fusion_depth = max(hybrid_depth, limits.max_top_k)
+        self.rrf_k = rrf_k
+        self.encode_batch_size = encode_batch_size
+        self.index_dir = index_dir
+
+    # ------------------------------------------------------------------ loading
+    @classmethod
+    def load(
+        cls,
+        index_dir: str | pathlib.Path,
+        *,
+        limits: RetrievalLimits = RetrievalLimits(),
+        default_mode: SearchMode | str = SearchMode.HYBRID,
+        device: str = "auto",
+        dense_backend: str = "auto",
+        embedder: Any = None,
+        verify: bool = True,
+        hybrid_depth: int = 100,
+        rrf_k: int = RRF_K,
+        encode_batch_size: int = 64,
+        hnsw_ef_search: int = 128,
+        ivf_nprobe: int = 16,
+    ) -> "Retriever":
+        """Load an index folder, checking its files against the manifest first.
+
+        embedder: an :class:`~retrieval_server.embedder.Embedder`, a local model path
+        overriding the one in the manifest, or None for the manifest's.
+        Raises FailedPrecondition when the folder does not match its manifest.
+        """
+        from calibrl.errors import FailedPrecondition
+        from retrieval_server.dense import load_searcher
+        from retrieval_server.embedder import Embedder, resolve_device
+        from retrieval_server.index import read_docs
+        from retrieval_server.sparse import BM25_DIR, BM25Searcher
+
+        index_dir = pathlib.Path(index_dir)
+        manifest = read_manifest(index_dir)
+        if verify:
+            extra = verify_files(index_dir, manifest)
+            if extra:
+                log.warning("files in %s not listed in its manifest (ignored): %s", index_dir, extra)
+        device = resolve_device(device)
+        if not isinstance(embedder, Embedder):
+            embedder = Embedder(embedder or manifest.embedder, device=device)
+        if embedder.dimension != manifest.dimension:
+            raise FailedPrecondition(
+                f"embedder {embedder.label} makes {embedder.dimension}-d vectors, the index holds "
+                f"{manifest.dimension}-d ones (built with {manifest.embedder})"
+            )
+        passages = read_docs(index_dir)
+        bm25 = BM25Searcher(index_dir / BM25_DIR)
+        if not len(passages) == bm25.doc_count == manifest.doc_count:
+            raise FailedPrecondition(
+                f"{index_dir}: {len(passages)} passages, {bm25.doc_count} in BM25, manifest says {manifest.doc_count}"
+            )
+        fusion_depth = max(hybrid_depth, limits.max_top_k)
+        dense = load_searcher(
+            index_dir,
+            manifest.index_type,
+            backend=dense_backend,
+            device=device,
+            ef_search=max(hnsw_ef_search, fusion_depth),  # >= every k asked: results never depend on k
+            nprobe=ivf_nprobe,
+        )
+        return cls(
+            passages,
+            dense,
+            bm25,
+            embedder,
+            manifest,
+            limits=limits,
+            default_mode=SearchMode(default_mode),
+            hybrid_depth=hybrid_depth,
+            rrf_k=rrf_k,
+            encode_batch_size=encode_batch_size,
+            index_dir=index_dir,
+        )
+
+    @classmethod
+    def from_config(cls, config: "RetrievalServerConfig") -> "Retriever":
+        return cls.load(
+            config.index_dir,
+            limits=config.limits(),
+            default_mode=config.default_mode,
+            device=config.device,
+            dense_backend=config.dense_backend,
+            embedder=config.embedder or None,
+            verify=config.verify_checksums,
+            hybrid_depth=config.hybrid_depth,
+            encode_batch_size=config.encode_batch_size,
+            hnsw_ef_search=config.hnsw_ef_search,
+            ivf_nprobe=config.ivf_nprobe,
+        )
+
+    @property
+    def doc_count(self) -> int:
+        return len(self.passages)
+
+    @property
+    def dense_index_type(self) -> str:
+        """What serves dense search: the manifest's type, or ``torch`` when that backend was chosen."""
+        from retrieval_server.dense import TorchSearcher
+
+        return "torch" if isinstance(self.dense, TorchSearcher) else self.manifest.index_type
+
+    @property
+    def modes(self) -> tuple[SearchMode, ...]:
+        return rules.MODES
+
+    # --------------------------------------------------------------- public API
+    def search(
+        self, queries: Sequence[str], top_k: int = 10, mode: SearchMode | str | None = None, include_text: bool = False
+    ) -> list[list[Hit]]:
+        """Ranked hits per query, best first (at most ``top_k``; BM25 may return fewer)."""
+        mode = rules.parse_mode(mode, self.default_mode)
+        rules.check_search(queries, top_k, self.limits)
+        ranked = self.ranked(queries, top_k, mode)
+        if include_text:
+            return ranked
+        return [[_without_text(h) for h in hits] for hits in ranked]
+
+    def score(
+        self,
+        items: Sequence[ScoreItem],
+        top_k: int = 10,
+        mode: SearchMode | str | None = None,
+        include_text: bool = False,
+    ) -> list[RetrievalScore]:
+        """Reward signals per item at cut-off ``top_k`` (see retrieval.proto, RetrievalScore)."""
+        mode = rules.parse_mode(mode, self.default_mode)
+        rules.check_score(items, top_k, self.limits)
+        ranked = self.ranked([item.query for item in items], top_k, mode)
+        return [score_hits(item, hits, top_k, include_text) for item, hits in zip(items, ranked)]
+
+    # ---------------------------------------------------------------- internals
+    def ranked(self, queries: Sequence[str], top_k: int, mode: SearchMode) -> list[list[Hit]]:
+        """Unchecked ranking (inputs already validated); hits carry their passage text."""
+        if mode is SearchMode.DENSE:
+            rankings = self._dense(queries, top_k)
+        elif mode is SearchMode.BM25:
+            rankings = self.bm25.search(queries, top_k)
+        else:
+            dense = self._dense(queries, self.fusion_depth)
+            sparse = self.bm25.search(queries, self.fusion_depth)
+            rankings = [
+                reciprocal_rank_fusion([[i for i, _ in d], [i for i, _ in s]], top_k, self.rrf_k)
+                for d, s in zip(dense, sparse)
+            ]
+        return [self._hits(ranking) for ranking in rankings]
+
+    def _dense(self, queries: Sequence[str], k: int) -> list[Ranking]:
+        vectors = self.embedder.encode(queries, batch_size=self.encode_batch_size)
+        scores, indices = self.dense.search(vectors, k)
+        return [
+            [(int(i), float(s)) for i, s in zip(row_indices, row_scores) if i >= 0]
+            for row_indices, row_scores in zip(indices, scores)
+        ]
+
+    def _hits(self, ranking: Ranking) -> list[Hit]:
+        hits = []
+        for rank, (index, score) in enumerate(ranking, start=1):
+            passage = self.passages[index]
+            hits.append(Hit(doc_id=passage.doc_id, title=passage.title, score=score, rank=rank, text=passage.text))
+        return hits
+
+
+def _without_text(hit: Hit) -> Hit:
+    return Hit(doc_id=hit.doc_id, title=hit.title, score=hit.score, rank=hit.rank)

@@ -1,0 +1,78 @@
+"""Start the retrieval service on grpc.aio (health, reflection and SIGTERM drain come
+from calibrl.serving).
+
+In tests and in other components' tests::
+
+    running = await retrieval_server.server.start(config)        # port 0 -> running.port
+    channel = grpc.aio.insecure_channel(running.address)
+    ...
+    await running.stop(grace=1.0)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+from calibrl.batching import MicroBatcher
+from calibrl.config import validate
+from calibrl.serving import RunningServer, serve_until_signal, start_server
+from calibrl.v1 import retrieval_pb2_grpc as pb_grpc
+from retrieval_server.config import RetrievalServerConfig
+from retrieval_server.retriever import Retriever
+from retrieval_server.servicer import SERVICE_NAME, RetrievalServicer, answer_batch
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class RunningRetrievalServer(RunningServer):
+    """A started retrieval server; also exposes its retriever and batcher (stats)."""
+
+    host: str = "127.0.0.1"
+    retriever: Any = None
+    batcher: Any = None
+
+    @property
+    def address(self) -> str:
+        host = "127.0.0.1" if self.host in ("0.0.0.0", "::", "") else self.host
+        return f"{host}:{self.port}"
+
+
+async def start(config: RetrievalServerConfig, retriever: Retriever | None = None) -> RunningRetrievalServer:
+    """Load the index (unless ``retriever`` is given) and serve it in the running event loop.
+
+    With ``config.serving.port = 0`` a free port is chosen: read it from ``.port``.
+    """
+    validate(config)
+    if retriever is None:
+        retriever = await asyncio.to_thread(Retriever.from_config, config)
+    batcher: MicroBatcher = MicroBatcher(
+        lambda mode, work: answer_batch(retriever, mode, work),
+        max_batch_items=config.batch_max_items,
+        max_queue_items=config.batch_max_queue_items,
+        max_wait_ms=config.batch_max_wait_ms,
+    )
+    servicer = RetrievalServicer(retriever, batcher)
+    running = await start_server(
+        config.serving,
+        lambda server: pb_grpc.add_RetrievalServiceServicer_to_server(servicer, server),
+        [SERVICE_NAME],
+        on_stop=[batcher.close],
+    )
+    base = {f.name: getattr(running, f.name) for f in dataclasses.fields(RunningServer)}
+    return RunningRetrievalServer(**base, host=config.serving.host, retriever=retriever, batcher=batcher)
+
+
+async def serve(config: RetrievalServerConfig) -> None:
+    """Serve until SIGTERM or SIGINT, then drain and stop."""
+    running = await start(config)
+    log.info(
+        "retrieval index %s: %d passages, dense %s, default mode %s",
+        config.index_dir, running.retriever.doc_count, running.retriever.dense_index_type,
+        running.retriever.default_mode.value,
+    )
+    await serve_until_signal(running, config.serving.grace_seconds)

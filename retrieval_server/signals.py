@@ -1,0 +1,34 @@
+"""Reward signals of one query or search step, from its ranked hits."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Sequence
+
+from calibrl.text import contains_answer
+from retrieval_server import metrics
+from retrieval_server.types import Hit, RetrievalScore, ScoreItem
+
+
+def score_hits(item: ScoreItem, hits: Sequence[Hit], top_k: int, include_text: bool = False) -> RetrievalScore:
+    """Signals of ``item`` at cut-off ``top_k``.
+
+    ``hits`` must carry their passage text (answers are looked for in title + text);
+    the returned hits keep it only when ``include_text`` is set.
+    """
+    hits = list(hits[:top_k])
+    ranked = [h.doc_id for h in hits]
+    gold = set(item.gold_doc_ids)
+    rank = metrics.first_gold_rank(ranked, gold, top_k)
+    return RetrievalScore(
+        hits=tuple(h if include_text else dataclasses.replace(h, text="") for h in hits),
+        hit=rank > 0,
+        all_gold=metrics.all_gold_at_k(ranked, gold, top_k),
+        recall=metrics.recall_at_k(ranked, gold, top_k),
+        mrr=metrics.reciprocal_rank(ranked, gold, top_k),
+        ndcg=metrics.ndcg_at_k(ranked, gold, top_k),
+        first_gold_rank=rank,
+        is_new=tuple(metrics.new_flags(ranked, item.seen_doc_ids)),
+        contains_answer=tuple(contains_answer(f"{h.title} {h.text}", item.gold_answers) for h in hits),
+        is_gold=tuple(metrics.gold_flags(ranked, gold)),
+    )
