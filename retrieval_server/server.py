@@ -55,6 +55,7 @@ async def start(config: RetrievalServerConfig, retriever: Retriever | None = Non
         max_batch_items=config.batch_max_items,
         max_queue_items=config.batch_max_queue_items,
         max_wait_ms=config.batch_max_wait_ms,
+        name="retrieval",
     )
     servicer = RetrievalServicer(retriever, batcher)
     running = await start_server(
