@@ -95,7 +95,7 @@ class RunningServer:
         from grpc_health.v1 import health_pb2
 
         for name in ["", *self.service_names]:
-            self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+            await self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)  # aio servicer: a coroutine
         await self.server.stop(grace)
         for hook in self.on_stop:
             await hook()
@@ -157,7 +157,7 @@ async def start_server(
         raise OSError(f"could not bind {address}")
     await server.start()
     for name in ["", *names]:
-        health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+        await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)  # aio servicer: a coroutine
     log.info("serving %s on %s:%d", ", ".join(names), config.host, port)
     return RunningServer(server, port, health_servicer, names, list(on_stop))
 
