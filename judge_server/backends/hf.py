@@ -1,0 +1,218 @@
+"""The transformers judge backend: any Hugging Face causal LM from a local folder.
+
+LLM criteria are scored from the next-token distribution after each prompt (see
+``judge_server.prompts``), in one forward pass per item and criterion, batched:
+
+- ``prefix_cache`` (default): the items of a chunk run their shared prefixes once,
+  left-padded, keeping the KV cache; the cache is repeated once per criterion and
+  every criterion's suffix (right-padded) runs on top of it in one more forward. The
+  prefix, usually most of the prompt, is computed once per item instead of once per
+  criterion.
+- ``flat``: every item x criterion prompt, left-padded, in one forward (no reuse).
+- ``generate``: greedy generation plus parsing, for comparison only (a parse failure
+  raises RewardError; it never becomes a score).
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import pathlib
+from typing import Any, Sequence
+
+from calibrl.errors import ConfigError, RewardError
+from judge_server import prompts
+from judge_server.backends import model_id_for
+from judge_server.backends.encoding import EncodedBatch, PromptEncoder
+from judge_server.rubric import Criterion, Rubric
+from judge_server.types import JudgeItem
+
+log = logging.getLogger(__name__)
+
+PROMPT_MODES = ("prefix_cache", "flat", "generate")
+
+
+def resolve_device(device: str) -> str:
+    import torch
+
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise ConfigError(f"device={device!r} but CUDA is not available; use device=cpu or auto")
+    return device
+
+
+def resolve_dtype(dtype: str, device: str) -> Any:
+    import torch
+
+    if dtype == "auto":
+        return torch.bfloat16 if device.startswith("cuda") else torch.float32
+    table = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+    if dtype not in table:
+        raise ConfigError(f"dtype={dtype!r}: must be auto, float32, bfloat16 or float16")
+    return table[dtype]
+
+
+class TransformersJudge:
+    """Scores LLM criteria with a local causal LM (see module doc)."""
+
+    def __init__(
+        self,
+        path: str | pathlib.Path,
+        *,
+        device: str = "auto",
+        dtype: str = "auto",
+        mode: str = "prefix_cache",
+        max_items_per_forward: int = 16,
+        prompt_options: prompts.PromptOptions = prompts.PromptOptions(),
+        use_chat_template: str = "auto",
+        max_new_tokens: int = 4,
+    ) -> None:
+        import torch
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        if mode not in PROMPT_MODES:
+            raise ConfigError(f"llm_mode={mode!r}: must be one of {list(PROMPT_MODES)}")
+        folder = pathlib.Path(path)
+        self.model_id = model_id_for("transformers", folder)
+        self.device = resolve_device(device)
+        self.mode = mode
+        self.max_items_per_forward = max_items_per_forward
+        self.max_new_tokens = max_new_tokens
+        self.tokenizer = AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
+        self.model = AutoModelForCausalLM.from_pretrained(
+            str(folder), local_files_only=True, dtype=resolve_dtype(dtype, self.device)
+        ).to(self.device)
+        self.model.eval()
+        pad = self.tokenizer.pad_token_id
+        if pad is None:
+            pad = self.tokenizer.eos_token_id if self.tokenizer.eos_token_id is not None else 0
+        self.pad_id = int(pad)
+        max_positions = getattr(self.model.config, "max_position_embeddings", None)
+        self.encoder = PromptEncoder(self.tokenizer, prompt_options, use_chat_template, max_positions)
+        self._torch = torch
+        # transformers 5.2x renamed past_key_values -> cache; older releases only know the old name.
+        forward_params = inspect.signature(self.model.forward).parameters
+        self._cache_arg = "cache" if "cache" in forward_params else "past_key_values"
+        self._keep_arg = "logits_to_keep" if "logits_to_keep" in forward_params else None
+        log.info("transformers judge %s on %s (%s mode)", self.model_id, self.device, mode)
+
+    # ------------------------------------------------------------------ interface
+
+    def check_rubric(self, rubric: Rubric) -> None:
+        tokens = self.encoder.answer_tokens
+        if any(c.scale == "likert_1_5" for c in rubric.llm_criteria) and not all(tokens.digits):
+            raise ConfigError(f"rubric {rubric.id!r} has 1-5 questions but the judge tokenizer has no "
+                              "single-token digits 1-5")
+
+    def score(self, items: Sequence[JudgeItem], criteria: Sequence[Criterion], instructions: str) -> list[list[float]]:
+        if not items or not criteria:
+            return [[] for _ in items]
+        encoded = self.encoder.encode(items, criteria, instructions)
+        if self.mode == "generate":
+            answers = self.generate_answers(encoded, criteria)
+            for row, values in enumerate(answers):
+                for col, value in enumerate(values):
+                    if value is None:
+                        raise RewardError(f"items[{row}]: the judge's generated answer to criterion "
+                                          f"{criteria[col].name!r} could not be parsed (generate mode)")
+            return [[float(v) for v in values] for values in answers]
+        rows: list[list[float]] = []
+        step = self.max_items_per_forward
+        for start in range(0, len(items), step):
+            chunk = EncodedBatch(encoded.prefix_ids[start : start + step], encoded.suffix_ids)
+            logprobs = self.next_token_logprobs(chunk)  # (items * criteria, V)
+            rows.extend(self._scores_from_rows(logprobs, criteria, len(chunk.prefix_ids)))
+        return rows
+
+    # ------------------------------------------------------------------ forward passes
+
+    def next_token_logprobs(self, batch: EncodedBatch, mode: str | None = None) -> Any:
+        """Log-probabilities of the token after each prompt: a float32 tensor of shape
+        (items * criteria, vocab), row ``b * C + c`` = item b, criterion c."""
+        mode = mode or ("flat" if self.mode == "flat" else "prefix_cache")
+        with self._torch.inference_mode():
+            if mode == "flat":
+                return self._flat(batch)
+            return self._prefix_cache(batch)
+
+    def _prefix_cache(self, batch: EncodedBatch) -> Any:
+        torch = self._torch
+        n_items, n_criteria = len(batch.prefix_ids), len(batch.suffix_ids)
+        prefix, prefix_mask = self._left_pad(batch.prefix_ids)
+        prefix_positions = (prefix_mask.cumsum(-1) - 1).clamp(min=0)
+        keep = {self._keep_arg: 1} if self._keep_arg else {}  # the prefix's own logits are not needed
+        out = self.model(input_ids=prefix, attention_mask=prefix_mask, position_ids=prefix_positions,
+                         use_cache=True, **keep)
+        cache = getattr(out, self._cache_arg)
+        cache.batch_repeat_interleave(n_criteria)  # row b*C + c holds item b's prefix
+
+        suffix_len = max(len(s) for s in batch.suffix_ids)
+        suffix = torch.full((n_criteria, suffix_len), self.pad_id, dtype=torch.long)
+        suffix_mask = torch.zeros((n_criteria, suffix_len), dtype=torch.long)
+        for c, ids in enumerate(batch.suffix_ids):  # right-padded: a real token never sees a pad
+            suffix[c, : len(ids)] = torch.tensor(ids, dtype=torch.long)
+            suffix_mask[c, : len(ids)] = 1
+        suffix = suffix.repeat(n_items, 1).to(self.device)
+        suffix_mask = suffix_mask.repeat(n_items, 1).to(self.device)
+        prefix_lengths = prefix_mask.sum(-1).repeat_interleave(n_criteria)
+        positions = prefix_lengths[:, None] + torch.arange(suffix_len, device=self.device)[None, :]
+        attention = torch.cat([prefix_mask.repeat_interleave(n_criteria, dim=0), suffix_mask], dim=1)
+        out = self.model(input_ids=suffix, attention_mask=attention, position_ids=positions,
+                         use_cache=True, **{self._cache_arg: cache})
+        last = torch.tensor([len(s) - 1 for s in batch.suffix_ids], device=self.device).repeat(n_items)
+        logits = out.logits[torch.arange(n_items * n_criteria, device=self.device), last]
+        return torch.log_softmax(logits.float(), dim=-1)
+
+    def _flat(self, batch: EncodedBatch) -> Any:
+        torch = self._torch
+        sequences = [p + s for p in batch.prefix_ids for s in batch.suffix_ids]
+        ids, mask = self._left_pad(sequences)
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        keep = {self._keep_arg: 1} if self._keep_arg else {}
+        out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=False, **keep)
+        return torch.log_softmax(out.logits[:, -1].float(), dim=-1)
+
+    def _left_pad(self, sequences: Sequence[Sequence[int]]) -> tuple[Any, Any]:
+        torch = self._torch
+        width = max(len(s) for s in sequences)
+        ids = torch.full((len(sequences), width), self.pad_id, dtype=torch.long)
+        mask = torch.zeros((len(sequences), width), dtype=torch.long)
+        for row, seq in enumerate(sequences):
+            ids[row, width - len(seq) :] = torch.tensor(list(seq), dtype=torch.long)
+            mask[row, width - len(seq) :] = 1
+        return ids.to(self.device), mask.to(self.device)
+
+    def _scores_from_rows(self, logprobs: Any, criteria: Sequence[Criterion], n_items: int) -> list[list[float]]:
+        tokens = self.encoder.answer_tokens
+        ids = list(tokens.all_ids())
+        column = {token: i for i, token in enumerate(ids)}
+        picked = logprobs[:, ids].cpu().tolist()  # only the answer tokens leave the device
+        rows = []
+        for b in range(n_items):
+            row = []
+            for c, criterion in enumerate(criteria):
+                values = picked[b * len(criteria) + c]
+                row.append(prompts.score_from_logprobs(criterion, lambda t: values[column[t]], tokens))
+            rows.append(row)
+        return rows
+
+    def generate_answers(self, batch: EncodedBatch, criteria: Sequence[Criterion]) -> list[list[float | None]]:
+        """Greedy-generate a short answer to every prompt and parse it (None = unparsable)."""
+        torch = self._torch
+        out_rows: list[list[float | None]] = []
+        step = self.max_items_per_forward
+        for start in range(0, len(batch.prefix_ids), step):
+            prefixes = batch.prefix_ids[start : start + step]
+            sequences = [p + s for p in prefixes for s in batch.suffix_ids]
+            ids, mask = self._left_pad(sequences)
+            with torch.inference_mode():
+                generated = self.model.generate(
+                    input_ids=ids, attention_mask=mask, max_new_tokens=self.max_new_tokens, do_sample=False,
+                    pad_token_id=self.pad_id, eos_token_id=self.tokenizer.eos_token_id,
+                )
+            texts = self.tokenizer.batch_decode(generated[:, ids.shape[1] :], skip_special_tokens=True)
+            for b in range(len(prefixes)):
+                out_rows.append([prompts.parse_answer(criteria[c], texts[b * len(criteria) + c])
+                                 for c in range(len(criteria))])
+        return out_rows

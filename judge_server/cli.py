@@ -1,0 +1,240 @@
+"""Command-line entry points of the judge service (routed by ``calibrl.cli``):
+
+- ``calibrl serve judge --rubrics DIR --backend SPEC [--port N] [--allow-unvalidated]
+  [--config FILE] [key=value ...]``
+- ``calibrl rubric distill --feedback F --out rubric.yaml --golden-out golden.jsonl``
+- ``calibrl rubric validate --rubric R --golden G --judge SPEC`` (exit 0 = gate passed)
+
+Heavy imports happen inside the functions, after argument parsing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import pathlib
+import sys
+
+from calibrl.errors import CalibrlError
+
+
+def _fail(message: str) -> int:
+    print(f"error: {message}", file=sys.stderr)
+    return 2
+
+
+# --------------------------------------------------------------------------- serve
+
+def serve(argv: list[str]) -> int:
+    from calibrl.config import describe
+
+    parser = argparse.ArgumentParser(
+        prog="calibrl serve judge",
+        description="Serve rubric judges over gRPC (calibrl.v1.JudgeService).",
+        epilog="config keys (set in --config FILE or as key=value overrides):\n  "
+        + "\n  ".join(describe(_server_config_cls())),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--rubrics", help="folder of rubric YAML files (overrides 'rubrics')")
+    parser.add_argument("--backend", help="judge SPEC: programmatic | transformers:PATH | vllm:PATH")
+    parser.add_argument("--host", help="address to bind (serving.host)")
+    parser.add_argument("--port", type=int, help="TCP port, 0 = any free port (serving.port)")
+    parser.add_argument("--allow-unvalidated", action="store_true",
+                        help="serve rubrics that have no passing validation record for this judge")
+    parser.add_argument("--config", help="YAML config file (JudgeServerConfig)")
+    parser.add_argument("--log-level", default="INFO")
+    parser.add_argument("overrides", nargs="*", help="dotted key=value overrides, e.g. judge.cache_size=0")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+    from calibrl.config import load_config
+
+    overrides = list(args.overrides)
+    if args.rubrics:
+        overrides.append(f"rubrics={args.rubrics}")
+    if args.backend:
+        overrides.append(f"judge.backend={args.backend}")
+    if args.host:
+        overrides.append(f"serving.host={args.host}")
+    if args.port is not None:
+        overrides.append(f"serving.port={args.port}")
+    if args.allow_unvalidated:
+        overrides.append("judge.allow_unvalidated=true")
+    try:
+        config = load_config(_server_config_cls(), args.config, overrides)
+    except CalibrlError as exc:
+        return _fail(str(exc))
+    if config.judge.allow_unvalidated:
+        logging.getLogger(__name__).warning(
+            "--allow-unvalidated: rubrics without a passing validation record for this judge WILL be served")
+
+    import asyncio
+
+    from calibrl.serving import serve_until_signal
+    from judge_server.server import start
+
+    async def run() -> None:
+        running = await start(config)
+        print(f"judge server listening on {config.serving.host}:{running.port}", flush=True)
+        await serve_until_signal(running, config.serving.grace_seconds)
+
+    try:
+        asyncio.run(run())
+    except CalibrlError as exc:
+        return _fail(str(exc))
+    return 0
+
+
+def _server_config_cls() -> type:
+    from judge_server.config import JudgeServerConfig
+
+    return JudgeServerConfig
+
+
+# --------------------------------------------------------------------------- distill
+
+def distill(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(
+        prog="calibrl rubric distill",
+        description="Distil SME feedback (JSONL) into a rubric (YAML) and a golden hold-out set (JSONL). "
+        "Deterministic: the same feedback gives the same files, byte for byte.",
+    )
+    parser.add_argument("--feedback", required=True, help="SME feedback JSONL (see README, judge section)")
+    parser.add_argument("--out", required=True, help="rubric YAML to write")
+    parser.add_argument("--golden-out", required=True, help="golden hold-out JSONL to write")
+    parser.add_argument("--id", help="rubric id (default: the feedback file's stem)")
+    parser.add_argument("--version", default="1", help="rubric version (default 1)")
+    parser.add_argument("--golden-fraction", type=float, default=0.3, help="share of records held out (0.3)")
+    parser.add_argument("--criteria", choices=("both", "programmatic", "llm"), default="both",
+                        help="criteria kinds for known tags (unknown tags always need an LLM)")
+    parser.add_argument("--llm-share", type=float, default=0.5,
+                        help="share of a tag's weight on its LLM criterion when it gets both kinds (0.5)")
+    parser.add_argument("--min-count", type=int, default=2, help="least occurrences of a non-critical tag (2)")
+    parser.add_argument("--critical", action="append", default=[], metavar="TAG",
+                        help="extra critical tag, becomes a penalty criterion (repeatable)")
+    parser.add_argument("--glossary", help="text file of domain terms, one a line")
+    args = parser.parse_args(argv)
+
+    from judge_server.distill import DistillOptions
+    from judge_server.distill import distill as run_distill
+    from judge_server.feedback import normalize_tag, read_feedback, write_feedback
+    from judge_server.rubric import dump_rubric, parse_rubric
+
+    try:
+        records = read_feedback(args.feedback)
+        glossary: tuple[str, ...] = ()
+        if args.glossary:
+            path = pathlib.Path(args.glossary)
+            if not path.is_file():
+                return _fail(f"--glossary {path} does not exist")
+            glossary = tuple(line.strip() for line in path.read_text().splitlines()
+                             if line.strip() and not line.lstrip().startswith("#"))
+        options = DistillOptions(
+            rubric_id=args.id or _safe_id(pathlib.Path(args.feedback).stem), version=args.version,
+            golden_fraction=args.golden_fraction, criteria_mode=args.criteria, llm_share=args.llm_share,
+            min_count=args.min_count, critical_tags=tuple(normalize_tag(t) for t in args.critical),
+            glossary=glossary,
+        )
+        result = run_distill(records, options)
+        text = dump_rubric(result.rubric)
+        parse_rubric(text, args.out)  # what we write must load
+    except CalibrlError as exc:
+        return _fail(str(exc))
+    pathlib.Path(args.out).write_text(text, encoding="utf-8")
+    write_feedback(args.golden_out, result.golden)
+    print(f"rubric {result.rubric.id} v{result.rubric.version} hash {result.rubric.hash}")
+    print(f"  {len(records)} records: {len(result.train)} distilled, {len(result.golden)} golden -> {args.golden_out}")
+    print(f"  baseline grade (error-free records): {result.baseline_grade:.2f}")
+    print(f"  {'tag':<22} {'n':>4} {'freq':>6} {'mean':>5} {'drop':>5}  criteria")
+    for s in result.tags:
+        what = ", ".join(s.criteria) if s.criteria else f"left out: {s.skipped}"
+        print(f"  {s.tag:<22} {s.count:>4} {s.frequency:>6.3f} {s.mean_grade:>5.2f} {s.severity:>5.2f}  "
+              f"{what}{' [critical]' if s.critical else ''}")
+    print(f"  criteria: " + ", ".join(f"{c.name}={c.weight:g}{'(penalty)' if c.penalty else ''}"
+                                      for c in result.rubric.criteria))
+    print(f"wrote {args.out}")
+    return 0
+
+
+def _safe_id(stem: str) -> str:
+    import re
+
+    cleaned = re.sub(r"[^A-Za-z0-9._-]+", "-", stem).strip("-._") or "distilled"
+    return cleaned[:128]
+
+
+# --------------------------------------------------------------------------- validate
+
+def validate(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(
+        prog="calibrl rubric validate",
+        description="Check a rubric + judge against the SME golden set and write a validation record "
+        "(<rubric>.validation.json). Exit 0 when the gate passes, 1 when it fails, 2 on bad input.",
+    )
+    parser.add_argument("--rubric", required=True, help="rubric YAML")
+    parser.add_argument("--golden", required=True, help="golden JSONL (from 'calibrl rubric distill')")
+    parser.add_argument("--judge", required=True, help="judge SPEC: programmatic | transformers:PATH | vllm:PATH")
+    parser.add_argument("--min-kappa", type=float, default=0.6, help="gate: least Cohen's kappa on pass/fail (0.6)")
+    parser.add_argument("--pass-threshold", type=float, default=0.6,
+                        help="judge pass = total >= this (0.6: the lower edge of judge grade 4)")
+    parser.add_argument("--pass-grade", type=int, default=4,
+                        help="expert pass = grade >= this, for records without a verdict (4)")
+    parser.add_argument("--flag-threshold", type=float, default=0.5,
+                        help="a criterion flags an item when its score is below this (0.5)")
+    parser.add_argument("--min-items", type=int, default=10, help="least golden items for the gate to pass (10)")
+    parser.add_argument("--config", help="YAML of judge options (JudgeConfig), e.g. embedder, device")
+    parser.add_argument("--out", help="validation file (default: <rubric>.validation.json)")
+    parser.add_argument("--no-record", action="store_true", help="print the report, write no record")
+    parser.add_argument("overrides", nargs="*", help="JudgeConfig key=value overrides, e.g. embedder=hashed-ngrams")
+    args = parser.parse_args(argv)
+
+    from calibrl.config import load_config
+    from judge_server.config import JudgeConfig
+    from judge_server.feedback import read_feedback
+    from judge_server.judge import Judge, load_llm
+    from judge_server.rubric import load_rubric
+    from judge_server.validation import ValidationOptions, agreement, validation_path, write_record
+
+    try:
+        config = load_config(JudgeConfig, args.config,
+                             [*args.overrides, f"backend={args.judge}", "allow_unvalidated=true", "cache_size=0"])
+        options = ValidationOptions(args.min_kappa, args.pass_threshold, args.pass_grade, args.flag_threshold,
+                                    args.min_items)
+        options.validate()
+        rubric = load_rubric(args.rubric)
+        golden = read_feedback(args.golden)
+        judge = Judge([rubric], config, llm=load_llm(config))
+        items = [r.to_item() for r in golden]
+        step = config.max_batch_size  # a golden set may be larger than one request
+        for start in range(0, len(items), step):
+            judge.check_items(items[start : start + step])
+        scores = judge.compute(judge.resolve(rubric.id), items)
+        record = agreement(rubric, judge.model_id, golden, scores, options)
+    except CalibrlError as exc:
+        return _fail(str(exc))
+    if not args.no_record:
+        out = pathlib.Path(args.out) if args.out else validation_path(args.rubric)
+        write_record(out, record)
+    print(json.dumps(_summary(record), indent=2))
+    verdict = "PASSED" if record.passed else "FAILED"
+    print(f"gate {verdict}: {record.reason} (rubric {record.rubric_id} hash {record.rubric_hash[:12]}, "
+          f"judge {record.model_id}, {record.n_items} golden items)")
+    if not args.no_record:
+        print(f"validation record written to {out}")
+    return 0 if record.passed else 1
+
+
+def _summary(record) -> dict:
+    m = record.metrics
+    return {
+        "passed": record.passed,
+        "kappa": record.kappa,
+        "agreement": m["pass_fail"]["agreement"],
+        "pass_fail_confusion(expert x judge, [pass, fail])": m["pass_fail"]["confusion"]["matrix"],
+        "quadratic_weighted_kappa": m["grades"]["quadratic_weighted_kappa"],
+        "spearman": m["grades"]["spearman"],
+        "spearman_total": m["grades"]["spearman_total"],
+        "criteria": {name: {k: v for k, v in c.items() if k in ("precision", "recall", "support")}
+                     for name, c in m["criteria"].items()},
+    }

@@ -1,0 +1,86 @@
+"""Configuration of the judge (in-process) and of the judge server (one config per process).
+
+Load with ``calibrl.config.load_config(JudgeServerConfig, path, overrides)``; overrides
+are dotted, e.g. ``judge.backend=transformers:/models/judge judge.cache_size=0
+serving.port=50052``. ``calibrl serve judge --help`` lists every field.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from calibrl.config import option
+from calibrl.errors import ConfigError
+from calibrl.serving import ServingConfig
+
+
+@dataclass
+class JudgeConfig:
+    """What a :class:`judge_server.judge.Judge` needs, with or without gRPC."""
+
+    backend: str = option("programmatic", "Judge SPEC: programmatic | transformers:<model folder> | vllm:<model folder>.")
+    allow_unvalidated: bool = option(
+        False, "Serve rubrics without a passing validation record for this judge (logged loudly).")
+    embedder: Literal["minilm", "hashed-ngrams"] = option(
+        "minilm", "Intent-similarity embedder; hashed-ngrams is a cheap surface-overlap fallback.")
+    embedder_device: str = option("cpu", "Device of the sentence embedder.")
+    llm_mode: Literal["prefix_cache", "flat", "generate"] = option(
+        "prefix_cache", "transformers: shared-prefix KV reuse, one flat left-padded batch, or generate-and-parse.")
+    device: str = option("auto", "transformers device: auto (cuda when available), cpu, cuda, cuda:1, ...")
+    dtype: str = option("auto", "Model dtype: auto (bf16 on GPU, fp32 on CPU), float32, bfloat16, float16.")
+    max_items_per_forward: int = option(16, "transformers: items per forward pass (x criteria = rows).")
+    max_docs: int = option(5, "Retrieved passages shown to an LLM judge, best first.")
+    max_doc_chars: int = option(600, "Characters of each retrieved passage shown to an LLM judge.")
+    use_chat_template: Literal["auto", "true", "false"] = option(
+        "auto", "Wrap judge prompts in the tokenizer's chat template (auto: when it has one).")
+    max_new_tokens: int = option(4, "generate mode: tokens generated per answer.")
+    vllm_tensor_parallel_size: int = option(1, "vllm: GPUs per model (tensor parallelism).")
+    vllm_gpu_memory_utilization: float = option(0.85, "vllm: share of GPU memory for weights and KV cache.")
+    cache_size: int = option(100_000, "Results kept in the in-memory LRU cache; 0 disables it.")
+    cache_path: str = option("", "Optional SQLite file that persists cached results across restarts.")
+    max_batch_size: int = option(256, "Most items in one Score request (RESOURCE_EXHAUSTED above).")
+    max_text_chars: int = option(8000, "Longest query, output or retrieved text, in characters.")
+    max_retrieved: int = option(50, "Most retrieved texts or ids per item.")
+
+    def validate(self) -> None:
+        from judge_server.backends import parse_spec
+
+        parse_spec(self.backend)
+        for name in ("max_items_per_forward", "max_docs", "max_doc_chars", "max_new_tokens", "max_batch_size",
+                     "max_text_chars", "max_retrieved", "vllm_tensor_parallel_size"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"judge.{name}={getattr(self, name)}: must be > 0")
+        if self.cache_size < 0:
+            raise ConfigError(f"judge.cache_size={self.cache_size}: must be >= 0 (0 disables the cache)")
+        if not 0.0 < self.vllm_gpu_memory_utilization <= 1.0:
+            raise ConfigError(f"judge.vllm_gpu_memory_utilization={self.vllm_gpu_memory_utilization}: "
+                              "must be in (0, 1]")
+
+
+def _judge_serving() -> ServingConfig:
+    return ServingConfig(port=50052)
+
+
+@dataclass
+class JudgeServerConfig:
+    """The judge server process: rubrics folder, judge, batching and network."""
+
+    rubrics: str = option("", "Folder of rubric YAML files (each with its <file>.validation.json).")
+    judge: JudgeConfig = option(factory=JudgeConfig, doc="The judge: backend, limits, cache.")
+    serving: ServingConfig = option(factory=_judge_serving, doc="Network settings.")
+    max_wait_ms: float = option(5.0, "How long a batch waits for concurrent callers to join.")
+    max_batch_items: int = option(64, "Most items scored together in one batch (all callers).")
+    max_queue_items: int = option(4096, "Items waiting to be scored before RESOURCE_EXHAUSTED.")
+
+    def validate(self) -> None:
+        if not self.rubrics:
+            raise ConfigError("rubrics: required, the folder of rubric files (--rubrics DIR)")
+        if self.max_wait_ms < 0:
+            raise ConfigError(f"max_wait_ms={self.max_wait_ms}: must be >= 0")
+        if self.max_batch_items <= 0 or self.max_queue_items <= 0:
+            raise ConfigError(f"max_batch_items={self.max_batch_items}, max_queue_items={self.max_queue_items}: "
+                              "must be > 0")
+        if self.max_queue_items < self.judge.max_batch_size:
+            raise ConfigError(f"max_queue_items={self.max_queue_items} < judge.max_batch_size="
+                              f"{self.judge.max_batch_size}: one full request could never be queued")

@@ -1,0 +1,176 @@
+"""SME feedback: the JSONL records experts grade, read with line-numbered errors.
+
+One JSON object a line::
+
+    {"id": "fb-017",                          optional; stable id of the record
+     "query": "vtsax expense ratio",          required; the user's query
+     "output": "What is the expense ratio...",required; what the agent produced
+     "retrieved_doc_ids": ["d12", "d7"],      optional
+     "retrieved_texts": ["VTSAX has ..."],    optional
+     "gold_doc_ids": ["d12"],                 optional
+     "grade": 4,                              1..5; grade and/or verdict required
+     "verdict": "pass",                       "pass" or "fail"
+     "error_tags": ["missing_entity"],        optional, open set (normalised to snake_case)
+     "notes": "dropped the ticker",           optional free text
+     "context": {"domain": "funds"}}          optional string map, passed to the judge
+
+When a record has no verdict, the expert's pass/fail is ``grade >= pass_grade``.
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import re
+from dataclasses import dataclass
+from typing import Any, Iterable
+
+from calibrl.errors import ConfigError
+from judge_server.rubric import content_hash
+from judge_server.types import JudgeItem
+
+_FIELDS = {
+    "id", "query", "output", "retrieved_doc_ids", "retrieved_texts", "gold_doc_ids", "grade", "verdict",
+    "error_tags", "notes", "context",
+}
+
+
+class FeedbackError(ConfigError):
+    """A feedback file is malformed: ``file:line: field: problem``."""
+
+    def __init__(self, source: str, line: int, field: str, problem: str) -> None:
+        self.source, self.line, self.field, self.problem = source, line, field, problem
+        super().__init__(f"{source}:{line}: {field}: {problem}")
+
+
+def normalize_tag(tag: str) -> str:
+    """``"Missing Entity"`` and ``"missing-entity"`` -> ``"missing_entity"``."""
+    return re.sub(r"[^a-z0-9]+", "_", tag.strip().lower()).strip("_")
+
+
+@dataclass(frozen=True)
+class FeedbackRecord:
+    query: str
+    output: str
+    grade: int | None = None
+    verdict: str | None = None  # "pass" | "fail"
+    error_tags: tuple[str, ...] = ()
+    retrieved_doc_ids: tuple[str, ...] = ()
+    retrieved_texts: tuple[str, ...] = ()
+    gold_doc_ids: tuple[str, ...] = ()
+    notes: str = ""
+    context: tuple[tuple[str, str], ...] = ()
+    id: str = ""
+
+    def to_json(self) -> dict[str, Any]:
+        """Plain mapping (the JSONL form), optional fields left out when empty."""
+        data: dict[str, Any] = {"id": self.id, "query": self.query, "output": self.output}
+        if self.grade is not None:
+            data["grade"] = self.grade
+        if self.verdict is not None:
+            data["verdict"] = self.verdict
+        for key in ("error_tags", "retrieved_doc_ids", "retrieved_texts", "gold_doc_ids"):
+            if getattr(self, key):
+                data[key] = list(getattr(self, key))
+        if self.notes:
+            data["notes"] = self.notes
+        if self.context:
+            data["context"] = dict(self.context)
+        if not self.id:
+            del data["id"]
+        return data
+
+    @property
+    def record_hash(self) -> str:
+        """SHA-256 of the record's canonical JSON: the key of the golden split."""
+        return content_hash(self.to_json())
+
+    def expert_pass(self, pass_grade: int = 4) -> bool:
+        if self.verdict is not None:
+            return self.verdict == "pass"
+        assert self.grade is not None
+        return self.grade >= pass_grade
+
+    def to_item(self) -> JudgeItem:
+        return JudgeItem.make(self.query, self.output, self.retrieved_texts, self.retrieved_doc_ids,
+                              dict(self.context))
+
+
+def _strings(value: Any, source: str, line: int, field: str) -> tuple[str, ...]:
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise FeedbackError(source, line, field, f"expected a list of strings, got {value!r}")
+    return tuple(value)
+
+
+def parse_record(data: Any, source: str = "<feedback>", line: int = 1) -> FeedbackRecord:
+    """Check one decoded JSON object and build its record."""
+    if not isinstance(data, dict):
+        raise FeedbackError(source, line, "(record)", f"expected a JSON object, got {type(data).__name__}")
+    for key in data:
+        if key not in _FIELDS:
+            raise FeedbackError(source, line, key, f"unknown field; valid fields: {sorted(_FIELDS)}")
+    for key in ("query", "output"):
+        if not isinstance(data.get(key), str) or not data[key].strip():
+            raise FeedbackError(source, line, key, "required, a non-empty string")
+    grade = data.get("grade")
+    if grade is not None:
+        if isinstance(grade, float) and grade.is_integer():
+            grade = int(grade)
+        if isinstance(grade, bool) or not isinstance(grade, int) or not 1 <= grade <= 5:
+            raise FeedbackError(source, line, "grade", f"must be an integer 1..5, got {data['grade']!r}")
+    verdict = data.get("verdict")
+    if verdict is not None:
+        if not isinstance(verdict, str) or verdict.strip().lower() not in ("pass", "fail"):
+            raise FeedbackError(source, line, "verdict", f"must be 'pass' or 'fail', got {verdict!r}")
+        verdict = verdict.strip().lower()
+    if grade is None and verdict is None:
+        raise FeedbackError(source, line, "grade", "a record needs a grade (1-5), a verdict (pass/fail) or both")
+    tags = _strings(data.get("error_tags", []), source, line, "error_tags")
+    normalized = tuple(sorted({normalize_tag(t) for t in tags if normalize_tag(t)}))
+    context = data.get("context", {}) or {}
+    if not isinstance(context, dict) or not all(isinstance(v, str) for v in context.values()):
+        raise FeedbackError(source, line, "context", f"expected an object of strings, got {context!r}")
+    notes = data.get("notes", "") or ""
+    if not isinstance(notes, str):
+        raise FeedbackError(source, line, "notes", f"expected a string, got {notes!r}")
+    record_id = data.get("id", "")
+    if not isinstance(record_id, (str, int)) or isinstance(record_id, bool):
+        raise FeedbackError(source, line, "id", f"expected a string, got {record_id!r}")
+    return FeedbackRecord(
+        query=data["query"],
+        output=data["output"],
+        grade=grade,
+        verdict=verdict,
+        error_tags=normalized,
+        retrieved_doc_ids=_strings(data.get("retrieved_doc_ids", []), source, line, "retrieved_doc_ids"),
+        retrieved_texts=_strings(data.get("retrieved_texts", []), source, line, "retrieved_texts"),
+        gold_doc_ids=_strings(data.get("gold_doc_ids", []), source, line, "gold_doc_ids"),
+        notes=notes,
+        context=tuple(sorted((str(k), v) for k, v in context.items())),
+        id=str(record_id),
+    )
+
+
+def read_feedback(path: str | pathlib.Path) -> list[FeedbackRecord]:
+    """All records of a JSONL file; blank lines are skipped; errors name the line."""
+    path = pathlib.Path(path)
+    if not path.is_file():
+        raise ConfigError(f"feedback file {path} does not exist")
+    records = []
+    for number, text in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
+        if not text.strip():
+            continue
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise FeedbackError(str(path), number, "(json)", f"not valid JSON: {exc.msg} at column {exc.colno}") from None
+        records.append(parse_record(data, str(path), number))
+    if not records:
+        raise ConfigError(f"feedback file {path} has no records")
+    return records
+
+
+def write_feedback(path: str | pathlib.Path, records: Iterable[FeedbackRecord]) -> None:
+    """Write records as canonical JSONL (sorted keys): same records, same bytes."""
+    lines = [json.dumps(r.to_json(), sort_keys=True, ensure_ascii=False) for r in records]
+    pathlib.Path(path).write_text("".join(line + "\n" for line in lines), encoding="utf-8")

@@ -1,0 +1,135 @@
+"""JudgeService over grpc.aio: a thin adapter over :class:`judge_server.judge.Judge`.
+
+Score checks the request, answers cached items at once, and sends the rest through
+a :class:`calibrl.batching.MicroBatcher` keyed by rubric hash, so concurrent callers
+of the same rubric share one scoring batch. Errors become status codes in
+``calibrl.serving.rpc_errors``; the server keeps serving.
+
+``start(config)`` is what tests and other components use: it starts the server on
+the current event loop and returns a ``RunningServer`` (``.port``, ``.stop()``).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Callable, Sequence
+
+from calibrl.batching import MicroBatcher
+from calibrl.serving import RunningServer, rpc_errors, start_server
+from calibrl.v1 import judge_pb2 as pb
+from calibrl.v1 import judge_pb2_grpc
+from judge_server import wire
+from judge_server.config import JudgeServerConfig
+from judge_server.judge import Judge, RubricStatus
+from judge_server.rubric import Rubric
+from judge_server.types import ItemScore, JudgeItem
+
+log = logging.getLogger(__name__)
+
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["JudgeService"].full_name
+
+# Hook for the tenancy issue: maps a call's context to its tenant (None = no auth configured).
+TenantResolver = Callable[[Any], "str | None"]
+
+
+def _no_tenant(context: Any) -> None:
+    return None
+
+
+def rubric_to_proto(status: RubricStatus, model_id: str) -> pb.Rubric:
+    import json
+
+    rubric = status.rubric
+    message = pb.Rubric(
+        id=rubric.id, version=rubric.version, hash=rubric.hash, description=rubric.description,
+        source_yaml=rubric.source_yaml,
+        criteria=[
+            pb.Criterion(name=c.name, kind=c.kind, question=c.question, scorer=c.scorer,
+                         params_json=json.dumps(c.canonical().get("params", {}), sort_keys=True),
+                         weight=c.weight, severity=c.severity, penalty=c.penalty)
+            for c in rubric.criteria
+        ],
+    )
+    if status.validation is not None:
+        v = status.validation
+        message.validation.CopyFrom(pb.Validation(passed=v.passed, kappa=v.kappa if v.kappa is not None else 0.0,
+                                                  model_id=v.model_id, threshold=v.min_kappa))
+    return message
+
+
+class JudgeServicer(judge_pb2_grpc.JudgeServiceServicer):
+    def __init__(self, judge: Judge, batcher: MicroBatcher, tenant_of: TenantResolver = _no_tenant) -> None:
+        self.judge = judge
+        self.batcher = batcher
+        self.tenant_of = tenant_of
+
+    async def score_items(self, rubric: Rubric, items: Sequence[JudgeItem]) -> list[ItemScore]:
+        results, missing = self.judge.lookup(rubric, items)
+        if missing:
+            unique = list(dict.fromkeys(items[i] for i in missing))
+            computed = dict(zip(unique, await self.batcher.submit(rubric.hash, unique)))
+            for i in missing:
+                results[i] = computed[items[i]]
+        return results  # type: ignore[return-value]
+
+    @rpc_errors
+    async def Score(self, request: pb.ScoreRequest, context: Any) -> pb.ScoreResponse:
+        rubric = self.judge.resolve(request.rubric_id, self.tenant_of(context), request.rubric_hash)
+        items = [wire.item_from_proto(m) for m in request.items]
+        self.judge.check_items(items)
+        scores = await self.score_items(rubric, items)
+        return pb.ScoreResponse(scores=[wire.item_score_to_proto(s) for s in scores], rubric_id=rubric.id,
+                                rubric_hash=rubric.hash, model_id=self.judge.model_id)
+
+    @rpc_errors
+    async def ListRubrics(self, request: pb.ListRubricsRequest, context: Any) -> pb.ListRubricsResponse:
+        return pb.ListRubricsResponse(rubrics=[
+            pb.RubricSummary(id=s.rubric.id, version=s.rubric.version, hash=s.rubric.hash,
+                             description=s.rubric.description, num_criteria=len(s.rubric.criteria),
+                             validated=s.validated)
+            for s in self.judge.statuses(self.tenant_of(context))
+        ])
+
+    @rpc_errors
+    async def GetRubric(self, request: pb.GetRubricRequest, context: Any) -> pb.Rubric:
+        return rubric_to_proto(self.judge.status(request.rubric_id, self.tenant_of(context)), self.judge.model_id)
+
+
+def log_rubric_statuses(judge: Judge) -> None:
+    """Say at start-up, per rubric, whether it will be served and why."""
+    for status in judge.statuses():
+        if status.usable and status.validated:
+            log.info("rubric %s (hash %s): served, %s", status.rubric.id, status.rubric.hash[:12], status.reason)
+        elif status.usable:
+            log.warning("rubric %s (hash %s): %s", status.rubric.id, status.rubric.hash[:12], status.reason)
+        else:
+            log.warning("rubric %s: REFUSED (FAILED_PRECONDITION on Score): %s", status.rubric.id, status.reason)
+
+
+async def start(config: JudgeServerConfig, judge: Judge | None = None,
+                tenant_of: TenantResolver = _no_tenant, interceptors: Sequence[Any] = ()) -> RunningServer:
+    """Start the judge server on the current event loop (port 0 picks a free port)."""
+    if judge is None:
+        judge = Judge.from_config(config.judge, config.rubrics)
+    log.info("judge model id %s; %d rubric(s) from %s", judge.model_id, len(judge.statuses()), config.rubrics)
+    log_rubric_statuses(judge)
+
+    def process(rubric_hash: Any, items: list[JudgeItem]) -> list[ItemScore]:
+        return judge.compute(judge.rubric_by_hash(rubric_hash), items)
+
+    batcher: MicroBatcher = MicroBatcher(process, max_batch_items=config.max_batch_items,
+                                         max_queue_items=config.max_queue_items, max_wait_ms=config.max_wait_ms)
+    servicer = JudgeServicer(judge, batcher, tenant_of)
+
+    async def close_judge() -> None:
+        judge.close()
+
+    running = await start_server(
+        config.serving,
+        lambda server: judge_pb2_grpc.add_JudgeServiceServicer_to_server(servicer, server),
+        [SERVICE_NAME],
+        on_stop=[batcher.close, close_judge],
+        interceptors=interceptors,
+    )
+    running.servicer = servicer  # type: ignore[attr-defined]
+    return running
