@@ -1,0 +1,249 @@
+"""`calibrl train` and `calibrl eval`.
+
+    calibrl train --config configs/rewriter_tiny.yaml steps=20 optimizer.lr=1e-5
+    calibrl train --config run.yaml --resume runs/rewriter            # continue the latest checkpoint
+    calibrl train --print-config                                      # every field, default and doc
+    torchrun --nproc_per_node 2 -m calibrl train --config run.yaml    # several processes
+
+    calibrl eval --model runs/rewriter --model base/ --tasks heldout.jsonl --retrieval 127.0.0.1:50051
+
+This module only parses arguments and builds the service clients the loop
+receives (gRPC clients, or in-process ones over a local index and rubric
+folder); heavy imports happen after parsing, so `--help` is instant.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+import typing
+from typing import Any, Sequence
+
+from calibrl.errors import CalibrlError, ConfigError
+
+log = logging.getLogger(__name__)
+
+
+# =============================================================================== clients
+
+
+def make_clients(services: Any, background: Any | None = None) -> tuple[Any, Any, Any]:
+    """``(retrieval, judge, close)`` for a :class:`~trainer.config.ServicesConfig`.
+
+    gRPC targets become :mod:`trainer.grpc_clients` clients (deadline, retries,
+    API key, TLS); ``inprocess`` loads the index / rubric folder into this process.
+    ``judge`` is None for ``services.judge=none``. ``close()`` is a coroutine
+    function that closes the channels (run it on the loop that used them)."""
+    from trainer.config import INPROCESS, NO_JUDGE
+
+    knobs: dict[str, Any] = {"timeout_s": services.timeout_s, "max_attempts": services.max_attempts}
+    api_key = services.api_key or os.environ.get("CALIBRL_API_KEY", "")
+    if api_key:
+        knobs["metadata"] = (("authorization", f"Bearer {api_key}"),)
+    if services.tls_ca_file:
+        from calibrl.security import channel_credentials
+
+        knobs["channel_credentials"] = channel_credentials(services.tls_ca_file)
+
+    closers = []
+    if services.retrieval == INPROCESS:
+        from retrieval_server.retriever import Retriever
+        from trainer.inprocess import InProcessRetrievalClient
+
+        retrieval = InProcessRetrievalClient(Retriever.load(services.index_dir, device=services.inprocess_device))
+    else:
+        from trainer.grpc_clients import GrpcRetrievalClient
+
+        retrieval = GrpcRetrievalClient(services.retrieval, **knobs)
+        closers.append(retrieval.close)
+
+    judge = None
+    if services.judge == INPROCESS:
+        from judge_server.judge import Judge
+        from trainer.inprocess import InProcessJudgeClient
+
+        judge = InProcessJudgeClient(Judge.from_config(services.inprocess_judge, services.rubric_dir))
+    elif services.judge != NO_JUDGE:
+        from trainer.grpc_clients import GrpcJudgeClient
+
+        judge = GrpcJudgeClient(services.judge, **knobs)
+        closers.append(judge.close)
+
+    async def close() -> None:
+        for closer in closers:
+            await closer()
+
+    return retrieval, judge, close
+
+
+# =============================================================================== train
+
+
+def describe_config() -> str:
+    """Every field of TrainConfig, ``key = default  # doc``, both advantage variants included."""
+    import dataclasses
+
+    from calibrl.config import describe
+    from trainer.config import TrainConfig
+
+    lines = []
+    hints = typing.get_type_hints(TrainConfig)
+    for f in dataclasses.fields(TrainConfig):
+        hint = hints[f.name]
+        variants = [a for a in typing.get_args(hint) if dataclasses.is_dataclass(a)]
+        if dataclasses.is_dataclass(hint):
+            lines.append(f"# {f.name}: {f.metadata.get('doc', '')}")
+            lines.extend(describe(hint, f.name + "."))
+        elif variants:
+            lines.append(f"# {f.name}: {f.metadata.get('doc', '')} One of (chosen by {f.name}.type):")
+            for variant in variants:
+                lines.append(f"#   {variant.__name__}: {(variant.__doc__ or '').strip().splitlines()[0]}")
+                lines.extend("  " + line for line in describe(variant, f.name + "."))
+        else:
+            default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
+            lines.append(f"{f.name} = {default!r}  # {f.metadata.get('doc', '')}")
+    return "\n".join(lines)
+
+
+def train(argv: Sequence[str]) -> int:
+    parser = argparse.ArgumentParser(
+        prog="calibrl train",
+        description="GRPO / CalibAdv training of a query rewriter or a multi-step search agent against the "
+        "retrieval and judge services. Every config field can be overridden as key=value "
+        "(see --print-config). Under torchrun every rank runs this command.",
+    )
+    parser.add_argument("--config", help="YAML config file (fields: calibrl train --print-config)")
+    parser.add_argument("--resume", help="checkpoint folder, or a run's output_dir to take its latest checkpoint")
+    parser.add_argument("--print-config", action="store_true", help="print every field with its default and doc")
+    parser.add_argument("--print-resolved", action="store_true", help="print the loaded config as YAML and exit")
+    parser.add_argument("--log-level", default="INFO", help="logging level (default INFO)")
+    parser.add_argument("overrides", nargs="*", help="dotted key=value overrides, e.g. optimizer.lr=1e-5 steps=10")
+    args = parser.parse_args(argv)
+
+    if args.print_config:
+        print(describe_config())
+        return 0
+    _setup_logging(args.log_level)
+    from trainer.config import load_train_config
+
+    try:
+        config = load_train_config(args.config, args.overrides)
+    except ConfigError as exc:
+        print(f"config error: {exc}", file=sys.stderr)
+        return 2
+    if args.print_resolved:
+        print(config.to_yaml(), end="")
+        return 0
+
+    from trainer.aio import BackgroundLoop
+    from trainer.loop import train as run_training
+
+    try:
+        retrieval, judge, close = make_clients(config.services)
+    except CalibrlError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2 if isinstance(exc, ConfigError) else 1
+    with BackgroundLoop(name="calibrl-services") as background:
+        try:
+            result = run_training(config, retrieval=retrieval, judge=judge, resume=args.resume, background=background)
+        except ConfigError as exc:
+            print(f"config error: {exc}", file=sys.stderr)
+            return 2
+        except CalibrlError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 1
+        finally:
+            background.run(close())
+    print(f"{result.stopped}: {result.steps_done} steps; checkpoint {result.last_checkpoint}", file=sys.stderr)
+    return 0
+
+
+# =============================================================================== eval
+
+
+def evaluate(argv: Sequence[str]) -> int:
+    parser = argparse.ArgumentParser(
+        prog="calibrl eval",
+        description="Held-out evaluation, greedy decoding: a query rewriter's retrieval accuracy (hit@k, "
+        "all-gold@k, recall@k, MRR, nDCG@k through the retrieval service) or a search agent's answer EM/F1. "
+        "Several --model values are evaluated on the same tasks and printed side by side.",
+    )
+    parser.add_argument("--model", action="append", required=True,
+                        help="policy folder, LoRA adapter folder, checkpoint folder or run dir (repeatable)")
+    parser.add_argument("--name", action="append", default=[], help="row label of each --model, in order")
+    parser.add_argument("--tasks", required=True, help="JSONL tasks file")
+    parser.add_argument("--format", default="auto", choices=["auto", "rewrite", "search", "hotpotqa"])
+    parser.add_argument("--kind", default="auto", choices=["auto", "rewrite", "search"])
+    parser.add_argument("--heldout-fraction", type=float, default=0.0,
+                        help="evaluate only the held-out part of a split made like training's (tasks.heldout_fraction)")
+    parser.add_argument("--split-seed", type=int, default=0, help="seed of that split (the training seed)")
+    parser.add_argument("--limit", type=int, default=0, help="evaluate the first N tasks only (0 = all)")
+    target = parser.add_mutually_exclusive_group(required=True)
+    target.add_argument("--retrieval", help="retrieval service target host:port")
+    target.add_argument("--index", help="index folder, searched in-process")
+    parser.add_argument("--top-k", type=int, default=5, help="cut-off k of the retrieval metrics (default 5)")
+    parser.add_argument("--mode", choices=["dense", "bm25", "hybrid"], default=None, help="retrieval mode")
+    parser.add_argument("--max-new-tokens", type=int, default=48, help="tokens per rewrite / per search turn")
+    parser.add_argument("--max-turns", type=int, default=4, help="search agent: turns per trajectory")
+    parser.add_argument("--search-top-k", type=int, default=3, help="search agent: documents per search")
+    parser.add_argument("--batch-size", type=int, default=32, help="tasks generated together")
+    parser.add_argument("--raw-query-baseline", action="store_true",
+                        help="rewrite tasks: add a row that sends the original query unchanged")
+    parser.add_argument("--device", default="auto", help="policy device (default auto)")
+    parser.add_argument("--out", help="write the results as JSON here")
+    parser.add_argument("--api-key", default="", help="API key for the retrieval service (or CALIBRL_API_KEY)")
+    parser.add_argument("--log-level", default="WARNING")
+    args = parser.parse_args(argv)
+    _setup_logging(args.log_level)
+
+    import json
+    import pathlib
+
+    from trainer.aio import BackgroundLoop
+    from trainer.config import ServicesConfig
+    from trainer.eval import EvalSettings, evaluate_models, format_table, load_eval_tasks
+
+    if args.name and len(args.name) != len(args.model):
+        print(f"error: {len(args.name)} --name for {len(args.model)} --model; give one per model or none",
+              file=sys.stderr)
+        return 2
+    try:
+        tasks = load_eval_tasks(args.tasks, fmt=args.format, kind=args.kind, heldout_fraction=args.heldout_fraction,
+                                seed=args.split_seed, limit=args.limit)
+        settings = EvalSettings(
+            top_k=args.top_k, mode=args.mode, max_new_tokens=args.max_new_tokens, max_turns=args.max_turns,
+            search_top_k=args.search_top_k, batch_size=args.batch_size, device=args.device,
+        )
+        services = ServicesConfig(
+            retrieval=args.retrieval or "inprocess", judge="none", index_dir=args.index or "", api_key=args.api_key,
+            inprocess_device="cpu" if args.device == "cpu" else "auto",
+        )
+        retrieval, _, close = make_clients(services)
+    except CalibrlError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    with BackgroundLoop(name="calibrl-eval") as background:
+        try:
+            rows = evaluate_models(args.model, tasks, retrieval, settings, run_async=background.run,
+                                   names=args.name or None, raw_query_baseline=args.raw_query_baseline)
+        except CalibrlError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 1
+        finally:
+            background.run(close())
+    print(format_table(rows))
+    if args.out:
+        payload = {"tasks": args.tasks, "num_tasks": len(tasks), "settings": settings.as_dict(),
+                   "results": [row.as_dict() for row in rows]}
+        pathlib.Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        pathlib.Path(args.out).write_text(json.dumps(payload, indent=2) + "\n", encoding="utf-8")
+    return 0
+
+
+def _setup_logging(level: str) -> None:
+    rank = os.environ.get("RANK")
+    prefix = f"[rank {rank}] " if rank is not None else ""
+    logging.basicConfig(level=getattr(logging, level.upper(), logging.INFO),
+                        format=f"%(asctime)s {prefix}%(levelname)s %(name)s: %(message)s")

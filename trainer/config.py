@@ -1,0 +1,386 @@
+"""The trainer's one config: every knob of `calibrl train`, typed and documented.
+
+Load it with ``load_train_config(path, overrides)`` (YAML file plus
+``dotted.key=value`` overrides); ``calibrl train --print-config`` lists every
+field with its default and doc line. Variants are tagged unions chosen by a
+``type`` field: ``advantage.type`` is ``grpo`` or ``calibadv``. Each section's
+``validate()`` rejects bad values at load, and :meth:`TrainConfig.validate`
+rejects bad combinations, each with a message naming the values and the fix.
+
+Importing this module imports no torch.
+"""
+
+from __future__ import annotations
+
+import math
+import pathlib
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from calibrl.config import load_config, option, to_dict
+from calibrl.errors import ConfigError
+from judge_server.config import JudgeConfig
+from trainer.diagnostics import HealthConfig
+from trainer.rewards import RewardConfig
+
+INPROCESS = "inprocess"
+NO_JUDGE = "none"
+
+
+@dataclass
+class LoraConfig:
+    """A fresh LoRA adapter on the policy (needs peft); only the adapter is trained."""
+
+    enabled: bool = option(False, "Train a LoRA adapter instead of every weight.")
+    r: int = option(16, "Adapter rank.")
+    alpha: int = option(32, "Scaling numerator: the update is scaled by alpha / r.")
+    dropout: float = option(0.05, "Dropout on the adapter input.")
+    target_modules: list[str] = option(factory=lambda: ["all-linear"], doc="Module names, or peft's 'all-linear'.")
+
+    def validate(self) -> None:
+        if self.enabled:
+            if self.r < 1:
+                raise ConfigError(f"policy.lora.r={self.r}: must be >= 1")
+            if self.alpha <= 0:
+                raise ConfigError(f"policy.lora.alpha={self.alpha}: must be > 0")
+            if not 0.0 <= self.dropout < 1.0:
+                raise ConfigError(f"policy.lora.dropout={self.dropout}: must be in [0, 1)")
+            if not self.target_modules:
+                raise ConfigError("policy.lora.target_modules is empty: name modules or use ['all-linear']")
+
+    def settings(self) -> Any:
+        """The ``trainer.policy.LoraSettings`` of this config, or None when disabled."""
+        if not self.enabled:
+            return None
+        from trainer.policy import LoraSettings
+
+        targets: Any = self.target_modules[0] if self.target_modules == ["all-linear"] else tuple(self.target_modules)
+        return LoraSettings(r=self.r, alpha=self.alpha, dropout=self.dropout, target_modules=targets)
+
+
+@dataclass
+class PolicyConfig:
+    """The model being trained."""
+
+    path: str = option("", "Local folder of the policy (save_pretrained output, or a LoRA adapter folder).")
+    device: str = option("auto", "auto, cpu, cuda or cuda:N (torchrun ranks take cuda:LOCAL_RANK).")
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = option(
+        "float32", "Weight dtype; keep float32 weights and use precision=bf16 autocast for mixed precision."
+    )
+    gradient_checkpointing: bool = option(False, "Recompute activations in the backward pass (saves memory).")
+    lora: LoraConfig = option(factory=LoraConfig, doc="LoRA adapter settings.")
+
+    def validate(self) -> None:
+        if not self.path.strip():
+            raise ConfigError("policy.path is empty: set policy.path=<folder of a Hugging Face causal LM>")
+
+
+@dataclass
+class TasksConfig:
+    """Training tasks (JSONL; see trainer.tasks for the formats)."""
+
+    path: str = option("", "JSONL file of tasks.")
+    format: Literal["auto", "rewrite", "search", "hotpotqa"] = option("auto", "File format; auto looks at the keys.")
+    kind: Literal["auto", "rewrite", "search"] = option(
+        "auto", "Agent to train: rewrite (query rewriter) or search (multi-step agent); auto = the format's kind."
+    )
+    heldout_fraction: float = option(0.0, "Fraction held out of training (for `calibrl eval`); 0 trains on all.")
+    limit: int = option(0, "Use only the first N tasks (0 = all); handy for smoke runs.")
+    shuffle: bool = option(True, "Visit tasks in a fresh seeded permutation each epoch.")
+
+    def validate(self) -> None:
+        if not self.path.strip():
+            raise ConfigError("tasks.path is empty: set tasks.path=<tasks.jsonl>")
+        if not 0.0 <= self.heldout_fraction < 1.0:
+            raise ConfigError(f"tasks.heldout_fraction={self.heldout_fraction}: must be in [0, 1)")
+        if self.limit < 0:
+            raise ConfigError(f"tasks.limit={self.limit}: must be >= 0 (0 = all tasks)")
+
+
+@dataclass
+class ServicesConfig:
+    """Where rewards come from: the two gRPC services, or in-process equivalents."""
+
+    retrieval: str = option(
+        INPROCESS, "Retrieval service target (host:port, dns:///name:port) or 'inprocess' (loads index_dir)."
+    )
+    judge: str = option(
+        INPROCESS, "Judge service target, 'inprocess' (loads rubric_dir), or 'none' when no rubric weight is set."
+    )
+    index_dir: str = option("", "Index folder for retrieval=inprocess (built with `calibrl index build`).")
+    rubric_dir: str = option("", "Folder of rubric files for judge=inprocess.")
+    inprocess_judge: JudgeConfig = option(factory=JudgeConfig, doc="The in-process judge (judge=inprocess).")
+    inprocess_device: str = option("cpu", "Device of the in-process retriever's embedder.")
+    timeout_s: float = option(30.0, "Deadline of each service call, in seconds.")
+    max_attempts: int = option(5, "Attempts per call on UNAVAILABLE / DEADLINE_EXCEEDED / RESOURCE_EXHAUSTED.")
+    api_key: str = option("", "API key sent as 'authorization: Bearer <key>' (or set CALIBRL_API_KEY).")
+    tls_ca_file: str = option("", "PEM root certificate for TLS; empty = plaintext.")
+
+    def validate(self) -> None:
+        if not self.retrieval.strip():
+            raise ConfigError("services.retrieval is empty: give host:port or 'inprocess' (with services.index_dir)")
+        if self.retrieval == INPROCESS and not self.index_dir.strip():
+            raise ConfigError(
+                "services.retrieval=inprocess needs services.index_dir=<index folder>; or point "
+                "services.retrieval at a running retrieval server (host:port)"
+            )
+        if self.judge == INPROCESS and not self.rubric_dir.strip():
+            raise ConfigError(
+                "services.judge=inprocess needs services.rubric_dir=<rubric folder>; or point services.judge at "
+                "a running judge (host:port), or set services.judge=none when no rubric weight is used"
+            )
+        if self.timeout_s <= 0:
+            raise ConfigError(f"services.timeout_s={self.timeout_s}: must be > 0")
+        if self.max_attempts < 1:
+            raise ConfigError(f"services.max_attempts={self.max_attempts}: must be >= 1")
+
+
+@dataclass
+class RolloutConfig:
+    """Sampling of the G rollouts per task."""
+
+    engine: Literal["transformers", "vllm"] = option("transformers", "Generation engine; vllm needs a GPU.")
+    group_size: int = option(8, "Rollouts per task (G); the group baseline is their mean reward.")
+    prompts_per_step: int = option(8, "Tasks per optimizer step, over all ranks (rollouts = this x group_size).")
+    chunk_prompts: int = option(
+        0, "Tasks generated per chunk: each chunk's rewards are scored while the next generates (0 = auto)."
+    )
+    max_new_tokens: int = option(48, "Rewriter: tokens per completion. Search agent: tokens per turn.")
+    temperature: float = option(1.0, "Sampling temperature (also divides the logits of the loss, as in TRL).")
+    top_p: float = option(1.0, "Nucleus sampling mass.")
+    max_turns: int = option(4, "Search agent: generated turns per trajectory, the answer turn included.")
+    max_obs_tokens: int = option(256, "Search agent: tokens of retrieved text per observation.")
+    search_top_k: int = option(3, "Search agent: documents returned per <search>.")
+    generation_batch_size: int = option(0, "Transformers engine: prompts per forward batch (0 = all at once).")
+
+    def validate(self) -> None:
+        if self.group_size < 2:
+            raise ConfigError(
+                f"rollout.group_size={self.group_size}: GRPO needs >= 2 rollouts per task (a group of one has "
+                "advantage 0 and teaches nothing); use 4-16"
+            )
+        if self.prompts_per_step < 1:
+            raise ConfigError(f"rollout.prompts_per_step={self.prompts_per_step}: must be >= 1")
+        if self.chunk_prompts < 0:
+            raise ConfigError(f"rollout.chunk_prompts={self.chunk_prompts}: must be >= 0 (0 = auto)")
+        if self.max_new_tokens < 1:
+            raise ConfigError(f"rollout.max_new_tokens={self.max_new_tokens}: must be >= 1")
+        if not (self.temperature > 0 and math.isfinite(self.temperature)):
+            raise ConfigError(
+                f"rollout.temperature={self.temperature}: training samples must be random, use > 0 (e.g. 1.0); "
+                "greedy decoding is for `calibrl eval`"
+            )
+        if not 0.0 < self.top_p <= 1.0:
+            raise ConfigError(f"rollout.top_p={self.top_p}: must be in (0, 1]")
+        for name in ("max_turns", "max_obs_tokens", "search_top_k"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"rollout.{name}={getattr(self, name)}: must be >= 1")
+        if self.generation_batch_size < 0:
+            raise ConfigError(f"rollout.generation_batch_size={self.generation_batch_size}: must be >= 0")
+
+    def chunk_size(self, prompts_on_rank: int) -> int:
+        """Tasks per generation chunk on a rank holding ``prompts_on_rank`` tasks."""
+        if self.chunk_prompts:
+            return min(self.chunk_prompts, prompts_on_rank)
+        # Two chunks hide most of the reward latency behind the second chunk's
+        # generation; more chunks shrink generation batches for little gain.
+        return max(1, math.ceil(prompts_on_rank / 2))
+
+
+@dataclass
+class GrpoAdvantage:
+    """Group-relative advantages (TRL GRPOTrainer's scale_rewards)."""
+
+    type: Literal["grpo"] = option("grpo", "Estimator name (registered in trainer.advantages).")
+    scale: Literal["none", "group", "batch"] = option("group", "Divide A = R - mean_g by the group or batch std.")
+
+    def params(self) -> dict[str, Any]:
+        """Keyword parameters of the registered estimator."""
+        return {"scale": self.scale}
+
+    def step_score_settings(self) -> None:
+        """GRPO reads no step scores."""
+        return None
+
+
+@dataclass
+class CalibAdvAdvantage:
+    """CalibAdv (arXiv 2604.18235): calibrated negative advantages of intermediate search steps."""
+
+    type: Literal["calibadv"] = option("calibadv", "Estimator name (registered in trainer.advantages).")
+    lambda_: float = option(1.0, "Answer rebalancing: positives scaled by N / (lambda * P); < 1 collapsed.")
+    f1_threshold: float = option(0.7, "Silver documents come from a group's best rollouts when their F1 >= this.")
+    use_gold: bool = option(False, "Use the tasks' gold document ids as the silver documents when present.")
+    similarity_threshold: float = option(0.5, "A step whose think text is this similar to an earlier one scores 0.")
+
+    def params(self) -> dict[str, Any]:
+        """Keyword parameters of the registered estimator."""
+        return {"lambda_": self.lambda_}
+
+    def step_score_settings(self) -> "CalibAdvAdvantage":
+        """Settings of the per-step scores this estimator reads (f1_threshold, use_gold,
+        similarity_threshold)."""
+        return self
+
+    def validate(self) -> None:
+        if not (self.lambda_ > 0 and math.isfinite(self.lambda_)):
+            raise ConfigError(f"advantage.lambda_={self.lambda_}: must be > 0 (the authors use 1.0)")
+        if not 0.0 <= self.f1_threshold <= 1.0:
+            raise ConfigError(f"advantage.f1_threshold={self.f1_threshold}: must be in [0, 1]")
+        if not 0.0 <= self.similarity_threshold <= 1.0:
+            raise ConfigError(f"advantage.similarity_threshold={self.similarity_threshold}: must be in [0, 1]")
+
+
+@dataclass
+class LossConfig:
+    """The clipped policy loss (trainer.losses.policy_loss)."""
+
+    eps_low: float = option(0.2, "Lower clip: ratios below 1 - eps_low stop pushing negative advantages.")
+    eps_high: float = option(0.2, "Upper clip: ratios above 1 + eps_high stop pushing positive ones (DAPO: 0.28).")
+    beta: float = option(0.04, "Weight of the k3 KL penalty to the frozen reference; 0 skips the reference.")
+    aggregation: Literal["sequence_mean", "token_mean", "constant"] = option(
+        "sequence_mean", "Token aggregation: TRL grpo (sequence_mean), bnpo/dapo (token_mean), dr_grpo (constant)."
+    )
+
+    def validate(self) -> None:
+        if not 0.0 <= self.eps_low < 1.0:
+            raise ConfigError(f"loss.eps_low={self.eps_low}: must be in [0, 1) so that 1 - eps_low > 0")
+        if not (self.eps_high >= 0 and math.isfinite(self.eps_high)):
+            raise ConfigError(f"loss.eps_high={self.eps_high}: must be >= 0")
+        if not (self.beta >= 0 and math.isfinite(self.beta)):
+            raise ConfigError(f"loss.beta={self.beta}: must be >= 0 (0 = no KL term and no reference model)")
+
+
+@dataclass
+class OptimizerConfig:
+    """AdamW and its learning-rate schedule."""
+
+    type: Literal["adamw"] = option("adamw", "Optimizer (AdamW is the one offered).")
+    lr: float = option(1e-6, "Peak learning rate.")
+    betas: list[float] = option(factory=lambda: [0.9, 0.999], doc="AdamW (beta1, beta2).")
+    eps: float = option(1e-8, "AdamW epsilon.")
+    weight_decay: float = option(0.0, "Decoupled weight decay.")
+    schedule: Literal["constant", "linear", "cosine"] = option("constant", "Decay after warmup: none, linear, cosine.")
+    warmup_steps: int = option(0, "Linear warmup from 0 to lr over this many steps.")
+    min_lr_ratio: float = option(0.0, "linear/cosine decay ends at lr x this.")
+
+    def validate(self) -> None:
+        if not (self.lr > 0 and math.isfinite(self.lr)):
+            raise ConfigError(f"optimizer.lr={self.lr}: must be > 0")
+        if len(self.betas) != 2 or not all(0.0 <= b < 1.0 for b in self.betas):
+            raise ConfigError(f"optimizer.betas={self.betas}: need two numbers in [0, 1), e.g. [0.9, 0.999]")
+        if self.eps <= 0 or self.weight_decay < 0:
+            raise ConfigError(f"optimizer.eps={self.eps}, weight_decay={self.weight_decay}: need eps > 0, decay >= 0")
+        if self.warmup_steps < 0:
+            raise ConfigError(f"optimizer.warmup_steps={self.warmup_steps}: must be >= 0")
+        if not 0.0 <= self.min_lr_ratio <= 1.0:
+            raise ConfigError(f"optimizer.min_lr_ratio={self.min_lr_ratio}: must be in [0, 1]")
+
+
+@dataclass
+class DistributedConfig:
+    """Multi-process runs under torchrun (ignored in a single process)."""
+
+    strategy: Literal["ddp", "fsdp"] = option(
+        "ddp", "ddp: every rank holds the model, gradients are all-reduced (CPU gloo or GPU NCCL); fsdp: FSDP2 (GPU)."
+    )
+
+
+@dataclass
+class TrainConfig:
+    """Everything `calibrl train` needs."""
+
+    policy: PolicyConfig = option(factory=PolicyConfig, doc="The model being trained.")
+    tasks: TasksConfig = option(factory=TasksConfig, doc="Training tasks.")
+    services: ServicesConfig = option(factory=ServicesConfig, doc="Reward services.")
+    reward: RewardConfig = option(factory=RewardConfig, doc="Reward blend (trainer.rewards).")
+    rollout: RolloutConfig = option(factory=RolloutConfig, doc="Sampling.")
+    advantage: GrpoAdvantage | CalibAdvAdvantage = option(factory=GrpoAdvantage, doc="Advantage estimator.")
+    loss: LossConfig = option(factory=LossConfig, doc="Policy loss.")
+    optimizer: OptimizerConfig = option(factory=OptimizerConfig, doc="Optimizer and schedule.")
+    health: HealthConfig = option(factory=HealthConfig, doc="Healthy bands; leaving one logs a warning.")
+    distributed: DistributedConfig = option(factory=DistributedConfig, doc="torchrun settings.")
+    steps: int = option(100, "Optimizer steps of the run.")
+    gradient_accumulation_steps: int = option(
+        1, "Micro-batches per optimizer step (the step's rollouts are split into this many backward passes)."
+    )
+    max_grad_norm: float = option(0.5, "Clip the global grad norm to this (0 disables clipping).")
+    precision: Literal["auto", "fp32", "bf16"] = option(
+        "auto", "auto: bf16 autocast on GPU, fp32 on CPU; bf16 forces autocast; fp32 disables it."
+    )
+    seed: int = option(0, "Seed of data order, sampling and every RNG (rank r uses seed + r for sampling).")
+    output_dir: str = option("runs/train", "Where metrics.jsonl, tensorboard/ and checkpoints/ go.")
+    checkpoint_every: int = option(50, "Write a checkpoint every N steps (0 = only at the end and on SIGTERM).")
+    keep_checkpoints: int = option(3, "Keep the newest N checkpoints (0 = keep all).")
+    tensorboard: bool = option(True, "Also log every step to TensorBoard (output_dir/tensorboard).")
+    progress_bar: bool = option(True, "Show a tqdm progress bar on rank 0.")
+
+    def validate(self) -> None:
+        if self.steps < 1:
+            raise ConfigError(f"steps={self.steps}: must be >= 1")
+        if self.gradient_accumulation_steps < 1:
+            raise ConfigError(f"gradient_accumulation_steps={self.gradient_accumulation_steps}: must be >= 1")
+        rows = self.rollout.prompts_per_step * self.rollout.group_size
+        if self.gradient_accumulation_steps > rows:
+            raise ConfigError(
+                f"gradient_accumulation_steps={self.gradient_accumulation_steps} > the step's "
+                f"{rows} rollouts (prompts_per_step x group_size): lower it or raise prompts_per_step"
+            )
+        if not (self.max_grad_norm >= 0 and math.isfinite(self.max_grad_norm)):
+            raise ConfigError(f"max_grad_norm={self.max_grad_norm}: must be >= 0 (0 disables clipping)")
+        if self.checkpoint_every < 0 or self.keep_checkpoints < 0:
+            raise ConfigError(
+                f"checkpoint_every={self.checkpoint_every}, keep_checkpoints={self.keep_checkpoints}: must be >= 0"
+            )
+        if self.optimizer.warmup_steps > self.steps:
+            raise ConfigError(
+                f"optimizer.warmup_steps={self.optimizer.warmup_steps} > steps={self.steps}: the run would end "
+                "before the learning rate reaches its peak; lower warmup_steps"
+            )
+        if self.advantage.type == "calibadv" and self.tasks.kind == "rewrite":
+            raise ConfigError(
+                "advantage.type=calibadv with tasks.kind=rewrite: CalibAdv calibrates multi-step search "
+                "trajectories; use advantage.type=grpo for a query rewriter, or tasks.kind=search"
+            )
+        if self.services.judge == NO_JUDGE and (self.reward.uses_rubric_for_rewrites or self.reward.uses_rubric_for_search):
+            raise ConfigError(
+                f"services.judge=none but reward.w_rubric={self.reward.w_rubric} / "
+                f"search_w_rubric={self.reward.search_w_rubric} need a judge: give a judge target, or set the "
+                "rubric weights to 0 (or reward.binary_only=true)"
+            )
+        if self.rollout.engine == "vllm" and self.policy.device == "cpu":
+            raise ConfigError("rollout.engine=vllm with policy.device=cpu: vLLM needs a GPU; use engine=transformers")
+        if self.distributed.strategy == "fsdp" and self.policy.device == "cpu":
+            raise ConfigError(
+                "distributed.strategy=fsdp with policy.device=cpu: FSDP is the GPU option; use strategy=ddp on CPU"
+            )
+
+    @property
+    def run_dir(self) -> pathlib.Path:
+        return pathlib.Path(self.output_dir)
+
+    def to_yaml(self) -> str:
+        import yaml
+
+        return yaml.safe_dump(to_dict(self), sort_keys=False)
+
+
+def load_train_config(path: str | pathlib.Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> TrainConfig:
+    """Load and validate a :class:`TrainConfig` (raises ConfigError naming the value and the fix)."""
+    return load_config(TrainConfig, path, overrides)
+
+
+__all__ = [
+    "CalibAdvAdvantage",
+    "DistributedConfig",
+    "GrpoAdvantage",
+    "LoraConfig",
+    "LossConfig",
+    "OptimizerConfig",
+    "PolicyConfig",
+    "RolloutConfig",
+    "ServicesConfig",
+    "TasksConfig",
+    "TrainConfig",
+    "load_train_config",
+]

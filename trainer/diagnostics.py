@@ -1,0 +1,222 @@
+"""Step metrics, health warnings and the run log (JSONL + TensorBoard).
+
+Metric names follow TRL's GRPOTrainer where TRL has one (``reward``,
+``reward_std``, ``rewards/<component>/mean``, ``frac_reward_zero_std``, ``kl``,
+``entropy``, ``clip_ratio/...``, ``grad_norm``, ``completions/mean_length``,
+``learning_rate``), so dashboards built for TRL read calibrl runs unchanged.
+Our own additions are namespaced: ``calibadv/*`` (from the advantage
+estimator), ``timing/*`` (seconds per phase), ``health/*`` (warnings).
+
+Everything here is plain Python over tensors already on the CPU; nothing
+imports torch at module import time.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import pathlib
+from dataclasses import dataclass
+from typing import Any, Iterable, Mapping, Sequence
+
+from calibrl.config import option
+from calibrl.errors import ConfigError
+
+log = logging.getLogger(__name__)
+
+
+# --------------------------------------------------------------------------- metrics of one step
+
+
+def reward_metrics(rewards: Any, group_index: Any) -> dict[str, float]:
+    """``reward``, ``reward_std`` and ``frac_reward_zero_std`` of one step.
+
+    rewards: (B,) float; group_index: (B,) int, the prompt each rollout answers.
+    ``reward_std`` is the std over the whole batch (as TRL logs it);
+    ``frac_reward_zero_std`` is the fraction of rollouts whose group has all-equal
+    rewards (those rollouts get a zero advantage and teach nothing).
+    """
+    import torch
+
+    rewards = rewards.detach().double().cpu()
+    group_index = group_index.detach().long().cpu()
+    groups = torch.unique(group_index)
+    zero_std_rollouts = 0
+    for group in groups:
+        members = rewards[group_index == group]
+        if members.numel() < 2 or bool(torch.all(members == members[0])):
+            zero_std_rollouts += members.numel()
+    batch_std = rewards.std(unbiased=True).item() if rewards.numel() > 1 else 0.0
+    return {
+        "reward": rewards.mean().item(),
+        "reward_std": batch_std,
+        "frac_reward_zero_std": zero_std_rollouts / max(1, rewards.numel()),
+    }
+
+
+def component_metrics(components: Sequence[Mapping[str, float]]) -> dict[str, float]:
+    """``rewards/<name>/mean`` and ``rewards/<name>/std`` for every reward component."""
+    names = sorted({name for comp in components for name in comp})
+    metrics: dict[str, float] = {}
+    for name in names:
+        values = [float(comp[name]) for comp in components if name in comp]
+        mean = sum(values) / len(values)
+        var = sum((v - mean) ** 2 for v in values) / (len(values) - 1) if len(values) > 1 else 0.0
+        metrics[f"rewards/{name}/mean"] = mean
+        metrics[f"rewards/{name}/std"] = math.sqrt(var)
+    return metrics
+
+
+def completion_metrics(completion_mask: Any, truncated: Any | None = None) -> dict[str, float]:
+    """``completions/{mean,min,max}_length`` (generated tokens per rollout, observations
+    excluded) and ``completions/clipped_ratio`` when truncation flags are given."""
+    lengths = completion_mask.detach().sum(dim=1).float().cpu()
+    metrics = {
+        "completions/mean_length": lengths.mean().item(),
+        "completions/min_length": lengths.min().item(),
+        "completions/max_length": lengths.max().item(),
+    }
+    if truncated is not None:
+        metrics["completions/clipped_ratio"] = float(sum(bool(t) for t in truncated)) / max(1, len(truncated))
+    return metrics
+
+
+def prefixed(prefix: str, metrics: Mapping[str, Any]) -> dict[str, float]:
+    """Scalar entries of ``metrics`` under ``prefix/`` (names that already carry the
+    prefix are kept as they are)."""
+    out: dict[str, float] = {}
+    for name, value in metrics.items():
+        scalar = _scalar(value)
+        if scalar is None:
+            continue
+        key = name if name.startswith(prefix + "/") else f"{prefix}/{name}"
+        out[key] = scalar
+    return out
+
+
+def _scalar(value: Any) -> float | None:
+    if isinstance(value, bool):
+        return float(value)
+    if isinstance(value, (int, float)):
+        return float(value)
+    numel = getattr(value, "numel", None)
+    if callable(numel) and numel() == 1:
+        return float(value.item())
+    return None
+
+
+# --------------------------------------------------------------------------- health bands
+
+
+@dataclass
+class HealthConfig:
+    """Healthy bands of the stability signals; leaving one logs a warning."""
+
+    max_frac_reward_zero_std: float = option(
+        0.6, "Warn when more than this fraction of rollouts sit in zero-variance groups (no signal)."
+    )
+    min_reward_std: float = option(0.02, "Warn when the batch reward std falls below this (reward collapse).")
+    max_reward_std: float = option(1e9, "Warn when the batch reward std rises above this (reward scale drift).")
+    kl_target: float = option(0.5, "Warn when kl to the reference passes this (policy drifting away).")
+    max_grad_norm_warn: float = option(1e3, "Warn when the pre-clip grad norm passes this (instability).")
+
+    def validate(self) -> None:
+        if not 0.0 <= self.max_frac_reward_zero_std <= 1.0:
+            raise ConfigError(
+                f"health.max_frac_reward_zero_std={self.max_frac_reward_zero_std}: must be in [0, 1]"
+            )
+        if self.min_reward_std < 0 or self.max_reward_std < self.min_reward_std:
+            raise ConfigError(
+                f"health.min_reward_std={self.min_reward_std}, health.max_reward_std={self.max_reward_std}: "
+                "need 0 <= min_reward_std <= max_reward_std"
+            )
+        if self.kl_target <= 0:
+            raise ConfigError(f"health.kl_target={self.kl_target}: must be > 0")
+
+
+def health_warnings(metrics: Mapping[str, float], bands: HealthConfig) -> list[str]:
+    """One message per signal that left its healthy band this step."""
+    warnings: list[str] = []
+    frac = metrics.get("frac_reward_zero_std")
+    if frac is not None and frac > bands.max_frac_reward_zero_std:
+        warnings.append(
+            f"frac_reward_zero_std={frac:.3f} > {bands.max_frac_reward_zero_std}: most groups carry no "
+            "learning signal; use a denser reward (retrieval.kind=dense, rubric weight) or larger groups"
+        )
+    std = metrics.get("reward_std")
+    if std is not None and std < bands.min_reward_std:
+        warnings.append(f"reward_std={std:.4f} < {bands.min_reward_std}: rewards have (nearly) collapsed")
+    if std is not None and std > bands.max_reward_std:
+        warnings.append(f"reward_std={std:.4f} > {bands.max_reward_std}: reward scale outside its band")
+    kl = metrics.get("kl")
+    if kl is not None and kl > bands.kl_target:
+        warnings.append(f"kl={kl:.4f} > kl_target={bands.kl_target}: the policy is drifting from the reference")
+    grad_norm = metrics.get("grad_norm")
+    if grad_norm is not None and (not math.isfinite(grad_norm) or grad_norm > bands.max_grad_norm_warn):
+        warnings.append(f"grad_norm={grad_norm:.3g} > {bands.max_grad_norm_warn}: unstable update")
+    return warnings
+
+
+# --------------------------------------------------------------------------- the run log
+
+
+class RunLog:
+    """Writes one JSON object per step to ``metrics.jsonl`` and the same scalars to
+    TensorBoard (``tensorboard/``) under ``output_dir``. Only rank 0 creates one.
+
+    ``resume_step`` > 0 continues a run from that step: records of later steps
+    (logged after the checkpoint a crashed run resumes from) are dropped from
+    both logs, so every step appears once."""
+
+    def __init__(self, output_dir: str | pathlib.Path, tensorboard: bool = True, resume_step: int = 0) -> None:
+        self.output_dir = pathlib.Path(output_dir)
+        self.output_dir.mkdir(parents=True, exist_ok=True)
+        self.jsonl_path = self.output_dir / "metrics.jsonl"
+        kept: list[str] = []
+        if resume_step > 0 and self.jsonl_path.exists():
+            with self.jsonl_path.open(encoding="utf-8") as handle:
+                kept = [line for line in handle if line.strip() and json.loads(line)["step"] <= resume_step]
+        self._jsonl = self.jsonl_path.open("w", encoding="utf-8")
+        self._jsonl.writelines(kept)
+        self._jsonl.flush()
+        self._writer = None
+        if tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            purge = {"purge_step": resume_step + 1} if resume_step > 0 else {}
+            self._writer = SummaryWriter(log_dir=str(self.output_dir / "tensorboard"), **purge)
+
+    def write(self, step: int, metrics: Mapping[str, float]) -> None:
+        record = {"step": step, **{k: _json_number(v) for k, v in sorted(metrics.items())}}
+        self._jsonl.write(json.dumps(record) + "\n")
+        self._jsonl.flush()
+        if self._writer is not None:
+            for name, value in metrics.items():
+                if isinstance(value, (int, float)) and math.isfinite(value):
+                    self._writer.add_scalar(name, value, step)
+            self._writer.flush()
+
+    def close(self) -> None:
+        self._jsonl.close()
+        if self._writer is not None:
+            self._writer.close()
+            self._writer = None
+
+
+def _json_number(value: Any) -> Any:
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)  # JSON has no NaN/inf; keep them visible instead of dropping the key
+    return value
+
+
+def read_log(path: str | pathlib.Path) -> list[dict[str, Any]]:
+    """The records of a ``metrics.jsonl``, in order."""
+    with open(path, encoding="utf-8") as handle:
+        return [json.loads(line) for line in handle if line.strip()]
+
+
+def progress_postfix(metrics: Mapping[str, float], keys: Iterable[str] = ("reward", "kl", "grad_norm")) -> str:
+    """The short text shown after the tqdm bar."""
+    parts = [f"{k}={metrics[k]:.3g}" for k in keys if k in metrics]
+    return " ".join(parts)
