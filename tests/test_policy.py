@@ -1,0 +1,234 @@
+"""The policy: loading from a folder, LoRA, the frozen reference, per-token log-probabilities."""
+
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from calibrl.errors import ConfigError, InvalidArgument, NotFound  # noqa: E402
+from tests.tiny_lm import build_model, build_tokenizer, save_tiny_policy  # noqa: E402
+from trainer.engines import inference_weights  # noqa: E402
+from trainer.policy import (  # noqa: E402
+    LoraSettings,
+    Policy,
+    load_policy,
+    make_reference,
+    token_logprobs,
+)
+
+LORA = LoraSettings(r=4, alpha=8, dropout=0.0, target_modules=("q_proj", "v_proj", "down_proj"))
+
+
+@pytest.fixture(scope="module")
+def policy_dir(tmp_path_factory):
+    return save_tiny_policy(tmp_path_factory.mktemp("tiny_policy"))
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return build_tokenizer()
+
+
+def _batch(tokenizer):
+    """Three texts of different lengths, right-padded."""
+    texts = ["<think> a </think>", "The Eiffel Tower is in Paris, the capital of France.", "Dune"]
+    rows = [tokenizer(t)["input_ids"] for t in texts]
+    width = max(map(len, rows))
+    input_ids = torch.full((len(rows), width), tokenizer.pad_token_id)
+    attention_mask = torch.zeros((len(rows), width), dtype=torch.long)
+    for i, row in enumerate(rows):
+        input_ids[i, : len(row)] = torch.tensor(row)
+        attention_mask[i, : len(row)] = 1
+    return input_ids, attention_mask, [len(r) for r in rows]
+
+
+def _manual_logprobs(model, input_ids, lengths, temperature=1.0):
+    """The obvious loop: one unpadded forward per prefix."""
+    logp = torch.zeros(input_ids.shape)
+    entropy = torch.zeros(input_ids.shape)
+    with torch.no_grad():
+        for b, length in enumerate(lengths):
+            for t in range(1, length):
+                logits = model(input_ids=input_ids[b : b + 1, :t]).logits[0, -1].double() / temperature
+                dist = torch.log_softmax(logits, dim=-1)
+                logp[b, t] = dist[input_ids[b, t]]
+                entropy[b, t] = -(dist.exp() * dist).sum()
+    return logp, entropy
+
+
+@pytest.mark.parametrize("temperature, chunk_size", [(1.0, None), (0.7, 3)])
+def test_token_logprobs_equal_a_manual_loop(tokenizer, temperature, chunk_size):
+    model = build_model(tokenizer)
+    input_ids, attention_mask, lengths = _batch(tokenizer)
+    with torch.no_grad():
+        logp, entropy = token_logprobs(
+            model, input_ids, attention_mask, temperature=temperature, return_entropy=True, chunk_size=chunk_size
+        )
+    expected_logp, expected_entropy = _manual_logprobs(model, input_ids, lengths, temperature)
+    valid = attention_mask.bool()
+    assert logp.shape == entropy.shape == input_ids.shape
+    assert torch.all(logp[:, 0] == 0) and torch.all(entropy[:, 0] == 0)
+    torch.testing.assert_close(logp[valid], expected_logp[valid].float(), atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(entropy[valid], expected_entropy[valid].float(), atol=1e-4, rtol=1e-4)
+    assert bool((logp[valid] <= 0).all())
+
+
+def test_token_logprobs_are_differentiable_and_validated(tokenizer):
+    model = build_model(tokenizer).train()
+    input_ids, attention_mask, _ = _batch(tokenizer)
+    logp = token_logprobs(model, input_ids, attention_mask)
+    (logp * attention_mask).sum().backward()
+    assert model.lm_head.weight.grad is not None and model.lm_head.weight.grad.abs().sum() > 0
+    with pytest.raises(InvalidArgument, match="temperature"):
+        token_logprobs(model, input_ids, attention_mask, temperature=0.0)
+    with pytest.raises(InvalidArgument, match="input_ids"):
+        token_logprobs(model, input_ids[0], attention_mask[0])
+
+
+def test_load_policy_from_a_folder(policy_dir, tokenizer):
+    policy = load_policy(str(policy_dir), device="cpu", dtype="float32")
+    assert isinstance(policy, Policy) and not policy.is_lora
+    assert policy.device == torch.device("cpu") and policy.model_id == str(policy_dir)
+    assert next(policy.model.parameters()).dtype == torch.float32
+    assert policy.model.training
+    assert policy.tokenizer.pad_token_id == tokenizer.pad_token_id
+    # Same weights as the model that was saved.
+    input_ids, attention_mask, _ = _batch(tokenizer)
+    with torch.no_grad():
+        loaded = token_logprobs(policy.model, input_ids, attention_mask)
+        original = token_logprobs(build_model(tokenizer), input_ids, attention_mask)
+    torch.testing.assert_close(loaded, original)
+
+    bf16 = load_policy(str(policy_dir), device="cpu", dtype="bfloat16")
+    assert next(bf16.model.parameters()).dtype == torch.bfloat16
+
+
+def test_load_policy_errors(policy_dir, tmp_path):
+    with pytest.raises(NotFound, match="local folders"):
+        load_policy(str(tmp_path / "missing"))
+    with pytest.raises(NotFound, match="config.json"):
+        load_policy(str(tmp_path))
+    with pytest.raises(InvalidArgument, match="dtype"):
+        load_policy(str(policy_dir), dtype="float8")
+    with pytest.raises(InvalidArgument, match="device"):
+        load_policy(str(policy_dir), device="not-a-device")
+    with pytest.raises(InvalidArgument, match="lora.r"):
+        LoraSettings(r=0)
+
+
+def test_gradient_checkpointing(policy_dir, tokenizer):
+    policy = load_policy(str(policy_dir), device="cpu", dtype="float32", gradient_checkpointing=True)
+    model = policy.model
+    assert getattr(model, "is_activation_checkpointing", None) or getattr(model, "is_gradient_checkpointing")
+    input_ids, attention_mask, _ = _batch(tokenizer)
+    token_logprobs(policy.model, input_ids, attention_mask).sum().backward()
+    assert policy.model.model.layers[0].self_attn.q_proj.weight.grad is not None
+
+    pytest.importorskip("peft")
+    lora_policy = load_policy(str(policy_dir), device="cpu", dtype="float32", lora=LORA, gradient_checkpointing=True)
+    token_logprobs(lora_policy.model, input_ids, attention_mask).sum().backward()
+    grads = [p.grad for n, p in lora_policy.model.named_parameters() if "lora_A" in n]
+    assert grads and all(g is not None for g in grads)
+
+
+def test_reference_is_a_frozen_copy(policy_dir, tokenizer):
+    policy = load_policy(str(policy_dir), device="cpu", dtype="float32")
+    reference = make_reference(policy)
+    assert reference is not policy.model and not reference.training
+    assert all(not p.requires_grad for p in reference.parameters())
+    assert all(p.requires_grad for p in policy.model.parameters())
+    input_ids, attention_mask, _ = _batch(tokenizer)
+    with torch.no_grad():
+        before = token_logprobs(reference, input_ids, attention_mask)
+        for p in policy.model.parameters():
+            p.add_(0.05)
+        after = token_logprobs(reference, input_ids, attention_mask)
+        moved = token_logprobs(policy.model, input_ids, attention_mask)
+    torch.testing.assert_close(before, after)
+    assert not torch.allclose(moved, before)
+
+
+def _randomise_lora(model, seed=1):
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.copy_(torch.randn(p.shape, generator=generator) * 0.5)
+
+
+def test_lora_wraps_with_peft_and_the_reference_disables_adapters(policy_dir, tokenizer):
+    peft = pytest.importorskip("peft")
+    policy = load_policy(str(policy_dir), device="cpu", dtype="float32", lora=LORA)
+    assert policy.is_lora and isinstance(policy.model, peft.PeftModel)
+    trainable = [n for n, p in policy.model.named_parameters() if p.requires_grad]
+    assert trainable and all("lora_" in n for n in trainable)
+    assert any("q_proj.lora_A" in n for n in trainable) and not any("k_proj" in n for n in trainable)
+
+    reference = make_reference(policy)
+    reference.requires_grad_(False)
+    reference.eval()
+    assert list(reference.parameters()) == []
+    assert all(p.requires_grad for n, p in policy.model.named_parameters() if "lora_" in n)
+    assert policy.model.training
+
+    input_ids, attention_mask, _ = _batch(tokenizer)
+    base = build_model(tokenizer)
+    with torch.no_grad():
+        base_logp = token_logprobs(base, input_ids, attention_mask)
+        torch.testing.assert_close(token_logprobs(policy.model, input_ids, attention_mask), base_logp)  # B = 0 at init
+        _randomise_lora(policy.model)
+        trained = token_logprobs(policy.model, input_ids, attention_mask)
+        ref = token_logprobs(reference, input_ids, attention_mask)
+    assert not torch.allclose(trained, base_logp, atol=1e-3)
+    torch.testing.assert_close(ref, base_logp)
+    assert policy.model.training  # the reference call restored the mode
+    # Adapters are active again after the reference call.
+    with torch.no_grad():
+        torch.testing.assert_close(token_logprobs(policy.model, input_ids, attention_mask), trained)
+
+
+def test_lora_inference_weights_merge_the_adapter(policy_dir, tokenizer):
+    pytest.importorskip("peft")
+    policy = load_policy(str(policy_dir), device="cpu", dtype="float32", lora=LORA)
+    _randomise_lora(policy.model)
+    merged = dict(inference_weights(policy.model))
+    fresh = build_model(tokenizer, seed=123)
+    assert set(merged) == set(fresh.state_dict())
+    fresh.load_state_dict(merged)
+    input_ids, attention_mask, _ = _batch(tokenizer)
+    policy.model.eval()
+    with torch.no_grad():
+        torch.testing.assert_close(
+            token_logprobs(fresh, input_ids, attention_mask),
+            token_logprobs(policy.model, input_ids, attention_mask),
+            atol=1e-5,
+            rtol=1e-5,
+        )
+    # The policy itself is untouched (still unmerged, adapters still separate).
+    assert any("lora_A" in n for n, _ in policy.model.named_parameters())
+
+
+def test_full_model_inference_weights_are_its_state_dict(tokenizer):
+    model = build_model(tokenizer)
+    weights = dict(inference_weights(model))
+    assert weights.keys() == model.state_dict().keys()
+    assert all(torch.equal(weights[k], v) for k, v in model.state_dict().items())
+
+
+def test_a_saved_adapter_folder_loads_trainable(policy_dir, tokenizer, tmp_path):
+    pytest.importorskip("peft")
+    policy = load_policy(str(policy_dir), device="cpu", dtype="float32", lora=LORA)
+    _randomise_lora(policy.model)
+    policy.model.save_pretrained(tmp_path / "adapter")
+    resumed = load_policy(str(tmp_path / "adapter"), device="cpu", dtype="float32")
+    assert resumed.is_lora and resumed.model_id == str(policy_dir)
+    assert any(p.requires_grad for p in resumed.model.parameters())
+    input_ids, attention_mask, _ = _batch(tokenizer)
+    with torch.no_grad():
+        torch.testing.assert_close(
+            token_logprobs(resumed.model, input_ids, attention_mask),
+            token_logprobs(policy.model, input_ids, attention_mask),
+        )
+    with pytest.raises(ConfigError, match="already holds a LoRA adapter"):
+        load_policy(str(tmp_path / "adapter"), device="cpu", lora=LORA)

@@ -1,0 +1,299 @@
+"""The policy: a Hugging Face causal LM loaded from a local folder, its frozen
+reference, and per-token log-probabilities.
+
+- :func:`load_policy` loads any ``AutoModelForCausalLM`` folder (or a folder
+  holding a peft LoRA adapter, whose base it finds from ``adapter_config.json``),
+  optionally wraps it in a fresh LoRA adapter (:class:`LoraSettings`, needs
+  ``peft``) and turns on gradient checkpointing. Nothing is downloaded.
+- :func:`make_reference` gives the frozen model of the KL term: a deep copy in
+  eval mode with gradients off, or, for a LoRA policy, a view of the same base
+  with the adapters disabled (no second copy of the weights).
+- :func:`token_logprobs` is the one place log-probabilities are computed, for
+  the policy, its old copy and the reference alike.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import json
+import pathlib
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from calibrl.errors import ConfigError, InvalidArgument, NotFound
+
+if TYPE_CHECKING:  # pragma: no cover
+    import torch
+
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+DEVICES_HELP = "'auto', 'cpu', 'cuda' or 'cuda:<index>'"
+
+
+@dataclass(frozen=True)
+class LoraSettings:
+    """A fresh LoRA adapter on the policy (peft)."""
+
+    r: int = 16  # adapter rank
+    alpha: int = 32  # scaling numerator: the update is scaled by alpha / r
+    dropout: float = 0.05  # dropout on the adapter input
+    target_modules: tuple[str, ...] | str = "all-linear"  # module names, or peft's "all-linear"
+
+    def __post_init__(self) -> None:
+        if self.r < 1:
+            raise InvalidArgument("lora.r", f"must be >= 1, got {self.r}")
+        if self.alpha <= 0:
+            raise InvalidArgument("lora.alpha", f"must be > 0, got {self.alpha}")
+        if not 0.0 <= self.dropout < 1.0:
+            raise InvalidArgument("lora.dropout", f"must be in [0, 1), got {self.dropout}")
+        if not self.target_modules:
+            raise InvalidArgument("lora.target_modules", "must name at least one module (or 'all-linear')")
+
+
+@dataclass
+class Policy:
+    """The trained model and what is needed to talk to it."""
+
+    model: Any  # transformers PreTrainedModel, or a peft PeftModel around one
+    tokenizer: Any
+    device: Any  # torch.device
+    model_id: str  # the folder the weights came from (the vLLM engine loads it too)
+    lora: LoraSettings | None = field(default=None)
+
+    @property
+    def is_lora(self) -> bool:
+        return _is_peft(self.model)
+
+    def trainable_parameters(self) -> list["torch.nn.Parameter"]:
+        return [p for p in self.model.parameters() if p.requires_grad]
+
+
+# --------------------------------------------------------------------------- loading
+
+
+def resolve_device(device: str = "auto") -> "torch.device":
+    """"auto" is the first CUDA device when there is one, else the CPU."""
+    import torch
+
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        resolved = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise InvalidArgument("device", f"{device!r} is not a device; use {DEVICES_HELP}") from None
+    if resolved.type == "cuda" and not torch.cuda.is_available():
+        raise InvalidArgument("device", f"{device!r} asked for CUDA but no CUDA device is available; use 'cpu'")
+    return resolved
+
+
+def resolve_dtype(dtype: str, device: "torch.device") -> "torch.dtype":
+    """"auto" is bfloat16 on a GPU that supports it, float32 otherwise."""
+    import torch
+
+    if dtype not in DTYPES:
+        raise InvalidArgument("dtype", f"{dtype!r} is not one of {list(DTYPES)}")
+    if dtype == "auto":
+        if device.type == "cuda" and torch.cuda.is_bf16_supported():
+            return torch.bfloat16
+        return torch.float32
+    return getattr(torch, dtype)
+
+
+def load_policy(
+    path: str,
+    *,
+    device: str = "auto",
+    dtype: str = "auto",
+    lora: LoraSettings | None = None,
+    gradient_checkpointing: bool = False,
+) -> Policy:
+    """Load the policy from a local folder (``save_pretrained`` output, or a peft
+    adapter folder whose base is a local folder). ``lora`` adds a fresh trainable
+    adapter; an adapter folder is loaded trainable as it is."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    folder = pathlib.Path(path)
+    if not folder.is_dir():
+        raise NotFound(f"policy path {path!r} is not a folder; calibrl loads models only from local folders")
+    torch_device = resolve_device(device)
+    torch_dtype = resolve_dtype(dtype, torch_device)
+
+    adapter_config = folder / "adapter_config.json"
+    base_path = folder
+    if adapter_config.exists():
+        if lora is not None:
+            raise ConfigError(
+                f"{path} already holds a LoRA adapter; load it without lora settings (it stays trainable) "
+                "or point at its base model to start a fresh adapter"
+            )
+        base_path = pathlib.Path(json.loads(adapter_config.read_text())["base_model_name_or_path"])
+        if not base_path.is_dir():
+            raise NotFound(f"the base model {str(base_path)!r} named in {adapter_config} is not a local folder")
+    elif not (folder / "config.json").exists():
+        raise NotFound(f"policy path {path!r} holds no config.json (expected a save_pretrained folder)")
+
+    tokenizer_path = folder if _has_tokenizer(folder) else base_path
+    tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_path), local_files_only=True)
+    if tokenizer.pad_token_id is None and tokenizer.eos_token is not None:
+        tokenizer.pad_token = tokenizer.eos_token
+    model = AutoModelForCausalLM.from_pretrained(str(base_path), dtype=torch_dtype, local_files_only=True)
+    model.to(torch_device)
+
+    if adapter_config.exists():
+        peft = _import_peft()
+        model = peft.PeftModel.from_pretrained(model, str(folder), is_trainable=True)
+    elif lora is not None:
+        model = wrap_lora(model, lora)
+    if gradient_checkpointing:
+        enable_gradient_checkpointing(model)
+    model.train()
+    return Policy(model=model, tokenizer=tokenizer, device=torch_device, model_id=str(base_path), lora=lora)
+
+
+def wrap_lora(model: Any, lora: LoraSettings) -> Any:
+    """``model`` inside a fresh peft LoRA adapter (only the adapter is trainable)."""
+    peft = _import_peft()
+    target = lora.target_modules if isinstance(lora.target_modules, str) else list(lora.target_modules)
+    config = peft.LoraConfig(
+        task_type="CAUSAL_LM", r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout, target_modules=target
+    )
+    try:
+        return peft.get_peft_model(model, config)
+    except ValueError as exc:
+        raise InvalidArgument("lora.target_modules", f"{lora.target_modules!r} does not fit this model: {exc}") from None
+
+
+def enable_gradient_checkpointing(model: Any) -> None:
+    """Recompute activations in the backward pass (non-reentrant, so it works with
+    LoRA where the embeddings do not need gradients)."""
+    checkpoint_kwargs = {"use_reentrant": False}
+    base = model.get_base_model() if _is_peft(model) else model
+    if hasattr(base, "activation_checkpointing_enable"):  # transformers >= 5.x
+        base.activation_checkpointing_enable(activation_checkpointing_kwargs=checkpoint_kwargs)
+    else:
+        base.gradient_checkpointing_enable(gradient_checkpointing_kwargs=checkpoint_kwargs)
+    if _is_peft(model) and hasattr(model, "enable_input_require_grads"):
+        model.enable_input_require_grads()
+    config = getattr(model, "config", None)
+    if config is not None:
+        config.use_cache = False  # a cache is pointless (and warned about) while training
+
+
+def _import_peft() -> Any:
+    try:
+        import peft
+    except ImportError:
+        raise ConfigError("LoRA needs the peft package: pip install 'calibrl[lora]'") from None
+    return peft
+
+
+def _has_tokenizer(folder: pathlib.Path) -> bool:
+    return any((folder / name).exists() for name in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model"))
+
+
+def _is_peft(model: Any) -> bool:
+    return hasattr(model, "peft_config") and hasattr(model, "disable_adapter")
+
+
+# --------------------------------------------------------------------------- reference
+
+
+def make_reference(policy: Policy) -> "torch.nn.Module":
+    """The frozen reference of the KL term, as the policy is now.
+
+    Full fine-tuning: a deep copy, eval mode, no gradients (twice the weight memory).
+    LoRA: the policy's own base with its adapters disabled, which is exactly the
+    model before training, at no memory cost."""
+    if policy.is_lora:
+        return _adapter_disabled_reference_class()(policy.model)
+    reference = copy.deepcopy(policy.model)
+    reference.eval()
+    reference.requires_grad_(False)
+    return reference
+
+
+@functools.cache
+def _adapter_disabled_reference_class() -> type:
+    import torch
+
+    class _AdapterDisabledReference(torch.nn.Module):
+        """Calls a peft model with its adapters disabled, in eval mode, without
+        gradients. The peft model is held outside the module tree so that
+        ``requires_grad_``/``eval``/``to`` on the reference never touch the policy."""
+
+        def __init__(self, peft_model: Any) -> None:
+            super().__init__()
+            object.__setattr__(self, "_peft_model", peft_model)
+            self.eval()
+
+        @property
+        def config(self) -> Any:
+            return self._peft_model.config
+
+        def forward(self, *args: Any, **kwargs: Any) -> Any:
+            model = self._peft_model
+            was_training = model.training
+            model.eval()
+            try:
+                with torch.no_grad(), model.disable_adapter():
+                    return model(*args, **kwargs)
+            finally:
+                model.train(was_training)
+
+    return _AdapterDisabledReference
+
+
+# --------------------------------------------------------------------------- log-probabilities
+
+
+def token_logprobs(
+    model: Any,
+    input_ids: "torch.Tensor",
+    attention_mask: "torch.Tensor",
+    *,
+    temperature: float = 1.0,
+    return_entropy: bool = False,
+    chunk_size: int | None = None,
+) -> "torch.Tensor | tuple[torch.Tensor, torch.Tensor]":
+    """Per-token log-probabilities of ``input_ids`` under ``model``.
+
+    ``input_ids``, ``attention_mask``: (B, L), right-padded (left padding works too:
+    positions are counted from the first attended token). Returns ``logp`` (B, L)
+    with ``logp[:, t] = log p(input_ids[:, t] | input_ids[:, :t])`` at temperature
+    ``temperature`` and ``logp[:, 0] = 0``; with ``return_entropy`` also the entropy
+    (B, L) of the distribution each token was drawn from (0 at t = 0). Values at
+    padded positions are meaningless; mask them. ``chunk_size`` bounds how many
+    positions are turned into full-vocabulary float32 log-softmax at once.
+    Gradients flow unless the caller disables them.
+    """
+    import torch
+
+    if input_ids.dim() != 2 or input_ids.shape != attention_mask.shape:
+        raise InvalidArgument(
+            "input_ids", f"must be (B, L) with attention_mask of the same shape, got {tuple(input_ids.shape)} "
+            f"and {tuple(attention_mask.shape)}"
+        )
+    if not temperature > 0:
+        raise InvalidArgument("temperature", f"must be > 0, got {temperature}")
+    if chunk_size is not None and chunk_size < 1:
+        raise InvalidArgument("chunk_size", f"must be >= 1 or None, got {chunk_size}")
+    position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+    logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False).logits
+    batch, length = input_ids.shape
+    targets = input_ids[:, 1:]
+    predicting = logits[:, :-1, :]  # logits at t-1 predict the token at t
+    step = chunk_size or max(length - 1, 1)
+    logp_parts, entropy_parts = [], []
+    for start in range(0, length - 1, step):
+        scaled = predicting[:, start : start + step, :].float() / temperature
+        log_norm = torch.logsumexp(scaled, dim=-1)
+        chosen = scaled.gather(-1, targets[:, start : start + step].unsqueeze(-1)).squeeze(-1)
+        logp_parts.append(chosen - log_norm)
+        if return_entropy:
+            probs = torch.softmax(scaled, dim=-1)
+            entropy_parts.append(log_norm - (probs * scaled).sum(-1))
+    zeros = torch.zeros((batch, 1), dtype=torch.float32, device=logits.device)
+    logp = torch.cat([zeros, *logp_parts], dim=1)
+    if not return_entropy:
+        return logp
+    return logp, torch.cat([zeros, *entropy_parts], dim=1)
