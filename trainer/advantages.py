@@ -262,10 +262,6 @@ def _groups(rewards: Tensor, group_index: Tensor) -> _Groups:
     return _Groups(inverse, count, mean, std)
 
 
-def _output_dtype(inputs: AdvantageInputs) -> torch.dtype:
-    return inputs.rewards.dtype
-
-
 def _reward_metrics(rewards: Tensor, groups: _Groups) -> dict[str, float]:
     batch_std = float(rewards.std()) if rewards.numel() > 1 else 0.0
     return {
@@ -312,7 +308,7 @@ def grpo_advantages(
         batch_std = rewards.std() if rewards.numel() > 1 else rewards.new_zeros(())
         advantage = advantage / (batch_std + eps)
     trained = inputs.trained
-    token_adv = torch.where(trained, advantage[:, None], 0.0).to(_output_dtype(inputs))
+    token_adv = torch.where(trained, advantage[:, None], 0.0).to(inputs.rewards.dtype)
     metrics = _reward_metrics(rewards, groups)
     metrics["advantage/abs_mean"] = _abs_mean(token_adv, trained)
     return token_adv, metrics
@@ -372,7 +368,7 @@ def calibadv_advantages(
     answer_scale = torch.where(row_balanced, torch.where(answer_adv > 0, row_factor, 1.0), 0.0)
     token_adv = torch.where(answer, token_adv * answer_scale, token_adv)
 
-    token_adv = token_adv.to(_output_dtype(inputs))
+    token_adv = token_adv.to(inputs.rewards.dtype)
     trained_count = int(trained.sum())
     metrics = _reward_metrics(rewards, groups)
     metrics["advantage/abs_mean"] = _abs_mean(token_adv, trained)
