@@ -197,10 +197,15 @@ def reference_calibadv(inputs: AdvantageInputs, lambda_: float = 1.0, eps: float
 @pytest.mark.parametrize("seed", range(12))
 def test_calibadv_matches_loop_reference(seed: int, lambda_: float) -> None:
     inputs = random_batch(seed, max_segments=4, with_scores=True)
+    snapshot = [t.clone() for t in (inputs.rewards, inputs.completion_mask, inputs.segment_index,
+                                    inputs.answer_mask, inputs.step_scores)]
     token_adv, _ = compute_advantages("calibadv", inputs, lambda_=lambda_)
     expected = torch.tensor(reference_calibadv(inputs, lambda_), dtype=torch.float64)
     torch.testing.assert_close(token_adv.double(), expected, atol=1e-5, rtol=1e-6)
     assert bool((token_adv[~inputs.completion_mask] == 0).all())
+    after = (inputs.rewards, inputs.completion_mask, inputs.segment_index, inputs.answer_mask, inputs.step_scores)
+    for before, now in zip(snapshot, after):
+        torch.testing.assert_close(now, before, rtol=0, atol=0, equal_nan=True)  # inputs are not modified
 
 
 # ---------------------------------------------------------------------------
