@@ -67,7 +67,7 @@ def is_entity_like(token: str, sentence_initial: bool) -> bool:
     if has_digit:
         return len(token) >= 2
     capitals = sum(1 for c in letters if c.isupper())
-    if capitals >= 2:
+    if capitals >= 2 or any(c.isupper() for c in token[1:]):
         return True
     if capitals == 1 and token[0].isupper():
         return not sentence_initial and token.lower() not in STOPWORDS

@@ -75,7 +75,8 @@ def entity_coverage(items: Sequence[JudgeItem], params: Mapping[str, Any], conte
     glossary = _glossary(params, context)
     scores = []
     for item in items:
-        required = entities.entity_tokens(item.query) + entities.glossary_terms_in(item.query, glossary)
+        found = entities.entity_tokens(item.query) + entities.glossary_terms_in(item.query, glossary)
+        required = list({" ".join(term.lower().split()): term for term in found}.values())
         if not required:
             scores.append(1.0)
             continue

