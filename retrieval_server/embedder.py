@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 import logging
 import pathlib
+import threading
 from typing import Any, Sequence
 
 from calibrl.errors import ConfigError, FailedPrecondition
@@ -53,24 +54,26 @@ def resolve_device(device: str) -> str:
 
 
 @functools.lru_cache(maxsize=4)
-def _load(path: str, device: str) -> Any:
+def _load(path: str, device: str) -> tuple[Any, threading.Lock]:
     from sentence_transformers import SentenceTransformer
 
     log.info("loading embedder %s on %s", path, device)
-    return SentenceTransformer(path, device=device, local_files_only=True)
+    return SentenceTransformer(path, device=device, local_files_only=True), threading.Lock()
 
 
 class Embedder:
     """A loaded sentence-transformers model that returns L2-normalised float32 vectors.
 
     Models are cached per (path, device) in the process, so several indexes (or tests)
-    share one copy. ``encode`` may be called from several threads.
+    share one copy. ``encode`` may be called from several threads: calls on one model
+    take turns, because a fast tokenizer shared between threads can fail with
+    "Already borrowed" when two calls set its padding at once.
     """
 
     def __init__(self, name_or_path: str | None = None, device: str = "auto") -> None:
         self.label, self.path = resolve_embedder(name_or_path)
         self.device = resolve_device(device)
-        self.model = _load(str(self.path), self.device)
+        self.model, self._lock = _load(str(self.path), self.device)
 
     @property
     def dimension(self) -> int:
@@ -81,11 +84,12 @@ class Embedder:
         """(len(texts), dimension) float32 numpy array of unit vectors."""
         import numpy as np
 
-        vectors = self.model.encode(
-            list(texts),
-            batch_size=batch_size,
-            normalize_embeddings=True,
-            convert_to_numpy=True,
-            show_progress_bar=show_progress,
-        )
+        with self._lock:
+            vectors = self.model.encode(
+                list(texts),
+                batch_size=batch_size,
+                normalize_embeddings=True,
+                convert_to_numpy=True,
+                show_progress_bar=show_progress,
+            )
         return np.ascontiguousarray(vectors, dtype=np.float32)

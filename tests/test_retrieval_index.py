@@ -270,3 +270,18 @@ def test_importing_the_service_modules_stays_light():
         "assert not heavy, heavy\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_concurrent_library_calls_from_threads_agree_with_sequential_ones(retriever):
+    import concurrent.futures
+
+    queries = list(QUERIES)
+    expected = [[h.doc_id for h in hits] for hits in retriever.search(queries, top_k=3, mode="hybrid")]
+
+    def one(position):
+        [hits] = retriever.search([queries[position % len(queries)]], top_k=3, mode="hybrid")
+        return [h.doc_id for h in hits]
+
+    with concurrent.futures.ThreadPoolExecutor(max_workers=8) as pool:
+        got = list(pool.map(one, range(40)))
+    assert got == [expected[p % len(queries)] for p in range(40)]
