@@ -1,0 +1,285 @@
+"""The training loop end to end on a tiny real world: a random Llama policy, a real
+MiniLM/FAISS/BM25 index and a programmatic rubric judge, through the in-process
+clients. Every test trains for real; nothing is mocked except the failures injected
+into a retrieval client to check what the loop does when rewards fail."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import os
+import signal
+import threading
+
+import pytest
+import torch
+
+from calibrl.errors import RewardError, Unavailable
+from tests.test_trainer_support import TrainerWorld, one_torch_thread, trainer_world  # noqa: F401  (fixtures)
+from trainer.checkpoint import find_checkpoint, load_train_state
+from trainer.config import load_train_config
+from trainer.diagnostics import read_log
+from trainer.loop import train
+
+TRL_NAMES = (
+    "reward", "reward_std", "frac_reward_zero_std", "kl", "entropy", "clip_ratio/low_mean", "clip_ratio/high_mean",
+    "clip_ratio/region_mean", "grad_norm", "completions/mean_length", "completions/min_length",
+    "completions/max_length", "learning_rate", "loss",
+)
+
+
+def _weights(folder) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    state: dict[str, torch.Tensor] = {}
+    for shard in sorted((folder).glob("*.safetensors")):
+        state.update(load_file(str(shard)))
+    return state
+
+
+class FlakyRetrieval:
+    """A real in-process retrieval client whose ``score`` fails (UNAVAILABLE) from the
+    ``fail_from``-th call on: a retrieval replica that went down mid-run."""
+
+    def __init__(self, inner, fail_from: int) -> None:
+        self.inner, self.fail_from, self.calls = inner, fail_from, 0
+
+    async def search(self, *args, **kwargs):
+        return await self.inner.search(*args, **kwargs)
+
+    async def score(self, *args, **kwargs):
+        self.calls += 1
+        if self.calls > self.fail_from:
+            raise Unavailable("retrieval replica down")
+        return await self.inner.score(*args, **kwargs)
+
+
+RESUME_SETTINGS = ("steps=3", "gradient_accumulation_steps=2", "optimizer.schedule=cosine",
+                   "optimizer.warmup_steps=1", "checkpoint_every=0")
+
+
+@pytest.fixture(scope="module")
+def straight_run(trainer_world: TrainerWorld, tmp_path_factory):
+    """Three uninterrupted steps: the reference of the resume tests."""
+    out = tmp_path_factory.mktemp("straight")
+    retrieval, judge = trainer_world.clients()
+    config = load_train_config(None, trainer_world.overrides(out, *RESUME_SETTINGS, "tensorboard=true"))
+    result = train(config, retrieval=retrieval, judge=judge)
+    return out, result
+
+
+def test_run_logs_trl_metrics_tensorboard_and_a_final_checkpoint(trainer_world, straight_run):
+    out, result = straight_run
+    assert result.stopped == "completed" and result.steps_done == 3
+    records = read_log(out / "metrics.jsonl")
+    assert [r["step"] for r in records] == [1, 2, 3]
+    for record in records:
+        for name in (*TRL_NAMES, "rewards/retrieval/mean", "rewards/rubric/mean", "timing/generation",
+                     "timing/reward_wait", "timing/update", "health/warnings_total"):
+            assert name in record and math.isfinite(record[name]), name
+        # The logged reward is the 0.7 / 0.3 blend of the logged component means.
+        blend = 0.7 * record["rewards/retrieval/mean"] + 0.3 * record["rewards/rubric/mean"]
+        assert record["reward"] == pytest.approx(blend, abs=1e-6)
+        assert 0 <= record["frac_reward_zero_std"] <= 1
+    # Step 1 samples from the reference itself: the KL is exactly zero, later it is not.
+    assert records[0]["kl"] == pytest.approx(0.0, abs=1e-7)
+    assert records[2]["kl"] > 0
+    # Warmup of one step then cosine decay to 0 at the last step.
+    assert [r["learning_rate"] for r in records] == pytest.approx([1e-3, 1e-3, 0.0], abs=1e-12)
+
+    events = list((out / "tensorboard").glob("events.out.tfevents.*"))
+    assert events
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    accumulator = EventAccumulator(str(out / "tensorboard"))
+    accumulator.Reload()
+    assert [e.step for e in accumulator.Scalars("reward")] == [1, 2, 3]
+    assert "frac_reward_zero_std" in accumulator.Tags()["scalars"]
+
+    checkpoint = find_checkpoint(out)
+    assert checkpoint.name == "step_000003" and checkpoint == result.last_checkpoint
+    state = load_train_state(checkpoint)
+    assert state.step == 3 and state.reason == "final"
+    for name in ("optimizer.pt", "scheduler.pt", "rng_rank0.pt", "config.yaml", "model/config.json",
+                 "model/tokenizer.json"):
+        assert (checkpoint / name).exists(), name
+    trained, initial = _weights(checkpoint / "model"), _weights(trainer_world.policy_dir)
+    assert set(trained) == set(initial)
+    assert any(not torch.equal(trained[k], initial[k]) for k in trained)
+
+
+def test_sigterm_checkpoints_and_resume_reproduces_step_three_bitwise(trainer_world, straight_run, tmp_path):
+    straight_out, _ = straight_run
+    retrieval, judge = trainer_world.clients()
+    config = load_train_config(None, trainer_world.overrides(tmp_path, *RESUME_SETTINGS))
+
+    def preempt(step, metrics):
+        if step == 2:
+            os.kill(os.getpid(), signal.SIGTERM)  # what a scheduler sends before killing the job
+
+    first = train(config, retrieval=retrieval, judge=judge, on_step=preempt)
+    assert first.stopped == "sigterm" and first.steps_done == 2
+    assert load_train_state(first.last_checkpoint).reason == "sigterm"
+    assert signal.getsignal(signal.SIGTERM) is not None  # the loop restored the previous handler
+
+    second = train(config, retrieval=retrieval, judge=judge, resume=tmp_path)
+    assert second.stopped == "completed" and second.steps_done == 3 and len(second.history) == 1
+
+    straight, resumed = read_log(straight_out / "metrics.jsonl"), read_log(tmp_path / "metrics.jsonl")
+    assert [r["step"] for r in resumed] == [1, 2, 3]
+    for a, b in zip(straight, resumed):
+        assert a["loss"] == b["loss"] and a["grad_norm"] == b["grad_norm"] and a["reward"] == b["reward"]
+    final_a = _weights(find_checkpoint(straight_out) / "model")
+    final_b = _weights(find_checkpoint(tmp_path) / "model")
+    assert all(torch.equal(final_a[k], final_b[k]) for k in final_a)
+
+
+def test_failed_reward_stops_with_checkpoint_and_resume_retries_the_step(trainer_world, straight_run, tmp_path):
+    straight_out, _ = straight_run
+    retrieval, judge = trainer_world.clients()
+    # Two generation chunks per step -> two score calls; the third call (step 2) fails.
+    flaky = FlakyRetrieval(retrieval, fail_from=2)
+    config = load_train_config(None, trainer_world.overrides(
+        tmp_path, *RESUME_SETTINGS, "reward.max_attempts=2", "reward.retry_backoff_s=0"))
+    with pytest.raises(RewardError, match=r"step 2: .*retrieval replica down.*checkpoint written"):
+        train(config, retrieval=flaky, judge=judge)
+    # Nothing half-scored was trained on or logged: step 2 is absent, the
+    # checkpoint holds the state at the start of step 2.
+    assert [r["step"] for r in read_log(tmp_path / "metrics.jsonl")] == [1]
+    checkpoint = find_checkpoint(tmp_path)
+    state = load_train_state(checkpoint)
+    assert (checkpoint.name, state.step, state.reason) == ("step_000001", 1, "reward_error")
+
+    resumed = train(config, retrieval=retrieval, judge=judge, resume=checkpoint)
+    assert resumed.steps_done == 3
+    straight = read_log(straight_out / "metrics.jsonl")
+    again = read_log(tmp_path / "metrics.jsonl")
+    assert [r["loss"] for r in again] == [r["loss"] for r in straight]
+
+
+def test_gradient_accumulation_and_aggregation_do_not_change_the_update(trainer_world, tmp_path):
+    retrieval, _ = trainer_world.clients(judge=False)
+    finals = {}
+    for aggregation in ("token_mean", "sequence_mean"):
+        for accumulation in (1, 4):
+            out = tmp_path / f"{aggregation}-{accumulation}"
+            config = load_train_config(None, trainer_world.overrides(
+                out, "steps=1", f"gradient_accumulation_steps={accumulation}", f"loss.aggregation={aggregation}",
+                "max_grad_norm=0", judge=False))
+            result = train(config, retrieval=retrieval, judge=None)
+            finals[aggregation, accumulation] = (result.history[0], _weights(result.last_checkpoint / "model"))
+    for aggregation in ("token_mean", "sequence_mean"):
+        (m1, w1), (m4, w4) = finals[aggregation, 1], finals[aggregation, 4]
+        assert m1["reward"] == m4["reward"]  # same rollouts
+        assert m4["grad_norm"] == pytest.approx(m1["grad_norm"], rel=1e-4)
+        assert m4["loss"] == pytest.approx(m1["loss"], rel=1e-4, abs=1e-7)
+        assert all(torch.allclose(w1[k], w4[k], atol=1e-6) for k in w1)
+    # The two aggregations are different objectives: their gradients differ.
+    assert finals["token_mean", 1][0]["grad_norm"] != finals["sequence_mean", 1][0]["grad_norm"]
+
+
+def test_reward_scoring_overlaps_generation_of_the_next_chunk(trainer_world, tmp_path):
+    """Chunk 1's score call must still be running when chunk 2's arrives: the loop
+    generated chunk 2 without waiting for chunk 1's rewards."""
+    retrieval, _ = trainer_world.clients(judge=False)
+
+    class Recorder:
+        def __init__(self):
+            self.second_arrived = None
+            self.overlapped = []
+
+        async def search(self, *args, **kwargs):
+            return await retrieval.search(*args, **kwargs)
+
+        async def score(self, *args, **kwargs):
+            if self.second_arrived is None:
+                self.second_arrived = asyncio.Event()
+                try:
+                    await asyncio.wait_for(self.second_arrived.wait(), timeout=60)
+                    self.overlapped.append(True)
+                except asyncio.TimeoutError:
+                    self.overlapped.append(False)
+            else:
+                self.second_arrived.set()
+            return await retrieval.score(*args, **kwargs)
+
+    recorder = Recorder()
+    config = load_train_config(None, trainer_world.overrides(tmp_path, "steps=1", "rollout.chunk_prompts=2",
+                                                              judge=False))
+    train(config, retrieval=recorder, judge=None)
+    assert recorder.overlapped == [True]
+
+
+def test_search_agent_with_calibadv_trains_and_logs_its_metrics(trainer_world, tmp_path):
+    retrieval, _ = trainer_world.clients(judge=False)
+    config = load_train_config(None, trainer_world.overrides(
+        tmp_path, f"tasks.path={trainer_world.search_tasks}", "advantage.type=calibadv", "advantage.use_gold=true",
+        "rollout.prompts_per_step=2", "rollout.max_new_tokens=8", "rollout.max_turns=2", "rollout.max_obs_tokens=24",
+        "steps=1", judge=False))
+    result = train(config, retrieval=retrieval, judge=None)
+    record = result.history[0]
+    assert {"calibadv/frac_groups_answer_zeroed", "calibadv/mean_step_score", "rewards/answer/mean"} <= set(record)
+    assert 0 <= record["calibadv/mean_step_score"] <= 1
+    assert math.isfinite(record["loss"]) and math.isfinite(record["grad_norm"])
+
+
+def test_search_step_scores_follow_calibadv_per_group():
+    from retrieval_server.types import Hit, RetrievalScore
+    from trainer.config import CalibAdvAdvantage
+    from trainer.loop import search_step_scores
+    from trainer.rewards import SearchRollout, SearchStepRecord
+    from trainer.tasks import Task
+
+    def step(think, *doc_ids):
+        hits = tuple(Hit(d, d, 1.0, i + 1) for i, d in enumerate(doc_ids))
+        score = RetrievalScore(hits=hits, hit=False, all_gold=False, recall=0.0, mrr=0.0, ndcg=0.0, first_gold_rank=0)
+        return SearchStepRecord(think=think, query=think, result=score)
+
+    task = Task("t", "search", "q?", gold_doc_ids=("g",), answers=("paris",))
+    best = SearchRollout(task, (step("find city", "a", "s1"), step("find country", "s2", "b")), "paris", True)
+    worse = SearchRollout(task, (step("look up tower", "s1", "x"), step("look up tower", "s2", "y")), "rome", True)
+    broken = SearchRollout(task, (step("hmm", "s1", "s2"),), "rome", False)
+    other = SearchRollout(task, (step("alpha", "s1"),), None, True)
+    rollouts = [best, worse, broken, other]
+    group_index = torch.tensor([0, 0, 0, 1])
+    segment_index = torch.tensor([[0, 1, 2], [0, 1, 2], [0, 1, -1], [0, 1, -1]])
+    scores = search_step_scores(rollouts, group_index, segment_index, CalibAdvAdvantage())
+    nan = float("nan")
+    # Group 0: the best rollout (F1 1 >= 0.7) retrieved {a, s1, s2, b}: those are silver.
+    expected = torch.tensor([[1.0, 1.0, nan], [0.5, 0.0, nan], [0.0, nan, nan], [0.0, nan, nan]])
+    # worse: step 2 repeats step 1's think text -> 0; broken: not well formed -> 0;
+    # other: its group's best F1 is 0 < 0.7 -> no silver docs -> 0.
+    assert torch.equal(torch.isnan(scores), torch.isnan(expected))
+    assert torch.equal(torch.nan_to_num(scores), torch.nan_to_num(expected))
+    gold = search_step_scores(rollouts, group_index, segment_index, CalibAdvAdvantage(use_gold=True))
+    assert gold[3, 0] == 0.0 and gold[0, 0] == 0.0  # gold doc "g" was never retrieved
+
+
+def test_lora_run_saves_only_the_adapter_and_resumes(trainer_world, tmp_path):
+    pytest.importorskip("peft")
+    retrieval, _ = trainer_world.clients(judge=False)
+    config = load_train_config(None, trainer_world.overrides(
+        tmp_path, "policy.lora.enabled=true", "policy.lora.r=4", "policy.lora.alpha=8", "optimizer.lr=1e-2",
+        "loss.beta=0.1", judge=False))
+    first = train(config, retrieval=retrieval, judge=None, stop_after=1)
+    assert first.stopped == "stop_after" and first.steps_done == 1
+    model_dir = first.last_checkpoint / "model"
+    assert (model_dir / "adapter_config.json").exists() and (model_dir / "adapter_model.safetensors").exists()
+    assert not (model_dir / "model.safetensors").exists()
+    adapter_1 = _weights(model_dir)
+    second = train(config, retrieval=retrieval, judge=None, resume=tmp_path)
+    assert second.steps_done == 2
+    assert second.history[0]["kl"] > 0  # the reference is the base without the adapter; the adapter moved
+    adapter_2 = _weights(second.last_checkpoint / "model")
+    assert any(not torch.equal(adapter_1[k], adapter_2[k]) for k in adapter_1)
+
+
+def test_training_runs_off_the_main_thread_without_signal_handling(trainer_world, tmp_path):
+    """Notebooks and services call train() from worker threads: no SIGTERM hook there."""
+    retrieval, _ = trainer_world.clients(judge=False)
+    config = load_train_config(None, trainer_world.overrides(tmp_path, "steps=1", judge=False))
+    results = []
+    worker = threading.Thread(target=lambda: results.append(train(config, retrieval=retrieval, judge=None)))
+    worker.start()
+    worker.join(120)
+    assert results and results[0].stopped == "completed"
