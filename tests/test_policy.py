@@ -232,3 +232,22 @@ def test_a_saved_adapter_folder_loads_trainable(policy_dir, tokenizer, tmp_path)
         )
     with pytest.raises(ConfigError, match="already holds a LoRA adapter"):
         load_policy(str(tmp_path / "adapter"), device="cpu", lora=LORA)
+
+
+def test_the_engine_samples_from_the_lora_policy(policy_dir, tokenizer):
+    pytest.importorskip("peft")
+    from trainer.engines import TransformersEngine
+
+    policy = load_policy(str(policy_dir), device="cpu", dtype="float32", lora=LORA)
+    _randomise_lora(policy.model)
+    merged = build_model(tokenizer, seed=5)
+    merged.load_state_dict(dict(inference_weights(policy.model)))
+    merged_policy = Policy(model=merged, tokenizer=tokenizer, device=torch.device("cpu"), model_id="merged")
+    prompts = [tokenizer(t)["input_ids"] for t in ("Dune is a novel", "<think> where is the tower")]
+    with_adapter = TransformersEngine(policy).generate(prompts, max_new_tokens=8, temperature=0.0, top_p=1.0)
+    from_merged = TransformersEngine(merged_policy).generate(prompts, max_new_tokens=8, temperature=0.0, top_p=1.0)
+    base = TransformersEngine(Policy(build_model(tokenizer), tokenizer, torch.device("cpu"), "base")).generate(
+        prompts, max_new_tokens=8, temperature=0.0, top_p=1.0
+    )
+    assert with_adapter == from_merged
+    assert with_adapter != base
