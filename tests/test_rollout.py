@@ -48,7 +48,9 @@ def _prompts(tokenizer):
 # --------------------------------------------------------------------------- engines
 
 
-def test_left_padded_batch_equals_one_prompt_at_a_time(policy, tokenizer):
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_left_padded_batch_equals_one_prompt_at_a_time(tokenizer, arch):
+    policy = Policy(build_model(tokenizer, arch=arch), tokenizer, torch.device("cpu"), arch)
     engine = TransformersEngine(policy)
     prompts = _prompts(tokenizer)
     batched = engine.generate(prompts, max_new_tokens=12, temperature=0.0, top_p=1.0)
@@ -225,6 +227,22 @@ def test_rewrite_rollouts_give_group_size_rows_per_task(policy, tokenizer):
     with torch.no_grad():
         logp = token_logprobs(policy.model, batch.input_ids, batch.attention_mask)
     assert logp.shape == batch.input_ids.shape and bool((logp[batch.completion_mask] < 0).all())
+
+
+def test_prompts_use_the_chat_template_when_there_is_one(tokenizer):
+    chat = build_tokenizer()
+    chat.chat_template = (
+        "{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}"
+        "{% if add_generation_prompt %}[assistant] {% endif %}"
+    )
+    task = SEARCH_TASKS[0]
+    rendered = chat.decode(search_prompt(chat, task))
+    assert rendered.startswith("[user] Answer the question below.")
+    assert rendered.endswith("Question: Where is the Eiffel Tower?\n\n[assistant] <think>")
+    plain = chat.decode(search_prompt(chat, task, chat_template=False))
+    assert plain.startswith("<s>Answer the question below.") and plain.endswith("Eiffel Tower?\n<think>")
+    with pytest.raises(InvalidArgument, match="chat_template"):
+        search_prompt(tokenizer, task, chat_template=True)
 
 
 def test_rewrite_rollouts_reject_bad_input(policy, tokenizer):

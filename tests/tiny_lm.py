@@ -40,12 +40,15 @@ def build_tokenizer(vocab_size: int = 400):
     return PreTrainedTokenizerFast(tokenizer_object=core, bos_token="<s>", eos_token="</s>", pad_token="<pad>")
 
 
-def build_model(tokenizer, *, seed: int = 0, hidden: int = 32, layers: int = 2, context: int = 512):
-    """A random Llama-architecture causal LM sized for ``tokenizer``."""
+def build_model(tokenizer, *, seed: int = 0, hidden: int = 32, layers: int = 2, context: int = 512,
+                arch: str = "llama"):
+    """A random causal LM sized for ``tokenizer``: ``arch`` "llama" or "qwen2"
+    (Qwen2 adds biases to the attention projections)."""
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
-    config = LlamaConfig(
+    config_class, model_class = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen2": (Qwen2Config, Qwen2ForCausalLM)}[arch]
+    config = config_class(
         vocab_size=len(tokenizer),
         hidden_size=hidden,
         intermediate_size=2 * hidden,
@@ -59,7 +62,7 @@ def build_model(tokenizer, *, seed: int = 0, hidden: int = 32, layers: int = 2, 
         tie_word_embeddings=False,
     )
     torch.manual_seed(seed)
-    model = LlamaForCausalLM(config)
+    model = model_class(config)
     # Spread the logits: a default-initialised tiny model is nearly uniform, which
     # makes greedy ties (and flaky comparisons) likely.
     with torch.no_grad():
