@@ -1,0 +1,132 @@
+"""The trainer config: loading, overrides, tagged unions, validation messages,
+`calibrl train --print-config`, the example configs and the lr schedule."""
+
+from __future__ import annotations
+
+import math
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+from calibrl.cli import main as calibrl_main
+from calibrl.errors import ConfigError
+from trainer.config import CalibAdvAdvantage, GrpoAdvantage, TrainConfig, load_train_config
+from trainer.loop import lr_lambda
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+REQUIRED = ["policy.path=/models/p", "tasks.path=tasks.jsonl", "services.index_dir=/idx", "services.rubric_dir=/rub",
+            "reward.rubric_id=r"]
+
+
+def test_defaults_follow_the_design_and_overrides_are_typed():
+    config = load_train_config(None, [*REQUIRED, "optimizer.lr=2e-5", "optimizer.betas=[0.9, 0.95]", "steps=7"])
+    assert isinstance(config, TrainConfig)
+    assert config.max_grad_norm == 0.5  # DESIGN: grad norm clipped to 0.5 by default
+    assert (config.reward.w_retrieval, config.reward.w_rubric) == (0.7, 0.3)
+    assert isinstance(config.advantage, GrpoAdvantage) and config.advantage.scale == "group"
+    assert config.optimizer.lr == 2e-5 and config.optimizer.betas == [0.9, 0.95] and config.steps == 7
+
+
+def test_advantage_is_a_tagged_union_chosen_by_type(tmp_path):
+    config = load_train_config(None, [*REQUIRED, "tasks.kind=search", "advantage.type=calibadv",
+                                      "advantage.lambda_=1.5", "advantage.use_gold=true"])
+    assert isinstance(config.advantage, CalibAdvAdvantage)
+    assert config.advantage.params() == {"lambda_": 1.5}
+    assert config.advantage.step_score_settings().use_gold is True
+    assert GrpoAdvantage().step_score_settings() is None
+    path = tmp_path / "run.yaml"
+    path.write_text(config.to_yaml())
+    again = load_train_config(path)  # the dumped YAML loads back to the same config
+    assert again == config
+    with pytest.raises(ConfigError, match=r"advantage.type: 'ppo' is not one of \['calibadv', 'grpo'\]"):
+        load_train_config(None, [*REQUIRED, "advantage.type=ppo"])
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["rollout.group_size=1"], r"rollout.group_size=1: GRPO needs >= 2 rollouts per task .* use 4-16"),
+        (["rollout.group_sise=4"], r"rollout.group_sise: unknown key; did you mean 'group_size'\?"),
+        (["rollout.temperature=0"], r"rollout.temperature=0.0: .* greedy decoding is for `calibrl eval`"),
+        (["tasks.kind=rewrite", "advantage.type=calibadv"], r"calibadv with tasks.kind=rewrite: .* use advantage.type=grpo"),
+        (["services.judge=none"], r"services.judge=none but reward.w_rubric=0.3 .* set the rubric weights to 0"),
+        (["services.index_dir="], r"services.retrieval=inprocess needs services.index_dir=<index folder>"),
+        (["optimizer.warmup_steps=500", "steps=100"], r"warmup_steps=500 > steps=100"),
+        (["loss.eps_low=1.0"], r"loss.eps_low=1.0: must be in \[0, 1\)"),
+        (["max_grad_norm=-1"], r"max_grad_norm=-1.0: must be >= 0"),
+        (["gradient_accumulation_steps=100", "rollout.prompts_per_step=2", "rollout.group_size=4"],
+         r"gradient_accumulation_steps=100 > the step's 8 rollouts"),
+        (["distributed.strategy=fsdp", "policy.device=cpu"], r"FSDP is the GPU option; use strategy=ddp on CPU"),
+        (["reward.w_retrieval=0", "reward.w_rubric=0"], r"reward.w_retrieval and reward.w_rubric are both 0"),
+        (["optimizer.betas=[0.9]"], r"optimizer.betas=\[0.9\]: need two numbers"),
+        (["health.max_frac_reward_zero_std=2"], r"health.max_frac_reward_zero_std=2.0: must be in \[0, 1\]"),
+    ],
+)
+def test_bad_values_are_rejected_naming_the_value_and_the_fix(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        load_train_config(None, [*REQUIRED, *overrides])
+
+
+def test_required_paths_are_named():
+    with pytest.raises(ConfigError, match=r"policy.path is empty: set policy.path="):
+        load_train_config(None, [])
+
+
+def test_print_config_lists_every_field_with_its_doc(capsys):
+    assert calibrl_main(["train", "--print-config"]) == 0
+    text = capsys.readouterr().out
+    for key in ("policy.lora.r = 16", "reward.w_rubric = 0.3", "advantage.lambda_ = 1.0", "advantage.scale = 'group'",
+                "loss.beta = 0.04", "optimizer.schedule = 'constant'", "max_grad_norm = 0.5",
+                "health.kl_target = 0.5", "services.retrieval = 'inprocess'", "rollout.group_size = 8",
+                "distributed.strategy = 'ddp'", "services.inprocess_judge.backend = 'programmatic'"):
+        assert key in text, key
+    # Every line that sets a value carries its documentation.
+    assert all("  # " in line and not line.rstrip().endswith("#") for line in text.splitlines() if " = " in line)
+
+
+def test_bad_config_exits_2_with_the_message(tmp_path, capsys):
+    path = tmp_path / "bad.yaml"
+    path.write_text("rollout: {group_size: 1}\n")
+    assert calibrl_main(["train", "--config", str(path), *REQUIRED]) == 2
+    assert "rollout.group_size=1" in capsys.readouterr().err
+    assert calibrl_main(["train", "--config", str(tmp_path / "missing.yaml")]) == 2
+
+
+def test_print_resolved_applies_overrides(capsys, tmp_path):
+    path = tmp_path / "run.yaml"
+    path.write_text("steps: 3\nrollout: {group_size: 4}\n")
+    assert calibrl_main(["train", "--config", str(path), "--print-resolved", *REQUIRED, "steps=5"]) == 0
+    out = capsys.readouterr().out
+    assert "steps: 5" in out and "group_size: 4" in out
+
+
+@pytest.mark.parametrize("path", sorted((ROOT / "configs").glob("*.yaml")), ids=lambda p: p.name)
+def test_example_configs_load_and_validate(path):
+    config = load_train_config(path)
+    assert config.policy.path and config.tasks.path
+
+
+def test_help_does_not_import_torch():
+    code = "import sys; from calibrl.cli import main; main(['train', '--print-config']); print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, check=True).stdout
+    assert out.strip().splitlines()[-1] == "False"
+
+
+def _schedule(*overrides):
+    config = load_train_config(None, [*REQUIRED, "steps=11", "optimizer.lr=1.0", *overrides])
+    multiplier = lr_lambda(config)
+    return [multiplier(n) for n in range(config.steps)]
+
+
+def test_lr_schedules_warm_up_then_decay_to_the_floor():
+    assert _schedule() == [1.0] * 11
+    warm = _schedule("optimizer.warmup_steps=2")
+    assert warm[:3] == [0.5, 1.0, 1.0]
+    linear = _schedule("optimizer.schedule=linear", "optimizer.warmup_steps=1", "optimizer.min_lr_ratio=0.1")
+    assert linear[0] == 1.0 and linear[1] == pytest.approx(1.0) and linear[-1] == pytest.approx(0.1)
+    assert all(a >= b for a, b in zip(linear, linear[1:]))
+    cosine = _schedule("optimizer.schedule=cosine")
+    assert cosine[0] == 1.0 and cosine[-1] == pytest.approx(0.0, abs=1e-12)
+    assert cosine[5] == pytest.approx(0.5 * (1 + math.cos(math.pi * 0.5)))
