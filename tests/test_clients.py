@@ -229,7 +229,6 @@ async def test_queue_full_is_retried_with_backoff(tiny_index, retriever):
     counter = CountingInterceptor()
     client = GrpcRetrievalClient(running.address, interceptors=[counter], max_attempts=30,
                                  backoff_initial_s=0.02, backoff_max_s=0.2)
-    raw = grpc.aio.insecure_channel(running.address)
     try:
         queries = [[item.query, item.query + " facts"] for item in ITEMS] * 2
         results = await asyncio.gather(*(client.search(q, top_k=1) for q in queries))
@@ -238,7 +237,6 @@ async def test_queue_full_is_retried_with_backoff(tiny_index, retriever):
         assert rejected >= 1 and running.batcher.stats.rejected == rejected
         assert counter.count("Search", "OK") == len(queries)
     finally:
-        await raw.close()
         await client.close()
         await running.stop(grace=1.0)
 
