@@ -8,6 +8,17 @@ from judge_server import programmatic as P
 from judge_server.embeddings import HashedNgramEmbedder, load_embedder
 from judge_server.types import JudgeItem
 
+@pytest.fixture(scope="module", autouse=True)
+def one_torch_thread():
+    """The embedder and tiny models run fastest on one thread on a shared, busy machine."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 GLOSSARY = ("VTSAX", "expense ratio", "Total Stock Market Index Fund")
 CTX = P.ScorerContext(glossary=GLOSSARY)
 
