@@ -56,7 +56,8 @@ def init_distributed(device: str) -> DistContext:
 
     rank = int(os.environ["RANK"])
     local_rank = int(os.environ.get("LOCAL_RANK", rank))
-    backend = "nccl" if device.startswith("cuda") else "gloo"
+    on_gpu = device.startswith("cuda") or (device == "auto" and torch.cuda.is_available())
+    backend = "nccl" if on_gpu else "gloo"
     if not dist.is_initialized():
         if backend == "nccl":
             torch.cuda.set_device(local_rank)
@@ -73,8 +74,9 @@ def close_distributed(ctx: DistContext) -> None:
 
 
 def rank_device(device: str, ctx: DistContext) -> str:
-    """``cuda`` becomes ``cuda:<local_rank>`` so each rank owns one GPU."""
-    if device == "cuda" and ctx.distributed:
+    """``cuda`` (or ``auto`` on a GPU machine) becomes ``cuda:<local_rank>`` so each
+    rank owns one GPU."""
+    if ctx.distributed and (device == "cuda" or (device == "auto" and ctx.backend == "nccl")):
         return f"cuda:{ctx.local_rank}"
     return device
 
@@ -212,6 +214,26 @@ def reduce_metrics(metrics: Mapping[str, float], ctx: DistContext) -> dict[str, 
         else:
             out[key] = (sums[i] / present[i].clamp(min=1)).item()
     return out
+
+
+def check_in_sync(parameters: Iterable[Any], ctx: DistContext) -> None:
+    """Raise when the ranks' copies of the trainable weights differ (a missed or
+    mismatched all-reduce would let them drift apart silently)."""
+    if not ctx.distributed:
+        return
+    import torch
+    import torch.distributed as dist
+
+    checksum = torch.zeros(2, dtype=torch.float64)
+    for p in parameters:
+        if p.requires_grad:
+            data = p.detach().double()
+            checksum[0] += data.sum().cpu()
+            checksum[1] += data.abs().sum().cpu()
+    gathered = [torch.zeros_like(checksum) for _ in range(ctx.world_size)]
+    dist.all_gather(gathered, checksum)
+    if any(not torch.equal(gathered[0], other) for other in gathered[1:]):
+        raise RuntimeError(f"trainable weights differ across ranks (checksums {[g.tolist() for g in gathered]})")
 
 
 def broadcast_object(value: T, ctx: DistContext) -> T:

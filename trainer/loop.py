@@ -167,6 +167,8 @@ def train(
         full_model, full_optim = (None, None)
         if config.distributed.strategy == "fsdp" and ctx.distributed:
             full_model, full_optim = dist_util.full_state_dicts(model, optimizer)
+        elif ctx.distributed:
+            dist_util.check_in_sync(params, ctx)
         path = ckpt.save_checkpoint(
             ckpt.checkpoint_dir(config.run_dir, state.step),
             model=model,
