@@ -69,6 +69,10 @@ PERMANENT_ERRORS: tuple[type[BaseException], ...] = (
 )
 
 _SCORE_TOLERANCE = 1e-6
+# Retrieved passages sent along with a judge item: enough for any criterion that reads them (an LLM judge
+# shows the first few), and well inside the judge's per-item limits (max_retrieved, max_text_chars).
+JUDGE_MAX_PASSAGES = 20
+JUDGE_MAX_PASSAGE_CHARS = 4000
 
 
 @dataclass
@@ -249,21 +253,15 @@ class RewardModel:
             n = by_index.get(i)
             retrieval = retrieval_scores[n] if n is not None else None
             rubric = rubric_scores[n] if (n is not None and rubric_scores) else None
-            components = {"retrieval": self._signal(retrieval, binary=cfg.binary_only) if retrieval else 0.0}
+            components = {"retrieval": self._signal(retrieval, cfg.binary_only) if retrieval is not None else 0.0}
             if "rubric" in weights:
                 components["rubric"] = rubric.total if rubric else 0.0
             results.append(RewardBreakdown(_weighted(components, weights), components, retrieval, rubric))
         return results
 
     def _rewrite_judge_item(self, rollout: RewriteRollout, output: str, retrieved: RetrievalScore | None) -> JudgeItem:
-        hits = retrieved.hits if retrieved is not None else ()
-        return JudgeItem(
-            query=rollout.task.query,
-            output=output,
-            retrieved_texts=tuple(h.text for h in hits),
-            retrieved_doc_ids=tuple(h.doc_id for h in hits),
-            context=rollout.task.context,
-        )
+        passages = {h.doc_id: h.text for h in retrieved.hits} if retrieved is not None else {}
+        return _judge_item(rollout.task, output, passages)
 
     # --- search tasks -----------------------------------------------------------------------------------------------
 
@@ -296,7 +294,7 @@ class RewardModel:
                 answer = token_f1(answers[i], golds) if answers[i] else 0.0
             components = {"answer": answer}
             if "retrieval" in weights:
-                signals = [self._signal(step.result, binary=False) for step in rollout.steps]
+                signals = [self._signal(step.result, False) for step in rollout.steps]
                 components["retrieval"] = sum(signals) / len(signals) if signals else 0.0
             rubric = rubric_scores.get(i)
             if "rubric" in weights:
@@ -305,17 +303,11 @@ class RewardModel:
         return results
 
     def _search_judge_item(self, rollout: SearchRollout, answer: str) -> JudgeItem:
-        seen: dict[str, str] = {}
+        passages: dict[str, str] = {}  # every passage the trajectory retrieved, in order of first retrieval
         for step in rollout.steps:
             for hit in step.result.hits:
-                seen.setdefault(hit.doc_id, hit.text)
-        return JudgeItem(
-            query=rollout.task.query,
-            output=answer,
-            retrieved_texts=tuple(seen.values()),
-            retrieved_doc_ids=tuple(seen),
-            context=rollout.task.context,
-        )
+                passages.setdefault(hit.doc_id, hit.text)
+        return _judge_item(rollout.task, answer, passages)
 
     # --- service calls and checks -----------------------------------------------------------------------------------
 
@@ -379,6 +371,17 @@ class RewardModel:
         raise RewardError(
             f"reward of {what} failed after {cfg.max_attempts} attempts; last error: {type(last).__name__}: {last}"
         ) from last
+
+
+def _judge_item(task: Task, output: str, passages: dict[str, str]) -> JudgeItem:
+    kept = list(passages.items())[:JUDGE_MAX_PASSAGES]
+    return JudgeItem(
+        query=task.query,
+        output=output,
+        retrieved_texts=tuple(text[:JUDGE_MAX_PASSAGE_CHARS] for _, text in kept),
+        retrieved_doc_ids=tuple(doc_id for doc_id, _ in kept),
+        context=task.context,
+    )
 
 
 def _weighted(components: dict[str, float], weights: dict[str, float]) -> float:
