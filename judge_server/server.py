@@ -28,12 +28,15 @@ log = logging.getLogger(__name__)
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["JudgeService"].full_name
 
-# Hook for the tenancy issue: maps a call's context to its tenant (None = no auth configured).
+# Maps a call's context to its tenant (None = no API keys configured: every rubric visible).
 TenantResolver = Callable[[Any], "str | None"]
 
 
-def _no_tenant(context: Any) -> None:
-    return None
+def _authenticated_tenant(context: Any) -> str | None:
+    """The tenant calibrl.security's AuthInterceptor authenticated for this call."""
+    from calibrl.security import current_tenant
+
+    return current_tenant()
 
 
 def rubric_to_proto(status: RubricStatus, model_id: str) -> pb.Rubric:
@@ -58,7 +61,7 @@ def rubric_to_proto(status: RubricStatus, model_id: str) -> pb.Rubric:
 
 
 class JudgeServicer(judge_pb2_grpc.JudgeServiceServicer):
-    def __init__(self, judge: Judge, batcher: MicroBatcher, tenant_of: TenantResolver = _no_tenant) -> None:
+    def __init__(self, judge: Judge, batcher: MicroBatcher, tenant_of: TenantResolver = _authenticated_tenant) -> None:
         self.judge = judge
         self.batcher = batcher
         self.tenant_of = tenant_of
@@ -107,7 +110,7 @@ def log_rubric_statuses(judge: Judge) -> None:
 
 
 async def start(config: JudgeServerConfig, judge: Judge | None = None,
-                tenant_of: TenantResolver = _no_tenant, interceptors: Sequence[Any] = ()) -> RunningServer:
+                tenant_of: TenantResolver = _authenticated_tenant, interceptors: Sequence[Any] = ()) -> RunningServer:
     """Start the judge server on the current event loop (port 0 picks a free port)."""
     if judge is None:
         judge = Judge.from_config(config.judge, config.rubrics)

@@ -153,3 +153,39 @@ async def test_allow_unvalidated_and_queue_limit(tmp_path):
             assert (await stub.Score(pb.ScoreRequest(rubric_id="draft", items=items("still serving")))).scores
     finally:
         await running.stop(0)
+
+
+async def test_tenants_see_only_their_rubrics(tmp_path):
+    import hashlib
+
+    folder = make_rubrics(tmp_path / "rubrics")
+    (folder / "team-a.yaml").write_text(UNVALIDATED.replace("id: draft", "id: team-a-only") + "tenants: [team-a]\n")
+    (folder / "shared.yaml").write_text(UNVALIDATED.replace("id: draft", "id: shared") + "tenants: ['*']\n")
+    keys = tmp_path / "keys.yaml"
+    keys.write_text("tenants:\n" + "".join(
+        f"  - name: {name}\n    key_sha256: {hashlib.sha256(f'key-{name}'.encode()).hexdigest()}\n"
+        for name in ("team-a", "team-b")))
+    config = server_config(folder, allow_unvalidated=True)
+    config.serving.api_keys_file = str(keys)
+    running = await start(config)
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{running.port}") as channel:
+            stub = judge_pb2_grpc.JudgeServiceStub(channel)
+
+            async def visible(tenant):
+                metadata = (("authorization", f"Bearer key-{tenant}"),)
+                return [r.id for r in (await stub.ListRubrics(pb.ListRubricsRequest(), metadata=metadata)).rubrics]
+
+            assert await visible("team-a") == ["shared", "team-a-only"]
+            assert await visible("team-b") == ["shared"]
+            request = pb.ScoreRequest(rubric_id="team-a-only", items=items("a fine rewrite here"))
+            scored = await stub.Score(request, metadata=(("authorization", "Bearer key-team-a"),))
+            assert scored.scores[0].total == 1.0
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                await stub.Score(request, metadata=(("authorization", "Bearer key-team-b"),))
+            assert info.value.code() == grpc.StatusCode.NOT_FOUND
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                await stub.ListRubrics(pb.ListRubricsRequest())
+            assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    finally:
+        await running.stop(0)
