@@ -36,6 +36,14 @@ log = logging.getLogger(__name__)
 EMBEDDER_IDS = {"minilm": "minilm-l6-v2", "hashed-ngrams": "hashed-ngrams"}
 
 
+def shown(value: str, limit: int = 140) -> str:
+    """``repr`` of a caller-supplied identifier, cut so an error message stays small
+    (gRPC status details travel in metadata, which has a hard size limit)."""
+    if len(value) <= limit:
+        return repr(value)
+    return f"{value[:limit]!r}... ({len(value)} characters)"
+
+
 @dataclass(frozen=True)
 class RubricStatus:
     """A served rubric and whether (and why not) this judge may use it."""
@@ -141,15 +149,15 @@ class Judge:
             raise InvalidArgument("rubric_id", "empty; name the rubric to use (ListRubrics shows them)")
         status = self._status.get(rubric_id)
         if status is None or not status.rubric.visible_to(tenant):
-            raise NotFound(f"rubric {rubric_id!r} not found")
+            raise NotFound(f"rubric {shown(rubric_id)} not found")
         return status
 
     def resolve(self, rubric_id: str, tenant: str | None = None, rubric_hash: str = "") -> Rubric:
         """The rubric to score with, or the error that says why it cannot be used."""
         status = self.status(rubric_id, tenant)
         if rubric_hash and rubric_hash != status.rubric.hash:
-            raise InvalidArgument("rubric_hash", f"{rubric_hash!r} does not match the served rubric {rubric_id!r} "
-                                  f"(hash {status.rubric.hash})")
+            raise InvalidArgument("rubric_hash", f"{shown(rubric_hash)} does not match the served rubric "
+                                  f"{rubric_id!r} (hash {status.rubric.hash})")
         if not status.usable:
             raise FailedPrecondition(status.reason)
         return status.rubric

@@ -180,3 +180,13 @@ def test_llm_rubric_with_tiny_transformers_judge(tmp_path):
         assert judge.score("rewriter", [GOOD])[0].total == 1.0  # programmatic rubrics work with any backend
     finally:
         torch.set_num_threads(threads)
+
+
+def test_huge_identifiers_are_cut_in_error_messages():
+    judge = Judge([parse_rubric(PROGRAMMATIC)], unvalidated_config())
+    with pytest.raises(NotFound) as info:
+        judge.score("x" * 20_000, [GOOD])
+    assert len(str(info.value)) < 300 and "(20000 characters)" in str(info.value)
+    with pytest.raises(InvalidArgument) as info:
+        judge.score("rewriter", [GOOD], rubric_hash="f" * 20_000)
+    assert len(str(info.value)) < 400 and "(20000 characters)" in str(info.value)
