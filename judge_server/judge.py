@@ -127,7 +127,11 @@ class Judge:
                                 f"rubric {rubric.id!r} has LLM criteria {names} but the judge backend is "
                                 f"'programmatic' (no LLM); serve it with a transformers: or vllm: judge")
         if self.llm is not None:
-            self.llm.check_rubric(rubric)
+            try:
+                self.llm.check_rubric(rubric)
+            except ConfigError as exc:
+                return RubricStatus(rubric, record, False, f"rubric {rubric.id!r} cannot be scored by "
+                                    f"{self.model_id!r}: {exc}")
         if record is not None and record.passed:
             return RubricStatus(rubric, record, True, f"validated: {record.reason}")
         why = (f"its validation for this model failed ({record.reason})" if record is not None
@@ -213,8 +217,10 @@ class Judge:
         results: list[ItemScore | None] = [None] * len(items)
         missing = []
         for i, item in enumerate(items):
-            hit = self.cache.get(cache_key(rubric.hash, self.model_id, item), rubric.id, rubric.hash, self.model_id) \
-                if self.cache.enabled else None
+            hit = None
+            if self.cache.enabled:
+                key = cache_key(rubric.hash, self.model_id, item)
+                hit = self.cache.get(key, rubric.id, rubric.hash, self.model_id)
             if hit is None:
                 missing.append(i)
             else:

@@ -39,7 +39,7 @@ def _authenticated_tenant(context: Any) -> str | None:
     return current_tenant()
 
 
-def rubric_to_proto(status: RubricStatus, model_id: str) -> pb.Rubric:
+def rubric_to_proto(status: RubricStatus) -> pb.Rubric:
     import json
 
     rubric = status.rubric
@@ -95,7 +95,7 @@ class JudgeServicer(judge_pb2_grpc.JudgeServiceServicer):
 
     @rpc_errors
     async def GetRubric(self, request: pb.GetRubricRequest, context: Any) -> pb.Rubric:
-        return rubric_to_proto(self.judge.status(request.rubric_id, self.tenant_of(context)), self.judge.model_id)
+        return rubric_to_proto(self.judge.status(request.rubric_id, self.tenant_of(context)))
 
 
 def log_rubric_statuses(judge: Judge) -> None:

@@ -1,6 +1,5 @@
 """The documented workflow through the CLI: distill -> validate (gate, record) -> serve."""
 
-import json
 import os
 import signal
 import subprocess
