@@ -1,2 +1,22 @@
 """The judge service: rubrics distilled from SME grades, validated against a
-golden set, executed by programmatic, transformers or vLLM judges, served over gRPC."""
+golden set, executed by programmatic, transformers or vLLM judges, served over gRPC.
+
+Public surface (everything else is an implementation detail):
+
+- ``judge_server.judge.Judge``: the core, ``score(rubric_id, items, tenant=None)``;
+  ``Judge.from_config(JudgeConfig, rubrics_dir)``.
+- ``judge_server.config``: ``JudgeConfig`` (in process) and ``JudgeServerConfig``.
+- ``judge_server.server.start(config) -> RunningServer``: the gRPC server on the
+  current event loop.
+- ``judge_server.rubric``: the rubric file format, ``load_rubric``, ``Rubric.hash``.
+- ``judge_server.feedback``, ``judge_server.distill``, ``judge_server.validation``:
+  SME feedback records, distillation, validation records and the gate.
+- ``judge_server.testing``: ``build_tiny_causal_lm`` and ``synthetic_feedback`` for
+  tests and demos (nothing downloaded).
+- ``judge_server.cli``: ``calibrl serve judge``, ``calibrl rubric distill|validate``.
+
+Module map: ``programmatic`` + ``entities`` + ``embeddings`` (criteria without an LLM),
+``prompts`` + ``backends/encoding`` (prompt and score code shared by the LLM backends),
+``backends/hf`` (transformers), ``backends/vllm_backend`` (vLLM), ``metrics``
+(agreement statistics), ``cache`` (result cache).
+"""
