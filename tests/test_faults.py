@@ -403,9 +403,9 @@ async def _wait_until(condition, timeout: float, what: str) -> None:
 
 
 async def test_retrieval_stop_finishes_every_call_in_flight_and_refuses_new_ones(world):
-    # A one-second batching window holds every call in the server's queue until all
+    # A two-second batching window holds every call in the server's queue until all
     # have arrived; then their 64 queries are embedded and searched as one batch.
-    running = await start_test_server(world.index_dir, "batch_max_wait_ms=1000", "batch_max_items=64")
+    running = await start_test_server(world.index_dir, "batch_max_wait_ms=2000", "batch_max_items=64")
     channel = grpc.aio.insecure_channel(running.address)
     stub = rpb_grpc.RetrievalServiceStub(channel)
     try:
@@ -461,7 +461,7 @@ def _judge_totals(rubric_dir, requests: list[list[jpb.JudgeItem]]) -> list[list[
 async def test_judge_stop_finishes_every_call_in_flight_and_refuses_new_ones(world):
     from judge_server import server as judge_server
 
-    config = _judge_server_config(world.rubric_dir, 0, max_wait_ms=1000.0, max_batch_items=64)
+    config = _judge_server_config(world.rubric_dir, 0, max_wait_ms=2000.0, max_batch_items=64)
     running = await judge_server.start(config)
     channel = grpc.aio.insecure_channel(f"127.0.0.1:{running.port}")
     stub = jpb_grpc.JudgeServiceStub(channel)
@@ -489,7 +489,7 @@ async def test_judge_stop_finishes_every_call_in_flight_and_refuses_new_ones(wor
 def test_sigterm_on_calibrl_serve_judge_answers_every_call_in_flight(world):
     """The production path: SIGTERM -> NOT_SERVING -> stop(grace) -> exit 0."""
     command = [sys.executable, "-m", "calibrl", "serve", "judge", "--rubrics", str(world.rubric_dir), "--port", "0",
-               "--allow-unvalidated", "judge.embedder=hashed-ngrams", "judge.cache_size=0", "max_wait_ms=1500",
+               "--allow-unvalidated", "judge.embedder=hashed-ngrams", "judge.cache_size=0", "max_wait_ms=2500",
                "max_batch_items=64", "serving.grace_seconds=60"]
     process = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                env=dict(os.environ, PYTHONUNBUFFERED="1"))
@@ -503,7 +503,7 @@ def test_sigterm_on_calibrl_serve_judge_answers_every_call_in_flight(world):
             requests = [_judge_items(call) for call in range(CALLS_IN_FLIGHT)]
             futures = [stub.Score.future(jpb.ScoreRequest(rubric_id=RUBRIC_ID, items=items), timeout=120)
                        for items in requests]
-            time.sleep(0.5)  # well inside the 1.5 s batching window: every call waits in the server's queue
+            time.sleep(1.0)  # inside the 2.5 s batching window: every call has arrived and waits in the queue
             assert not any(f.done() for f in futures)
             process.send_signal(signal.SIGTERM)
             replies = [f.result() for f in futures]  # raises if any call was dropped
