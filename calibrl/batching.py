@@ -133,14 +133,20 @@ class MicroBatcher(Generic[ItemT, ResultT]):
             key = max(self._queues, key=lambda k: sum(len(p.items) for p in self._queues[k]))
             batch: list[_Pending] = []
             size = 0
+            abandoned = 0
             queue = self._queues[key]
             while queue and (not batch or size + len(queue[0].items) <= self.max_batch_items):
                 pending = queue.pop(0)
+                if pending.future.cancelled():  # its caller gave up (deadline, disconnect): skip the work
+                    abandoned += len(pending.items)
+                    continue
                 batch.append(pending)
                 size += len(pending.items)
             if not queue:
                 del self._queues[key]
-            self._queued_items -= size
+            self._queued_items -= size + abandoned
+            if not batch:
+                continue
             flat = [item for pending in batch for item in pending.items]
             try:
                 results = await loop.run_in_executor(self._executor, self._process, key, flat)

@@ -29,6 +29,9 @@ class RetrievalServerConfig:
     )
     embedder: str = option("", "Local sentence-transformers folder overriding the manifest's embedder.")
     encode_batch_size: int = option(64, "Queries per embedder forward pass.")
+    torch_threads: int = option(
+        0, "CPU threads of the embedder (torch.set_num_threads) in `calibrl serve`; 0 keeps torch's default."
+    )
     hnsw_ef_search: int = option(128, "HNSW search breadth (raised to at least max_top_k).")
     ivf_nprobe: int = option(16, "IVF cells visited per query.")
     verify_checksums: bool = option(True, "Check every index file against the manifest's sha256 at start.")
@@ -53,6 +56,8 @@ class RetrievalServerConfig:
             value = getattr(self, name)
             if value < 1:
                 raise ConfigError(f"{name}={value}: must be >= 1")
+        if self.torch_threads < 0:
+            raise ConfigError(f"torch_threads={self.torch_threads}: must be >= 0 (0 keeps torch's default)")
         if self.batch_max_wait_ms < 0:
             raise ConfigError(f"batch_max_wait_ms={self.batch_max_wait_ms}: must be >= 0")
         if self.batch_max_queue_items < self.max_batch_size:

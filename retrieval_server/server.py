@@ -69,7 +69,13 @@ async def start(config: RetrievalServerConfig, retriever: Retriever | None = Non
 
 
 async def serve(config: RetrievalServerConfig) -> None:
-    """Serve until SIGTERM or SIGINT, then drain and stop."""
+    """Serve until SIGTERM or SIGINT, then drain and stop (the entry point of a server process)."""
+    if config.torch_threads:
+        import torch
+
+        # a process-wide setting, so only here and not in start(): with more compute threads
+        # than free cores (a shared host), every parallel region of the encoder can stall
+        torch.set_num_threads(config.torch_threads)
     running = await start(config)
     log.info(
         "retrieval index %s: %d passages, dense %s, default mode %s",

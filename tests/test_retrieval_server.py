@@ -213,6 +213,34 @@ async def test_graceful_stop_drains_a_call_in_flight(tiny_index):
         await running.stop(grace=0)
 
 
+class _CountingSlowRetriever(_SlowRetriever):
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.ranked_queries: list[str] = []
+
+    def ranked(self, queries, top_k, mode):
+        self.ranked_queries.extend(queries)
+        return super().ranked(queries, top_k, mode)
+
+
+async def test_a_call_whose_client_gave_up_is_not_computed(tiny_index):
+    slow = _CountingSlowRetriever.load(tiny_index, device="cpu")
+    served = await _serve(tiny_index, retriever=slow)
+    try:
+        first = asyncio.ensure_future(served.stub.Search(pb.SearchRequest(queries=["Mozart"], top_k=1), timeout=30))
+        await asyncio.sleep(0.2)  # the first batch is now computing for 0.8 s
+        with pytest.raises(grpc.aio.AioRpcError) as caught:
+            await served.stub.Search(pb.SearchRequest(queries=["abandoned"], top_k=1), timeout=0.2)
+        assert caught.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        assert _ids((await first).results[0]) == ["mozart"]
+        after = await served.stub.Search(pb.SearchRequest(queries=["Bach"], top_k=1), timeout=30)
+        assert _ids(after.results[0]) == ["bach"]
+        assert slow.ranked_queries == ["Mozart", "Bach"]
+        assert served.running.batcher.queue_depth == 0
+    finally:
+        await served.close()
+
+
 @pytest.mark.slow
 def test_cli_serve_answers_then_drains_on_sigterm(tiny_index):
     env = dict(os.environ, PYTHONUNBUFFERED="1")
