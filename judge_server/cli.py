@@ -76,8 +76,10 @@ def serve(argv: list[str]) -> int:
 
     async def run() -> None:
         running = await start(config)
+        serving = asyncio.ensure_future(serve_until_signal(running, config.serving.grace_seconds))
+        await asyncio.sleep(0)  # its SIGTERM/SIGINT handlers are installed before we announce the port
         print(f"judge server listening on {config.serving.host}:{running.port}", flush=True)
-        await serve_until_signal(running, config.serving.grace_seconds)
+        await serving
 
     try:
         asyncio.run(run())

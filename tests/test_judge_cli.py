@@ -40,20 +40,36 @@ def workspace(tmp_path_factory):
     return root
 
 
-def test_distill_validate_serve_programmatic(workspace, capsys):
-    rubric_path = workspace / "rubrics" / "funds.yaml"
-    golden = workspace / "golden.jsonl"
-    assert cli.distill(["--feedback", str(workspace / "feedback.jsonl"), "--out", str(rubric_path),
-                        "--golden-out", str(golden), "--id", "funds", "--criteria", "programmatic",
-                        "--glossary", str(workspace / "glossary.txt")]) == 0
-    out = capsys.readouterr().out
-    assert "wrong_time_period" in out and "left out" in out  # needs an LLM criterion in programmatic mode
+@pytest.fixture(scope="module")
+def distilled(workspace):
+    """distill + validate of the programmatic rubric, run once: (exit codes, their stdout)."""
+    import contextlib
+    import io
+
+    rubric_path, golden = workspace / "rubrics" / "funds.yaml", workspace / "golden.jsonl"
+    runs = [
+        (cli.distill, ["--feedback", str(workspace / "feedback.jsonl"), "--out", str(rubric_path), "--golden-out",
+                       str(golden), "--id", "funds", "--criteria", "programmatic",
+                       "--glossary", str(workspace / "glossary.txt")]),
+        (cli.validate, ["--rubric", str(rubric_path), "--golden", str(golden), "--judge", "programmatic"]),
+    ]
+    results = []
+    for command, argv in runs:
+        stdout = io.StringIO()
+        with contextlib.redirect_stdout(stdout):
+            code = command(argv)
+        results.append((code, stdout.getvalue()))
+    return rubric_path, golden, results
+
+
+def test_distill_validate_programmatic(workspace, distilled, capsys):
+    rubric_path, golden, [(distill_code, distill_out), (validate_code, validate_out)] = distilled
+    assert distill_code == 0
+    assert "wrong_time_period" in distill_out and "left out" in distill_out  # needs an LLM criterion
     rubric = load_rubric(rubric_path)
     assert rubric.glossary == tuple(sorted(SYNTHETIC_GLOSSARY, key=lambda t: (t.lower(), t)))
 
-    assert cli.validate(["--rubric", str(rubric_path), "--golden", str(golden), "--judge", "programmatic"]) == 0
-    out = capsys.readouterr().out
-    assert "gate PASSED" in out
+    assert validate_code == 0 and "gate PASSED" in validate_out
     [record] = read_records(str(rubric_path) + ".validation.json")
     assert record.passed and record.kappa >= 0.6 and record.rubric_hash == rubric.hash
     assert record.model_id == "programmatic[minilm-l6-v2]" and record.n_items == len(read_feedback(golden))
@@ -71,7 +87,7 @@ def test_distill_validate_serve_programmatic(workspace, capsys):
     assert "does not exist" in capsys.readouterr().err
 
 
-async def test_validated_rubric_is_served(workspace):
+async def test_validated_rubric_is_served(workspace, distilled):
     config = JudgeServerConfig(rubrics=str(workspace / "rubrics"))
     config.serving.port = 0
     running = await start(config)
@@ -122,7 +138,7 @@ async def test_llm_rubric_with_tiny_judge_fails_gate_and_is_refused(workspace, t
 
 
 @pytest.mark.slow
-def test_serve_command_starts_serves_and_stops_on_sigterm(workspace):
+def test_serve_command_starts_serves_and_stops_on_sigterm(workspace, distilled):
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     process = subprocess.Popen(
         [sys.executable, "-m", "calibrl", "serve", "judge", "--rubrics", str(workspace / "rubrics"),
@@ -150,7 +166,7 @@ def test_serve_command_starts_serves_and_stops_on_sigterm(workspace):
         process.stderr.close()
 
 
-def test_bad_config_is_reported(workspace, capsys):
+def test_bad_config_is_reported(workspace, distilled, capsys):
     assert cli.serve(["--rubrics", str(workspace / "rubrics"), "judge.cache_sise=1"]) == 2
     assert "judge.cache_sise: unknown key; did you mean 'cache_size'?" in capsys.readouterr().err
     assert cli.serve(["--backend", "gpt4"]) == 2
