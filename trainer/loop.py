@@ -5,6 +5,8 @@ One function, :func:`train`, reads top to bottom. Each step::
     rollout     G samples per task, generated in chunks; each chunk's reward
                 coroutine is submitted to a background event loop at once, so
                 scoring overlaps the next chunk's generation
+    reference   the frozen reference's log-probs (they need no reward: this
+                hides part of the last chunk's scoring)
     rewards     wait for the scores; a reward that could not be computed stops
                 the run (checkpoint first) and is never trained on as 0
     advantages  per-token advantages from the registered estimator named by
@@ -218,6 +220,23 @@ def train(
                 failure = exc
             generation_s = time.perf_counter() - step_start
 
+            # ---------------------------------------------------------- reference
+            # The frozen reference's log-probs need no reward: computing them here
+            # hides part of the last chunk's scoring latency.
+            reference_start = time.perf_counter()
+            batch, micro_batches, ref_logps = None, [], []
+            if failure is None:
+                batch = concat_batches(batches, _pad_id(tokenizer)).to(device)
+                micro_batches = _micro_batches(len(batch), config.gradient_accumulation_steps)
+                for rows in micro_batches:
+                    ref_logp = None
+                    if reference is not None:
+                        ids, attn = _trimmed(batch, None, rows)[:2]
+                        with torch.no_grad(), autocast:
+                            ref_logp = token_logprobs(reference, ids, attn, temperature=config.rollout.temperature)
+                    ref_logps.append(ref_logp)
+            reference_s = time.perf_counter() - reference_start
+
             # ---------------------------------------------------------- rewards
             wait_start = time.perf_counter()
             breakdowns = []
@@ -235,7 +254,6 @@ def train(
                 raise RewardError(f"step {step}: {message}; checkpoint written to {path}, resume with --resume {path}")
 
             # ---------------------------------------------------------- advantages
-            batch = concat_batches(batches, _pad_id(tokenizer)).to(device)
             rewards = torch.tensor([b.total for b in breakdowns], dtype=torch.float32, device=device)
             step_scores = None
             settings = config.advantage.step_score_settings()
@@ -260,16 +278,12 @@ def train(
             )
             loss_metrics: list[tuple[float, dict[str, float]]] = []
             loss_value = 0.0
-            for rows in _micro_batches(len(batch), config.gradient_accumulation_steps):
+            for rows, ref_logp in zip(micro_batches, ref_logps):
                 ids, attn, mask, adv = _trimmed(batch, token_adv, rows)
                 with autocast:
                     logp, entropy = token_logprobs(
                         model, ids, attn, temperature=config.rollout.temperature, return_entropy=True
                     )
-                    ref_logp = None
-                    if reference is not None:
-                        with torch.no_grad():
-                            ref_logp = token_logprobs(reference, ids, attn, temperature=config.rollout.temperature)
                 loss, metrics = policy_loss_for(config, logp, logp.detach(), adv, mask, ref_logp)
                 weight = _micro_batch_weight(config.loss.aggregation, mask, rows_total, tokens_total, ctx.world_size)
                 (loss * weight).backward()
@@ -303,6 +317,7 @@ def train(
                 **diag.completion_metrics(batch.completion_mask),
                 **_token_weighted_mean(loss_metrics),
                 "timing/generation": generation_s,
+                "timing/reference": reference_s,
                 "timing/reward_wait": reward_wait_s,
                 "timing/update": update_s,
                 "timing/step": step_s,
@@ -570,7 +585,8 @@ def _trimmed(batch: Any, token_adv: Any, rows: list[int]) -> tuple[Any, Any, Any
     attn = batch.attention_mask[index[0] : index[1]]
     width = int(attn.sum(dim=1).max())
     sl = (slice(index[0], index[1]), slice(0, width))
-    return batch.input_ids[sl], attn[:, :width], batch.completion_mask[sl], token_adv[sl]
+    adv = None if token_adv is None else token_adv[sl]
+    return batch.input_ids[sl], attn[:, :width], batch.completion_mask[sl], adv
 
 
 def _micro_batch_weight(aggregation: str, mask: Any, rows_total: float, tokens_total: float, world: int) -> float:
