@@ -82,11 +82,14 @@ def demo_rubric_yaml(glossary: list[str]) -> str:
 class ChildServer:
     """`calibrl serve <service>` in a child process; its port is read from its log."""
 
-    def __init__(self, service: str, args: list[str]) -> None:
+    def __init__(self, service: str, args: list[str], threads: int = 0) -> None:
         self.service = service
         self.command = [sys.executable, "-m", "calibrl", "serve", service, "--port", "0", *args]
+        env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1")
+        if threads:
+            env["OMP_NUM_THREADS"] = env["MKL_NUM_THREADS"] = str(threads)  # torch's intra-op threads
         self.process = subprocess.Popen(self.command, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                                        text=True, env=dict(os.environ, HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1"))
+                                        text=True, env=env)
         self.tail: collections.deque[str] = collections.deque(maxlen=40)
         self._port: int | None = None
         self._ready = threading.Event()
@@ -274,6 +277,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="extra config override of the retrieval server (repeatable)")
     parser.add_argument("--judge-set", action="append", default=[], metavar="KEY=VALUE",
                         help="extra config override of the judge server (repeatable)")
+    parser.add_argument("--server-threads", type=int, default=0,
+                        help="OMP_NUM_THREADS of the server processes (torch's CPU threads); 0 = torch's default")
     parser.add_argument("--timeout", type=float, default=60.0, help="deadline of each request, seconds")
     parser.add_argument("--out", type=pathlib.Path, help="also write the results as JSON here")
     args = parser.parse_args(argv)
@@ -295,7 +300,8 @@ def main(argv: list[str] | None = None) -> int:
         for service in services:
             if service == "retrieval":
                 index_dir, setup["retrieval_index"] = choose_index(args.index, args.data, work)
-                server = ChildServer("retrieval", ["--index", str(index_dir), "device=cpu", *args.retrieval_set])
+                server = ChildServer("retrieval", ["--index", str(index_dir), "device=cpu", *args.retrieval_set],
+                                     args.server_threads)
                 hotpotqa = index_dir == DEFAULT_HOTPOTQA_INDEX or "hotpotqa" in str(index_dir).lower()
                 requests = retrieval_requests(args.batch, args.data, hotpotqa and args.data.exists(), args.mode)
                 setup["retrieval_index"] += f", {args.mode} mode, top_k {TOP_K}" + "".join(
@@ -309,7 +315,8 @@ def main(argv: list[str] | None = None) -> int:
                 (rubrics / f"{DEMO_RUBRIC_ID}.yaml").write_text(demo_rubric_yaml(list(SYNTHETIC_GLOSSARY)))
                 server = ChildServer("judge", ["--rubrics", str(rubrics), "--backend", "programmatic",
                                                "--allow-unvalidated", f"judge.embedder={args.judge_embedder}",
-                                               "judge.cache_size=0", "judge.embedder_device=cpu", *args.judge_set])
+                                               "judge.cache_size=0", "judge.embedder_device=cpu", *args.judge_set],
+                                     args.server_threads)
                 setup["judge"] = f"programmatic, {args.judge_embedder} embedder, cache off, rubric {DEMO_RUBRIC_ID}" + (
                     "".join(f", {o}" for o in args.judge_set))
                 requests = judge_requests(args.batch)
@@ -330,6 +337,8 @@ def main(argv: list[str] | None = None) -> int:
                f"{load_after[0]:.1f} after (shared machine)")
     command = "python benchmarks/bench_load.py " + " ".join(argv if argv is not None else sys.argv[1:])
     print(f"\n`{command.strip()}` on {machine}")
+    if args.server_threads:
+        setup["server threads"] = f"OMP_NUM_THREADS={args.server_threads}"
     for name, value in setup.items():
         print(f"- {name}: {value}")
     print()
