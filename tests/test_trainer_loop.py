@@ -283,3 +283,35 @@ def test_training_runs_off_the_main_thread_without_signal_handling(trainer_world
     worker.start()
     worker.join(120)
     assert results and results[0].stopped == "completed"
+
+
+def test_completion_logprobs_equal_the_policy_logprobs_on_generated_tokens():
+    """The loop projects only the completion columns to the vocabulary; the values
+    must be those of trainer.policy.token_logprobs, for full and LoRA models."""
+    from tests.tiny_lm import build_model, build_tokenizer
+    from trainer.loop import _accepts_logits_to_keep, completion_logprobs, micro_batch
+    from trainer.policy import LoraSettings, Policy, make_reference, token_logprobs, wrap_lora
+    from trainer.rollout import RolloutBatch, assemble_rows
+
+    tokenizer = build_tokenizer()
+    model = build_model(tokenizer).train()
+    rows = [[([1, 5, 6, 7], False), ([8, 9, 10], True)], [([1, 5], False), ([11, 12, 13, 14, 15], True)],
+            [([1, 5, 6, 7, 8, 9], False), ([3], True), ([20, 21], False), ([4, 4], True)]]
+    batch = RolloutBatch(**assemble_rows(rows, 0), group_index=torch.tensor([0, 0, 1]), completion_texts=[""] * 3,
+                         rollouts=[None] * 3)
+    micro = micro_batch(batch, None, [0, 1, 2])
+    assert micro.start == 2 and micro.mask.shape == (3, batch.input_ids.shape[1] - 2)
+    logp, entropy = completion_logprobs(model, micro, 0.7, with_entropy=True)
+    full, full_entropy = token_logprobs(model, batch.input_ids, batch.attention_mask, temperature=0.7,
+                                        return_entropy=True)
+    assert torch.allclose(logp[micro.mask], full[:, 2:][micro.mask], atol=1e-6)
+    assert entropy == pytest.approx(float(full_entropy[:, 2:][micro.mask].mean()), rel=1e-5)
+    assert _accepts_logits_to_keep(model)
+    pytest.importorskip("peft")
+    lora = Policy(model=wrap_lora(model, LoraSettings(r=2)), tokenizer=tokenizer, device=torch.device("cpu"),
+                  model_id="")
+    reference = make_reference(lora)
+    assert _accepts_logits_to_keep(lora.model) and _accepts_logits_to_keep(reference)
+    with torch.no_grad():
+        ref_logp, _ = completion_logprobs(reference, micro, 0.7)
+    assert torch.allclose(ref_logp[micro.mask], full[:, 2:][micro.mask], atol=1e-6)  # LoRA B starts at 0

@@ -89,7 +89,7 @@ def train(
 
     from trainer.advantages import AdvantageInputs, compute_advantages
     from trainer.engines import make_engine
-    from trainer.policy import load_policy, make_reference, resolve_device, token_logprobs
+    from trainer.policy import load_policy, make_reference, resolve_device
     from trainer.rewards import RewardModel
 
     # ------------------------------------------------------------------ setup
@@ -231,9 +231,9 @@ def train(
                 for rows in micro_batches:
                     ref_logp = None
                     if reference is not None:
-                        ids, attn = _trimmed(batch, None, rows)[:2]
                         with torch.no_grad(), autocast:
-                            ref_logp = token_logprobs(reference, ids, attn, temperature=config.rollout.temperature)
+                            ref_logp, _ = completion_logprobs(reference, micro_batch(batch, None, rows),
+                                                              config.rollout.temperature)
                     ref_logps.append(ref_logp)
             reference_s = time.perf_counter() - reference_start
 
@@ -279,18 +279,16 @@ def train(
             loss_metrics: list[tuple[float, dict[str, float]]] = []
             loss_value = 0.0
             for rows, ref_logp in zip(micro_batches, ref_logps):
-                ids, attn, mask, adv = _trimmed(batch, token_adv, rows)
+                micro = micro_batch(batch, token_adv, rows)
                 with autocast:
-                    logp, entropy = token_logprobs(
-                        model, ids, attn, temperature=config.rollout.temperature, return_entropy=True
-                    )
-                loss, metrics = policy_loss_for(config, logp, logp.detach(), adv, mask, ref_logp)
-                weight = _micro_batch_weight(config.loss.aggregation, mask, rows_total, tokens_total, ctx.world_size)
+                    logp, entropy = completion_logprobs(model, micro, config.rollout.temperature, with_entropy=True)
+                loss, metrics = policy_loss_for(config, logp, logp.detach(), micro.token_adv, micro.mask, ref_logp)
+                weight = _micro_batch_weight(
+                    config.loss.aggregation, micro.mask, rows_total, tokens_total, ctx.world_size
+                )
                 (loss * weight).backward()
-                mask_f = mask.float()
-                tokens = float(mask_f.sum())
-                metrics["entropy"] = float((entropy.detach() * mask_f).sum() / max(tokens, 1.0))
-                loss_metrics.append((tokens, metrics))
+                metrics["entropy"] = entropy
+                loss_metrics.append((float(micro.mask.sum()), metrics))
                 loss_value += float(loss.detach()) * weight  # averaged over ranks below: the step's loss
 
             # ---------------------------------------------------------- step
@@ -579,14 +577,70 @@ def _micro_batches(rows: int, parts: int) -> list[list[int]]:
     return [list(range(bounds[i], bounds[i + 1])) for i in range(parts) if bounds[i + 1] > bounds[i]]
 
 
-def _trimmed(batch: Any, token_adv: Any, rows: list[int]) -> tuple[Any, Any, Any, Any]:
-    """The rows' tensors cut to their longest row (right padding only)."""
-    index = rows[0], rows[-1] + 1
-    attn = batch.attention_mask[index[0] : index[1]]
+@dataclass
+class MicroBatch:
+    """Rows of the step's batch, cut to their longest row; the loss-side tensors
+    start at ``start``, the first column holding a generated token of any row."""
+
+    input_ids: Any  # (b, L)
+    attention_mask: Any  # (b, L)
+    start: int
+    mask: Any  # (b, L - start) completion_mask
+    token_adv: Any  # (b, L - start), or None before advantages exist
+
+
+def micro_batch(batch: Any, token_adv: Any, rows: list[int]) -> MicroBatch:
+    rows_slice = slice(rows[0], rows[-1] + 1)
+    attn = batch.attention_mask[rows_slice]
     width = int(attn.sum(dim=1).max())
-    sl = (slice(index[0], index[1]), slice(0, width))
-    adv = None if token_adv is None else token_adv[sl]
-    return batch.input_ids[sl], attn[:, :width], batch.completion_mask[sl], adv
+    mask = batch.completion_mask[rows_slice, :width]
+    generated = mask.any(dim=0).nonzero()
+    start = max(1, int(generated[0])) if generated.numel() else width - 1
+    return MicroBatch(
+        input_ids=batch.input_ids[rows_slice, :width],
+        attention_mask=attn[:, :width],
+        start=start,
+        mask=mask[:, start:],
+        token_adv=None if token_adv is None else token_adv[rows_slice, start:width],
+    )
+
+
+def completion_logprobs(model: Any, micro: MicroBatch, temperature: float,
+                        with_entropy: bool = False) -> tuple[Any, float | None]:
+    """Log-probabilities ``(b, L - start)`` of the micro-batch's tokens from column
+    ``start`` on, and (optionally) the mean entropy over its generated tokens.
+
+    Like ``trainer.policy.token_logprobs`` (same positions, same temperature
+    scaling), but the model projects only the last ``L - start + 1`` positions to
+    the vocabulary (``logits_to_keep``, as TRL does): the prompt's hidden states
+    are computed, its logits are not. Log-probs and entropy come from the pure
+    functions of ``trainer.losses``."""
+    from trainer.losses import masked_entropy_from_logits, token_logprobs
+
+    keep = micro.input_ids.shape[1] - micro.start + 1
+    position_ids = (micro.attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+    inputs = dict(input_ids=micro.input_ids, attention_mask=micro.attention_mask, position_ids=position_ids,
+                  use_cache=False)
+    if _accepts_logits_to_keep(model):
+        inputs["logits_to_keep"] = keep
+    logits = model(**inputs).logits[:, -keep:-1, :]
+    logp = token_logprobs(logits, micro.input_ids[:, micro.start :], temperature=temperature)
+    entropy = None
+    if with_entropy:
+        entropy = masked_entropy_from_logits(logits.detach(), micro.mask, temperature=temperature)[1]
+    return logp, entropy
+
+
+def _accepts_logits_to_keep(model: Any) -> bool:
+    import inspect
+
+    target = getattr(model, "_peft_model", model)  # the LoRA reference wraps the peft policy
+    if hasattr(target, "get_base_model"):
+        target = target.get_base_model()
+    try:
+        return "logits_to_keep" in inspect.signature(target.forward).parameters
+    except (TypeError, ValueError):
+        return False
 
 
 def _micro_batch_weight(aggregation: str, mask: Any, rows_total: float, tokens_total: float, world: int) -> float:
