@@ -234,10 +234,10 @@ def part_services(world: dict, root: pathlib.Path, steps: int, chunks: list[int]
                 step = sum(m["timing/step"] for m in timed)
                 wait = sum(m["timing/reward_wait"] for m in timed)
                 generation = sum(m["timing/generation"] for m in timed)
-                reference = sum(m["timing/reference"] for m in timed)
+                overlap = sum(m["timing/overlap_forward"] for m in timed)
                 results[f"chunk_{chunk}"] = {
                     "reward_wait_share": wait / step,
-                    "reference_share": reference / step,
+                    "overlap_forward_share": overlap / step,
                     "generation_share": generation / step,
                     "mean_step_s": step / len(timed),
                     "reward": statistics.mean(m["reward"] for m in timed),
