@@ -102,15 +102,22 @@ def run_calibrl(world: dict, out: pathlib.Path, steps: int) -> dict:
         f"max_grad_norm={MAX_GRAD_NORM}", f"optimizer.lr={LR}", f"steps={steps}", f"output_dir={out}",
         "checkpoint_every=0", "progress_bar=false", "tensorboard=false", "precision=fp32",
     ])
-    ends: list[float] = []
+    ends: list[tuple[float, float]] = []
     lengths: list[float] = []
 
     def on_step(step: int, metrics: dict) -> None:
-        ends.append(time.perf_counter())
+        ends.append((time.perf_counter(), time.process_time()))
         lengths.append(metrics["completions/mean_length"])
 
     train(config, retrieval=InProcessRetrievalClient(world["retriever"]), judge=None, on_step=on_step)
-    return {"step_s": [b - a for a, b in zip(ends, ends[1:])], "mean_length": statistics.mean(lengths)}
+    return _step_times(ends) | {"mean_length": statistics.mean(lengths)}
+
+
+def _step_times(ends: list[tuple[float, float]]) -> dict:
+    """Wall and process-CPU seconds between consecutive step ends (the CPU time of
+    every thread of this process: the policy and the in-process reward alike)."""
+    return {"step_s": [b[0] - a[0] for a, b in zip(ends, ends[1:])],
+            "cpu_s": [b[1] - a[1] for a, b in zip(ends, ends[1:])]}
 
 
 def run_trl(world: dict, out: pathlib.Path, steps: int) -> dict:
@@ -144,11 +151,11 @@ def run_trl(world: dict, out: pathlib.Path, steps: int) -> dict:
 
     class StepClock(TrainerCallback):
         def __init__(self) -> None:
-            self.ends: list[float] = []
+            self.ends: list[tuple[float, float]] = []
             self.lengths: list[float] = []
 
         def on_step_end(self, args, state, control, **kwargs):
-            self.ends.append(time.perf_counter())
+            self.ends.append((time.perf_counter(), time.process_time()))
 
         def on_log(self, args, state, control, logs=None, **kwargs):
             if logs and "completions/mean_length" in logs:
@@ -161,33 +168,49 @@ def run_trl(world: dict, out: pathlib.Path, steps: int) -> dict:
         beta=BETA, max_grad_norm=MAX_GRAD_NORM, learning_rate=LR, lr_scheduler_type="constant",
         scale_rewards="group", temperature=1.0, use_cpu=True, bf16=False, gradient_checkpointing=False,
         use_bias_correction_kl=False, report_to="none", logging_steps=1, save_strategy="no", seed=0,
-        disable_tqdm=True,
+        disable_tqdm=True, log_level="error",
     )
     tokenizer = AutoTokenizer.from_pretrained(str(world["policy"]))
     trainer = trl.GRPOTrainer(model=str(world["policy"]), reward_funcs=recall_at_k, args=args,
                               train_dataset=dataset, processing_class=tokenizer, callbacks=[clock])
+    from transformers.trainer_callback import PrinterCallback
+
+    trainer.remove_callback(PrinterCallback)  # no log dict printed per step
     trainer.train()
-    return {"step_s": [b - a for a, b in zip(clock.ends, clock.ends[1:])],
-            "mean_length": statistics.mean(clock.lengths) if clock.lengths else float("nan")}
+    return _step_times(clock.ends) | {
+        "mean_length": statistics.mean(clock.lengths) if clock.lengths else float("nan")}
 
 
 def part_trl(world: dict, root: pathlib.Path, steps: int, rounds: int) -> dict:
-    ours, theirs = [], []
-    lengths = {"calibrl": [], "trl": []}
+    runners = {"calibrl": run_calibrl, "trl": run_trl}
+    wall: dict[str, list[float]] = {"calibrl": [], "trl": []}
+    cpu: dict[str, list[float]] = {"calibrl": [], "trl": []}
+    lengths: dict[str, list[float]] = {"calibrl": [], "trl": []}
+    round_ratios = []
     for r in range(rounds):
-        for name, runner, sink in (("calibrl", run_calibrl, ours), ("trl", run_trl, theirs)):
-            result = runner(world, root / f"{name}-{r}", steps)
-            sink.extend(result["step_s"])
+        order = ["calibrl", "trl"] if r % 2 == 0 else ["trl", "calibrl"]  # alternate who runs first
+        medians = {}
+        for name in order:
+            result = runners[name](world, root / f"{name}-{r}", steps)
+            wall[name].extend(result["step_s"])
+            cpu[name].extend(result["cpu_s"])
             lengths[name].append(result["mean_length"])
-            print(f"  round {r} {name}: median step {statistics.median(result['step_s']):.3f}s over "
-                  f"{len(result['step_s'])} steps, mean completion length {result['mean_length']:.1f}", flush=True)
+            medians[name] = statistics.median(result["step_s"])
+            print(f"  round {r} {name}: median step {medians[name]:.3f}s wall, "
+                  f"{statistics.median(result['cpu_s']):.3f}s CPU over {len(result['step_s'])} steps, "
+                  f"mean completion length {result['mean_length']:.1f}", flush=True)
+        round_ratios.append(medians["calibrl"] / medians["trl"])
     return {
-        "calibrl_median_step_s": statistics.median(ours),
-        "trl_median_step_s": statistics.median(theirs),
-        "ratio_calibrl_over_trl": statistics.median(ours) / statistics.median(theirs),
+        "calibrl_median_step_s": statistics.median(wall["calibrl"]),
+        "trl_median_step_s": statistics.median(wall["trl"]),
+        "ratio_calibrl_over_trl": statistics.median(wall["calibrl"]) / statistics.median(wall["trl"]),
+        "round_ratios": round_ratios,
+        "calibrl_median_cpu_s": statistics.median(cpu["calibrl"]),
+        "trl_median_cpu_s": statistics.median(cpu["trl"]),
+        "cpu_ratio_calibrl_over_trl": statistics.median(cpu["calibrl"]) / statistics.median(cpu["trl"]),
         "calibrl_mean_completion_length": statistics.mean(lengths["calibrl"]),
         "trl_mean_completion_length": statistics.mean(lengths["trl"]),
-        "timed_steps_each": len(ours),
+        "timed_steps_each": len(wall["calibrl"]),
     }
 
 
