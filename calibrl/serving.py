@@ -77,6 +77,50 @@ def rpc_errors(method: Callable[..., Awaitable[Any]]) -> Callable[..., Awaitable
     return wrapper
 
 
+class _Undecodable:
+    """Stands in for a request whose bytes are not a valid message."""
+
+    def __init__(self, error: Exception) -> None:
+        self.error = error
+
+
+def _interceptor_base() -> type:
+    import grpc
+
+    return grpc.aio.ServerInterceptor
+
+
+class DecodeGuardInterceptor(_interceptor_base()):  # type: ignore[misc]
+    """Answer a request body that does not parse as the method's message with
+    INVALID_ARGUMENT (grpc.aio alone would answer UNKNOWN)."""
+
+    async def intercept_service(self, continuation: Any, handler_call_details: Any) -> Any:
+        import grpc
+
+        handler = await continuation(handler_call_details)
+        if handler is None or handler.unary_unary is None or handler.request_deserializer is None:
+            return handler
+        decode, inner = handler.request_deserializer, handler.unary_unary
+
+        def guarded_decode(data: bytes) -> Any:
+            try:
+                return decode(data)
+            except Exception as exc:  # noqa: BLE001 - any parse failure is the caller's bad input
+                return _Undecodable(exc)
+
+        async def guarded(request: Any, context: Any) -> Any:
+            if isinstance(request, _Undecodable):
+                await context.abort(
+                    grpc.StatusCode.INVALID_ARGUMENT,
+                    f"request: not a valid {handler_call_details.method} message ({type(request.error).__name__})",
+                )
+            return await inner(request, context)
+
+        return grpc.unary_unary_rpc_method_handler(
+            guarded, request_deserializer=guarded_decode, response_serializer=handler.response_serializer
+        )
+
+
 @dataclass
 class RunningServer:
     """A started server: its bound port and the means to stop it in order."""
@@ -129,6 +173,8 @@ async def start_server(
         chain.insert(0, security.AuthInterceptor(security.load_tenants(config.api_keys_file)))
     if telemetry.enabled():
         chain.insert(0, telemetry.TracingInterceptor())
+    # Outermost, so no other interceptor ever sees an undecodable request.
+    chain.insert(0, DecodeGuardInterceptor())
     server = grpc.aio.server(
         interceptors=chain,
         options=[

@@ -475,10 +475,6 @@ def test_arbitrary_bytes_never_break_the_servers(served, payload):
             assert code != OK, (payload, details)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "grpc.aio answers a request body that is not a valid protobuf message with UNKNOWN "
-    "('Unexpected DecodeError'), not INVALID_ARGUMENT: calibrl.serving.start_server does not "
-    "guard request deserialisation (see the production section of benchmarks/README.md)"))
 def test_corrupt_wire_bytes_are_invalid_argument(served):
     code, _, details = _call(_raw_method(served.judge_channel, "/calibrl.v1.JudgeService/Score"), b"\xff\xff\xff")
     assert code == INVALID, (code, details)
