@@ -35,6 +35,10 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
+# The in-process path runs with the OpenMP wait policy `calibrl serve retrieval` sets by
+# default, so both paths compare like for like (set OMP_WAIT_POLICY to override both).
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
@@ -82,7 +86,9 @@ def quality(retriever, questions) -> dict[str, dict[str, float]]:
     table = {}
     for mode in (SearchMode.BM25, SearchMode.DENSE, SearchMode.HYBRID):
         start = time.perf_counter()
-        scores = retriever.score(items, top_k=max(CUTOFFS), mode=mode)
+        scores = [score for start_at in range(0, len(items), retriever.limits.max_batch_size)
+                  for score in retriever.score(items[start_at : start_at + retriever.limits.max_batch_size],
+                                               top_k=max(CUTOFFS), mode=mode)]
         elapsed = time.perf_counter() - start
         row = {}
         for k in CUTOFFS:
@@ -166,9 +172,11 @@ async def run_grpc(address: str, rpc: str, batches: list[list[str]], concurrency
     return Cell(rpc, "grpc", len(batches[0]), concurrency, len(batches), total / elapsed, p50, p99)
 
 
-def start_server(index_dir: pathlib.Path, device: str, mode: SearchMode, dense_backend: str) -> tuple[subprocess.Popen, str]:
+def start_server(index_dir: pathlib.Path, device: str, mode: SearchMode, dense_backend: str,
+                 torch_threads: int) -> tuple[subprocess.Popen, str]:
     command = [sys.executable, "-m", "calibrl", "serve", "retrieval", "--index", str(index_dir), "--port", "0",
-               f"device={device}", f"default_mode={mode.value}", f"dense_backend={dense_backend}"]
+               f"device={device}", f"default_mode={mode.value}", f"dense_backend={dense_backend}",
+               f"torch_threads={torch_threads}"]
     process = subprocess.Popen(command, stderr=subprocess.PIPE, text=True, cwd=ROOT,
                                env=dict(os.environ, PYTHONUNBUFFERED="1"))
     assert process.stderr is not None
@@ -182,13 +190,15 @@ def start_server(index_dir: pathlib.Path, device: str, mode: SearchMode, dense_b
 
 
 def markdown(quality_table, cells: list[Cell], mode: SearchMode, setup: str) -> str:
-    lines = [f"Quality on HotpotQA dev_400 (400 questions, {setup}):", "",
-             "| mode | recall@2 | recall@5 | recall@10 | all-gold@2 | all-gold@5 | all-gold@10 |",
-             "| --- | --- | --- | --- | --- | --- | --- |"]
+    lines = []
+    if quality_table:
+        lines += [f"Quality on HotpotQA dev_400 (400 questions, {setup}):", "",
+                  "| mode | recall@2 | recall@5 | recall@10 | all-gold@2 | all-gold@5 | all-gold@10 |",
+                  "| --- | --- | --- | --- | --- | --- | --- |"]
     for name, row in quality_table.items():
         lines.append(f"| {name} | " + " | ".join(f"{row[f'recall@{k}']:.3f}" for k in CUTOFFS) + " | "
                      + " | ".join(f"{row[f'all_gold@{k}']:.3f}" for k in CUTOFFS) + " |")
-    lines += ["", f"Throughput, mode {mode.value}, top_k 10 (queries/s; latency per request):", "",
+    lines += ["", f"Throughput, mode {mode.value}, top_k 10, {setup} (queries/s; latency per request):", "",
               "| rpc | batch | concurrency | gRPC q/s | in-process q/s | gRPC / in-process | gRPC p50 ms | "
               "gRPC p99 ms | in-process p50 ms | in-process p99 ms |",
               "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
@@ -213,9 +223,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dense-backend", default="auto", choices=("auto", "faiss", "torch"))
     parser.add_argument("--mode", default="hybrid", choices=[m.value for m in SearchMode],
                         help="mode of the throughput runs")
+    parser.add_argument("--rpcs", default="Search,ScoreRetrieval", help="RPCs to measure")
     parser.add_argument("--batches", default="1,64", help="queries per request")
     parser.add_argument("--concurrency", default="1,8,32", help="concurrent callers")
     parser.add_argument("--quick", action="store_true", help="fewer requests per cell")
+    parser.add_argument("--torch-threads", type=int, default=0,
+                        help="torch CPU threads, in-process and in the server (0: torch's default)")
     parser.add_argument("--json", type=pathlib.Path, help="also write the raw figures here")
     parser.add_argument("--skip-quality", action="store_true")
     args = parser.parse_args(argv)
@@ -225,6 +238,10 @@ def main(argv: list[str] | None = None) -> int:
 
     from retrieval_server.retriever import Retriever
 
+    if args.torch_threads:
+        import torch
+
+        torch.set_num_threads(args.torch_threads)
     ensure_index(args.data, args.index, args.device)
     retriever = Retriever.load(args.index, device=args.device, dense_backend=args.dense_backend)
     questions = read_hotpotqa_questions(args.data)
@@ -235,10 +252,10 @@ def main(argv: list[str] | None = None) -> int:
     for name, row in quality_table.items():
         print(f"{name:>7}: " + "  ".join(f"{k} {v:.3f}" for k, v in row.items()), file=sys.stderr)
 
-    process, address = start_server(args.index, args.device, mode, args.dense_backend)
+    process, address = start_server(args.index, args.device, mode, args.dense_backend, args.torch_threads)
     cells: list[Cell] = []
     try:
-        for rpc in ("Search", "ScoreRetrieval"):
+        for rpc in args.rpcs.split(","):
             for batch in (int(b) for b in args.batches.split(",")):
                 for concurrency in (int(c) for c in args.concurrency.split(",")):
                     base = (16 if args.quick else 48) if batch == 1 else (4 if args.quick else 8)
@@ -254,7 +271,10 @@ def main(argv: list[str] | None = None) -> int:
         process.send_signal(signal.SIGTERM)
         process.wait(timeout=60)
 
-    setup = f"device {args.device}, dense backend {retriever.dense_index_type}, {os.cpu_count()} CPUs"
+    import torch
+
+    setup = (f"device {args.device}, dense backend {retriever.dense_index_type}, {os.cpu_count()} CPUs, "
+             f"{torch.get_num_threads()} torch threads, OMP_WAIT_POLICY={os.environ['OMP_WAIT_POLICY']}")
     print(markdown(quality_table, cells, mode, setup))
     if args.json:
         args.json.write_text(json.dumps({"quality": quality_table, "cells": [asdict(c) for c in cells]}, indent=2))

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 from typing import Sequence
 
@@ -117,6 +118,11 @@ def index_info(argv: Sequence[str]) -> int:
 
 
 def serve(argv: Sequence[str]) -> int:
+    # Before torch loads its OpenMP runtime: idle OpenMP workers sleep instead of spinning,
+    # so they leave the cores to the event loop and gRPC threads between encoder calls
+    # (spinning workers made served calls up to 20x slower on 2 shared cores; see
+    # benchmarks/README.md). An OMP_WAIT_POLICY already set by the user wins.
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     from calibrl.config import describe
 
     from retrieval_server.config import RetrievalServerConfig
