@@ -130,3 +130,20 @@ def test_lr_schedules_warm_up_then_decay_to_the_floor():
     cosine = _schedule("optimizer.schedule=cosine")
     assert cosine[0] == 1.0 and cosine[-1] == pytest.approx(0.0, abs=1e-12)
     assert cosine[5] == pytest.approx(0.5 * (1 + math.cos(math.pi * 0.5)))
+
+
+def test_readme_trainer_commands_use_real_flags(capsys):
+    """Every --flag of a `calibrl train|eval` command in the README's trainer section
+    is one the command accepts (docs that cannot drift)."""
+    import re
+
+    readme = (ROOT / "README.md").read_text()
+    section = readme[readme.index("<!-- section:trainer -->"):readme.index("<!-- /section:trainer -->")]
+    commands = re.findall(r"calibrl (train|eval)((?:[^\n]*\\\n)*[^\n]*)", section)
+    assert {name for name, _ in commands} == {"train", "eval"}
+    for name, text in commands:
+        with pytest.raises(SystemExit):
+            calibrl_main([name, "--help"])
+        help_text = capsys.readouterr().out
+        for flag in re.findall(r"(--[a-z][a-z-]*)", text):
+            assert flag in help_text, f"README uses calibrl {name} {flag}"
