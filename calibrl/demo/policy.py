@@ -1,0 +1,408 @@
+"""The demo's tiny policy, built here from nothing: tokenizer, model, warm start.
+
+1. **Tokenizer**: byte-level BPE trained with the ``tokenizers`` library on the
+   domain's passages, queries and reference trajectories; the Search-R1 tags are
+   single special tokens. Saved as a ``PreTrainedTokenizerFast``.
+2. **Model**: a randomly initialised Llama-architecture causal LM (a few layers,
+   hidden size about 128: about 1-2 M parameters), so it trains on two CPU cores
+   in about a minute.
+3. **Warm start** (supervised): the *base rewriter* learns to copy the user query,
+   and now and then to append the canonical entity name or the aspect's terms, or
+   a wrong entity (:class:`RewriteMix`): a plausible starting point that GRPO can
+   improve or not, depending on the reward. The *base search agent* learns the
+   Search-R1 format from reference trajectories (two searches, copying the bridge
+   entity out of the first observation, then the answer).
+
+The result is an ordinary Hugging Face model folder (``config.json``, weights,
+``tokenizer.json``) that :func:`trainer.policy.load_policy` loads by path.
+
+Only training pairs are used: held-out (entity, aspect) pairs and held-out
+two-search questions never appear in warm-start data.
+"""
+
+from __future__ import annotations
+
+import math
+import pathlib
+import random
+import re
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Sequence
+
+from calibrl.demo.domain import (
+    ACCOUNT_ASPECTS,
+    FUND_ASPECTS,
+    FUNDS,
+    ACCOUNTS,
+    FAILURE_MODES,
+    DOMAIN_NAME,
+    Domain,
+    Entity,
+    Fact,
+    MultiStepTask,
+    RewriteTask,
+    candidate_rewrite,
+    user_query,
+)
+
+if TYPE_CHECKING:  # pragma: no cover
+    import torch
+
+# The warm start uses the trainer's own prompt templates (trainer.search_format), filled with
+# the task context the trainer sends, so the base policy sees exactly the prompts of training.
+TASK_CONTEXT = (("domain", DOMAIN_NAME),)
+
+PAD, EOS = "<pad>", "</s>"
+SEARCH_TAGS = ("<think>", "</think>", "<search>", "</search>", "<answer>", "</answer>", "<information>",
+               "</information>")
+
+# queries -> per query, hits (objects with .title and .text) best first
+SearchManyFn = Callable[[Sequence[str]], Sequence[Sequence[Any]]]
+
+
+@dataclass(frozen=True)
+class PolicySpec:
+    """Size of the tiny policy."""
+
+    vocab_size: int = 2048
+    hidden_size: int = 128
+    num_layers: int = 4
+    num_heads: int = 4
+    intermediate_size: int = 384
+    max_positions: int = 1024
+
+
+@dataclass(frozen=True)
+class RewriteMix:
+    """How often each move of :func:`calibrl.demo.domain.candidate_rewrite` is the
+    warm-start target of a query (weights, normalised when drawn). The base rewriter
+    mostly copies; it has seen the catalogue names and terms used, rarely."""
+
+    copy: float = 0.82  # the query verbatim
+    replace_alias: float = 0.05  # the nickname replaced by the product's name (or the name appended)
+    add_intent: float = 0.05  # the topic's catalogue terms appended
+    hint_word: float = 0.04  # one word of the product's name or of the topic's terms appended
+    random_term: float = 0.02  # one catalogue word appended, right or wrong
+    wrong_entity: float = 0.01  # another product's name and the topic's terms
+    drop_tail: float = 0.01  # the first half of the query only
+
+    def choices(self) -> tuple[tuple[str, ...], tuple[float, ...]]:
+        names = ("copy", "hint_word", "random_term", "replace_alias", "add_intent", "wrong_entity", "drop_tail")
+        return names, tuple(getattr(self, n) for n in names)
+
+
+@dataclass(frozen=True)
+class Example:
+    """One warm-start sequence: text pieces, each trained on (generated) or not (prompt, observation)."""
+
+    pieces: tuple[tuple[str, bool], ...]
+    kind: str  # "rewrite" | "search"
+
+
+# --- tokenizer and model --------------------------------------------------------------------------------------------
+
+
+def prompt_constants() -> list[str]:
+    """The fixed text of the trainer's prompt templates (and of this domain's context
+    line), each of which becomes one token: a tiny model should not pay for reading a
+    70-word instruction on every call. ``Question:`` keeps no trailing space, so the
+    query's first word is tokenised as it is when the rewrite copies it."""
+    from trainer.search_format import REWRITE_TEMPLATE, SEARCH_TEMPLATE, format_context
+
+    pieces = {format_context(TASK_CONTEXT)}
+    for template in (REWRITE_TEMPLATE, SEARCH_TEMPLATE):
+        for part in re.split(r"\{context\}|\{query\}", template):
+            part = part.rstrip(" ")
+            if len(part.strip()) > 1:
+                pieces.add(part)
+    return sorted(pieces, key=lambda p: (-len(p), p))
+
+
+def train_tokenizer(texts: Iterable[str], vocab_size: int = 2048) -> Any:
+    """A byte-level BPE tokenizer trained on ``texts``, wrapped as PreTrainedTokenizerFast;
+    the Search-R1 tags are special tokens and the prompt constants single added tokens."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    core = Tokenizer(models.BPE())
+    core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    core.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=[PAD, EOS, *SEARCH_TAGS],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    core.train_from_iterator(list(texts), trainer)
+    core.add_tokens([AddedToken(text, normalized=False, special=False) for text in prompt_constants()])
+    return PreTrainedTokenizerFast(
+        tokenizer_object=core, eos_token=EOS, pad_token=PAD, additional_special_tokens=list(SEARCH_TAGS)
+    )
+
+
+def build_model(tokenizer: Any, spec: PolicySpec = PolicySpec(), seed: int = 0) -> Any:
+    """A randomly initialised Llama-architecture causal LM sized by ``spec``."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=spec.hidden_size,
+        intermediate_size=spec.intermediate_size,
+        num_hidden_layers=spec.num_layers,
+        num_attention_heads=spec.num_heads,
+        num_key_value_heads=spec.num_heads,
+        max_position_embeddings=spec.max_positions,
+        tie_word_embeddings=True,
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        bos_token_id=None,
+    )
+    return LlamaForCausalLM(config)
+
+
+# --- warm-start data ------------------------------------------------------------------------------------------------
+
+_ENTITIES = {e.key: e for e in (*FUNDS, *ACCOUNTS)}
+_ASPECTS = {a.key: a for a in (*FUND_ASPECTS, *ACCOUNT_ASPECTS)}
+
+
+def rewrite_examples(domain: Domain, count: int, mix: RewriteMix = RewriteMix(), seed: int = 0) -> list[Example]:
+    """``count`` (query -> rewrite) examples on training pairs: queries freshly drawn
+    from the task templates (every failure mode), targets drawn from ``mix``."""
+    rng = random.Random(seed)
+    pairs = sorted({(t.entity_key, t.aspect_key) for t in domain.tasks("train")})
+    moves, weights = mix.choices()
+    examples = []
+    for n in range(count):
+        entity_key, aspect_key = rng.choice(pairs)
+        entity, aspect = _ENTITIES[entity_key], _ASPECTS[aspect_key]
+        mode = rng.choice(FAILURE_MODES)
+        query = user_query(entity, aspect, mode, rng)
+        task = RewriteTask(f"warm-{n}", query, (), (), mode, (entity.name,), aspect.terms, entity_key, aspect_key,
+                           "train")
+        target = candidate_rewrite(task, rng.choices(moves, weights)[0], rng)
+        examples.append(Example(((rewrite_prompt(query), False), (" " + target, True)), "rewrite"))
+    return examples
+
+
+def rewrite_prompt(query: str) -> str:
+    """The rewriter prompt of a rewrite task of this domain, as the trainer builds it."""
+    from trainer.search_format import REWRITE_TEMPLATE, fill_template
+
+    return fill_template(REWRITE_TEMPLATE, query, TASK_CONTEXT)
+
+
+def search_prompt(question: str) -> str:
+    """The search-agent prompt of a two-search question (no context), ending with ``<think>``."""
+    from trainer.search_format import SEARCH_TEMPLATE, fill_template, search_prompt_suffix
+
+    return fill_template(SEARCH_TEMPLATE, question) + search_prompt_suffix()
+
+
+def _observation(hits: Sequence[Any]) -> str:
+    from trainer.search_format import format_observation
+
+    return format_observation(hits)
+
+
+def trajectory_example(question: str, steps: Sequence[tuple[str, str, Sequence[Any]]], answer: str) -> Example:
+    """A reference Search-R1 trajectory: for each (think, query, hits) a search turn
+    and its observation, then the answer. The ``<think>`` opening each turn belongs to
+    the prompt or the observation, never to a generated piece."""
+    pieces: list[tuple[str, bool]] = [(search_prompt(question), False)]
+    for think, query, hits in steps:
+        pieces.append((f" {think} </think>\n<search> {query} </search>", True))
+        pieces.append((_observation(hits), False))
+    pieces.append((f" The answer is {answer}. </think>\n<answer> {answer} </answer>", True))
+    return Example(tuple(pieces), "search")
+
+
+def reference_trajectories(domain: Domain, single_hop: int = 200, seed: int = 0) -> list[tuple[str, list[tuple[str, str]], str]]:
+    """(question, [(think, query), ...], answer) of the warm-start trajectories: every
+    training two-search question, plus ``single_hop`` one-search questions on facts
+    that no held-out task asks for (they teach the agent to copy an answer out of an
+    observation)."""
+    rng = random.Random(seed)
+    plans = [(t.question, [(s.think, s.query) for s in t.steps], t.answers[0]) for t in domain.multistep("train")]
+    heldout_docs = {doc for t in domain.multistep("heldout") for doc in t.gold_doc_ids}
+    heldout_pairs = {(t.entity_key, t.aspect_key) for t in domain.tasks("heldout")}
+    facts: list[Fact] = [
+        f for f in domain.facts
+        if f.doc_id not in heldout_docs and (f.entity.key, f.aspect.key) not in heldout_pairs
+        and f.entity.kind in ("fund", "account") and f.aspect.key != "default_investment"
+    ]
+    for fact in rng.sample(facts, min(single_hop, len(facts))):
+        question = rng.choice(fact.aspect.formal).format(e=f"the {fact.entity.name}")
+        question = question[0].upper() + question[1:]
+        think = f"I need the {fact.aspect.title} of the {fact.entity.name}."
+        plans.append((question, [(think, f"{fact.entity.name} {fact.aspect.terms}")], fact.value))
+    return plans
+
+
+def search_examples(domain: Domain, search_many: SearchManyFn, single_hop: int = 200, seed: int = 0) -> list[Example]:
+    """The reference trajectories of :func:`reference_trajectories`, their observations
+    retrieved with one call of ``search_many`` (the demo's retrieval service)."""
+    plans = reference_trajectories(domain, single_hop, seed)
+    queries = sorted({query for _, steps, _ in plans for _, query in steps})
+    found = dict(zip(queries, search_many(queries)))
+    return [
+        trajectory_example(question, [(think, query, found[query]) for think, query in steps], answer)
+        for question, steps, answer in plans
+    ]
+
+
+def tokenizer_corpus(domain: Domain, examples: Iterable[Example]) -> list[str]:
+    """Texts the tokenizer is trained on: passages, task queries, warm-start sequences."""
+    texts = [f"{p.title} {p.text}" for p in domain.passages]
+    texts += [t.query for t in domain.rewrite_tasks] + [t.question for t in domain.multistep_tasks]
+    texts += ["".join(text for text, _ in e.pieces) for e in examples]
+    return texts
+
+
+# --- warm start -----------------------------------------------------------------------------------------------------
+
+
+def encode_example(tokenizer: Any, example: Example) -> tuple[list[int], list[bool]]:
+    """Token ids and loss mask of an example, tokenised piece by piece exactly as the
+    rollout does (the prompt with the tokenizer's special tokens, the rest without)."""
+    ids: list[int] = []
+    trained: list[bool] = []
+    for n, (text, is_trained) in enumerate(example.pieces):
+        piece = tokenizer(text, add_special_tokens=(n == 0))["input_ids"]
+        ids += piece
+        trained += [is_trained] * len(piece)
+    if example.kind == "rewrite":  # a rewrite ends with EOS; a search turn ends at its stop tag
+        ids.append(tokenizer.eos_token_id)
+        trained.append(True)
+    return ids, trained
+
+
+def _batch(encoded: Sequence[tuple[list[int], list[bool]]], pad_id: int) -> tuple["torch.Tensor", ...]:
+    import torch
+
+    width = max(len(ids) for ids, _ in encoded)
+    input_ids = torch.full((len(encoded), width), pad_id, dtype=torch.long)
+    attention = torch.zeros((len(encoded), width), dtype=torch.long)
+    labels = torch.full((len(encoded), width), -100, dtype=torch.long)
+    for row, (ids, trained) in enumerate(encoded):
+        input_ids[row, : len(ids)] = torch.tensor(ids)
+        attention[row, : len(ids)] = 1
+        mask = torch.tensor(trained)
+        labels[row, : len(ids)] = torch.where(mask, torch.tensor(ids), torch.tensor(-100))
+    return input_ids, attention, labels
+
+
+@dataclass
+class WarmStartResult:
+    losses: list[float]
+    examples: int
+    parameters: int
+    seconds: float = 0.0
+
+
+def warm_start(
+    model: Any,
+    tokenizer: Any,
+    examples: Sequence[Example],
+    *,
+    steps: int,
+    batch_size: int = 32,
+    lr: float = 3e-3,
+    seed: int = 0,
+    progress: bool = True,
+    desc: str = "warm start",
+) -> WarmStartResult:
+    """Supervised training on ``examples`` (loss on generated pieces only): AdamW,
+    linear warm-up then cosine decay to a tenth, grad norm clipped to 1."""
+    import time
+
+    import torch
+    from tqdm.auto import tqdm
+
+    if steps < 1:
+        raise ValueError(f"steps={steps}: must be >= 1")
+    if not examples:
+        raise ValueError("no warm-start examples")
+    started = time.perf_counter()
+    rng = random.Random(seed)
+    torch.manual_seed(seed)
+    pool = [encode_example(tokenizer, e) for e in examples]
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01, betas=(0.9, 0.98))
+    warmup = max(1, steps // 10)
+
+    def schedule(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * (step - warmup) / max(1, steps - warmup)))
+
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
+    model.train()
+    losses = []
+    bar = tqdm(range(steps), desc=desc, unit="step", disable=not progress, leave=False)
+    for _ in bar:
+        batch = [pool[rng.randrange(len(pool))] for _ in range(batch_size)]
+        input_ids, attention, labels = _batch(batch, tokenizer.pad_token_id)
+        optimizer.zero_grad(set_to_none=True)
+        loss = model(input_ids=input_ids, attention_mask=attention, labels=labels).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        scheduler.step()
+        losses.append(loss.item())
+        bar.set_postfix(loss=f"{losses[-1]:.3f}")
+    model.eval()
+    return WarmStartResult(losses=losses, examples=len(pool), parameters=sum(p.numel() for p in model.parameters()),
+                           seconds=time.perf_counter() - started)
+
+
+@dataclass(frozen=True)
+class BasePolicies:
+    """Where :func:`build_base_policies` saved the two models, and how their warm start went."""
+
+    rewriter: pathlib.Path
+    agent: pathlib.Path
+    rewriter_result: WarmStartResult
+    agent_result: WarmStartResult
+
+
+def build_base_policies(
+    domain: Domain,
+    out_dir: str | pathlib.Path,
+    search_many: SearchManyFn,
+    *,
+    spec: PolicySpec = PolicySpec(),
+    rewriter_steps: int = 400,
+    agent_steps: int = 200,
+    rewrite_count: int = 4000,
+    single_hop: int = 200,
+    mix: RewriteMix = RewriteMix(),
+    seed: int = 0,
+    progress: bool = True,
+) -> BasePolicies:
+    """Train one tokenizer on the domain, then warm-start two models of the same
+    size from it, saved as Hugging Face folders ``out_dir/base_rewriter`` and
+    ``out_dir/base_agent``: the rewriter on (query -> rewrite) examples, the
+    search agent on reference trajectories (observations from ``search``)."""
+    out = pathlib.Path(out_dir)
+    rewrites = rewrite_examples(domain, rewrite_count, mix, seed)
+    trajectories = search_examples(domain, search_many, single_hop, seed)
+    tokenizer = train_tokenizer(tokenizer_corpus(domain, rewrites + trajectories), spec.vocab_size)
+    results = {}
+    for name, examples, steps, batch in (("base_rewriter", rewrites, rewriter_steps, 32),
+                                         ("base_agent", trajectories, agent_steps, 8)):
+        model = build_model(tokenizer, spec, seed)
+        results[name] = warm_start(model, tokenizer, examples, steps=steps, batch_size=batch, seed=seed,
+                                   progress=progress, desc=f"warm start {name}")
+        (out / name).mkdir(parents=True, exist_ok=True)
+        model.save_pretrained(out / name)
+        tokenizer.save_pretrained(out / name)
+    return BasePolicies(out / "base_rewriter", out / "base_agent", results["base_rewriter"], results["base_agent"])
+
+
+__all__ = [
+    "BasePolicies", "EOS", "Example", "PAD", "PolicySpec", "RewriteMix", "WarmStartResult", "build_base_policies",
+    "build_model", "encode_example", "prompt_constants", "rewrite_examples", "rewrite_prompt", "search_examples",
+    "reference_trajectories", "search_prompt", "train_tokenizer", "trajectory_example", "warm_start",
+]
