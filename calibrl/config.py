@@ -59,6 +59,8 @@ def describe(cls: type, prefix: str = "") -> list[str]:
             default = f.default_factory()  # type: ignore[misc]
         else:
             default = "required"
+        if isinstance(default, enum.Enum):
+            default = default.value
         lines.append(f"{prefix}{f.name} = {default!r}  # {f.metadata.get('doc', '')}")
     return lines
 
