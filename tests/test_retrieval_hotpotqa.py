@@ -27,7 +27,8 @@ from retrieval_server.retriever import Retriever
 from retrieval_server.testing import start_test_server
 from retrieval_server.types import ScoreItem, SearchMode
 
-pytestmark = [pytest.mark.slow, pytest.mark.shared_data]
+# Building the 3,931-passage MiniLM index takes minutes on 2 cores: allow it beyond the default timeout.
+pytestmark = [pytest.mark.slow, pytest.mark.shared_data, pytest.mark.timeout(1800)]
 
 
 def _reusable(index_dir: pathlib.Path, corpus_sha256: str) -> bool:
