@@ -1,0 +1,97 @@
+"""`calibrl demo`: argument errors, the service wrapper, and the whole quick run end to end."""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import re
+import subprocess
+import sys
+
+import pytest
+
+from calibrl.demo import cli as demo_cli
+from calibrl.demo.services import Service, free_port
+from calibrl.errors import Unavailable
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+
+
+def test_refuses_a_non_empty_out_folder_and_bad_threads(tmp_path: pathlib.Path, capsys) -> None:
+    (tmp_path / "old.txt").write_text("an earlier run")
+    assert demo_cli.main(["--quick", "--out", str(tmp_path)]) == 2
+    assert "--out" in capsys.readouterr().err and (tmp_path / "old.txt").exists()
+    assert demo_cli.main(["--quick", "--out", str(tmp_path / "new"), "--threads", "0"]) == 2
+    assert "--threads=0" in capsys.readouterr().err
+
+
+def test_quick_settings_are_smaller_than_full() -> None:
+    quick, full = demo_cli.QUICK, demo_cli.FULL
+    for field in ("warm_rewriter_steps", "warm_agent_steps", "rewrite_steps", "search_steps"):
+        assert 0 < getattr(quick, field) < getattr(full, field), field
+
+
+def test_a_service_that_exits_early_is_reported_with_its_log(tmp_path: pathlib.Path) -> None:
+    port = free_port()
+    service = Service("retrieval server", ["serve", "retrieval", "--index", str(tmp_path / "missing"),
+                                           "--port", str(port)], port, tmp_path / "serve.log")
+    service.start()
+    try:
+        with pytest.raises(Unavailable, match="exited with code") as info:
+            service.wait_healthy(timeout_s=60)
+        assert "missing" in str(info.value)  # the log tail names the bad index folder
+    finally:
+        service.stop()
+    assert service.process is not None and service.process.returncode not in (None, 0)
+
+
+@pytest.mark.slow
+def test_quick_demo_end_to_end(tmp_path: pathlib.Path) -> None:
+    """What CI runs: `calibrl demo --quick` with real servers on loopback, no download."""
+    out = tmp_path / "demo"
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "calibrl", "demo", "--quick", "--out", str(out), "--no-progress"],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=900,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    stdout = proc.stdout
+    for stage in range(1, 11):
+        assert f"[{stage}/10]" in stdout
+    assert "gate PASSED" in stdout
+    assert re.search(r"retrieval server SERVING on 127\.0\.0\.1:\d+", stdout)
+    assert re.search(r"judge server SERVING on 127\.0\.0\.1:\d+", stdout)
+
+    # the printed table and the report hold real numbers for every policy
+    for label in ("base rewriter (untrained)", "GRPO, binary hit@1 reward", "GRPO, blended dense reward",
+                  "base search agent (untrained)", "GRPO (answer F1)", "CalibAdv (answer F1)"):
+        line = next(line for line in stdout.splitlines() if line.startswith(label))
+        assert re.search(r"\d+\.\d%", line), line
+    report = (out / "report.md").read_text()
+    assert "| GRPO, binary hit@1 reward |" in report and "## Plots" in report
+    plots = sorted((out / "plots").glob("*.png"))
+    assert len(plots) == 10
+    for plot in plots:
+        assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and plot.stat().st_size > 5000
+        assert f"(plots/{plot.name})" in report
+
+    results = json.loads((out / "results.json").read_text())
+    by_name = {r["name"]: r for r in results["rewrite"] + results["search"]}
+    assert set(by_name) == {"raw", "base", "binary", "dense", "base_agent", "grpo", "calibadv"}
+    for name in ("raw", "base", "binary", "dense"):
+        assert 0.0 <= by_name[name]["heldout"]["hit"] <= 1.0
+    for name in ("binary", "dense", "grpo", "calibadv"):
+        run = by_name[name]
+        assert run["steps"] == (demo_cli.QUICK.rewrite_steps if name in ("binary", "dense")
+                                else demo_cli.QUICK.search_steps)
+        assert len(run["heldout_curve"]) >= 2 and run["wall_s"] > 0
+        records = [json.loads(line) for line in (out / "runs" / name / "metrics.jsonl").read_text().splitlines()]
+        assert all(0.0 <= r["frac_reward_zero_std"] <= 1.0 and r["grad_norm"] >= 0 for r in records)
+    # the dense reward really used the judge: a rubric component was logged, the binary run has none
+    dense_log = (out / "runs" / "dense" / "metrics.jsonl").read_text()
+    assert "rewards/rubric/mean" in dense_log
+    assert "rewards/rubric/mean" not in (out / "runs" / "binary" / "metrics.jsonl").read_text()
+    # both services were stopped at the end (SIGTERM: NOT_SERVING, drain, exit)
+    for log in ("serve_retrieval.log", "serve_judge.log"):
+        assert (out / "logs" / log).stat().st_size > 0

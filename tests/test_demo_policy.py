@@ -1,0 +1,155 @@
+"""The demo's tiny policies: tokenizer, warm-start data and training, loading by path."""
+
+from __future__ import annotations
+
+import pathlib
+import random
+
+import pytest
+
+from calibrl.demo import policy as pol
+from calibrl.demo.domain import Domain, generate_domain
+from retrieval_server.types import Hit
+
+
+@pytest.fixture(scope="module")
+def domain() -> Domain:
+    return generate_domain(0)
+
+
+@pytest.fixture
+def one_thread():
+    """Tiny models train fastest on one thread, above all on a busy machine."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def fake_search_many(domain: Domain):
+    """Observations for the reference searches: passages that share the most words
+    with the query (a stand-in for the retrieval service, counted per call)."""
+    calls: list[int] = []
+
+    def search_many(queries):
+        calls.append(len(queries))
+        results = []
+        for query in queries:
+            words = set(query.lower().split())
+            ranked = sorted(domain.passages, key=lambda p: -len(words & set(f"{p.title} {p.text}".lower().split())))
+            results.append([Hit(p.doc_id, p.title, 1.0, rank, p.text) for rank, p in enumerate(ranked[:2], 1)])
+        return results
+
+    return search_many, calls
+
+
+@pytest.fixture(scope="module")
+def examples(domain: Domain):
+    search_many, calls = fake_search_many(domain)
+    rewrites = pol.rewrite_examples(domain, 400, seed=0)
+    trajectories = pol.search_examples(domain, search_many, single_hop=20, seed=0)
+    assert len(calls) == 1  # one batched call for every reference search
+    return rewrites, trajectories
+
+
+@pytest.fixture(scope="module")
+def tokenizer(domain: Domain, examples):
+    rewrites, trajectories = examples
+    return pol.train_tokenizer(pol.tokenizer_corpus(domain, rewrites + trajectories), vocab_size=1024)
+
+
+def test_rewrite_targets_mostly_copy_and_never_use_heldout_pairs(domain: Domain, examples) -> None:
+    rewrites, _ = examples
+    heldout_queries = {t.query for t in domain.tasks("heldout")}
+    copies = 0
+    for example in rewrites:
+        (prompt, trained_prompt), (target, trained_target) = example.pieces
+        assert not trained_prompt and trained_target
+        query = prompt.split("Question: ", 1)[1].rsplit("\nSearch query:", 1)[0]
+        assert query not in heldout_queries or any(query == t.query for t in domain.tasks("train"))
+        copies += target.strip() == query
+    assert 0.7 < copies / len(rewrites) < 0.95
+    heldout_names = {(t.entity_key, t.aspect_key) for t in domain.tasks("heldout")}
+    assert heldout_names  # and the generator draws only training pairs:
+    drawn = {(t.entity_key, t.aspect_key) for t in domain.tasks("train")}
+    assert not heldout_names & drawn
+
+
+def test_search_trajectories_follow_the_search_r1_format(examples) -> None:
+    from trainer.search_format import is_well_formed, parse_turn
+
+    _, trajectories = examples
+    two_search = [e for e in trajectories if sum(trained for _, trained in e.pieces) == 3]
+    assert two_search and len(two_search) < len(trajectories)
+    for example in trajectories:
+        prompt = example.pieces[0][0]
+        assert prompt.endswith("<think>") and not example.pieces[0][1]
+        generated = [text for text, trained in example.pieces if trained]
+        observations = [text for text, trained in example.pieces[1:] if not trained]
+        assert all(o.startswith("\n\n<information>") and o.endswith("</information>\n\n<think>") for o in observations)
+        turns = [parse_turn(text) for text in generated]
+        assert [t.action for t in turns] == ["search"] * (len(turns) - 1) + ["answer"]
+        assert all(t.well_formed for t in turns)
+        trajectory = "<think>" + "".join(text for text, _ in example.pieces[1:])
+        assert is_well_formed(trajectory)
+
+
+def test_tokenizer_keeps_tags_and_prompt_constants_whole(tokenizer) -> None:
+    for tag in pol.SEARCH_TAGS:
+        assert len(tokenizer(tag, add_special_tokens=False)["input_ids"]) == 1
+    for constant in pol.prompt_constants():
+        assert len(tokenizer(constant, add_special_tokens=False)["input_ids"]) == 1, constant
+    text = "What is the expense ratio of Evergreen Growth Fund (EVGRX)? 0.12% $1,000"
+    assert tokenizer.decode(tokenizer(text, add_special_tokens=False)["input_ids"]) == text
+
+
+def test_encoding_matches_the_rollout_prompt_and_masks_only_generated_tokens(tokenizer, examples) -> None:
+    from trainer.rollout import encode_prompt
+    from trainer.search_format import REWRITE_TEMPLATE, fill_template
+
+    rewrites, _ = examples
+    example = rewrites[0]
+    ids, trained = pol.encode_example(tokenizer, example)
+    query = example.pieces[0][0].split("Question: ", 1)[1].rsplit("\nSearch query:", 1)[0]
+    prompt_ids = encode_prompt(tokenizer, fill_template(REWRITE_TEMPLATE, query, pol.TASK_CONTEXT))
+    assert ids[: len(prompt_ids)] == prompt_ids
+    assert not any(trained[: len(prompt_ids)]) and all(trained[len(prompt_ids):])
+    assert ids[-1] == tokenizer.eos_token_id
+
+
+def test_warm_start_learns_and_saves_a_folder_the_trainer_loads(tokenizer, examples, tmp_path: pathlib.Path,
+                                                                 one_thread) -> None:
+    import torch
+
+    from trainer.engines import make_engine
+    from trainer.policy import load_policy
+    from trainer.rollout import rollout_rewrites
+    from trainer.tasks import Task
+
+    rewrites, _ = examples
+    spec = pol.PolicySpec(hidden_size=48, num_layers=2, num_heads=4, intermediate_size=96, max_positions=512)
+    model = pol.build_model(tokenizer, spec, seed=0)
+    result = pol.warm_start(model, tokenizer, rewrites, steps=60, batch_size=16, lr=5e-3, progress=False)
+    assert result.parameters == sum(p.numel() for p in model.parameters())
+    first, last = sum(result.losses[:5]) / 5, sum(result.losses[-5:]) / 5
+    assert last < 0.6 * first, (first, last)
+    model.save_pretrained(tmp_path)
+    tokenizer.save_pretrained(tmp_path)
+
+    policy = load_policy(str(tmp_path), device="cpu")
+    assert policy.tokenizer.eos_token_id == tokenizer.eos_token_id
+    torch.testing.assert_close(policy.model.model.embed_tokens.weight, model.model.embed_tokens.weight)
+    task = Task("t", "rewrite", "Pine thing skim?", ("evergreen-expense-ratio",), context=pol.TASK_CONTEXT)
+    batch = rollout_rewrites(make_engine("transformers", policy), policy.tokenizer, [task], group_size=2,
+                             max_new_tokens=16, temperature=1.0, seed=0)
+    assert len(batch.rollouts) == 2 and batch.completion_mask.any()
+
+
+def test_rewrite_mix_is_a_distribution() -> None:
+    names, weights = pol.RewriteMix().choices()
+    assert len(set(names)) == len(names) and abs(sum(weights) - 1.0) < 1e-9
+    assert max(zip(weights, names))[1] == "copy"
+    rng = random.Random(0)
+    assert rng.choices(names, weights)[0] in names

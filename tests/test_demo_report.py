@@ -1,0 +1,86 @@
+"""The demo report: tables, verdicts computed from the numbers, PNG plots, results.json."""
+
+from __future__ import annotations
+
+import json
+import math
+import pathlib
+
+from calibrl.demo import report as rep
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def steps(n: int, reward: float, zero_std: float, kl_slope: float) -> list[dict]:
+    return [
+        {"step": s, "reward": reward + 0.01 * s, "frac_reward_zero_std": zero_std, "kl": kl_slope * s,
+         "grad_norm": 0.4 + 0.01 * s}
+        for s in range(1, n + 1)
+    ]
+
+
+def sample_report(tmp_notes: list[str] | None = None) -> rep.DemoReport:
+    rewrite = [
+        rep.RunResult("raw", "raw query", "rewrite", {"hit": 0.20}),
+        rep.RunResult("base", "base rewriter", "rewrite", {"hit": 0.25}),
+        rep.RunResult("binary", "binary reward", "rewrite", {"hit": 0.22}, steps=steps(20, 0.1, 0.75, 0.001),
+                      heldout_curve=[(0, 0.25), (10, 0.23), (20, 0.22)]),
+        rep.RunResult("dense", "dense reward", "rewrite", {"hit": 0.43}, steps=steps(20, 0.4, 0.05, 0.002),
+                      heldout_curve=[(0, 0.25), (10, 0.35), (20, 0.43)]),
+    ]
+    search = [
+        rep.RunResult("base_agent", "base agent", "search", {"em": 0.2, "f1": 0.3, "well_formed": 1.0}),
+        rep.RunResult("grpo", "GRPO", "search", {"em": 0.2, "f1": 0.30, "well_formed": 0.9},
+                      steps=steps(5, 0.3, 0.3, 0.01), heldout_curve=[(0, 0.3), (5, 0.30)]),
+        rep.RunResult("calibadv", "CalibAdv", "search", {"em": 0.3, "f1": 0.36, "well_formed": 1.0},
+                      steps=steps(5, 0.3, 0.3, 0.005), heldout_curve=[(0, 0.3), (5, 0.36)]),
+    ]
+    return rep.DemoReport(
+        title="demo", command="calibrl demo --quick", machine="test machine", settings={"seed": 0},
+        rewrite_runs=rewrite, search_runs=search, top_k=1, stages=[("distil", 1.5), ("train", 10.0)],
+        notes=tmp_notes or [],
+    )
+
+
+def test_report_holds_tables_verdicts_and_real_plots(tmp_path: pathlib.Path) -> None:
+    path = rep.write_report(sample_report(["a note"]), tmp_path)
+    text = path.read_text()
+    assert "| dense reward | 43.0% |" in text
+    assert "| binary reward | 22.0% | 0.255 | 75.0% |" in text  # mean reward of steps 11-20: 0.1 + 0.01 * 15.5
+    assert "binary reward lowered held-out hit@1 from 25.0% to 22.0% (-3.0 points)" in text
+    assert "dense reward raised held-out hit@1 from 25.0% to 43.0% (+18.0 points)" in text
+    assert "beat the binary reward by 21.0 points" in text
+    assert "CalibAdv vs GRPO: +20.0% relative answer F1" in text
+    assert "| total | 11.5 |" in text and "- a note" in text
+    pngs = sorted(p.name for p in (tmp_path / "plots").glob("*.png"))
+    assert {"rewrite_reward.png", "rewrite_frac_reward_zero_std.png", "rewrite_kl.png", "rewrite_grad_norm.png",
+            "rewrite_heldout_hit.png", "search_heldout_f1.png"} <= set(pngs)
+    for name in pngs:
+        assert (tmp_path / "plots" / name).read_bytes()[:8] == PNG_MAGIC
+        assert f"(plots/{name})" in text
+    results = json.loads((tmp_path / "results.json").read_text())
+    dense = next(r for r in results["rewrite"] if r["name"] == "dense")
+    assert dense["heldout"]["hit"] == 0.43 and dense["steps"] == 20
+    assert math.isclose(dense["mean_frac_reward_zero_std"], 0.05)
+
+
+def test_verdict_says_when_the_effect_did_not_show() -> None:
+    base = rep.RunResult("base", "base", "rewrite", {"hit": 0.3})
+    binary = rep.RunResult("binary", "binary", "rewrite", {"hit": 0.4}, steps=steps(3, 0.1, 0.8, 0.0))
+    dense = rep.RunResult("dense", "dense", "rewrite", {"hit": 0.35}, steps=steps(3, 0.1, 0.1, 0.0))
+    lines = rep.rewrite_verdict(base, binary, dense, k=1)
+    assert any("the talk's effect did not show here" in line for line in lines)
+
+
+def test_missing_metrics_print_as_dashes_and_text_table_aligns() -> None:
+    runs = [rep.RunResult("base", "base", "rewrite", {"hit": 0.5}),
+            rep.RunResult("x", "a much longer label", "rewrite", {}, steps=[{"step": 1, "reward": 0.5}])]
+    table = rep.text_table(runs, rep.rewrite_columns(1)).splitlines()
+    assert len({len(line) for line in table}) == 1
+    assert "50.0%" in table[2] and "-" in table[3].split()
+
+
+def test_read_metrics_missing_file_is_empty(tmp_path: pathlib.Path) -> None:
+    assert rep.read_metrics(tmp_path / "nope.jsonl") == []
+    (tmp_path / "m.jsonl").write_text('{"step": 1, "reward": 0.5}\n\n{"step": 2, "reward": 0.7}\n')
+    assert [r["step"] for r in rep.read_metrics(tmp_path / "m.jsonl")] == [1, 2]
