@@ -58,7 +58,6 @@ def test_advantage_is_a_tagged_union_chosen_by_type(tmp_path):
         (["max_grad_norm=-1"], r"max_grad_norm=-1.0: must be >= 0"),
         (["gradient_accumulation_steps=100", "rollout.prompts_per_step=2", "rollout.group_size=4"],
          r"gradient_accumulation_steps=100 > the step's 8 rollouts"),
-        (["distributed.strategy=fsdp", "policy.device=cpu"], r"FSDP is the GPU option; use strategy=ddp on CPU"),
         (["reward.w_retrieval=0", "reward.w_rubric=0"], r"reward.w_retrieval and reward.w_rubric are both 0"),
         (["optimizer.betas=[0.9]"], r"optimizer.betas=\[0.9\]: need two numbers"),
         (["health.max_frac_reward_zero_std=2"], r"health.max_frac_reward_zero_std=2.0: must be in \[0, 1\]"),

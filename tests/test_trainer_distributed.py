@@ -64,11 +64,9 @@ def test_gradients_and_metrics_are_reduced_over_ranks():
         assert drift_caught
 
 
-@pytest.mark.slow
-def test_torchrun_two_processes_train_log_once_and_checkpoint_every_rank(trainer_world, tmp_path):
-    out = tmp_path / "run"
-    overrides = trainer_world.overrides(out, "steps=2", "rollout.prompts_per_step=4", judge=False)
-    config = {}
+def _torchrun_train(world, out: pathlib.Path, config_path: pathlib.Path, *extra: str) -> list[dict]:
+    overrides = world.overrides(out, "steps=2", "rollout.prompts_per_step=4", *extra, judge=False)
+    config: dict = {}
     for item in overrides:
         key, _, value = item.partition("=")
         node = config
@@ -76,7 +74,6 @@ def test_torchrun_two_processes_train_log_once_and_checkpoint_every_rank(trainer
         for part in parents:
             node = node.setdefault(part, {})
         node[leaf] = yaml.safe_load(value)
-    config_path = tmp_path / "train.yaml"
     config_path.write_text(yaml.safe_dump(config))
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
            "PYTHONPATH": str(ROOT)}
@@ -84,10 +81,27 @@ def test_torchrun_two_processes_train_log_once_and_checkpoint_every_rank(trainer
                "-m", "calibrl", "train", "--config", str(config_path), "--log-level", "WARNING"]
     done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
-    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in records] == [1, 2]  # rank 0 alone writes the log
-    checkpoint = out / "checkpoints" / "step_000002"
-    assert (checkpoint / "rng_rank0.pt").exists() and (checkpoint / "rng_rank1.pt").exists()
-    assert json.loads((checkpoint / "state.json").read_text())["world_size"] == 2
-    # Each rank scored its own 2 prompts x 4 rollouts; the logged figures cover both.
-    assert records[0]["completions/max_length"] >= records[0]["completions/mean_length"] > 0
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.slow
+def test_torchrun_ddp_and_fsdp_train_log_once_checkpoint_every_rank_and_agree(trainer_world, tmp_path):
+    """Two processes under torchrun, gloo on CPU. DDP all-reduces by hand, FSDP2
+    shards; with the same rollouts (sampling seeds depend on step, rank and chunk
+    only) both take the same first step."""
+    runs = {}
+    for strategy in ("ddp", "fsdp"):
+        out = tmp_path / strategy
+        records = _torchrun_train(trainer_world, out, tmp_path / f"{strategy}.yaml",
+                                  f"distributed.strategy={strategy}")
+        assert [r["step"] for r in records] == [1, 2]  # rank 0 alone writes the log
+        checkpoint = out / "checkpoints" / "step_000002"
+        assert (checkpoint / "rng_rank0.pt").exists() and (checkpoint / "rng_rank1.pt").exists()
+        assert json.loads((checkpoint / "state.json").read_text())["world_size"] == 2
+        assert (checkpoint / "model" / "config.json").exists()  # FSDP: gathered to a full HF model
+        runs[strategy] = records
+    ddp, fsdp = runs["ddp"], runs["fsdp"]
+    assert fsdp[0]["reward"] == ddp[0]["reward"]
+    assert fsdp[0]["grad_norm"] == pytest.approx(ddp[0]["grad_norm"], rel=1e-4)
+    assert fsdp[0]["loss"] == pytest.approx(ddp[0]["loss"], rel=1e-4, abs=1e-7)
+    assert fsdp[1]["kl"] == pytest.approx(ddp[1]["kl"], rel=1e-3, abs=1e-7)

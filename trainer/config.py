@@ -282,7 +282,8 @@ class DistributedConfig:
     """Multi-process runs under torchrun (ignored in a single process)."""
 
     strategy: Literal["ddp", "fsdp"] = option(
-        "ddp", "ddp: every rank holds the model, gradients are all-reduced (CPU gloo or GPU NCCL); fsdp: FSDP2 (GPU)."
+        "ddp", "ddp: every rank holds the model, gradients are all-reduced; fsdp: FSDP2 shards weights, "
+        "gradients and optimizer state (for models that do not fit one GPU). gloo on CPU, NCCL on GPU."
     )
 
 
@@ -350,10 +351,6 @@ class TrainConfig:
             )
         if self.rollout.engine == "vllm" and self.policy.device == "cpu":
             raise ConfigError("rollout.engine=vllm with policy.device=cpu: vLLM needs a GPU; use engine=transformers")
-        if self.distributed.strategy == "fsdp" and self.policy.device == "cpu":
-            raise ConfigError(
-                "distributed.strategy=fsdp with policy.device=cpu: FSDP is the GPU option; use strategy=ddp on CPU"
-            )
 
     @property
     def run_dir(self) -> pathlib.Path:

@@ -6,8 +6,9 @@ Launch with torchrun; every rank runs the same loop::
 
 Each rank generates and scores its own shard of the step's prompts (whole groups,
 so group baselines never cross ranks). After the backward pass the gradients are
-averaged over ranks (``distributed.strategy=ddp``: one flat all-reduce per step,
-gloo on CPU, NCCL on GPU) or reduce-scattered by FSDP2 (``strategy=fsdp``, GPU).
+averaged over ranks (``distributed.strategy=ddp``: one flat all-reduce per step)
+or reduce-scattered by FSDP2 (``strategy=fsdp``: weights, gradients and optimizer
+state sharded). gloo on CPU (both tested), NCCL on GPU.
 Rank 0 logs and writes checkpoints; every rank saves its own RNG state.
 
 The ddp strategy all-reduces by hand instead of wrapping the model in
@@ -259,7 +260,7 @@ def any_rank(flag: bool, ctx: DistContext) -> bool:
 
 def apply_fsdp(model: Any, ctx: DistContext, mixed_precision: bool) -> Any:
     """Shard ``model`` with FSDP2 (``fully_shard``): each decoder layer, then the root.
-    Used for ``distributed.strategy=fsdp`` on GPUs; the model stays the same object."""
+    Used for ``distributed.strategy=fsdp``; the model stays the same object."""
     import torch
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
@@ -269,6 +270,16 @@ def apply_fsdp(model: Any, ctx: DistContext, mixed_precision: bool) -> Any:
         if type(module).__name__.endswith("DecoderLayer"):
             fully_shard(module, **kwargs)
     fully_shard(model, **kwargs)
+    # Allocate the all-gather buffers once outside inference mode: the engines
+    # generate under torch.inference_mode, and buffers first created there would be
+    # inference tensors that the training forward may not write into.
+    from torch.distributed.fsdp import FSDPModule
+
+    with torch.no_grad():
+        for module in model.modules():
+            if isinstance(module, FSDPModule):
+                module.unshard()
+                module.reshard()
     return model
 
 
