@@ -147,3 +147,17 @@ def test_concat_batches_pads_and_keeps_groups_apart():
     assert merged.answer_mask[2].tolist() == [False, True, True, True, True]
     assert merged.attention_mask[0].tolist() == [1, 1, 1, 0, 0]
 
+
+
+def test_a_non_finite_gradient_norm_skips_the_update():
+    from trainer.loop import apply_update
+
+    weight = torch.nn.Parameter(torch.ones(3))
+    optimizer = torch.optim.AdamW([weight], lr=0.1)
+    weight.grad = torch.tensor([1.0, float("nan"), 0.0])
+    norm = float(torch.nn.utils.clip_grad_norm_([weight], 0.5))
+    assert not apply_update(optimizer, norm)
+    assert torch.equal(weight.detach(), torch.ones(3)) and not optimizer.state  # AdamW moments untouched
+    weight.grad = torch.tensor([1.0, 0.0, 0.0])
+    assert apply_update(optimizer, float(torch.nn.utils.clip_grad_norm_([weight], 0.5)))
+    assert weight[0] < 1.0

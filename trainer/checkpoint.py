@@ -41,6 +41,7 @@ class TrainState:
     step: int = 0  # steps completed
     data_position: dict[str, int] = field(default_factory=dict)  # TaskOrder.state()
     warnings_total: int = 0
+    skipped_updates: int = 0  # steps whose gradient norm was not finite
     world_size: int = 1
     reason: str = ""  # why it was written: interval, sigterm, reward_error, final
 

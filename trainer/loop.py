@@ -306,7 +306,9 @@ def train(
             max_norm = config.max_grad_norm if config.max_grad_norm > 0 else float("inf")
             grad_norm = float(torch.nn.utils.clip_grad_norm_(params, max_norm))
             learning_rate = scheduler.get_last_lr()[0]
-            optimizer.step()
+            if not apply_update(optimizer, grad_norm):
+                state.skipped_updates += 1
+                log.warning("step %d: grad_norm=%s is not finite: update skipped, weights unchanged", step, grad_norm)
             scheduler.step()
             optimizer.zero_grad(set_to_none=True)
             engine.update_weights(model)
@@ -340,6 +342,7 @@ def train(
             state.warnings_total += len(warnings)
             metrics["health/warnings"] = float(len(warnings))
             metrics["health/warnings_total"] = float(state.warnings_total)
+            metrics["health/skipped_updates_total"] = float(state.skipped_updates)
             if run_log is not None:
                 run_log.write(step, metrics)
             history.append(metrics)
@@ -386,6 +389,16 @@ def policy_loss_for(config: TrainConfig, logp: Any, old_logp: Any, token_adv: An
         aggregation=config.loss.aggregation,
         max_completion_length=max_completion_tokens(config),
     )
+
+
+def apply_update(optimizer: Any, grad_norm: float) -> bool:
+    """``optimizer.step()`` unless the (all-reduced, pre-clip) gradient norm is NaN or
+    infinite: one such step would poison AdamW's moments for good. Every rank sees
+    the same norm, so every rank skips together. Returns whether it stepped."""
+    if not math.isfinite(grad_norm):
+        return False
+    optimizer.step()
+    return True
 
 
 def max_completion_tokens(config: TrainConfig) -> int:
