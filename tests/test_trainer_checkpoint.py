@@ -38,7 +38,7 @@ def test_save_and_load_restore_weights_optimizer_schedule_and_rng(tmp_path):
     expected_draws = (random.random(), float(np.random.rand()), float(torch.rand(1)))
     assert folder.name == "step_000002" and not folder.with_name("step_000002.tmp").exists()
 
-    fresh_tokenizer, fresh = build_tokenizer(), build_model(build_tokenizer(), seed=2).train()
+    fresh = build_model(build_tokenizer(), seed=2).train()
     fresh_optimizer = torch.optim.AdamW(fresh.parameters(), lr=1e-2)
     fresh_scheduler = torch.optim.lr_scheduler.LambdaLR(fresh_optimizer, lambda n: 1.0 / (n + 1))
     assert not torch.equal(fresh.lm_head.weight, model.lm_head.weight)
