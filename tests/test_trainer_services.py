@@ -4,6 +4,8 @@ port 0, reached through the gRPC clients the CLI builds from the config."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from calibrl.cli import main as calibrl_main
@@ -33,10 +35,16 @@ def test_calibrl_train_against_real_retrieval_and_judge_servers(trainer_world, t
                 f"services.retrieval=127.0.0.1:{retrieval.port}", f"services.judge=127.0.0.1:{judge.port}",
                 "services.timeout_s=60",
             ])
+            # The trained run, evaluated through the same retrieval server.
+            eval_code = calibrl_main([
+                "eval", "--model", str(tmp_path), "--tasks", str(trainer_world.rewrite_tasks), "--limit", "4",
+                "--retrieval", f"127.0.0.1:{retrieval.port}", "--max-new-tokens", "6", "--device", "cpu",
+                "--raw-query-baseline", "--out", str(tmp_path / "eval.json"),
+            ])
         finally:
             servers.run(retrieval.stop(grace=1.0))
             servers.run(judge.stop(grace=1.0))
-    assert code == 0, capsys.readouterr().err
+    assert code == 0 and eval_code == 0, capsys.readouterr().err
     records = read_log(tmp_path / "metrics.jsonl")
     assert [r["step"] for r in records] == [1, 2]
     for record in records:
@@ -49,3 +57,6 @@ def test_calibrl_train_against_real_retrieval_and_judge_servers(trainer_world, t
     state = load_train_state(find_checkpoint(tmp_path))
     assert state.step == 2 and state.reason == "final"
     assert RUBRIC_ID in (find_checkpoint(tmp_path) / "config.yaml").read_text()
+    results = json.loads((tmp_path / "eval.json").read_text())["results"]
+    assert [r["name"] for r in results] == ["raw query", str(tmp_path)]
+    assert results[0]["metrics"]["hit@k"] >= 0.75 and results[1]["num_tasks"] == 4
