@@ -15,6 +15,9 @@ HOTPOTQA = SHARED_DATA / "hotpotqa" / "dev_400.jsonl"
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Servers, their subprocesses and the tests share 2 cores: one intra-op thread each avoids
+# oversubscription (spinning OpenMP workers made calls many times slower here).
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
 @pytest.fixture(scope="session")
