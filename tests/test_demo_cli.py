@@ -26,6 +26,22 @@ def test_refuses_a_non_empty_out_folder_and_bad_threads(tmp_path: pathlib.Path, 
     assert "--threads=0" in capsys.readouterr().err
 
 
+def test_an_earlier_demo_run_is_replaced_anything_else_needs_overwrite(tmp_path: pathlib.Path) -> None:
+    earlier = tmp_path / "earlier"
+    earlier.mkdir()
+    (earlier / demo_cli.MARKER).write_text("calibrl demo\n")
+    (earlier / "report.md").write_text("old")
+    assert demo_cli.prepare_out(earlier, overwrite=False) is None and not earlier.exists()
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "notes.txt").write_text("mine")
+    assert "--overwrite" in demo_cli.prepare_out(other, overwrite=False)
+    assert (other / "notes.txt").exists()
+    assert demo_cli.prepare_out(other, overwrite=True) is None and not other.exists()
+    (tmp_path / "file").write_text("x")
+    assert "is a file" in demo_cli.prepare_out(tmp_path / "file", overwrite=True)
+
+
 def test_quick_settings_are_smaller_than_full() -> None:
     quick, full = demo_cli.QUICK, demo_cli.FULL
     for field in ("warm_rewriter_steps", "warm_agent_steps", "rewrite_steps", "search_steps"):

@@ -43,6 +43,7 @@ from typing import Any, Callable, Iterator, Sequence
 from calibrl.errors import CalibrlError
 
 RUBRIC_ID = "demo-rewriter"
+MARKER = ".calibrl-demo"  # marks a folder as a demo run's output, which a later run may replace
 RETRIEVAL_MODE = "bm25"
 
 
@@ -163,6 +164,7 @@ def run_demo(settings: DemoSettings, out: pathlib.Path, *, seed: int = 0, thread
     from calibrl.demo.domain import generate_domain, write_domain
 
     out.mkdir(parents=True, exist_ok=True)
+    (out / MARKER).write_text(f"{command}\n", encoding="utf-8")
     logs = out / "logs"
     logs.mkdir(exist_ok=True)
     _log_to_file(logs / "demo.log")
@@ -530,6 +532,19 @@ def _train(overrides: list[str], clients: _Clients) -> tuple[list[dict[str, Any]
 # --- entry point ----------------------------------------------------------------------------------------------------
 
 
+def prepare_out(out: pathlib.Path, overwrite: bool) -> str | None:
+    """Empty ``out`` for a new run; the reason it may not, or None. An earlier demo run
+    (it leaves a marker file) is replaced; any other non-empty folder needs ``overwrite``."""
+    if out.exists() and not out.is_dir():
+        return f"--out {out} is a file, not a folder"
+    if out.exists() and any(out.iterdir()):
+        if not (overwrite or (out / MARKER).exists()):
+            return (f"--out {out} is not empty and holds no earlier demo run; pass --overwrite to replace it, "
+                    "or choose another folder")
+        shutil.rmtree(out)
+    return None
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="calibrl demo",
@@ -543,21 +558,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0, help="seed of the domain, the models and training (0)")
     parser.add_argument("--threads", type=int, default=1,
                         help="torch threads of the demo process; each service gets one (default 1)")
-    parser.add_argument("--overwrite", action="store_true", help="replace --out if it holds an earlier run")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="replace --out even if it holds something other than an earlier demo run")
     parser.add_argument("--no-progress", action="store_true", help="hide progress bars")
     args = parser.parse_args(list(argv) if argv is not None else None)
 
     for name, value in (("HF_HUB_OFFLINE", "1"), ("TRANSFORMERS_OFFLINE", "1"), ("TOKENIZERS_PARALLELISM", "false")):
         os.environ.setdefault(name, value)
-    out = pathlib.Path(args.out)
-    if out.exists() and any(out.iterdir()):
-        if not args.overwrite:
-            print(f"error: --out {out} is not empty; pass --overwrite to replace it, or choose another folder",
-                  file=sys.stderr)
-            return 2
-        shutil.rmtree(out)
     if args.threads < 1:
         print(f"error: --threads={args.threads}: must be >= 1", file=sys.stderr)
+        return 2
+    out = pathlib.Path(args.out)
+    problem = prepare_out(out, args.overwrite)
+    if problem:
+        print(f"error: {problem}", file=sys.stderr)
         return 2
     settings = QUICK if args.quick else FULL
     command = "calibrl demo" + (" --quick" if args.quick else "") + (f" --seed {args.seed}" if args.seed else "")

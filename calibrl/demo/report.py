@@ -156,13 +156,15 @@ def plot_heldout(runs: Sequence[RunResult], metric_label: str, path: pathlib.Pat
     plt = _pyplot()
     figure, axes = plt.subplots(figsize=(6.4, 3.6), dpi=100)
     last_step = max(step for r in trained for step, _ in r.heldout_curve)
+    flat_styles = iter([("--", "dimgrey"), (":", "black"), ("-.", "darkgrey")] * 4)
     for run in runs:
         if run.heldout_curve:
             xs, ys = zip(*run.heldout_curve)
             axes.plot(xs, [100 * y for y in ys], marker="o", markersize=3, label=run.label, linewidth=1.4)
         elif _is_number(run.heldout.get(_primary(run))):
             value = 100 * run.heldout[_primary(run)]
-            axes.plot([0, last_step], [value, value], linestyle="--", color="grey", label=run.label)
+            style, color = next(flat_styles)
+            axes.plot([0, last_step], [value, value], linestyle=style, color=color, label=run.label)
     axes.set_xlabel("training step")
     axes.set_ylabel(f"{metric_label} (%)")
     axes.set_title(f"Held-out {metric_label} over training", fontsize=10)
