@@ -63,6 +63,7 @@ class DemoSettings:
     checkpoints: int  # held-out evaluations per training run (the curve's points)
     lr: float = 2e-4
     search_lr: float = 2e-4
+    kl_beta: float = 0.08  # weight of the KL penalty to the frozen reference
     hit_k: int = 1  # held-out hit@k and the binary reward's k
     dense_k: int = 10  # cut-off of the dense retrieval signal (MRR@k)
     search_top_k: int = 2  # documents per <search>
@@ -425,7 +426,7 @@ def _train_and_evaluate(settings: DemoSettings, out: pathlib.Path, domain: Any, 
         "policy": "Llama-architecture causal LM, 3 layers, hidden 96, byte-level BPE trained on the domain",
         "warm start (rewriter / agent)": f"{settings.warm_rewriter_steps} / {settings.warm_agent_steps} steps",
         "rewriter GRPO": f"{settings.rewrite_steps} steps x {settings.prompts_per_step} tasks x G={settings.group_size}, "
-                         f"lr {settings.lr:g}, beta 0.04, grad norm clip 0.5",
+                         f"lr {settings.lr:g}, KL beta {settings.kl_beta:g}, grad norm clip 0.5",
         "binary reward": f"hit@{settings.hit_k} (0 or 1); no judge call",
         "dense reward": f"0.7 x MRR@{settings.dense_k} + 0.3 x rubric total ({RUBRIC_ID}, programmatic judge)",
         "search agent GRPO / CalibAdv": f"{settings.search_steps} steps x {settings.search_prompts_per_step} questions "
@@ -490,7 +491,7 @@ def _train_overrides(settings: DemoSettings, out: pathlib.Path, policy: pathlib.
         f"policy.path={policy}", "policy.device=cpu", f"tasks.path={tasks}", f"seed={seed}", f"steps={steps}",
         f"services.retrieval={clients.retrieval_target}", f"reward.mode={RETRIEVAL_MODE}",
         f"output_dir={out / 'runs' / name}", f"checkpoint_every={max(1, steps // settings.checkpoints)}",
-        "keep_checkpoints=0", "tensorboard=true", "max_grad_norm=0.5", "loss.beta=0.04",
+        "keep_checkpoints=0", "tensorboard=true", "max_grad_norm=0.5", f"loss.beta={settings.kl_beta}",
         f"progress_bar={str(progress).lower()}",
     ]
     if is_rewrite:
