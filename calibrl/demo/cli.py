@@ -1,7 +1,7 @@
 """`calibrl demo`: the whole loop on the built-in domain, with nothing downloaded.
 
-    calibrl demo                   # about 10-15 minutes on two CPU cores
-    calibrl demo --quick           # a smoke run in under 3 minutes: same stages, few steps
+    calibrl demo                   # about 7-10 minutes on two CPU cores
+    calibrl demo --quick           # a smoke run of every stage with few steps: 1-2 minutes
     calibrl demo --out DIR         # where everything goes (default calibrl_demo_out/)
 
 Stages, in order (each prints what it did; the report lists their times):
@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import io
 import json
 import math
 import os
@@ -37,7 +36,7 @@ import platform
 import shutil
 import sys
 import time
-from dataclasses import asdict, dataclass, replace
+from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Sequence
 
 from calibrl.errors import CalibrlError
@@ -335,7 +334,7 @@ def _train_and_evaluate(settings: DemoSettings, out: pathlib.Path, domain: Any, 
     with stages.stage("build the tiny policies: tokenizer, model, supervised warm start"):
         bases = build_base_policies(
             domain, out / "policies", lambda queries: clients.search_many(queries, settings.search_top_k),
-            spec=PolicySpec(hidden_size=96, num_layers=3, intermediate_size=256),
+            spec=PolicySpec(),
             rewriter_steps=settings.warm_rewriter_steps, agent_steps=settings.warm_agent_steps,
             rewrite_count=settings.rewrite_examples, single_hop=settings.single_hop, mix=RewriteMix(), seed=seed,
             progress=progress,

@@ -3,30 +3,31 @@
 Everything the demo trains and evaluates on is generated here, deterministically
 from one seed, with no download:
 
-- a corpus (one passage per entity x aspect, plus general guides), written in the
+- a corpus (one passage per product x topic, plus general guides), written in the
   BEIR layout (``corpus.jsonl``, ``queries.jsonl``, ``qrels/test.tsv``);
-- query-rewrite tasks whose user queries carry the three failure modes of the
-  SME error taxonomy: a colloquial alias instead of the entity's name
-  (``missing_key_entities``), a colloquial phrasing of what is asked
-  (``missed_intent``), or both at once (``underspecified``), beside well-formed
-  queries (``none``);
+- query-rewrite tasks whose user queries carry the three failure modes of the SME
+  error taxonomy, named by what a verbatim copy of the query gets wrong: a nickname
+  instead of the product's name (``missing_entity``), slang instead of the topic's
+  terms (``missed_intent``), or both in a short vague query (``underspecified``),
+  beside well-formed queries (``none``);
 - two-search questions (account -> its default fund -> a fact of that fund;
   fund -> its manager -> a fact of that manager) in the Search-R1 format;
-- a simulated SME feedback sample (grades 1-5 and error tags) on rewrites of
-  training queries, from which the judge distils its rubric;
-- the glossary of key entities (canonical names, tickers, aliases) that a good
-  rewriter must keep or restore.
+- a simulated SME feedback sample (grades 1-5 and error tags from the SMEs' style
+  guide, :func:`rewrite_errors`) on rewrites of training queries, from which the
+  judge distils its rubric;
+- the glossary of key entities (names, tickers, nicknames) and topic terms.
 
 Design, so that the effect of the reward can show with a tiny model in minutes:
-aliases and colloquial phrasings share no word (nor word stem) with any passage,
-so copying such a query retrieves nothing relevant; a rewrite reaches the gold
-passage only when it adds the canonical entity name *and* the aspect's terms.
-A binary hit@k reward therefore sees almost every group of a copying base policy
-score all 0 (hard query) or all 1 (well-formed query), while the rubric
-(entity coverage, intent, specificity) gives credit for each half on its way.
-Held-out tasks use (entity, aspect) pairs that no training task, warm-start
-example or SME record uses: what transfers is the alias -> name and phrasing
--> term mapping, not the pair.
+nicknames and slang share no word (nor word stem) with any passage, so copying such
+a query retrieves nothing relevant; an under-specified query reaches its passage at
+rank 1 only when the rewrite names the product *and* the topic in the catalogue's
+words. With a base rewriter that mostly copies, a binary hit@1 reward sees almost
+every group score all 0 (hard query) or all 1 (well-formed query), while MRR@10 and
+the rubric give credit for each half of the fix. Most tasks are under-specified
+(:func:`_task_modes`); copying finds the gold passage for about a fifth to a quarter
+of them. Held-out tasks use (product, topic) pairs that no training task, warm-start
+example or SME review uses: what transfers is the nickname -> name and slang -> term
+mapping, not the pair.
 """
 
 from __future__ import annotations
@@ -35,11 +36,12 @@ import json
 import pathlib
 import random
 import re
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Iterable
 
 # Error tags of the SME taxonomy (DESIGN.md: missed intent, missing key entities,
-# under-specification, plus the critical penalty for invented entities).
+# under-specification, plus the critical penalty for invented entities), spelled as
+# the judge's distiller knows them (judge_server.distill.RECIPES).
 MISSED_INTENT = "missed_intent"
 MISSING_KEY_ENTITIES = "missing_entity"
 UNDERSPECIFIED = "underspecified"

@@ -1,22 +1,25 @@
-"""The demo's tiny policy, built here from nothing: tokenizer, model, warm start.
+"""The demo's tiny policies, built here from nothing: tokenizer, models, warm start.
 
 1. **Tokenizer**: byte-level BPE trained with the ``tokenizers`` library on the
    domain's passages, queries and reference trajectories; the Search-R1 tags are
-   single special tokens. Saved as a ``PreTrainedTokenizerFast``.
-2. **Model**: a randomly initialised Llama-architecture causal LM (a few layers,
-   hidden size about 128: about 1-2 M parameters), so it trains on two CPU cores
-   in about a minute.
-3. **Warm start** (supervised): the *base rewriter* learns to copy the user query,
-   and now and then to append the canonical entity name or the aspect's terms, or
-   a wrong entity (:class:`RewriteMix`): a plausible starting point that GRPO can
-   improve or not, depending on the reward. The *base search agent* learns the
-   Search-R1 format from reference trajectories (two searches, copying the bridge
-   entity out of the first observation, then the answer).
+   single special tokens, and so is the fixed text of the trainer's prompt templates
+   (:func:`prompt_constants`). Saved as a ``PreTrainedTokenizerFast``.
+2. **Models**: randomly initialised Llama-architecture causal LMs (:class:`PolicySpec`:
+   3 layers, hidden 96, about 0.5 M parameters), so a warm start takes a minute or
+   two on two CPU cores.
+3. **Warm start** (supervised, loss on generated tokens only), two models from the
+   same tokenizer: the *base rewriter* learns to copy the user query and now and
+   then to name the product, add the topic's terms or a single catalogue word, or
+   name a wrong product (:class:`RewriteMix`): a starting point that GRPO can improve
+   or not, depending on the reward. The *base search agent* learns the Search-R1
+   format from reference trajectories (two searches, copying the bridge entity out
+   of the first observation, then the answer), with real observations from the
+   retrieval service.
 
-The result is an ordinary Hugging Face model folder (``config.json``, weights,
+Each result is an ordinary Hugging Face model folder (``config.json``, weights,
 ``tokenizer.json``) that :func:`trainer.policy.load_policy` loads by path.
 
-Only training pairs are used: held-out (entity, aspect) pairs and held-out
+Only training pairs are used: held-out (product, topic) pairs and held-out
 two-search questions never appear in warm-start data.
 """
 
@@ -31,15 +34,13 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable, Sequence
 
 from calibrl.demo.domain import (
     ACCOUNT_ASPECTS,
+    ACCOUNTS,
+    DOMAIN_NAME,
+    FAILURE_MODES,
     FUND_ASPECTS,
     FUNDS,
-    ACCOUNTS,
-    FAILURE_MODES,
-    DOMAIN_NAME,
     Domain,
-    Entity,
     Fact,
-    MultiStepTask,
     RewriteTask,
     candidate_rewrite,
     user_query,
@@ -64,12 +65,12 @@ SearchManyFn = Callable[[Sequence[str]], Sequence[Sequence[Any]]]
 class PolicySpec:
     """Size of the tiny policy."""
 
-    vocab_size: int = 2048
-    hidden_size: int = 128
-    num_layers: int = 4
+    vocab_size: int = 2048  # BPE merges target; the prompt constants are added on top
+    hidden_size: int = 96
+    num_layers: int = 3
     num_heads: int = 4
-    intermediate_size: int = 384
-    max_positions: int = 1024
+    intermediate_size: int = 256
+    max_positions: int = 1024  # a three-turn search trajectory is under 700 tokens
 
 
 @dataclass(frozen=True)

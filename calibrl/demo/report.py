@@ -12,7 +12,7 @@ import json
 import math
 import pathlib
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any, Mapping, Sequence
 
 # Per-step curves drawn for every training run: (metric key in metrics.jsonl, title, file stem).
 STEP_PLOTS = (
