@@ -228,7 +228,12 @@ async def test_a_call_whose_client_gave_up_is_not_computed(tiny_index):
     served = await _serve(tiny_index, retriever=slow)
     try:
         first = asyncio.ensure_future(served.stub.Search(pb.SearchRequest(queries=["Mozart"], top_k=1), timeout=30))
-        await asyncio.sleep(0.2)  # the first batch is now computing for 0.8 s
+        # Wait until the first batch is really computing (0.8 s), however loaded the machine is.
+        for _ in range(600):
+            if slow.ranked_queries:
+                break
+            await asyncio.sleep(0.01)
+        assert slow.ranked_queries == ["Mozart"]
         with pytest.raises(grpc.aio.AioRpcError) as caught:
             await served.stub.Search(pb.SearchRequest(queries=["abandoned"], top_k=1), timeout=0.2)
         assert caught.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
