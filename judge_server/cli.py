@@ -143,7 +143,9 @@ def distill(argv: list[str]) -> int:
         parse_rubric(text, args.out)  # what we write must load
     except CalibrlError as exc:
         return _fail(str(exc))
+    pathlib.Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     pathlib.Path(args.out).write_text(text, encoding="utf-8")
+    pathlib.Path(args.golden_out).parent.mkdir(parents=True, exist_ok=True)
     write_feedback(args.golden_out, result.golden)
     print(f"rubric {result.rubric.id} v{result.rubric.version} hash {result.rubric.hash}")
     print(f"  {len(records)} records: {len(result.train)} distilled, {len(result.golden)} golden -> {args.golden_out}")

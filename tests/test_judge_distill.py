@@ -134,14 +134,14 @@ def test_distill_cli_is_byte_for_byte_deterministic(tmp_path):
     write_feedback(feedback, synthetic_feedback(240))
     outputs = []
     for run, seed in enumerate((1, 2)):
-        out, golden = tmp_path / f"r{run}.yaml", tmp_path / f"g{run}.jsonl"
+        out, golden = tmp_path / f"r{run}.yaml", tmp_path / f"new-folder-{run}" / f"g{run}.jsonl"
         done = _run_distill(feedback, out, golden, seed)
         assert done.returncode == 0, done.stderr
         outputs.append((out.read_bytes(), golden.read_bytes()))
     assert outputs[0] == outputs[1]
     rubric = load_rubric(tmp_path / "r0.yaml")
     assert rubric.id == "funds" and f"hash {rubric.hash}" in done.stdout
-    golden_records = read_feedback(tmp_path / "g0.jsonl")
+    golden_records = read_feedback(tmp_path / "new-folder-0" / "g0.jsonl")
     assert golden_records and all(is_golden(r, 0.3) for r in golden_records)
     assert {c.name for c in rubric.criteria} >= {"entities", "intent", "specificity", "no_invented_entities",
                                                  "no_compliance_leak", "no_wrong_time_period"}
