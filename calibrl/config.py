@@ -44,21 +44,27 @@ def field_docs(cls: type) -> dict[str, str]:
     return {f.name: f.metadata.get("doc", "") for f in dataclasses.fields(cls)}
 
 
-def describe(cls: type, prefix: str = "") -> list[str]:
-    """Human-readable lines `key (type, default): doc` for every field, nested included."""
+def describe(cls: type, prefix: str = "", defaults: Any = None) -> list[str]:
+    """Human-readable lines `key = default  # doc` for every field, nested included.
+
+    Nested sections show the defaults their parent's factory gives them (a server may
+    default ``serving.port`` differently from ``ServingConfig`` itself)."""
     lines: list[str] = []
     hints = typing.get_type_hints(cls)
     for f in dataclasses.fields(cls):
         hint = hints[f.name]
-        if dataclasses.is_dataclass(hint):
-            lines.extend(describe(hint, prefix + f.name + "."))
-            continue
-        if f.default is not _MISSING:
+        if defaults is not None:
+            default = getattr(defaults, f.name)
+        elif f.default is not _MISSING:
             default = f.default
         elif f.default_factory is not _MISSING:  # type: ignore[misc]
             default = f.default_factory()  # type: ignore[misc]
         else:
             default = "required"
+        if dataclasses.is_dataclass(hint):
+            nested = default if dataclasses.is_dataclass(default) else None
+            lines.extend(describe(hint, prefix + f.name + ".", nested))
+            continue
         if isinstance(default, enum.Enum):
             default = default.value
         lines.append(f"{prefix}{f.name} = {default!r}  # {f.metadata.get('doc', '')}")

@@ -66,3 +66,12 @@ def test_bad_type_and_validate_hook_name_the_field():
 def test_describe_lists_docs():
     text = "\n".join(describe(Outer))
     assert "inner.top_k = 5  # hits per query" in text
+
+
+@dataclass
+class WithCustomNested:
+    inner: Inner = option(factory=lambda: Inner(top_k=9), doc="nested with its own default")
+
+
+def test_describe_shows_the_parents_nested_defaults():
+    assert "inner.top_k = 9  # hits per query" in describe(WithCustomNested)
