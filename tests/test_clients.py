@@ -18,20 +18,11 @@ from judge_server.rubric import load_rubric_dir
 from judge_server.types import JudgeItem
 from retrieval_server.limits import RetrievalLimits
 from retrieval_server.retriever import Retriever
-from retrieval_server.testing import build_test_index, start_test_server
+from retrieval_server.testing import start_test_server
 from retrieval_server.types import ScoreItem, SearchMode
 from trainer.grpc_clients import GrpcJudgeClient, GrpcRetrievalClient
 from trainer.inprocess import InProcessJudgeClient, InProcessRetrievalClient
-
-RUBRIC_YAML = """\
-id: rewrite-test
-version: "1"
-description: Programmatic test rubric for query rewrites.
-criteria:
-  - {name: coverage, kind: programmatic, scorer: entity_coverage, weight: 0.5}
-  - {name: specific, kind: programmatic, scorer: specificity, weight: 0.3}
-  - {name: length, kind: programmatic, scorer: length, weight: 0.2}
-"""
+from tests.reward_fixtures import retriever, rubric_dir, tiny_index  # noqa: F401 (fixtures)
 
 ITEMS = [
     ScoreItem("iron lattice tower in Paris", gold_doc_ids=("eiffel",)),
@@ -70,23 +61,6 @@ class CountingInterceptor(grpc.aio.UnaryUnaryClientInterceptor):
 
     def count(self, method, code=None):
         return sum(1 for m, c in self.calls if m == method and (code is None or c == code))
-
-
-@pytest.fixture(scope="module")
-def tiny_index(tmp_path_factory):
-    return build_test_index(tmp_path_factory.mktemp("clients") / "index")
-
-
-@pytest.fixture(scope="module")
-def retriever(tiny_index):
-    return Retriever.load(tiny_index, device="cpu")
-
-
-@pytest.fixture(scope="module")
-def rubric_dir(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("rubrics")
-    (folder / "rewrite-test.yaml").write_text(RUBRIC_YAML)
-    return folder
 
 
 def _judge_config(rubric_dir, port=0):

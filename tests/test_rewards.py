@@ -17,11 +17,11 @@ from judge_server.config import JudgeConfig, JudgeServerConfig
 from judge_server.judge import Judge
 from judge_server.rubric import load_rubric_dir
 from judge_server.types import JudgeItem
-from retrieval_server.retriever import Retriever
-from retrieval_server.testing import build_test_index, start_test_server
+from retrieval_server.testing import start_test_server
 from retrieval_server.types import ScoreItem
 from trainer.grpc_clients import GrpcJudgeClient, GrpcRetrievalClient
 from trainer.inprocess import InProcessJudgeClient, InProcessRetrievalClient
+from tests.reward_fixtures import retriever, rubric_dir, tiny_index  # noqa: F401 (fixtures)
 from trainer.rewards import (
     RewardConfig,
     RewardModel,
@@ -30,16 +30,6 @@ from trainer.rewards import (
     SearchStepRecord,
 )
 from trainer.tasks import Task
-
-RUBRIC_YAML = """\
-id: rewrite-test
-version: "1"
-description: Programmatic test rubric for query rewrites.
-criteria:
-  - {name: coverage, kind: programmatic, scorer: entity_coverage, weight: 0.5}
-  - {name: specific, kind: programmatic, scorer: specificity, weight: 0.3}
-  - {name: length, kind: programmatic, scorer: length, weight: 0.2}
-"""
 
 TASKS = [
     Task("t-eiffel", "rewrite", "Which iron tower was finished in Paris in 1889?", ("eiffel",), ("Eiffel Tower",),
@@ -59,23 +49,6 @@ REWRITES = [
 
 def _rollouts():
     return [RewriteRollout(TASKS[t], text) for t, text in REWRITES]
-
-
-@pytest.fixture(scope="module")
-def tiny_index(tmp_path_factory):
-    return build_test_index(tmp_path_factory.mktemp("rewards") / "index")
-
-
-@pytest.fixture(scope="module")
-def retriever(tiny_index):
-    return Retriever.load(tiny_index, device="cpu")
-
-
-@pytest.fixture(scope="module")
-def rubric_dir(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("rubrics")
-    (folder / "rewrite-test.yaml").write_text(RUBRIC_YAML)
-    return folder
 
 
 @pytest.fixture(scope="module")
