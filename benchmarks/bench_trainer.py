@@ -15,8 +15,10 @@ consecutive optimizer steps (generation, scoring, loss, update, logging).
 Part 2 (``--part services``): our trainer against a real retrieval server and a real
 judge server (programmatic rubric with MiniLM intent similarity) on loopback, through
 the gRPC clients, blended reward 0.7 x recall@5 + 0.3 x rubric. Reported: the share
-of step time the loop spends blocked on rewards (``timing/reward_wait``), for
-generation chunk sizes 8 (no overlap), 4 (default: two chunks) and 2 tasks.
+of step time the loop spends blocked on rewards (``timing/reward_wait``), for each
+generation chunk size of ``--chunks`` (8: no overlap, 4: default, two chunks) and
+each ``rollout.off_policy_steps`` of ``--off-policy`` (1: the next step's rollouts
+are generated and sent for scoring before this step's update).
 
     python benchmarks/bench_trainer.py                      # both parts
     python benchmarks/bench_trainer.py --part trl --steps 6 --rounds 2
@@ -217,7 +219,7 @@ def part_trl(world: dict, root: pathlib.Path, steps: int, rounds: int) -> dict:
 # --------------------------------------------------------------------------- part 2: services
 
 
-def part_services(world: dict, root: pathlib.Path, steps: int, chunks: list[int]) -> dict:
+def part_services(world: dict, root: pathlib.Path, steps: int, chunks: list[int], off_policy: list[int]) -> dict:
     from calibrl.config import load_config
     from judge_server.config import JudgeServerConfig
     from judge_server.server import start as start_judge
@@ -236,15 +238,16 @@ def part_services(world: dict, root: pathlib.Path, steps: int, chunks: list[int]
         retrieval_server = servers.run(start_test_server(world["index"], retriever=world["retriever"]))
         judge_server = servers.run(start_judge(judge_config))
         try:
-            for chunk in chunks:
+            for chunk, lag in [(c, o) for o in off_policy for c in chunks]:
+                name = f"chunk_{chunk}" + (f"_off_policy_{lag}" if lag else "")
                 config = load_train_config(None, [
                     f"policy.path={world['policy']}", "policy.device=cpu", f"tasks.path={world['tasks']}",
                     f"services.retrieval=127.0.0.1:{retrieval_server.port}",
                     f"services.judge=127.0.0.1:{judge_server.port}", "reward.rubric_id=bench-rewriter",
                     f"reward.top_k={TOP_K}", f"rollout.group_size={GENERATIONS}",
                     f"rollout.prompts_per_step={PROMPTS_PER_STEP}", f"rollout.max_new_tokens={NEW_TOKENS}",
-                    f"rollout.chunk_prompts={chunk}", f"loss.beta={BETA}", f"max_grad_norm={MAX_GRAD_NORM}",
-                    f"optimizer.lr={LR}", f"steps={steps}", f"output_dir={root / f'services-{chunk}'}",
+                    f"rollout.chunk_prompts={chunk}", f"rollout.off_policy_steps={lag}", f"loss.beta={BETA}", f"max_grad_norm={MAX_GRAD_NORM}",
+                    f"optimizer.lr={LR}", f"steps={steps}", f"output_dir={root / name}",
                     "checkpoint_every=0", "progress_bar=false", "tensorboard=false",
                 ])
                 with BackgroundLoop(name="bench-clients") as clients_loop:
@@ -258,14 +261,14 @@ def part_services(world: dict, root: pathlib.Path, steps: int, chunks: list[int]
                 wait = sum(m["timing/reward_wait"] for m in timed)
                 generation = sum(m["timing/generation"] for m in timed)
                 overlap = sum(m["timing/overlap_forward"] for m in timed)
-                results[f"chunk_{chunk}"] = {
+                results[name] = {
                     "reward_wait_share": wait / step,
                     "overlap_forward_share": overlap / step,
                     "generation_share": generation / step,
                     "mean_step_s": step / len(timed),
                     "reward": statistics.mean(m["reward"] for m in timed),
                 }
-                print(f"  chunk_prompts={chunk}: reward wait {100 * wait / step:.1f}% of step time, "
+                print(f"  chunk_prompts={chunk} off_policy_steps={lag}: reward wait {100 * wait / step:.1f}% of step time, "
                       f"mean step {step / len(timed):.3f}s", flush=True)
         finally:
             servers.run(retrieval_server.stop(grace=1.0))
@@ -281,6 +284,7 @@ def main() -> int:
     parser.add_argument("--hidden", type=int, default=64, help="hidden size of the tiny Llama")
     parser.add_argument("--layers", type=int, default=2, help="decoder layers of the tiny Llama")
     parser.add_argument("--chunks", default="8,4,2", help="services part: rollout.chunk_prompts values")
+    parser.add_argument("--off-policy", default="0", help="services part: rollout.off_policy_steps values")
     parser.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0 = torch default)")
     parser.add_argument("--out", help="write the figures as JSON here")
     args = parser.parse_args()
@@ -306,7 +310,8 @@ def main() -> int:
         if args.part in ("services", "all"):
             print("part 2: reward wait with the real services", flush=True)
             chunks = [int(c) for c in args.chunks.split(",")]
-            figures["services"] = part_services(world, root, args.steps, chunks)
+            off_policy = [int(o) for o in args.off_policy.split(",")]
+            figures["services"] = part_services(world, root, args.steps, chunks, off_policy)
     figures["load_average_at_end"] = os.getloadavg()[0]
     print(json.dumps(figures, indent=2))
     if args.out:

@@ -4,6 +4,7 @@ torchrun of `calibrl train` (rank 0 logs and checkpoints, every rank keeps its R
 from __future__ import annotations
 
 import json
+import math
 import os
 import pathlib
 import subprocess
@@ -105,3 +106,15 @@ def test_torchrun_ddp_and_fsdp_train_log_once_checkpoint_every_rank_and_agree(tr
     assert fsdp[0]["grad_norm"] == pytest.approx(ddp[0]["grad_norm"], rel=1e-4)
     assert fsdp[0]["loss"] == pytest.approx(ddp[0]["loss"], rel=1e-4, abs=1e-7)
     assert fsdp[1]["kl"] == pytest.approx(ddp[1]["kl"], rel=1e-3, abs=1e-7)
+
+    # One step off-policy under FSDP: the next step's rollouts are sampled and their
+    # behaviour log-probs computed (a sharded forward pass) before the update; every
+    # rank keeps its own in the checkpoint. Step 1 is on-policy, the same step as above.
+    out = tmp_path / "fsdp-off-policy"
+    records = _torchrun_train(trainer_world, out, tmp_path / "fsdp-off-policy.yaml", "distributed.strategy=fsdp",
+                              "rollout.off_policy_steps=1", "checkpoint_every=1")
+    assert [r["rollout/staleness"] for r in records] == [0.0, 1.0]
+    assert records[0]["loss"] == pytest.approx(fsdp[0]["loss"], rel=1e-5, abs=1e-7)
+    first = out / "checkpoints" / "step_000001"
+    assert (first / "pending_rank0.pt").exists() and (first / "pending_rank1.pt").exists()
+    assert all(math.isfinite(r["loss"]) for r in records)

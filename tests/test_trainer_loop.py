@@ -315,3 +315,141 @@ def test_completion_logprobs_equal_the_policy_logprobs_on_generated_tokens():
     with torch.no_grad():
         ref_logp, _ = completion_logprobs(reference, micro, 0.7)
     assert torch.allclose(ref_logp[micro.mask], full[:, 2:][micro.mask], atol=1e-6)  # LoRA B starts at 0
+
+
+# ------------------------------------------------------------------ one step off-policy
+
+OFF_POLICY = "rollout.off_policy_steps=1"
+
+
+@pytest.fixture(scope="module")
+def straight_off_policy_run(trainer_world: TrainerWorld, tmp_path_factory):
+    """Three uninterrupted steps one step off-policy, every checkpoint kept."""
+    out = tmp_path_factory.mktemp("straight-off-policy")
+    retrieval, judge = trainer_world.clients()
+    config = load_train_config(None, trainer_world.overrides(
+        out, *RESUME_SETTINGS, OFF_POLICY, "checkpoint_every=1", "keep_checkpoints=0"))
+    return out, train(config, retrieval=retrieval, judge=judge)
+
+
+class ScoreOrder:
+    """A real in-process retrieval client that records, in order, each score call
+    and each finished step (``on_step``)."""
+
+    def __init__(self, inner) -> None:
+        self.inner, self.events = inner, []
+
+    async def search(self, *args, **kwargs):
+        return await self.inner.search(*args, **kwargs)
+
+    async def score(self, *args, **kwargs):
+        self.events.append("score")
+        return await self.inner.score(*args, **kwargs)
+
+    def on_step(self, step, metrics):
+        self.events.append(f"step {step}")
+
+
+@pytest.mark.parametrize("off_policy", [0, 1])
+def test_off_policy_scores_the_next_steps_rollouts_before_this_steps_update(trainer_world, tmp_path, off_policy):
+    retrieval, _ = trainer_world.clients(judge=False)
+    recorder = ScoreOrder(retrieval)
+    config = load_train_config(None, trainer_world.overrides(
+        tmp_path, "steps=3", "rollout.chunk_prompts=4", f"rollout.off_policy_steps={off_policy}", judge=False))
+    result = train(config, retrieval=recorder, judge=None, on_step=recorder.on_step)
+    if off_policy:
+        # Step 2's rollouts went out for scoring before step 1's update finished;
+        # the last step generates nothing ahead.
+        assert recorder.events == ["score", "score", "step 1", "score", "step 2", "step 3"]
+        assert [m["rollout/staleness"] for m in result.history] == [0.0, 1.0, 1.0]
+        assert not list(find_checkpoint(tmp_path).glob("pending_rank*.pt"))  # the final one holds none
+    else:
+        assert recorder.events == ["score", "step 1", "score", "step 2", "score", "step 3"]
+        assert [m["rollout/staleness"] for m in result.history] == [0.0, 0.0, 0.0]
+
+
+def test_off_policy_behaviour_logprobs_are_those_of_the_weights_that_sampled(trainer_world, straight_off_policy_run):
+    """The rollouts of step k + 1 were sampled by the weights after step k - 1
+    (before step k's update): their stored behaviour log-probs are those weights',
+    not the ones that train on them."""
+    from trainer.policy import load_policy, token_logprobs
+
+    out, result = straight_off_policy_run
+    checkpoints = out / "checkpoints"
+    weights = [trainer_world.policy_dir, checkpoints / "step_000001" / "model", checkpoints / "step_000002" / "model"]
+    for k in (1, 2):
+        pending = torch.load(checkpoints / f"step_{k:06d}" / "pending_rank0.pt", weights_only=False)
+        assert pending["step"] == k + 1 and pending["breakdowns"] is not None  # settled before saving
+        batch = pending["batch"]
+        mask = batch.completion_mask
+        assert batch.old_logp is not None and mask.any()
+        for n, source in enumerate(weights):
+            model = load_policy(str(source), device="cpu").model
+            with torch.no_grad():
+                logp = token_logprobs(model, batch.input_ids, batch.attention_mask)
+            close = torch.allclose(batch.old_logp[mask], logp[mask], atol=1e-5)
+            assert close is (n == k - 1), (k, source)
+    assert [m["rollout/staleness"] for m in result.history] == [0.0, 1.0, 1.0]
+    assert result.history[0]["clip_ratio/region_mean"] == 0.0  # on-policy the ratio is exactly 1
+    assert all(math.isfinite(m["loss"]) for m in result.history)
+
+
+def test_off_policy_sigterm_resume_is_bitwise(trainer_world, straight_off_policy_run, tmp_path):
+    straight_out, _ = straight_off_policy_run
+    retrieval, judge = trainer_world.clients()
+    config = load_train_config(None, trainer_world.overrides(tmp_path, *RESUME_SETTINGS, OFF_POLICY))
+
+    def preempt(step, metrics):
+        if step == 2:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    first = train(config, retrieval=retrieval, judge=judge, on_step=preempt)
+    assert first.stopped == "sigterm" and first.steps_done == 2
+    assert (first.last_checkpoint / "pending_rank0.pt").exists()  # step 3's rollouts, sampled before update 2
+    second = train(config, retrieval=retrieval, judge=judge, resume=tmp_path)
+    assert second.steps_done == 3 and len(second.history) == 1
+    straight, resumed = read_log(straight_out / "metrics.jsonl"), read_log(tmp_path / "metrics.jsonl")
+    for a, b in zip(straight, resumed, strict=True):
+        assert a["loss"] == b["loss"] and a["grad_norm"] == b["grad_norm"] and a["reward"] == b["reward"]
+    final_a = _weights(find_checkpoint(straight_out) / "model")
+    final_b = _weights(find_checkpoint(tmp_path) / "model")
+    assert all(torch.equal(final_a[k], final_b[k]) for k in final_a)
+
+
+def test_off_policy_failed_reward_keeps_the_stale_rollouts_and_resume_retries(trainer_world, straight_off_policy_run,
+                                                                               tmp_path):
+    """Off-policy, step 2's rollouts exist only in memory (sampled by weights that
+    are gone): the reward_error checkpoint keeps them unscored, and the resumed
+    run scores them again and continues exactly like the uninterrupted run."""
+    straight_out, _ = straight_off_policy_run
+    retrieval, judge = trainer_world.clients()
+    # Two chunks per step: calls 1-2 score step 1, calls 3-4 step 2 (sent during step 1).
+    flaky = FlakyRetrieval(retrieval, fail_from=3)
+    config = load_train_config(None, trainer_world.overrides(
+        tmp_path, *RESUME_SETTINGS, OFF_POLICY, "reward.max_attempts=2", "reward.retry_backoff_s=0"))
+    with pytest.raises(RewardError, match=r"step 2: .*retrieval replica down"):
+        train(config, retrieval=flaky, judge=judge)
+    checkpoint = find_checkpoint(tmp_path)
+    assert (checkpoint.name, load_train_state(checkpoint).reason) == ("step_000001", "reward_error")
+    pending = torch.load(checkpoint / "pending_rank0.pt", weights_only=False)
+    assert pending["step"] == 2 and pending["breakdowns"] is None and pending["batch"].old_logp is not None
+
+    resumed = train(config, retrieval=retrieval, judge=judge, resume=checkpoint)
+    assert resumed.steps_done == 3
+    straight, again = read_log(straight_out / "metrics.jsonl"), read_log(tmp_path / "metrics.jsonl")
+    assert [r["loss"] for r in again] == [r["loss"] for r in straight]
+
+
+def test_a_pending_batch_of_the_wrong_step_is_refused(trainer_world, straight_off_policy_run, tmp_path):
+    import shutil
+
+    from calibrl.errors import ConfigError
+
+    straight_out, _ = straight_off_policy_run
+    altered = tmp_path / "step_000001"
+    shutil.copytree(straight_out / "checkpoints" / "step_000001", altered)
+    shutil.copy(straight_out / "checkpoints" / "step_000002" / "pending_rank0.pt", altered / "pending_rank0.pt")
+    retrieval, judge = trainer_world.clients()
+    config = load_train_config(None, trainer_world.overrides(tmp_path / "run", *RESUME_SETTINGS, OFF_POLICY))
+    with pytest.raises(ConfigError, match=r"pending_rank0.pt holds rollouts of step 3, but the run resumes at step 2"):
+        train(config, retrieval=retrieval, judge=judge, resume=altered)

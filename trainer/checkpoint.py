@@ -7,6 +7,9 @@ A checkpoint folder ``<output_dir>/checkpoints/step_000012/`` holds::
     optimizer.pt      AdamW state
     scheduler.pt      learning-rate schedule state
     rng_rank<r>.pt    python, numpy, torch and CUDA generator states of rank r
+    pending_rank<r>.pt  (one step off-policy runs) rank r's rollouts already
+                      generated for the next step, their behaviour log-probs and,
+                      once in, their rewards
     state.json        step, data position, counters, world size
     config.yaml       the full training config of the run
 
@@ -101,11 +104,12 @@ def save_checkpoint(
     config_yaml: str,
     rank: int = 0,
     rng: dict[str, Any] | None = None,
+    pending: dict[str, Any] | None = None,
     full_model_state: dict[str, Any] | None = None,
     optimizer_state: dict[str, Any] | None = None,
 ) -> pathlib.Path:
-    """Write a checkpoint. Every rank calls it (each writes its RNG state); rank 0
-    writes the rest. ``rng`` is this rank's RNG state to store (default: the
+    """Write a checkpoint. Every rank calls it (each writes its RNG state and its
+    ``pending`` rollouts, if any); rank 0 writes the rest. ``rng`` is this rank's RNG state to store (default: the
     current one). ``full_model_state`` / ``optimizer_state`` are given when the
     model is sharded (FSDP) and the caller gathered them; otherwise they are read
     from ``model`` and ``optimizer``. Returns the final folder."""
@@ -119,6 +123,8 @@ def save_checkpoint(
         staging.mkdir(parents=True)
     _barrier()
     torch.save(rng if rng is not None else rng_state(), staging / f"rng_rank{rank}.pt")
+    if pending is not None:
+        torch.save(pending, staging / f"pending_rank{rank}.pt")
     if rank == 0:
         model_dir = staging / MODEL_DIR
         if full_model_state is None:
@@ -200,6 +206,17 @@ def load_rng(directory: str | pathlib.Path, rank: int) -> None:
     if not path.exists():
         raise NotFound(f"{path}: no RNG state for rank {rank}; resume with the world size the run was saved with")
     set_rng_state(torch.load(path, weights_only=False))
+
+
+def load_pending(directory: str | pathlib.Path, rank: int) -> dict[str, Any] | None:
+    """The rollouts rank ``rank`` had already generated for the next step (a run one
+    step off-policy), or None when the checkpoint holds none."""
+    import torch
+
+    path = pathlib.Path(directory) / f"pending_rank{rank}.pt"
+    if not path.exists():
+        return None
+    return torch.load(path, weights_only=False)
 
 
 def prune_checkpoints(output_dir: str | pathlib.Path, keep: int) -> None:

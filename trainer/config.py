@@ -145,6 +145,11 @@ class RolloutConfig:
     chunk_prompts: int = option(
         0, "Tasks generated per chunk: each chunk's rewards are scored while the next generates (0 = auto)."
     )
+    off_policy_steps: int = option(
+        0,
+        "0: on-policy. 1: generate step t+1's rollouts before step t's update, so their scoring runs behind a "
+        "whole step; they are trained one update stale, the clipped ratio to their behaviour log-probs corrects it.",
+    )
     max_new_tokens: int = option(48, "Rewriter: tokens per completion. Search agent: tokens per turn.")
     temperature: float = option(1.0, "Sampling temperature (also divides the logits of the loss, as in TRL).")
     top_p: float = option(1.0, "Nucleus sampling mass.")
@@ -163,6 +168,11 @@ class RolloutConfig:
             raise ConfigError(f"rollout.prompts_per_step={self.prompts_per_step}: must be >= 1")
         if self.chunk_prompts < 0:
             raise ConfigError(f"rollout.chunk_prompts={self.chunk_prompts}: must be >= 0 (0 = auto)")
+        if self.off_policy_steps not in (0, 1):
+            raise ConfigError(
+                f"rollout.off_policy_steps={self.off_policy_steps}: must be 0 (on-policy) or 1 (generate the next "
+                "step's rollouts while this step's rewards are scored)"
+            )
         if self.max_new_tokens < 1:
             raise ConfigError(f"rollout.max_new_tokens={self.max_new_tokens}: must be >= 1")
         if not (self.temperature > 0 and math.isfinite(self.temperature)):

@@ -4,10 +4,13 @@ One function, :func:`train`, reads top to bottom. Each step::
 
     rollout     G samples per task, generated in chunks; each chunk's reward
                 coroutine is submitted to a background event loop at once, so
-                scoring overlaps the next chunk's generation
-    reference   the frozen reference's log-probs and the first micro-batch's
-                forward pass (they need no reward: this hides part of the
-                last chunk's scoring)
+                scoring overlaps the next chunk's generation. One step
+                off-policy (``rollout.off_policy_steps=1``) the next step's
+                rollouts are generated here too, before this step's update, so
+                their scoring overlaps everything up to the next step's wait
+    reference   the frozen reference's log-probs, the first micro-batch's
+                forward pass and (off-policy) the next batch's behaviour
+                log-probs: they need no reward, so they hide scoring latency
     rewards     wait for the scores; a reward that could not be computed stops
                 the run (checkpoint first) and is never trained on as 0
     advantages  per-token advantages from the registered estimator named by
@@ -26,6 +29,11 @@ Departures from TRL's GRPOTrainer, on purpose:
 * One optimizer update per batch of rollouts (TRL's ``num_iterations=1``):
   ``old_logp`` is the detached current log-probability, so the ratio is 1 in
   value and the clip only matters through its gradient, exactly as in TRL.
+  One step off-policy, a batch is trained by the weights one update after
+  those that sampled it: ``old_logp`` is then its behaviour log-probability,
+  computed before that update, and the clipped ratio corrects for the lag.
+  A checkpoint keeps such a batch (``pending_rank<r>.pt``), so resuming is
+  still exact.
 * The loss of each micro-batch is weighted by its share of the step's rows
   (``sequence_mean``, ``constant``) or trained tokens (``token_mean``) across
   micro-batches and ranks, so accumulation and world size never change the
@@ -164,7 +172,11 @@ def train(
     stopped = "completed"
     steps_this_call = 0
 
-    def save(reason: str, rng: dict[str, Any] | None = None, position: dict[str, int] | None = None) -> pathlib.Path:
+    def save(reason: str, rng: dict[str, Any] | None = None, position: dict[str, int] | None = None,
+             pending: _StepRollouts | None = None) -> pathlib.Path:
+        """A checkpoint of the state after ``state.step`` steps; ``pending``: rollouts
+        already taken from the data for the next step (kept, with their scores when
+        they are in, so the resumed run trains on exactly them)."""
         state.reason = reason
         state.data_position = position if position is not None else order.state()
         full_model, full_optim = (None, None)
@@ -182,12 +194,58 @@ def train(
             config_yaml=config_yaml,
             rank=ctx.rank,
             rng=rng,
+            pending=None if pending is None else pending.to_saved(),
             full_model_state=full_model,
             optimizer_state=full_optim,
         )
         if ctx.is_main:
             ckpt.prune_checkpoints(config.run_dir, config.keep_checkpoints)
         return path
+
+    def score(batch: Any) -> Any:
+        """The reward coroutine of a batch's rollouts."""
+        scorer = rewards_model.score_search if kind == "search" else rewards_model.score_rewrites
+        return scorer(batch.rollouts)
+
+    def generate(for_step: int) -> _StepRollouts:
+        """Take ``for_step``'s tasks and generate their rollouts in chunks, submitting
+        each chunk's reward coroutine at once so scoring overlaps the next chunk."""
+        started = time.perf_counter()
+        step_tasks = [tasks[i] for i in dist_util.shard(order.take(config.rollout.prompts_per_step), ctx)]
+        taken_to = order.state()
+        chunk = config.rollout.chunk_size(len(step_tasks))
+        chunks, futures = [], []
+        for n, start in enumerate(range(0, len(step_tasks), chunk)):
+            seed = _sampling_seed(config.seed, for_step, ctx.rank, n)
+            part = _rollout(config, kind, engine, tokenizer, step_tasks[start : start + chunk], retrieval, background,
+                            seed)
+            chunks.append(part)
+            futures.append(background.submit(score(part)))
+        batch = concat_batches(chunks, _pad_id(tokenizer)).to(device)
+        return _StepRollouts(for_step, batch, futures, taken_to, generation_s=time.perf_counter() - started)
+
+    def behaviour_logprobs(batch: Any) -> Any:
+        """``(B, L)`` log-probs of the sampled tokens under the current weights."""
+        old = torch.zeros(batch.input_ids.shape, dtype=torch.float32, device=device)
+        for rows in _micro_batches(len(batch), config.gradient_accumulation_steps):
+            micro = micro_batch(batch, None, rows)
+            with torch.no_grad(), autocast:
+                logp, _ = completion_logprobs(model, micro, config.rollout.temperature)
+            old[rows[0] : rows[-1] + 1, micro.start : micro.start + logp.shape[1]] = logp.float()
+        return old
+
+    def fail(step: int, failure: CalibrlError | None, rng: dict[str, Any], position: dict[str, int],
+             current: _StepRollouts | None) -> None:
+        """Nothing half-scored is trained on: save the state as it was when this step
+        began, with its rollouts if they exist (to be scored again; the data
+        position is then the one just after their tasks), and stop. A resumed run
+        retries the same step."""
+        if current is not None:
+            current.forget_scores()
+            position = current.data_position
+        path = save("reward_error", rng=rng, position=position, pending=current)
+        message = f"{failure}" if failure is not None else "a reward failed on another rank"
+        raise RewardError(f"step {step}: {message}; checkpoint written to {path}, resume with --resume {path}")
 
     with contextlib.ExitStack() as stack:
         if background is None:
@@ -198,65 +256,65 @@ def train(
             stack.callback(run_log.close)
         if progress is not None:
             stack.callback(progress.close)
+        pending = None
+        if checkpoint_from is not None:
+            pending = _restore_pending(checkpoint_from, ctx.rank, state.step + 1, background, score, device)
         while state.step < config.steps:
             step = state.step + 1
             step_start = time.perf_counter()
             rng_at_start, position_at_start = ckpt.rng_state(), order.state()
-            step_tasks = [tasks[i] for i in dist_util.shard(order.take(config.rollout.prompts_per_step), ctx)]
 
             # ---------------------------------------------------------- rollout
-            # Generate the step's tasks in chunks; submit each chunk's reward
-            # coroutine at once so scoring overlaps the next chunk's generation.
-            chunk = config.rollout.chunk_size(len(step_tasks))
-            batches, reward_futures, failure = [], [], None
+            # This step's rollouts: generated now, or (one step off-policy) in the
+            # previous step, before its update. Off-policy, the next step's
+            # rollouts are generated here too, so their scoring runs behind the
+            # rest of this step and the whole of the next one's forward passes.
+            current, upcoming, failure = pending, None, None
+            pending = None
             try:
-                for n, start in enumerate(range(0, len(step_tasks), chunk)):
-                    seed = _sampling_seed(config.seed, step, ctx.rank, n)
-                    batch = _rollout(config, kind, engine, tokenizer, step_tasks[start : start + chunk],
-                                     retrieval, background, seed)
-                    batches.append(batch)
-                    score = rewards_model.score_search if kind == "search" else rewards_model.score_rewrites
-                    reward_futures.append(background.submit(score(batch.rollouts)))
+                if current is None:
+                    current = generate(step)
+                if config.rollout.off_policy_steps and step < config.steps:
+                    upcoming = generate(step + 1)
             except CalibrlError as exc:
                 failure = exc
             generation_s = time.perf_counter() - step_start
+            if dist_util.any_rank(failure is not None, ctx):
+                fail(step, failure, rng_at_start, position_at_start, current)
 
             # ---------------------------------------------------------- reference
-            # The frozen reference's log-probs, and the policy's forward pass of the
-            # first micro-batch, need no reward: running them here hides part of the
-            # last chunk's scoring latency (peak memory is unchanged: one graph).
+            # Forward passes that need no reward run while the scores are computed:
+            # the upcoming batch's behaviour log-probs (under the weights that
+            # sampled it, before this step's update), the frozen reference's
+            # log-probs, and the policy's forward pass of the first micro-batch
+            # (peak memory is unchanged: one graph).
             overlap_start = time.perf_counter()
-            batch, micro_batches, ref_logps, first_forward = None, [], [], None
-            if failure is None:
-                batch = concat_batches(batches, _pad_id(tokenizer)).to(device)
-                micro_batches = _micro_batches(len(batch), config.gradient_accumulation_steps)
-                for rows in micro_batches:
-                    ref_logp = None
-                    if reference is not None:
-                        with torch.no_grad(), autocast:
-                            ref_logp, _ = completion_logprobs(reference, micro_batch(batch, None, rows),
-                                                              config.rollout.temperature)
-                    ref_logps.append(ref_logp)
-                with autocast:
-                    first_forward = completion_logprobs(model, micro_batch(batch, None, micro_batches[0]),
-                                                        config.rollout.temperature, with_entropy=True)
+            if upcoming is not None:
+                upcoming.batch.old_logp = behaviour_logprobs(upcoming.batch)
+            batch = current.batch
+            micro_batches = _micro_batches(len(batch), config.gradient_accumulation_steps)
+            ref_logps = []
+            for rows in micro_batches:
+                ref_logp = None
+                if reference is not None:
+                    with torch.no_grad(), autocast:
+                        ref_logp, _ = completion_logprobs(reference, micro_batch(batch, None, rows),
+                                                          config.rollout.temperature)
+                ref_logps.append(ref_logp)
+            with autocast:
+                first_forward = completion_logprobs(model, micro_batch(batch, None, micro_batches[0]),
+                                                    config.rollout.temperature, with_entropy=True)
             overlap_s = time.perf_counter() - overlap_start
 
             # ---------------------------------------------------------- rewards
             wait_start = time.perf_counter()
-            breakdowns = []
-            for future in reward_futures:
-                try:
-                    breakdowns.extend(future.result())
-                except CalibrlError as exc:
-                    failure = failure or exc
+            try:
+                breakdowns = current.settle()
+            except CalibrlError as exc:
+                failure = exc
             reward_wait_s = time.perf_counter() - wait_start
             if dist_util.any_rank(failure is not None, ctx):
-                # Nothing half-scored is trained on: save the state as it was when
-                # this step began (a resumed run retries the same step) and stop.
-                path = save("reward_error", rng=rng_at_start, position=position_at_start)
-                message = f"{failure}" if failure is not None else "a reward failed on another rank"
-                raise RewardError(f"step {step}: {message}; checkpoint written to {path}, resume with --resume {path}")
+                fail(step, failure, rng_at_start, position_at_start, current)
 
             # ---------------------------------------------------------- advantages
             rewards = torch.tensor([b.total for b in breakdowns], dtype=torch.float32, device=device)
@@ -291,7 +349,8 @@ def train(
                 else:
                     with autocast:
                         logp, entropy = completion_logprobs(model, micro, config.rollout.temperature, with_entropy=True)
-                loss, metrics = policy_loss_for(config, logp, logp.detach(), micro.token_adv, micro.mask, ref_logp)
+                old_logp = logp.detach() if micro.old_logp is None else micro.old_logp
+                loss, metrics = policy_loss_for(config, logp, old_logp, micro.token_adv, micro.mask, ref_logp)
                 weight = _micro_batch_weight(
                     config.loss.aggregation, micro.mask, rows_total, tokens_total, ctx.world_size
                 )
@@ -313,6 +372,7 @@ def train(
             optimizer.zero_grad(set_to_none=True)
             engine.update_weights(model)
             state.step = step
+            pending = upcoming
             update_s = time.perf_counter() - update_start
 
             # ---------------------------------------------------------- log
@@ -331,6 +391,7 @@ def train(
                 "timing/update": update_s,
                 "timing/step": step_s,
                 "timing/reward_wait_share": reward_wait_s / step_s if step_s > 0 else 0.0,
+                "rollout/staleness": 0.0 if batch.old_logp is None else 1.0,
             }
             if step_scores is not None:
                 known = step_scores[~torch.isnan(step_scores)]
@@ -358,12 +419,12 @@ def train(
             preempted = stop_after is not None and steps_this_call >= stop_after and state.step < config.steps
             if stop_requested or preempted:
                 stopped = "sigterm" if stop_requested else "stop_after"
-                last_checkpoint = save(stopped)
+                last_checkpoint = save(stopped, pending=_settled(pending))
                 break
             if state.step == config.steps:
                 last_checkpoint = save("final")
             elif config.checkpoint_every and state.step % config.checkpoint_every == 0:
-                last_checkpoint = save("interval")
+                last_checkpoint = save("interval", pending=_settled(pending))
 
     if stopped == "sigterm":
         log.warning("SIGTERM: stopped after step %d; checkpoint %s", state.step, last_checkpoint)
@@ -493,6 +554,77 @@ def search_step_scores(rollouts: Sequence[Any], group_index: Any, segment_index:
     return scores
 
 
+# =============================================================================== rollouts between steps
+
+
+@dataclass
+class _StepRollouts:
+    """One step's rollouts from generation to update: the batch (with its
+    behaviour log-probs ``batch.old_logp`` when it was sampled before the last
+    update) and its reward futures, one per generation chunk, until settled."""
+
+    step: int
+    batch: Any  # RolloutBatch on the training device
+    futures: list[Any]  # concurrent futures of list[RewardBreakdown], in chunk order
+    data_position: dict[str, int]  # TaskOrder.state() just after this step's tasks were taken
+    breakdowns: list[Any] | None = None  # one per row once every future is in
+    generation_s: float = 0.0
+
+    def settle(self) -> list[Any]:
+        """The rows' rewards, waiting for the futures; raises the first failure."""
+        if self.breakdowns is None:
+            breakdowns, failure = [], None
+            for future in self.futures:
+                try:
+                    breakdowns.extend(future.result())
+                except CalibrlError as exc:
+                    failure = failure or exc
+            if failure is not None:
+                raise failure
+            self.breakdowns, self.futures = breakdowns, []
+        return self.breakdowns
+
+    def forget_scores(self) -> None:
+        """Drop the scores (a resumed run asks for them again)."""
+        self.breakdowns, self.futures = None, []
+
+    def to_saved(self) -> dict[str, Any]:
+        """What a checkpoint stores of it (tensors on the CPU; scores when settled)."""
+        return {"step": self.step, "batch": self.batch.to("cpu"), "breakdowns": self.breakdowns,
+                "data_position": self.data_position}
+
+
+def _settled(rollouts: _StepRollouts | None) -> _StepRollouts | None:
+    """``rollouts`` with its scores waited for, so a checkpoint keeps them; a score
+    that fails now is left out and asked for again by the resumed run."""
+    if rollouts is not None:
+        try:
+            rollouts.settle()
+        except CalibrlError as exc:
+            log.warning("rollouts of step %d: %s; the resumed run scores them again", rollouts.step, exc)
+            rollouts.forget_scores()
+    return rollouts
+
+
+def _restore_pending(checkpoint: pathlib.Path, rank: int, next_step: int, background: BackgroundLoop,
+                     score: Callable[[Any], Any], device: str) -> _StepRollouts | None:
+    """The rollouts a checkpoint holds for its next step (None when it holds none),
+    with their scoring resubmitted when the checkpoint has no scores for them."""
+    saved = ckpt.load_pending(checkpoint, rank)
+    if saved is None:
+        return None
+    if saved["step"] != next_step:
+        raise ConfigError(
+            f"{checkpoint}: pending_rank{rank}.pt holds rollouts of step {saved['step']}, but the run resumes at "
+            f"step {next_step}; the checkpoint was altered, resume from an untouched one"
+        )
+    rollouts = _StepRollouts(saved["step"], saved["batch"].to(device), [], saved["data_position"],
+                             saved["breakdowns"])
+    if rollouts.breakdowns is None:
+        rollouts.futures = [background.submit(score(rollouts.batch))]
+    return rollouts
+
+
 # =============================================================================== helpers
 
 
@@ -609,6 +741,7 @@ class MicroBatch:
     start: int
     mask: Any  # (b, L - start) completion_mask
     token_adv: Any  # (b, L - start), or None before advantages exist
+    old_logp: Any = None  # (b, L - start) behaviour log-probs of a stale batch, else None
 
 
 def micro_batch(batch: Any, token_adv: Any, rows: list[int]) -> MicroBatch:
@@ -624,6 +757,7 @@ def micro_batch(batch: Any, token_adv: Any, rows: list[int]) -> MicroBatch:
         start=start,
         mask=mask[:, start:],
         token_adv=None if token_adv is None else token_adv[rows_slice, start:width],
+        old_logp=None if batch.old_logp is None else batch.old_logp[rows_slice, start:width],
     )
 
 
