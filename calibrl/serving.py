@@ -208,12 +208,22 @@ async def start_server(
     return RunningServer(server, port, health_servicer, names, list(on_stop))
 
 
-async def serve_until_signal(running: RunningServer, grace: float) -> None:
-    """Run until SIGTERM or SIGINT, then stop in order (NOT_SERVING, drain, hooks)."""
+def stop_on_signals() -> asyncio.Event:
+    """An event that SIGTERM or SIGINT sets, handled on the running loop from now on.
+    A server process installs it before it starts listening, so a signal sent the
+    moment the port is announced is still a drained shutdown, not a kill."""
     loop = asyncio.get_running_loop()
     stop_requested = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop_requested.set)
+    return stop_requested
+
+
+async def serve_until_signal(running: RunningServer, grace: float, stop_requested: asyncio.Event | None = None) -> None:
+    """Run until SIGTERM or SIGINT (``stop_requested`` from :func:`stop_on_signals`,
+    installed here when not given), then stop in order (NOT_SERVING, drain, hooks)."""
+    if stop_requested is None:
+        stop_requested = stop_on_signals()
     waiter = asyncio.ensure_future(stop_requested.wait())
     await asyncio.wait([waiter, asyncio.ensure_future(running.server.wait_for_termination())],
                        return_when=asyncio.FIRST_COMPLETED)

@@ -71,15 +71,14 @@ def serve(argv: list[str]) -> int:
 
     import asyncio
 
-    from calibrl.serving import serve_until_signal
+    from calibrl.serving import serve_until_signal, stop_on_signals
     from judge_server.server import start
 
     async def run() -> None:
+        stop_requested = stop_on_signals()  # before the port is announced: a SIGTERM from then on drains
         running = await start(config)
-        serving = asyncio.ensure_future(serve_until_signal(running, config.serving.grace_seconds))
-        await asyncio.sleep(0)  # its SIGTERM/SIGINT handlers are installed before we announce the port
         print(f"judge server listening on {config.serving.host}:{running.port}", flush=True)
-        await serving
+        await serve_until_signal(running, config.serving.grace_seconds, stop_requested)
 
     try:
         asyncio.run(run())

@@ -19,7 +19,7 @@ from typing import Any
 
 from calibrl.batching import MicroBatcher
 from calibrl.config import validate
-from calibrl.serving import RunningServer, serve_until_signal, start_server
+from calibrl.serving import RunningServer, serve_until_signal, start_server, stop_on_signals
 from calibrl.v1 import retrieval_pb2_grpc as pb_grpc
 from retrieval_server.config import RetrievalServerConfig
 from retrieval_server.retriever import Retriever
@@ -76,10 +76,12 @@ async def serve(config: RetrievalServerConfig) -> None:
         # a process-wide setting, so only here and not in start(): with more compute threads
         # than free cores (a shared host), every parallel region of the encoder can stall
         torch.set_num_threads(config.torch_threads)
+    stop_requested = stop_on_signals()  # before the port is announced: a SIGTERM from then on drains
     running = await start(config)
     log.info(
         "retrieval index %s: %d passages, dense %s, default mode %s",
         config.index_dir, running.retriever.doc_count, running.retriever.dense_index_type,
         running.retriever.default_mode.value,
     )
-    await serve_until_signal(running, config.serving.grace_seconds)
+    print(f"retrieval server listening on {config.serving.host}:{running.port}", flush=True)
+    await serve_until_signal(running, config.serving.grace_seconds, stop_requested)

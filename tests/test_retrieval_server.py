@@ -278,6 +278,28 @@ def test_cli_serve_answers_then_drains_on_sigterm(tiny_index):
             process.wait()
 
 
+@pytest.mark.slow
+def test_cli_sigterm_right_after_the_announced_port_is_a_drained_exit(tiny_index):
+    """The port is printed on stdout only once SIGTERM is handled: a supervisor that
+    stops the server the moment it is announced gets the drained exit 0 (and the
+    shutdown log), never a kill by the default signal action (-15)."""
+    process = subprocess.Popen(
+        [sys.executable, "-m", "calibrl", "serve", "retrieval", "--index", str(tiny_index), "--port", "0",
+         "device=cpu", "default_mode=bm25"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=dict(os.environ, PYTHONUNBUFFERED="1"),
+    )
+    try:
+        line = process.stdout.readline()
+        assert re.match(r"retrieval server listening on 127\.0\.0\.1:\d+$", line.strip()), line
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(timeout=60) == 0
+        assert "shutting down: NOT_SERVING" in process.stderr.read()
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+
+
 def _readme_retrieval_section() -> str:
     readme = (pathlib.Path(__file__).resolve().parent.parent / "README.md").read_text(encoding="utf-8")
     start, end = "<!-- section:retrieval -->", "<!-- /section:retrieval -->"

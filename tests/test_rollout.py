@@ -148,6 +148,34 @@ def test_top_p_filter_matches_a_loop():
     assert torch.equal(draws, logits.argmax(-1))
 
 
+@pytest.mark.parametrize("poison", [float("nan"), float("inf"), "all -inf"])
+def test_non_finite_logits_are_a_clear_error_not_a_draw(poison):
+    from calibrl.errors import FailedPrecondition
+
+    logits = torch.randn(3, 10)
+    if poison == "all -inf":
+        logits[1] = float("-inf")
+    else:
+        logits[1, 4] = poison
+    logits[2, 0] = float("-inf")  # a masked token alone is fine
+    for temperature in (0.0, 1.0):
+        with pytest.raises(FailedPrecondition, match=r"NaN or infinite in rows \[1\] of 3.*precision=fp32"):
+            sample_next_token(logits, temperature=temperature, top_p=0.9)
+    assert sample_next_token(logits[[0, 2]], temperature=1.0, top_p=1.0).shape == (2,)
+
+
+def test_a_policy_with_nan_weights_fails_generation_with_that_error(policy):
+    from calibrl.errors import FailedPrecondition
+
+    broken = build_model(policy.tokenizer)
+    with torch.no_grad():
+        broken.lm_head.weight[3, 0] = float("nan")
+    engine = TransformersEngine(Policy(model=broken, tokenizer=policy.tokenizer, device=torch.device("cpu"),
+                                       model_id="broken"))
+    with pytest.raises(FailedPrecondition, match="logits are NaN"):
+        engine.generate([[1, 5, 6]], max_new_tokens=3, temperature=1.0, top_p=1.0, seed=0)
+
+
 def test_vllm_engine_without_vllm_is_a_clear_error(policy):
     pytest.importorskip("torch")
     try:

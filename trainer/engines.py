@@ -24,7 +24,7 @@ from __future__ import annotations
 import inspect
 from typing import TYPE_CHECKING, Any, Iterator, Protocol, Sequence
 
-from calibrl.errors import ConfigError, InvalidArgument
+from calibrl.errors import ConfigError, FailedPrecondition, InvalidArgument
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
@@ -281,9 +281,19 @@ class TransformersEngine:
 def sample_next_token(logits: "torch.Tensor", *, temperature: float, top_p: float, generator: Any = None) -> "torch.Tensor":
     """One token per row from ``logits`` (B, V): argmax when ``temperature`` is 0,
     else a draw from ``softmax(logits / temperature)`` restricted to the smallest
-    set of tokens whose probability reaches ``top_p``. Returns (B,) long."""
+    set of tokens whose probability reaches ``top_p``. Returns (B,) long. Raises
+    FailedPrecondition when a row's logits hold NaN or +inf, or no finite value (a
+    sampler would otherwise fail with an opaque error, or quietly pick token 0)."""
     import torch
 
+    broken = torch.isnan(logits).any(dim=-1) | ~torch.isfinite(logits).any(dim=-1) | torch.isposinf(logits).any(dim=-1)
+    if bool(broken.any()):
+        rows = broken.nonzero().flatten().tolist()
+        raise FailedPrecondition(
+            f"the policy's next-token logits are NaN or infinite in rows {rows[:8]} of {logits.shape[0]}: its weights or "
+            "activations are not finite (a diverged or corrupt checkpoint, or a half-precision overflow); resume from "
+            "an earlier checkpoint, lower optimizer.lr, or run with precision=fp32"
+        )
     if temperature == 0.0:
         return logits.argmax(dim=-1)
     logits = logits / temperature
