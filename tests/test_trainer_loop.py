@@ -453,3 +453,23 @@ def test_a_pending_batch_of_the_wrong_step_is_refused(trainer_world, straight_of
     config = load_train_config(None, trainer_world.overrides(tmp_path / "run", *RESUME_SETTINGS, OFF_POLICY))
     with pytest.raises(ConfigError, match=r"pending_rank0.pt holds rollouts of step 3, but the run resumes at step 2"):
         train(config, retrieval=retrieval, judge=judge, resume=altered)
+
+
+def test_bf16_autocast_trains_with_float32_weights(trainer_world, tmp_path):
+    """``precision=bf16`` runs the forward passes under bf16 autocast (on CPU here,
+    the same code path as on GPU): same rollouts, a slightly different gradient,
+    weights and optimizer state still float32."""
+    retrieval, _ = trainer_world.clients(judge=False)
+    runs = {}
+    for precision in ("fp32", "bf16"):
+        config = load_train_config(None, trainer_world.overrides(
+            tmp_path / precision, "steps=1", f"precision={precision}", "max_grad_norm=0", judge=False))
+        result = train(config, retrieval=retrieval, judge=None)
+        runs[precision] = (result.history[0], _weights(result.last_checkpoint / "model"))
+    (fp32, fp32_weights), (bf16, bf16_weights) = runs["fp32"], runs["bf16"]
+    assert bf16["reward"] == fp32["reward"]  # generation is not autocast: the same samples
+    assert math.isfinite(bf16["grad_norm"]) and bf16["grad_norm"] > 0
+    assert bf16["grad_norm"] != fp32["grad_norm"]  # the loss really ran in bf16 ...
+    assert bf16["grad_norm"] == pytest.approx(fp32["grad_norm"], rel=0.1)  # ... and stayed close
+    assert all(w.dtype == torch.float32 for w in bf16_weights.values())
+    assert any(not torch.equal(bf16_weights[k], fp32_weights[k]) for k in fp32_weights)
