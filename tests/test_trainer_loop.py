@@ -473,3 +473,23 @@ def test_bf16_autocast_trains_with_float32_weights(trainer_world, tmp_path):
     assert bf16["grad_norm"] == pytest.approx(fp32["grad_norm"], rel=0.1)  # ... and stayed close
     assert all(w.dtype == torch.float32 for w in bf16_weights.values())
     assert any(not torch.equal(bf16_weights[k], fp32_weights[k]) for k in fp32_weights)
+
+
+def test_off_policy_behaviour_logprobs_ignore_lora_dropout(trainer_world, tmp_path):
+    """The sampler draws in eval mode, so the behaviour log-probs must be eval-mode
+    ones: with LoRA dropout 0.5 they still equal the sampling adapter's exactly."""
+    pytest.importorskip("peft")
+    from trainer.policy import load_policy, token_logprobs
+
+    retrieval, _ = trainer_world.clients(judge=False)
+    config = load_train_config(None, trainer_world.overrides(
+        tmp_path, "steps=3", OFF_POLICY, "policy.lora.enabled=true", "policy.lora.r=4", "policy.lora.dropout=0.5",
+        "optimizer.lr=1e-2", "checkpoint_every=1", "keep_checkpoints=0", judge=False))
+    train(config, retrieval=retrieval, judge=None)
+    checkpoints = tmp_path / "checkpoints"
+    batch = torch.load(checkpoints / "step_000002" / "pending_rank0.pt", weights_only=False)["batch"]
+    sampler = load_policy(str(checkpoints / "step_000001" / "model"), device="cpu").model.eval()  # the adapter after step 1
+    with torch.no_grad():
+        logp = token_logprobs(sampler, batch.input_ids, batch.attention_mask)
+    mask = batch.completion_mask
+    assert torch.allclose(batch.old_logp[mask], logp[mask], atol=1e-5)

@@ -225,13 +225,19 @@ def train(
         return _StepRollouts(for_step, batch, futures, taken_to, generation_s=time.perf_counter() - started)
 
     def behaviour_logprobs(batch: Any) -> Any:
-        """``(B, L)`` log-probs of the sampled tokens under the current weights."""
+        """``(B, L)`` log-probs of the sampled tokens under the current weights, in
+        eval mode like the sampler (no LoRA dropout): the behaviour policy itself."""
         old = torch.zeros(batch.input_ids.shape, dtype=torch.float32, device=device)
-        for rows in _micro_batches(len(batch), config.gradient_accumulation_steps):
-            micro = micro_batch(batch, None, rows)
-            with torch.no_grad(), autocast:
-                logp, _ = completion_logprobs(model, micro, config.rollout.temperature)
-            old[rows[0] : rows[-1] + 1, micro.start : micro.start + logp.shape[1]] = logp.float()
+        was_training = model.training
+        model.eval()
+        try:
+            for rows in _micro_batches(len(batch), config.gradient_accumulation_steps):
+                micro = micro_batch(batch, None, rows)
+                with torch.no_grad(), autocast:
+                    logp, _ = completion_logprobs(model, micro, config.rollout.temperature)
+                old[rows[0] : rows[-1] + 1, micro.start : micro.start + logp.shape[1]] = logp.float()
+        finally:
+            model.train(was_training)
         return old
 
     def fail(step: int, failure: CalibrlError | None, rng: dict[str, Any], position: dict[str, int],
