@@ -95,6 +95,8 @@ def _coerce(value: Any, hint: Any, where: str) -> Any:
                 errors.append(str(exc))
         raise ConfigError(f"{where}: {value!r} is not a valid {_type_name(hint)}")
     if origin is Literal:
+        if isinstance(value, bool) and ("on" if value else "off") in args:
+            value = "on" if value else "off"  # YAML 1.1 reads a bare on/off as a boolean
         if value not in args:
             raise ConfigError(f"{where}: {value!r} is not one of {list(args)}")
         return value

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 import pathlib
+import string
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -25,6 +26,9 @@ from trainer.rewards import RewardConfig
 
 INPROCESS = "inprocess"
 NO_JUDGE = "none"
+# rollout.chat_template -> the rollout functions' chat_template argument.
+CHAT_TEMPLATE_CHOICES: dict[str, bool | None] = {"auto": None, "on": True, "off": False}
+_TEMPLATE_FIELDS = ("query", "context")
 
 
 @dataclass
@@ -157,8 +161,20 @@ class RolloutConfig:
     max_obs_tokens: int = option(256, "Search agent: tokens of retrieved text per observation.")
     search_top_k: int = option(3, "Search agent: documents returned per <search>.")
     generation_batch_size: int = option(0, "Transformers engine: prompts per forward batch (0 = all at once).")
+    prompt_template: str = option(
+        "",
+        "Policy prompt: empty = the task kind's built-in template; else text with {query} (required) and "
+        "{context} (optional), or @path of a UTF-8 file (relative to the current dir, read at load: the "
+        "saved config holds the text).",
+    )
+    chat_template: Literal["auto", "on", "off"] = option(
+        "auto", "Wrap the prompt in the tokenizer's chat template: auto = when the tokenizer has one."
+    )
 
     def validate(self) -> None:
+        # Resolve @file first so that the saved config.yaml (and every checkpoint's)
+        # holds the template text itself, not a path that may not exist later.
+        self.prompt_template = resolve_prompt_template(self.prompt_template)
         if self.group_size < 2:
             raise ConfigError(
                 f"rollout.group_size={self.group_size}: GRPO needs >= 2 rollouts per task (a group of one has "
@@ -188,6 +204,20 @@ class RolloutConfig:
         if self.generation_batch_size < 0:
             raise ConfigError(f"rollout.generation_batch_size={self.generation_batch_size}: must be >= 0")
 
+    def template_for(self, kind: str) -> str:
+        """The prompt template of a ``rewrite`` or ``search`` policy: the configured
+        one, or the kind's built-in template when none is set."""
+        from trainer.search_format import REWRITE_TEMPLATE, SEARCH_TEMPLATE
+
+        builtin = {"rewrite": REWRITE_TEMPLATE, "search": SEARCH_TEMPLATE}
+        if kind not in builtin:
+            raise ConfigError(f"task kind {kind!r}: expected 'rewrite' or 'search'")
+        return self.prompt_template or builtin[kind]
+
+    def chat_template_flag(self) -> bool | None:
+        """``chat_template`` as the rollout functions take it (None = auto)."""
+        return CHAT_TEMPLATE_CHOICES[self.chat_template]
+
     def chunk_size(self, prompts_on_rank: int) -> int:
         """Tasks per generation chunk on a rank holding ``prompts_on_rank`` tasks."""
         if self.chunk_prompts:
@@ -195,6 +225,67 @@ class RolloutConfig:
         # Two chunks hide most of the reward latency behind the second chunk's
         # generation; more chunks shrink generation batches for little gain.
         return max(1, math.ceil(prompts_on_rank / 2))
+
+
+def resolve_prompt_template(value: str, where: str = "rollout.prompt_template") -> str:
+    """The template text of a ``prompt_template`` value: ``""`` (the built-in one) stays
+    ``""``, ``@path`` is replaced by the UTF-8 text of that file (relative to the
+    current directory), any other value is the template itself. Raises ConfigError
+    naming ``where``, the value (shortened) and the fix when the file cannot be read
+    or the template could not be filled (see :func:`prompt_template_problem`)."""
+    if value == "":
+        return ""
+    if not value.startswith("@"):
+        problem = prompt_template_problem(value)
+        if problem:
+            raise ConfigError(f"{where}={_shorten(value)}: {problem}")
+        return value
+    path = pathlib.Path(value[1:]).expanduser()
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        reason = "is not UTF-8 text" if isinstance(exc, UnicodeDecodeError) else f"cannot be read ({exc.strerror or exc})"
+        raise ConfigError(
+            f"{where}={_shorten(value)}: the file {path} {reason}; give the path of a UTF-8 text file after '@' "
+            "(relative to the current directory), or the template text itself"
+        ) from None
+    if not text.strip():
+        problem = f"is empty; write the template in it, or leave {where} empty for the built-in template"
+    elif text.startswith("@"):
+        problem = ("starts with '@', which marks a file path when the saved config is loaded again; start it "
+                   "with any other character")
+    else:
+        problem = prompt_template_problem(text)
+    if problem:
+        raise ConfigError(f"{where}={_shorten(value)}: the template in {path} {problem}")
+    return text
+
+
+def prompt_template_problem(template: str) -> str | None:
+    """Why ``trainer.search_format.fill_template`` could not fill ``template``, with
+    the fix (None when it can): no ``{query}``, a placeholder other than ``{query}``
+    and ``{context}`` (conversions and format specs included), an unpaired brace."""
+    placeholders = []  # each as written, e.g. "{query}", "{query!r}", "{0}"
+    try:
+        for _, name, spec, conversion in string.Formatter().parse(template):
+            if name is not None:
+                placeholders.append("{" + name + (f"!{conversion}" if conversion else "")
+                                    + (f":{spec}" if spec else "") + "}")
+    except ValueError as exc:
+        return f"{exc}; write a literal brace as {{{{ or }}}}, the placeholders are {{query}} and {{context}}"
+    unknown = sorted(set(placeholders) - {"{" + name + "}" for name in _TEMPLATE_FIELDS})
+    if unknown:
+        return (f"has the unknown placeholder {', '.join(unknown)}; only {{query}} (the question) and {{context}} "
+                "(the task's context lines) are filled in, write a literal brace as {{ or }}")
+    if "{query}" not in placeholders:
+        return ("has no {query} placeholder; put {query} where the question goes (and optionally {context}), "
+                "or leave it empty for the built-in template")
+    return None
+
+
+def _shorten(value: str, limit: int = 60) -> str:
+    """``value`` as a repr, cut to about ``limit`` characters for error messages."""
+    return repr(value) if len(value) <= limit else repr(value[:limit]) + f"... ({len(value)} chars)"
 
 
 @dataclass
@@ -378,6 +469,7 @@ def load_train_config(path: str | pathlib.Path | None = None, overrides: list[st
 
 
 __all__ = [
+    "CHAT_TEMPLATE_CHOICES",
     "CalibAdvAdvantage",
     "DistributedConfig",
     "GrpoAdvantage",
@@ -389,5 +481,7 @@ __all__ = [
     "ServicesConfig",
     "TasksConfig",
     "TrainConfig",
+    "prompt_template_problem",
     "load_train_config",
+    "resolve_prompt_template",
 ]

@@ -246,10 +246,13 @@ def train(
         began, with its rollouts if they exist (to be scored again; the data
         position is then the one just after their tasks), and stop. A resumed run
         retries the same step."""
-        if current is not None:
+        # Keep the rollouts only when every rank has its share: ranks must agree on
+        # the data position, and a rank whose generation failed has nothing to keep.
+        keep = not dist_util.any_rank(current is None, ctx)
+        if keep:
             current.forget_scores()
             position = current.data_position
-        path = save("reward_error", rng=rng, position=position, pending=current)
+        path = save("reward_error", rng=rng, position=position, pending=current if keep else None)
         message = f"{failure}" if failure is not None else "a reward failed on another rank"
         raise RewardError(f"step {step}: {message}; checkpoint written to {path}, resume with --resume {path}")
 
