@@ -642,15 +642,16 @@ def _rollout(config: TrainConfig, kind: str, engine: Any, tokenizer: Any, tasks:
     from trainer.rollout import rollout_rewrites, rollout_search
 
     r = config.rollout
+    prompt = {"prompt_template": r.template_for(kind), "chat_template": r.chat_template_flag()}
     if kind == "search":
         return rollout_search(
             engine, tokenizer, tasks, group_size=r.group_size, retrieval=retrieval, run_async=background.run,
             max_turns=r.max_turns, top_k=r.search_top_k, max_new_tokens_per_turn=r.max_new_tokens,
-            max_obs_tokens=r.max_obs_tokens, temperature=r.temperature, top_p=r.top_p, seed=seed,
+            max_obs_tokens=r.max_obs_tokens, temperature=r.temperature, top_p=r.top_p, seed=seed, **prompt,
         )
     return rollout_rewrites(
         engine, tokenizer, tasks, group_size=r.group_size, max_new_tokens=r.max_new_tokens,
-        temperature=r.temperature, top_p=r.top_p, seed=seed,
+        temperature=r.temperature, top_p=r.top_p, seed=seed, **prompt,
     )
 
 
