@@ -146,3 +146,73 @@ def test_readme_trainer_commands_use_real_flags(capsys):
         help_text = capsys.readouterr().out
         for flag in re.findall(r"(--[a-z][a-z-]*)", text):
             assert flag in help_text, f"README uses calibrl {name} {flag}"
+
+
+# --------------------------------------------------------------------------- prompt template
+
+
+@pytest.mark.parametrize(
+    ("template", "message"),
+    [
+        ("Question: {question}", r"rollout.prompt_template='Question: \{question\}': has the unknown placeholder "
+                                 r"\{question\}; only \{query\} .* and \{context\}"),
+        ("Answer briefly.", r"rollout.prompt_template='Answer briefly.': has no \{query\} placeholder; put \{query\} "
+                            r"where the question goes .* or leave it empty for the built-in template"),
+        ("Q: {query} {", r"Single '\{' encountered .*; write a literal brace as \{\{ or \}\}"),
+        ("{}: {query}", r"unknown placeholder \{\}"),
+        ("Q: {query!r}", r"unknown placeholder \{query!r\}"),
+        ("Q: {{query}}", r"has no \{query\} placeholder"),  # an escaped brace is literal text, not the question
+        ("Please " * 40 + "answer.", r"rollout.prompt_template='(Please ){8}Plea'\.\.\. \(287 chars\): has no \{query\}"),
+    ],
+)
+def test_bad_prompt_templates_are_rejected_at_load(template, message):
+    # Quoted so that YAML reads the override as text, as a user would on the command line.
+    with pytest.raises(ConfigError, match=message):
+        load_train_config(None, [*REQUIRED, f'rollout.prompt_template="{template}"'])
+
+
+def test_prompt_template_files_that_cannot_be_used_are_named(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "latin1.txt").write_bytes("Frage: {query} \u00fcber".encode("latin-1"))
+    (tmp_path / "empty.txt").write_text("  \n")
+    (tmp_path / "no_query.txt").write_text("Answer: {answer}\n")
+    cases = {
+        "@missing.txt": r"rollout.prompt_template='@missing.txt': the file missing.txt cannot be read \(No such file",
+        "@latin1.txt": r"'@latin1.txt': the file latin1.txt is not UTF-8 text; give the path of a UTF-8 text file",
+        "@empty.txt": r"'@empty.txt': the template in empty.txt is empty; write the template in it",
+        "@no_query.txt": r"'@no_query.txt': the template in no_query.txt has the unknown placeholder \{answer\}",
+    }
+    for value, message in cases.items():
+        with pytest.raises(ConfigError, match=message):
+            load_train_config(None, [*REQUIRED, f"rollout.prompt_template={value}"])
+    assert calibrl_main(["train", *REQUIRED, "rollout.prompt_template=@missing.txt", "--print-resolved"]) == 2
+
+
+def test_prompt_template_file_is_read_at_load_and_saved_as_text(tmp_path, monkeypatch):
+    from trainer.search_format import REWRITE_TEMPLATE, SEARCH_TEMPLATE
+
+    default = load_train_config(None, REQUIRED).rollout
+    assert default.prompt_template == "" and default.chat_template == "auto" and default.chat_template_flag() is None
+    assert default.template_for("rewrite") == REWRITE_TEMPLATE and default.template_for("search") == SEARCH_TEMPLATE
+
+    text = "You are a careful research assistant.\n{context}Question: {query}\nUse {{braces}} sparingly.\n"
+    (tmp_path / "prompts").mkdir()
+    (tmp_path / "prompts" / "mine.txt").write_text(text, encoding="utf-8")
+    monkeypatch.chdir(tmp_path)  # @paths are relative to the current directory
+    run_yaml = tmp_path / "run.yaml"
+    run_yaml.write_text("rollout:\n  prompt_template: '@prompts/mine.txt'\n  chat_template: off\n")
+    config = load_train_config(run_yaml, REQUIRED)
+    assert config.rollout.prompt_template == text  # the file's text replaces the path
+    assert config.rollout.template_for("rewrite") == config.rollout.template_for("search") == text
+    assert config.rollout.chat_template == "off" and config.rollout.chat_template_flag() is False  # bare YAML off
+    assert load_train_config(None, [*REQUIRED, "rollout.chat_template=on"]).rollout.chat_template_flag() is True
+
+    # The saved config (every checkpoint's config.yaml) holds the text and loads back
+    # the same, from anywhere: the template file is not needed any more.
+    saved = tmp_path / "saved.yaml"
+    saved.write_text(config.to_yaml())
+    (tmp_path / "prompts" / "mine.txt").unlink()
+    monkeypatch.chdir(ROOT)
+    assert load_train_config(saved) == config
+    with pytest.raises(ConfigError, match=r"rollout.chat_template: 'maybe' is not one of \['auto', 'on', 'off'\]"):
+        load_train_config(None, [*REQUIRED, "rollout.chat_template=maybe"])

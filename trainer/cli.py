@@ -191,6 +191,13 @@ def evaluate(argv: Sequence[str]) -> int:
     parser.add_argument("--batch-size", type=int, default=32, help="tasks generated together")
     parser.add_argument("--raw-query-baseline", action="store_true",
                         help="rewrite tasks: add a row that sends the original query unchanged")
+    parser.add_argument("--prompt-template", metavar="TEXT_OR_@FILE", default=None,
+                        help="prompt of every model: template text with {query} (and optionally {context}), or "
+                        "@FILE; '' = the built-in one. Default: each checkpoint's training template (its "
+                        "config.yaml), the built-in one for a base model")
+    parser.add_argument("--chat-template", choices=["auto", "on", "off"], default=None,
+                        help="wrap prompts in the tokenizer's chat template (auto: when it has one). Default: each "
+                        "checkpoint's training choice, auto for a base model")
     parser.add_argument("--device", default="auto", help="policy device (default auto)")
     parser.add_argument("--out", help="write the results as JSON here")
     parser.add_argument("--api-key", default="", help="API key for the retrieval service (or CALIBRL_API_KEY)")
@@ -202,7 +209,7 @@ def evaluate(argv: Sequence[str]) -> int:
     import pathlib
 
     from trainer.aio import BackgroundLoop
-    from trainer.config import ServicesConfig
+    from trainer.config import ServicesConfig, resolve_prompt_template
     from trainer.eval import EvalSettings, evaluate_models, format_table, load_eval_tasks
 
     if args.name and len(args.name) != len(args.model):
@@ -210,6 +217,9 @@ def evaluate(argv: Sequence[str]) -> int:
               file=sys.stderr)
         return 2
     try:
+        prompt_template = None
+        if args.prompt_template is not None:
+            prompt_template = resolve_prompt_template(args.prompt_template, "--prompt-template")
         tasks = load_eval_tasks(args.tasks, fmt=args.format, kind=args.kind, heldout_fraction=args.heldout_fraction,
                                 seed=args.split_seed, limit=args.limit)
         settings = EvalSettings(
@@ -227,7 +237,8 @@ def evaluate(argv: Sequence[str]) -> int:
     with BackgroundLoop(name="calibrl-eval") as background:
         try:
             rows = evaluate_models(args.model, tasks, retrieval, settings, run_async=background.run,
-                                   names=args.name or None, raw_query_baseline=args.raw_query_baseline)
+                                   names=args.name or None, raw_query_baseline=args.raw_query_baseline,
+                                   prompt_template=prompt_template, chat_template=args.chat_template)
         except CalibrlError as exc:
             print(f"error: {exc}", file=sys.stderr)
             return 1

@@ -11,17 +11,29 @@
 
 Several models are evaluated on the same tasks so the rows compare side by side
 (:func:`format_table`, and JSON through ``calibrl eval --out``).
+
+Prompts: each model is prompted as it was trained. A checkpoint or run dir (or the
+``model/`` folder of a checkpoint) uses the ``rollout.prompt_template`` and
+``rollout.chat_template`` of its ``config.yaml``; a base model uses the task kind's
+built-in template with ``chat_template=auto``. An explicit choice (``calibrl eval
+--prompt-template / --chat-template``) overrides that for every model. Each row
+reports the template it used (:class:`PromptChoice`, ``EvalResult.prompt``).
 """
 
 from __future__ import annotations
 
 import gc
+import hashlib
+import logging
 import pathlib
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Sequence
 
 from calibrl.errors import ConfigError, InvalidArgument
 
+log = logging.getLogger(__name__)
+
+CHECKPOINT_CONFIG = "config.yaml"  # the training config the loop writes into every checkpoint
 REWRITE_METRICS = ("hit@k", "all_gold@k", "recall@k", "mrr", "ndcg@k", "empty_rewrite_rate")
 SEARCH_METRICS = ("em", "f1", "answered", "well_formed", "searches", "gold_doc_recall")
 
@@ -59,9 +71,42 @@ class EvalResult:
     kind: str  # rewrite | search
     num_tasks: int
     metrics: dict[str, float] = field(default_factory=dict)
+    prompt: dict[str, Any] = field(default_factory=dict)  # PromptChoice.report(); empty for the raw-query row
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+
+@dataclass(frozen=True)
+class PromptChoice:
+    """The prompt one model is evaluated with, and where each half came from:
+    ``default`` (a base model, no flag), ``checkpoint`` (its config.yaml) or ``flag``."""
+
+    template: str = ""  # "" = the built-in template of the task kind
+    chat_template: str = "auto"  # auto | on | off (rollout.chat_template)
+    template_source: str = "default"
+    chat_template_source: str = "default"
+
+    def rollout_config(self) -> Any:
+        """A :class:`~trainer.config.RolloutConfig` holding this choice, so eval picks the
+        effective template exactly as training does."""
+        from trainer.config import RolloutConfig
+
+        return RolloutConfig(prompt_template=self.template, chat_template=self.chat_template)  # type: ignore[arg-type]
+
+    def report(self, kind: str, chat_template_applied: bool) -> dict[str, Any]:
+        """What the JSON output records: the effective template text, a short hash of
+        it, whether it is the built-in one, and the chat-template choice."""
+        text = self.rollout_config().template_for(kind)
+        return {
+            "builtin": not self.template,
+            "sha256": hashlib.sha256(text.encode("utf-8")).hexdigest()[:12],
+            "template": text,
+            "template_source": self.template_source,
+            "chat_template": self.chat_template,
+            "chat_template_source": self.chat_template_source,
+            "chat_template_applied": chat_template_applied,
+        }
 
 
 # --------------------------------------------------------------------------- inputs
@@ -79,6 +124,64 @@ def resolve_model_path(path: str | pathlib.Path) -> pathlib.Path:
         return find_checkpoint(path) / MODEL_DIR
     raise ConfigError(
         f"--model {path}: not a model folder (config.json / adapter_config.json), a checkpoint or a run dir"
+    )
+
+
+def checkpoint_config_path(path: str | pathlib.Path) -> pathlib.Path | None:
+    """The ``config.yaml`` of the checkpoint ``path`` is, holds (a run dir: its latest
+    checkpoint) or is the ``model/`` folder of; None for a base model or adapter folder."""
+    from trainer.checkpoint import MODEL_DIR, STATE_FILE, find_checkpoint
+
+    path = pathlib.Path(path)
+    if (path / "config.json").exists() or (path / "adapter_config.json").exists():
+        checkpoint = path.parent if path.name == MODEL_DIR and (path.parent / STATE_FILE).exists() else None
+    elif (path / STATE_FILE).exists() or (path / "checkpoints").is_dir():
+        checkpoint = find_checkpoint(path)
+    else:
+        checkpoint = None
+    return checkpoint / CHECKPOINT_CONFIG if checkpoint is not None else None
+
+
+def choose_prompt(model: str | pathlib.Path, kind: str, *, prompt_template: str | None = None,
+                  chat_template: str | None = None) -> PromptChoice:
+    """The prompt ``model`` is evaluated with on ``kind`` tasks: the given
+    ``prompt_template`` (text, "" = built-in) and ``chat_template`` (auto|on|off) where
+    not None, else what its checkpoint was trained with, else built-in and auto."""
+    import yaml
+
+    from calibrl.config import from_dict
+    from trainer.config import RolloutConfig
+
+    trained = RolloutConfig()
+    source = "default"
+    config_path = checkpoint_config_path(model)
+    if config_path is not None and (prompt_template is None or chat_template is None):
+        if not config_path.exists():
+            log.warning("%s has no %s: evaluating it with the built-in prompt", config_path.parent, CHECKPOINT_CONFIG)
+        else:
+            try:
+                data = yaml.safe_load(config_path.read_text(encoding="utf-8")) or {}
+            except (OSError, UnicodeDecodeError, yaml.YAMLError) as exc:
+                raise ConfigError(f"{config_path}: cannot read the checkpoint's training config ({exc})") from None
+            rollout = data.get("rollout") if isinstance(data, dict) else None
+            if not isinstance(rollout, dict):
+                raise ConfigError(f"{config_path}: no 'rollout' section; is this a calibrl checkpoint?")
+            keys = ("prompt_template", "chat_template")  # a run older than these options has neither
+            try:
+                trained = from_dict(RolloutConfig, {k: rollout[k] for k in keys if k in rollout}, "rollout")
+                trained.validate()
+            except ConfigError as exc:
+                raise ConfigError(f"{config_path}: {exc}") from None
+            source = "checkpoint"
+            trained_kind = (data.get("tasks") or {}).get("kind")
+            if trained.prompt_template and trained_kind in ("rewrite", "search") and trained_kind != kind:
+                log.warning("%s was trained as a %s agent with its own prompt template; evaluating it on %s tasks "
+                            "with that template", config_path.parent, trained_kind, kind)
+    return PromptChoice(
+        template=trained.prompt_template if prompt_template is None else prompt_template,
+        chat_template=trained.chat_template if chat_template is None else chat_template,
+        template_source=source if prompt_template is None else "flag",
+        chat_template_source=source if chat_template is None else "flag",
     )
 
 
@@ -114,11 +217,24 @@ def evaluate_models(
     run_async: RunAsync,
     names: Sequence[str] | None = None,
     raw_query_baseline: bool = False,
+    prompt_template: str | None = None,
+    chat_template: str | None = None,
 ) -> list[EvalResult]:
-    """One :class:`EvalResult` per model (loaded one at a time), same tasks and settings."""
+    """One :class:`EvalResult` per model (loaded one at a time), same tasks and settings.
+
+    ``prompt_template`` (text or ``@file``; "" = the built-in one) and ``chat_template``
+    (auto, on, off) override every model's prompt; None (default) prompts each model as
+    it was trained (:func:`choose_prompt`)."""
+    from trainer.config import CHAT_TEMPLATE_CHOICES, resolve_prompt_template
     from trainer.policy import load_policy
 
+    if prompt_template is not None:
+        prompt_template = resolve_prompt_template(prompt_template, "prompt_template")
+    if chat_template is not None and chat_template not in CHAT_TEMPLATE_CHOICES:
+        raise ConfigError(f"chat_template={chat_template!r}: must be one of {sorted(CHAT_TEMPLATE_CHOICES)}")
     kind = tasks[0].kind
+    prompts = [choose_prompt(model, kind, prompt_template=prompt_template, chat_template=chat_template)
+               for model in models]  # every checkpoint config is read before the first model loads
     rows: list[EvalResult] = []
     if raw_query_baseline:
         if kind != "rewrite":
@@ -131,33 +247,53 @@ def evaluate_models(
         policy = load_policy(str(folder), device=settings.device, dtype="auto")
         policy.model.eval()
         try:
-            metrics = evaluate_policy(policy, tasks, retrieval, settings, run_async=run_async)
+            chat_applied = _chat_template_applied(prompts[i], policy.tokenizer, folder)
+            metrics = evaluate_policy(policy, tasks, retrieval, settings, run_async=run_async, prompt=prompts[i])
         finally:
             del policy
             gc.collect()
-        rows.append(EvalResult(names[i] if names else str(model), str(folder), kind, len(tasks), metrics))
+        rows.append(EvalResult(names[i] if names else str(model), str(folder), kind, len(tasks), metrics,
+                               prompts[i].report(kind, chat_applied)))
     return rows
 
 
+def _chat_template_applied(prompt: PromptChoice, tokenizer: Any, folder: pathlib.Path) -> bool:
+    """Whether ``prompt`` wraps the text in the tokenizer's chat template; a chat
+    template asked for ("on") that the tokenizer lacks is an error."""
+    has_chat_template = bool(getattr(tokenizer, "chat_template", None))
+    flag = prompt.rollout_config().chat_template_flag()
+    if flag and not has_chat_template:
+        where = "--chat-template" if prompt.chat_template_source == "flag" else "the checkpoint's rollout.chat_template"
+        raise ConfigError(
+            f"chat_template=on ({where}) but the tokenizer of {folder} has no chat template; use auto or off"
+        )
+    return has_chat_template if flag is None else flag
+
+
 def evaluate_policy(policy: Any, tasks: Sequence[Any], retrieval: Any, settings: EvalSettings, *,
-                    run_async: RunAsync) -> dict[str, float]:
-    """Greedy metrics of one loaded :class:`~trainer.policy.Policy` on ``tasks``."""
+                    run_async: RunAsync, prompt: PromptChoice | None = None) -> dict[str, float]:
+    """Greedy metrics of one loaded :class:`~trainer.policy.Policy` on ``tasks``,
+    prompted with ``prompt`` (default: the built-in template, chat template auto)."""
     from trainer.engines import make_engine
 
+    rollout = (prompt or PromptChoice()).rollout_config()
+    kind = tasks[0].kind
+    template, chat_template = rollout.template_for(kind), rollout.chat_template_flag()
     engine = make_engine("transformers", policy)
-    if tasks[0].kind == "search":
-        return _evaluate_search(engine, policy.tokenizer, tasks, retrieval, settings, run_async)
-    return _evaluate_rewrites(engine, policy.tokenizer, tasks, retrieval, settings, run_async)
+    if kind == "search":
+        return _evaluate_search(engine, policy.tokenizer, tasks, retrieval, settings, run_async, template, chat_template)
+    return _evaluate_rewrites(engine, policy.tokenizer, tasks, retrieval, settings, run_async, template, chat_template)
 
 
 def _evaluate_rewrites(engine: Any, tokenizer: Any, tasks: Sequence[Any], retrieval: Any, settings: EvalSettings,
-                       run_async: RunAsync) -> dict[str, float]:
+                       run_async: RunAsync, template: str, chat_template: bool | None) -> dict[str, float]:
     from trainer.rollout import rollout_rewrites
 
     rewrites: list[str] = []
     for start in range(0, len(tasks), settings.batch_size):
         batch = rollout_rewrites(engine, tokenizer, tasks[start : start + settings.batch_size], group_size=1,
-                                 max_new_tokens=settings.max_new_tokens, temperature=0.0)
+                                 max_new_tokens=settings.max_new_tokens, temperature=0.0,
+                                 prompt_template=template, chat_template=chat_template)
         rewrites.extend(r.rewrite for r in batch.rollouts)
     return _retrieval_metrics(rewrites, tasks, retrieval, settings, run_async)
 
@@ -188,7 +324,7 @@ def _retrieval_metrics(queries: Sequence[str], tasks: Sequence[Any], retrieval: 
 
 
 def _evaluate_search(engine: Any, tokenizer: Any, tasks: Sequence[Any], retrieval: Any, settings: EvalSettings,
-                     run_async: RunAsync) -> dict[str, float]:
+                     run_async: RunAsync, template: str, chat_template: bool | None) -> dict[str, float]:
     from calibrl.text import exact_match, token_f1
     from trainer.rollout import rollout_search
 
@@ -199,7 +335,7 @@ def _evaluate_search(engine: Any, tokenizer: Any, tasks: Sequence[Any], retrieva
             engine, tokenizer, tasks[start : start + settings.batch_size], group_size=1, retrieval=retrieval,
             run_async=run_async, max_turns=settings.max_turns, top_k=settings.search_top_k,
             max_new_tokens_per_turn=settings.max_new_tokens, max_obs_tokens=settings.max_obs_tokens,
-            temperature=0.0,
+            temperature=0.0, prompt_template=template, chat_template=chat_template,
         )
         for rollout in batch.rollouts:
             answer = (rollout.answer or "").strip()
@@ -227,12 +363,20 @@ def format_table(rows: Sequence[EvalResult]) -> str:
     if not rows:
         return "(no results)"
     names = REWRITE_METRICS if rows[0].kind == "rewrite" else SEARCH_METRICS
-    header = ["model", "tasks", *names]
-    body = [[row.name, str(row.num_tasks), *(f"{row.metrics.get(n, float('nan')):.3f}" for n in names)]
-            for row in rows]
+    header = ["model", "tasks", *names, "prompt"]
+    body = [[row.name, str(row.num_tasks), *(f"{row.metrics.get(n, float('nan')):.3f}" for n in names),
+             _prompt_cell(row.prompt)] for row in rows]
     widths = [max(len(line[i]) for line in [header, *body]) for i in range(len(header))]
 
     def render(line: list[str]) -> str:
         return "  ".join(cell.ljust(w) if i == 0 else cell.rjust(w) for i, (cell, w) in enumerate(zip(line, widths)))
 
     return "\n".join([render(header), "  ".join("-" * w for w in widths), *(render(line) for line in body)])
+
+
+def _prompt_cell(prompt: dict[str, Any]) -> str:
+    """``built-in`` or ``custom:<hash>``, ``+chat`` when the chat template wrapped it."""
+    if not prompt:
+        return "-"
+    cell = "built-in" if prompt["builtin"] else f"custom:{prompt['sha256'][:8]}"
+    return cell + ("+chat" if prompt["chat_template_applied"] else "")
