@@ -173,7 +173,8 @@ def choose_prompt(model: str | pathlib.Path, kind: str, *, prompt_template: str 
             except ConfigError as exc:
                 raise ConfigError(f"{config_path}: {exc}") from None
             source = "checkpoint"
-            trained_kind = (data.get("tasks") or {}).get("kind")
+            tasks_section = data.get("tasks")
+            trained_kind = tasks_section.get("kind") if isinstance(tasks_section, dict) else None
             if trained.prompt_template and trained_kind in ("rewrite", "search") and trained_kind != kind:
                 log.warning("%s was trained as a %s agent with its own prompt template; evaluating it on %s tasks "
                             "with that template", config_path.parent, trained_kind, kind)
