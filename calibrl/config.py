@@ -207,8 +207,10 @@ def to_dict(config: Any) -> dict[str, Any]:
     return plain(config)
 
 
-def apply_overrides(data: dict[str, Any], overrides: typing.Iterable[str]) -> dict[str, Any]:
-    """Apply ``a.b.c=value`` overrides to a nested mapping (a copy is returned)."""
+def apply_overrides(data: dict[str, Any], overrides: typing.Iterable[str], cls: type | None = None) -> dict[str, Any]:
+    """Apply ``a.b.c=value`` overrides to a nested mapping (a copy is returned).
+    Values are read as YAML, except that a key of ``cls`` typed ``str`` takes the
+    text as it is (``prompt_template=Q: {query}`` is a string, not a mapping)."""
     import copy
 
     result = copy.deepcopy(data)
@@ -220,6 +222,8 @@ def apply_overrides(data: dict[str, Any], overrides: typing.Iterable[str]) -> di
             value = yaml.safe_load(raw) if raw != "" else ""
         except yaml.YAMLError:
             value = raw
+        if cls is not None and not isinstance(value, str) and _is_text_field(cls, key.strip().split(".")):
+            value = raw
         node = result
         parts = key.strip().split(".")
         for part in parts[:-1]:
@@ -228,6 +232,21 @@ def apply_overrides(data: dict[str, Any], overrides: typing.Iterable[str]) -> di
                 raise ConfigError(f"override {override!r}: {part!r} is not a section")
         node[parts[-1]] = value
     return result
+
+
+def _is_text_field(cls: type, parts: list[str]) -> bool:
+    """Whether the dotted key ``parts`` names a plain ``str`` field of the config
+    class ``cls`` (through nested config classes; not through tagged unions)."""
+    for n, part in enumerate(parts):
+        if not (isinstance(cls, type) and dataclasses.is_dataclass(cls)):
+            return False
+        hint = typing.get_type_hints(cls).get(part)
+        if hint is None:
+            return False
+        if n == len(parts) - 1:
+            return hint is str
+        cls = hint
+    return False
 
 
 def load_config(
@@ -246,7 +265,7 @@ def load_config(
         if not isinstance(loaded, dict):
             raise ConfigError(f"config file {path}: top level must be a mapping")
         data = loaded
-    data = apply_overrides(data, overrides)
+    data = apply_overrides(data, overrides, cls)
     config = from_dict(cls, data)
     validate(config)
     return config

@@ -49,6 +49,26 @@ def test_defaults_file_and_overrides(tmp_path):
     assert to_dict(config)["optim"] == {"type": "sgd", "momentum": 0.9}
 
 
+@dataclass
+class Prompted:
+    template: str = option("", "a text option")
+    inner: Inner = option(factory=Inner, doc="nested")
+    label: str | None = option(None, "optional text")
+
+
+def test_a_text_option_takes_the_override_text_as_it_is():
+    """YAML would read ``Q: {query}`` as a mapping and ``123`` as a number: a str
+    field takes the text after ``=`` verbatim; other fields still read YAML."""
+    config = load_config(Prompted, None, ["template=Q: {query} [short]"])
+    assert config.template == "Q: {query} [short]"
+    assert load_config(Prompted, None, ["template=123"]).template == "123"
+    assert load_config(Prompted, None, ['template="quoted: {query}"']).template == "quoted: {query}"
+    assert load_config(Prompted, None, ["inner.top_k=7"]).inner.top_k == 7
+    with pytest.raises(ConfigError, match="inner.top_k"):
+        load_config(Prompted, None, ["inner.top_k=a: b"])
+    assert load_config(Prompted, None, ["label=null"]).label is None  # an optional text keeps YAML's null
+
+
 def test_unknown_key_suggests_the_closest():
     with pytest.raises(ConfigError, match=r"inner.top_kk: unknown key; did you mean 'top_k'"):
         load_config(Outer, None, ["inner.top_kk=3"])
