@@ -325,3 +325,23 @@ def _mlflow_without_table(uri: str, run_id: str):
     history = {key: [(m.step, m.value) for m in client.get_metric_history(run_id, key)] for key in run.data.metrics}
     config = json.loads((pathlib.Path(client.download_artifacts(run_id, "config.json"))).read_text())
     return history, run.data.params, config, {"status": run.info.status}
+
+
+# --------------------------------------------------------------------------- the demo's --report-to
+
+
+def test_demo_refuses_an_unknown_tracker_before_doing_anything(tmp_path, capsys):
+    from calibrl.demo import cli as demo_cli
+
+    out = tmp_path / "demo"
+    assert demo_cli.main(["--quick", "--out", str(out), "--report-to", "mlflow,tensorbord"]) == 2
+    assert "--report-to: 'tensorbord' is not a tracker" in capsys.readouterr().err
+    assert not out.exists()
+
+
+def test_demo_sends_each_runs_heldout_curve_as_a_table():
+    from calibrl.demo.cli import _log_heldout_table
+
+    recorder = _Recorder()
+    _log_heldout_table(recorder, [(2, {"hit@k": 0.25, "mrr": 0.2}), (4, {"hit@k": 0.5, "mrr": 0.45})])
+    assert recorder.calls == [("heldout", ["step", "hit@k", "mrr"], [[2, 0.25, 0.2], [4, 0.5, 0.45]])]

@@ -18,7 +18,7 @@ One function, :func:`train`, reads top to bottom. Each step::
     loss        clipped surrogate + k3 KL to the frozen reference, over
                 ``gradient_accumulation_steps`` micro-batches
     step        gradient all-reduce (multi-process), grad-norm clip, AdamW, schedule
-    log         TRL-named metrics to JSONL + TensorBoard, health warnings, tqdm
+    log         TRL-named metrics to JSONL + the report_to trackers, health warnings, tqdm
     checkpoint  every ``checkpoint_every`` steps, at the end, and on SIGTERM
 
 The retrieval and judge clients are injected: :func:`train` never opens a
