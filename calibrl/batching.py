@@ -21,6 +21,7 @@ from typing import Any, Callable, Generic, Hashable, Sequence, TypeVar
 
 from calibrl import telemetry
 from calibrl.errors import ResourceExhausted, Unavailable
+from calibrl.security import current_tenant
 
 log = logging.getLogger(__name__)
 
@@ -103,6 +104,7 @@ class MicroBatcher(Generic[ItemT, ResultT]):
             self._gauge_registered = True
         if self._queued_items + len(items) > self.max_queue_items:
             self.stats.rejected += 1
+            telemetry.record("refusals", 1, tenant=current_tenant() or "none", reason="queue_full", batcher=self.name)
             raise ResourceExhausted(
                 f"request queue full ({self._queued_items} items waiting, limit "
                 f"{self.max_queue_items}); retry with backoff"

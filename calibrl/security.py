@@ -37,6 +37,7 @@ from typing import Any
 
 import yaml
 
+from calibrl import telemetry
 from calibrl.errors import ConfigError
 
 _current_tenant: contextvars.ContextVar[str | None] = contextvars.ContextVar("calibrl_tenant", default=None)
@@ -170,17 +171,21 @@ class AuthInterceptor(_make_interceptor_base()):  # type: ignore[misc]
 
         async def guarded(request: Any, context: Any) -> Any:
             if tenant is None:
+                telemetry.record("refusals", 1, tenant="unknown", reason="unauthenticated", method=method)
                 await context.abort(
                     grpc.StatusCode.UNAUTHENTICATED,
                     "missing or unknown API key: send metadata 'authorization: Bearer <key>'",
                 )
+            telemetry.record("tenant_requests", 1, tenant=tenant.name, method=method)
             if tenant.max_request_bytes is not None and request.ByteSize() > tenant.max_request_bytes:
+                telemetry.record("refusals", 1, tenant=tenant.name, reason="request_size", method=method)
                 await context.abort(
                     grpc.StatusCode.RESOURCE_EXHAUSTED,
                     f"request: {request.ByteSize()} bytes, above tenant {tenant.name!r} limit of "
                     f"{tenant.max_request_bytes} bytes",
                 )
             if bucket is not None and not bucket.take():
+                telemetry.record("refusals", 1, tenant=tenant.name, reason="rate_limit", method=method)
                 await context.abort(
                     grpc.StatusCode.RESOURCE_EXHAUSTED,
                     f"rate: tenant {tenant.name!r} is above its limit of {tenant.rate_per_second:g} "

@@ -1,12 +1,26 @@
 """OpenTelemetry for both services and the trainer: spans with context propagated
 through gRPC metadata (W3C traceparent), and metrics (latency histograms, batch
-sizes, queue depth, cache hit ratio).
+sizes, queue depth, cache lookups, per-tenant requests and refusals).
 
 Off by default. ``TelemetryConfig(enabled=True)`` turns it on; with
 ``otlp_endpoint`` set, spans and metrics are exported over OTLP/gRPC (the
-``otlp`` extra); otherwise they stay in-process (useful with the in-memory
-exporters in tests). Providers are owned by this module, not installed as the
-OpenTelemetry globals, so tests can reconfigure them.
+``otlp`` extra); with ``prometheus_port`` set, the same metrics are served at
+``http://<prometheus_host>:<prometheus_port>/metrics`` for Prometheus to scrape
+(OpenTelemetry's Prometheus exporter, the ``prometheus`` extra); otherwise they
+stay in-process (useful with the in-memory exporters in tests). Providers are
+owned by this module, not installed as the OpenTelemetry globals, so tests can
+reconfigure them.
+
+The instruments, by the key :func:`record` takes (Prometheus name in brackets):
+
+- ``rpc_duration`` (``calibrl_rpc_server_duration_seconds``): server latency, by method and code
+- ``client_duration`` (``calibrl_rpc_client_duration_seconds``): client latency, retries included
+- ``batch_size`` (``calibrl_batch_size``): items per server-side batch, by batcher
+- ``calibrl.queue.depth`` gauge (``calibrl_queue_depth``): items waiting, by batcher
+- ``cache`` (``calibrl_cache_lookups_total``): judge cache lookups, by result (hit|miss)
+- ``tenant_requests`` (``calibrl_tenant_requests_total``): authenticated calls, by tenant and method
+- ``refusals`` (``calibrl_tenant_refusals_total``): calls refused before any work, by tenant and
+  reason (unauthenticated, request_size, rate_limit, queue_full)
 """
 
 from __future__ import annotations
@@ -25,18 +39,34 @@ class TelemetryConfig:
     otlp_endpoint: str = option("", "OTLP/gRPC collector endpoint, e.g. http://otel-collector:4317; empty: no export.")
     service_name: str = option("", "service.name resource attribute; empty: the component's own name.")
     export_interval_s: float = option(10.0, "How often metrics are exported, in seconds.")
+    prometheus_port: int = option(0, "Serve the metrics at http://prometheus_host:PORT/metrics for scraping; 0: off.")
+    prometheus_host: str = option("127.0.0.1", "Address of the /metrics listener; 0.0.0.0 to let Prometheus reach it.")
 
     def validate(self) -> None:
         if self.export_interval_s <= 0:
             raise ConfigError(f"telemetry.export_interval_s={self.export_interval_s}: must be > 0")
         if self.otlp_endpoint and not self.enabled:
             raise ConfigError("telemetry.otlp_endpoint is set but telemetry.enabled=false: set enabled=true")
+        if not 0 <= self.prometheus_port <= 65535:
+            raise ConfigError(f"telemetry.prometheus_port={self.prometheus_port}: must be in 1..65535 (0: off)")
+        if self.prometheus_port and not self.enabled:
+            raise ConfigError("telemetry.prometheus_port is set but telemetry.enabled=false: set enabled=true")
+        if self.prometheus_port and not self.prometheus_host.strip():
+            raise ConfigError("telemetry.prometheus_host is empty: give an address, e.g. 0.0.0.0")
+
+
+# Latency buckets in seconds (the SDK default, 0..10000, suits milliseconds) and
+# batch-size buckets in items; both reach past the servers' default limits.
+_LATENCY_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+_BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 4096)
 
 
 class _State:
     tracer_provider: Any = None
     meter_provider: Any = None
     instruments: dict[str, Any] = {}
+    prometheus_server: Any = None
+    prometheus_port: int = 0
 
 
 _state = _State()
@@ -84,8 +114,10 @@ def configure(
                 export_interval_millis=config.export_interval_s * 1000,
             )
         )
+    if config.prometheus_port:
+        readers.append(_start_prometheus(config))
     _state.tracer_provider = tracer_provider
-    _state.meter_provider = MeterProvider(resource=resource, metric_readers=readers)
+    _state.meter_provider = MeterProvider(resource=resource, metric_readers=readers, views=_views())
     meter = _state.meter_provider.get_meter("calibrl")
     _state.instruments = {
         "rpc_duration": meter.create_histogram(
@@ -98,8 +130,55 @@ def configure(
             "calibrl.batch.size", unit="{item}", description="Items per server-side batch"
         ),
         "cache": meter.create_counter("calibrl.cache.lookups", description="Judge cache lookups by result (hit|miss)"),
+        "tenant_requests": meter.create_counter(
+            "calibrl.tenant.requests", description="Authenticated calls by tenant and method"
+        ),
+        "refusals": meter.create_counter(
+            "calibrl.tenant.refusals",
+            description="Calls refused before any work, by tenant and reason "
+            "(unauthenticated, request_size, rate_limit, queue_full)",
+        ),
     }
     return True
+
+
+def _views() -> list[Any]:
+    from opentelemetry.sdk.metrics.view import ExplicitBucketHistogramAggregation, View
+
+    return [
+        View(instrument_name="calibrl.rpc.*", aggregation=ExplicitBucketHistogramAggregation(_LATENCY_BUCKETS_S)),
+        View(instrument_name="calibrl.batch.size", aggregation=ExplicitBucketHistogramAggregation(_BATCH_BUCKETS)),
+    ]
+
+
+def _start_prometheus(config: TelemetryConfig) -> Any:
+    """The Prometheus metric reader, on its own registry, and its HTTP listener."""
+    try:
+        from opentelemetry.exporter.prometheus import PrometheusMetricReader
+        from prometheus_client import CollectorRegistry, start_http_server
+    except ImportError:
+        raise ConfigError(
+            "telemetry.prometheus_port needs the Prometheus exporter: pip install 'calibrl[prometheus]'"
+        ) from None
+    # A registry of our own, not prometheus_client's global one: a reconfigure (tests,
+    # two servers in one process) must not register the collector twice.
+    registry = CollectorRegistry(auto_describe=True)
+    reader = PrometheusMetricReader(registry=registry)
+    try:
+        server, _thread = start_http_server(config.prometheus_port, addr=config.prometheus_host, registry=registry)
+    except OSError as exc:
+        raise ConfigError(
+            f"telemetry.prometheus_port={config.prometheus_port}: cannot listen on "
+            f"{config.prometheus_host}:{config.prometheus_port} ({exc.strerror or exc})"
+        ) from None
+    _state.prometheus_server = server
+    _state.prometheus_port = server.server_port
+    return reader
+
+
+def prometheus_port() -> int:
+    """The port the /metrics listener is bound to (0 when there is none)."""
+    return _state.prometheus_port
 
 
 def shutdown() -> None:
@@ -108,6 +187,11 @@ def shutdown() -> None:
         _state.tracer_provider.shutdown()
     if _state.meter_provider is not None:
         _state.meter_provider.shutdown()
+    if _state.prometheus_server is not None:
+        _state.prometheus_server.shutdown()
+        _state.prometheus_server.server_close()
+    _state.prometheus_server = None
+    _state.prometheus_port = 0
     _state.tracer_provider = None
     _state.meter_provider = None
     _state.instruments = {}

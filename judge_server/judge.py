@@ -21,6 +21,7 @@ import threading
 from dataclasses import dataclass
 from typing import Sequence
 
+from calibrl import telemetry
 from calibrl.errors import ConfigError, FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted, RewardError
 from judge_server import programmatic
 from judge_server.backends import LLMBackend, parse_spec
@@ -221,6 +222,7 @@ class Judge:
             if self.cache.enabled:
                 key = cache_key(rubric.hash, self.model_id, item)
                 hit = self.cache.get(key, rubric.id, rubric.hash, self.model_id)
+                telemetry.record("cache", 1, result="miss" if hit is None else "hit")
             if hit is None:
                 missing.append(i)
             else:

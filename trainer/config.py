@@ -414,7 +414,12 @@ class TrainConfig:
     output_dir: str = option("runs/train", "Where metrics.jsonl, tensorboard/ and checkpoints/ go.")
     checkpoint_every: int = option(50, "Write a checkpoint every N steps (0 = only at the end and on SIGTERM).")
     keep_checkpoints: int = option(3, "Keep the newest N checkpoints (0 = keep all).")
-    tensorboard: bool = option(True, "Also log every step to TensorBoard (output_dir/tensorboard).")
+    report_to: list[str] = option(
+        factory=lambda: ["tensorboard"],
+        doc="Experiment trackers for metrics, config and tables: tensorboard, wandb, mlflow, trackio (several), or none.",
+    )
+    tracking_project: str = option("calibrl", "W&B / trackio project, MLflow experiment, that the run is filed under.")
+    tensorboard: bool = option(True, "false drops 'tensorboard' from report_to (kept for older configs).")
     progress_bar: bool = option(True, "Show a tqdm progress bar on rank 0.")
 
     def validate(self) -> None:
@@ -452,6 +457,17 @@ class TrainConfig:
             )
         if self.rollout.engine == "vllm" and self.policy.device == "cpu":
             raise ConfigError("rollout.engine=vllm with policy.device=cpu: vLLM needs a GPU; use engine=transformers")
+        if not self.tracking_project.strip():
+            raise ConfigError("tracking_project is empty: name the project the runs are filed under, e.g. calibrl")
+        self.trackers()
+
+    def trackers(self) -> list[str]:
+        """The trackers to open: ``report_to``, checked (known, installed), less
+        TensorBoard when ``tensorboard=false``."""
+        from calibrl.tracking import check_report_to
+
+        names = check_report_to(self.report_to)
+        return [n for n in names if self.tensorboard or n != "tensorboard"]
 
     @property
     def run_dir(self) -> pathlib.Path:

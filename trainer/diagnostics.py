@@ -162,14 +162,20 @@ def health_warnings(metrics: Mapping[str, float], bands: HealthConfig) -> list[s
 
 
 class RunLog:
-    """Writes one JSON object per step to ``metrics.jsonl`` and the same scalars to
-    TensorBoard (``tensorboard/``) under ``output_dir``. Only rank 0 creates one.
+    """Writes one JSON object per step to ``metrics.jsonl`` under ``output_dir`` and the
+    same scalars to the experiment trackers (``calibrl.tracking``; by default just
+    TensorBoard in ``tensorboard/``). Only rank 0 creates one.
 
+    ``tracker`` replaces the default trackers; :meth:`close` closes it when
+    ``close_tracker`` (a caller that logs more to it, e.g. a held-out table, closes it).
     ``resume_step`` > 0 continues a run from that step: records of later steps
     (logged after the checkpoint a crashed run resumes from) are dropped from
-    both logs, so every step appears once."""
+    ``metrics.jsonl`` and TensorBoard, so every step appears once."""
 
-    def __init__(self, output_dir: str | pathlib.Path, tensorboard: bool = True, resume_step: int = 0) -> None:
+    def __init__(self, output_dir: str | pathlib.Path, tensorboard: bool = True, resume_step: int = 0,
+                 tracker: Any = None, close_tracker: bool = False) -> None:
+        from calibrl import tracking
+
         self.output_dir = pathlib.Path(output_dir)
         self.output_dir.mkdir(parents=True, exist_ok=True)
         self.jsonl_path = self.output_dir / "metrics.jsonl"
@@ -180,28 +186,23 @@ class RunLog:
         self._jsonl = self.jsonl_path.open("w", encoding="utf-8")
         self._jsonl.writelines(kept)
         self._jsonl.flush()
-        self._writer = None
-        if tensorboard:
-            from torch.utils.tensorboard import SummaryWriter
-
-            purge = {"purge_step": resume_step + 1} if resume_step > 0 else {}
-            self._writer = SummaryWriter(log_dir=str(self.output_dir / "tensorboard"), **purge)
+        self._owns_tracker = tracker is None or close_tracker
+        if tracker is None:
+            tracker = tracking.open_trackers(["tensorboard"] if tensorboard else [], self.output_dir,
+                                             resume_step=resume_step)
+        self.tracker = tracker
 
     def write(self, step: int, metrics: Mapping[str, float]) -> None:
         record = {"step": step, **{k: _json_number(v) for k, v in sorted(metrics.items())}}
         self._jsonl.write(json.dumps(record) + "\n")
         self._jsonl.flush()
-        if self._writer is not None:
-            for name, value in metrics.items():
-                if isinstance(value, (int, float)) and math.isfinite(value):
-                    self._writer.add_scalar(name, value, step)
-            self._writer.flush()
+        self.tracker.log_metrics(metrics, step)
 
     def close(self) -> None:
         self._jsonl.close()
-        if self._writer is not None:
-            self._writer.close()
-            self._writer = None
+        if self._owns_tracker and self.tracker is not None:
+            self.tracker.close()
+        self.tracker = None
 
 
 def _json_number(value: Any) -> Any:

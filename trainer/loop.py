@@ -18,7 +18,7 @@ One function, :func:`train`, reads top to bottom. Each step::
     loss        clipped surrogate + k3 KL to the frozen reference, over
                 ``gradient_accumulation_steps`` micro-batches
     step        gradient all-reduce (multi-process), grad-norm clip, AdamW, schedule
-    log         TRL-named metrics to JSONL + TensorBoard, health warnings, tqdm
+    log         TRL-named metrics to JSONL + the report_to trackers, health warnings, tqdm
     checkpoint  every ``checkpoint_every`` steps, at the end, and on SIGTERM
 
 The retrieval and judge clients are injected: :func:`train` never opens a
@@ -54,6 +54,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
+from calibrl import tracking
+from calibrl.config import to_dict
 from calibrl.errors import CalibrlError, ConfigError, RewardError
 from trainer import checkpoint as ckpt
 from trainer import diagnostics as diag
@@ -84,6 +86,7 @@ def train(
     stop_after: int | None = None,
     on_step: Callable[[int, dict[str, float]], None] | None = None,
     background: BackgroundLoop | None = None,
+    tracker: tracking.Tracker | None = None,
 ) -> TrainResult:
     """Train the policy of ``config`` with rewards from ``retrieval`` and ``judge``.
 
@@ -92,6 +95,9 @@ def train(
     as a preempted job would. ``on_step(step, metrics)`` runs after each step.
     ``background``: the event loop the clients run on (gRPC clients bind to the
     loop of their first call); by default one is made for this call.
+    ``tracker``: experiment trackers to log to (``calibrl.tracking.open_trackers``),
+    left open for the caller to add to and close; by default ``config.report_to``'s
+    are opened and closed here.
     Raises RewardError (after writing a checkpoint) when a reward cannot be computed.
     """
     import torch
@@ -162,7 +168,11 @@ def train(
     rewards_model = RewardModel(config.reward, retrieval, judge)
     run_log = None
     if ctx.is_main:
-        run_log = diag.RunLog(config.run_dir, tensorboard=config.tensorboard, resume_step=state.step)
+        own_tracker = tracker is None
+        if own_tracker:
+            tracker = tracking.open_trackers(config.trackers(), config.run_dir, project=config.tracking_project,
+                                             config=to_dict(config), resume_step=state.step)
+        run_log = diag.RunLog(config.run_dir, resume_step=state.step, tracker=tracker, close_tracker=own_tracker)
     config_yaml = config.to_yaml()
     autocast = _autocast(config, device)
     stop_signal = _SignalFlag()

@@ -155,8 +155,9 @@ def machine_description() -> str:
 
 
 def run_demo(settings: DemoSettings, out: pathlib.Path, *, seed: int = 0, threads: int = 1, progress: bool = True,
-             command: str = "calibrl demo") -> pathlib.Path:
-    """Run every stage; returns the path of report.md."""
+             command: str = "calibrl demo", report_to: Sequence[str] = ("tensorboard",)) -> pathlib.Path:
+    """Run every stage; returns the path of report.md. ``report_to``: the experiment
+    trackers each training run logs to (project calibrl-demo, one run per training run)."""
     import torch
 
     torch.set_num_threads(max(1, threads))
@@ -250,7 +251,7 @@ def run_demo(settings: DemoSettings, out: pathlib.Path, *, seed: int = 0, thread
         with BackgroundLoop(name="calibrl-demo") as background:
             clients = _Clients(retrieval.target, judge.target, background)
             try:
-                report = _train_and_evaluate(settings, out, domain, files, clients, stages, seed, progress)
+                report = _train_and_evaluate(settings, out, domain, files, clients, stages, seed, progress, report_to)
             finally:
                 clients.close()
         report.command = command
@@ -325,7 +326,7 @@ class _Clients:
 
 
 def _train_and_evaluate(settings: DemoSettings, out: pathlib.Path, domain: Any, files: Any, clients: _Clients,
-                        stages: Stages, seed: int, progress: bool) -> Any:
+                        stages: Stages, seed: int, progress: bool, report_to: Sequence[str] = ("tensorboard",)) -> Any:
     from calibrl.demo import report as rep
     from calibrl.demo.policy import PolicySpec, RewriteMix, build_base_policies
     from trainer.tasks import load_tasks
@@ -366,30 +367,34 @@ def _train_and_evaluate(settings: DemoSettings, out: pathlib.Path, domain: Any, 
         "calibadv": _train_overrides(settings, out, bases.agent, files.multistep_train, clients, "calibadv", seed, progress),
     }
     trained: dict[str, tuple[list[dict[str, Any]], float]] = {}
-    with stages.stage("GRPO training: rewriter (binary vs blended dense reward), agent (GRPO vs CalibAdv)"):
-        for name, overrides in runs.items():
-            print(f"    training {name}: {_describe_run(name, settings)}", flush=True)
-            trained[name] = _train(overrides, clients)
-            history = trained[name][0]
-            print(f"      {len(history)} steps in {trained[name][1]:.0f}s; reward {history[0]['reward']:.3f} -> "
-                  f"{history[-1]['reward']:.3f}; mean frac_reward_zero_std "
-                  f"{sum(h['frac_reward_zero_std'] for h in history) / len(history):.2f}", flush=True)
+    trackers: dict[str, Any] = {}  # each run's trackers stay open for its held-out table
+    with contextlib.ExitStack() as open_trackers:
+        with stages.stage("GRPO training: rewriter (binary vs blended dense reward), agent (GRPO vs CalibAdv)"):
+            for name, overrides in runs.items():
+                print(f"    training {name}: {_describe_run(name, settings)}", flush=True)
+                history, seconds, trackers[name] = _train(overrides, clients, report_to)
+                open_trackers.callback(trackers[name].close)
+                trained[name] = (history, seconds)
+                print(f"      {len(history)} steps in {trained[name][1]:.0f}s; reward {history[0]['reward']:.3f} -> "
+                      f"{history[-1]['reward']:.3f}; mean frac_reward_zero_std "
+                      f"{sum(h['frac_reward_zero_std'] for h in history) / len(history):.2f}", flush=True)
 
-    # 9 -------------------------------------------------------------------- evaluation
-    with stages.stage("evaluate every checkpoint on held-out tasks"):
-        curves: dict[str, list[tuple[int, dict[str, float]]]] = {}
-        for name in runs:
-            run_dir = out / "runs" / name
-            checkpoints = sorted((run_dir / "checkpoints").glob("step_*"), key=lambda p: int(p.name.split("_")[1]))
-            tasks, settings_for = (heldout_rewrites, rewrite_eval) if name in ("binary", "dense") else (
-                heldout_search, search_eval)
-            rows = _evaluate(clients, [str(c) for c in checkpoints], tasks, settings_for,
-                             [c.name for c in checkpoints])
-            curves[name] = [(int(c.name.split("_")[1]), row.metrics) for c, row in zip(checkpoints, rows)]
-            final = curves[name][-1][1]
-            key = "hit@k" if name in ("binary", "dense") else "f1"
-            print(f"    {name}: held-out {key} by step " + ", ".join(f"{s}: {m[key]:.3f}" for s, m in curves[name])
-                  + f" (final {final[key]:.3f})")
+        # 9 -------------------------------------------------------------------- evaluation
+        with stages.stage("evaluate every checkpoint on held-out tasks"):
+            curves: dict[str, list[tuple[int, dict[str, float]]]] = {}
+            for name in runs:
+                run_dir = out / "runs" / name
+                checkpoints = sorted((run_dir / "checkpoints").glob("step_*"), key=lambda p: int(p.name.split("_")[1]))
+                tasks, settings_for = (heldout_rewrites, rewrite_eval) if name in ("binary", "dense") else (
+                    heldout_search, search_eval)
+                rows = _evaluate(clients, [str(c) for c in checkpoints], tasks, settings_for,
+                                 [c.name for c in checkpoints])
+                curves[name] = [(int(c.name.split("_")[1]), row.metrics) for c, row in zip(checkpoints, rows)]
+                final = curves[name][-1][1]
+                key = "hit@k" if name in ("binary", "dense") else "f1"
+                print(f"    {name}: held-out {key} by step " + ", ".join(f"{s}: {m[key]:.3f}" for s, m in curves[name])
+                      + f" (final {final[key]:.3f})")
+                _log_heldout_table(trackers[name], curves[name])
 
     labels = {
         "base": "base rewriter (untrained)",
@@ -490,7 +495,7 @@ def _train_overrides(settings: DemoSettings, out: pathlib.Path, policy: pathlib.
         f"policy.path={policy}", "policy.device=cpu", f"tasks.path={tasks}", f"seed={seed}", f"steps={steps}",
         f"services.retrieval={clients.retrieval_target}", f"reward.mode={RETRIEVAL_MODE}",
         f"output_dir={out / 'runs' / name}", f"checkpoint_every={max(1, steps // settings.checkpoints)}",
-        "keep_checkpoints=0", "tensorboard=true", "max_grad_norm=0.5", f"loss.beta={settings.kl_beta}",
+        "keep_checkpoints=0", "max_grad_norm=0.5", f"loss.beta={settings.kl_beta}",
         f"progress_bar={str(progress).lower()}",
     ]
     if is_rewrite:
@@ -518,15 +523,32 @@ def _train_overrides(settings: DemoSettings, out: pathlib.Path, policy: pathlib.
     return overrides
 
 
-def _train(overrides: list[str], clients: _Clients) -> tuple[list[dict[str, Any]], float]:
+def _train(overrides: list[str], clients: _Clients, report_to: Sequence[str]) -> tuple[list[dict[str, Any]], float, Any]:
+    """Train one run; returns its metrics, its seconds and its trackers (still open)."""
+    from calibrl.config import to_dict
+    from calibrl.tracking import open_trackers
     from trainer.config import load_train_config
     from trainer.loop import train
 
-    config = load_train_config(None, overrides)
+    config = load_train_config(None, [*overrides, f"report_to={','.join(report_to) or 'none'}",
+                                      "tracking_project=calibrl-demo"])
+    tracker = open_trackers(config.trackers(), config.run_dir, project=config.tracking_project,
+                            config=to_dict(config))
     judge = clients.judge if config.services.judge != "none" else None
     started = time.perf_counter()
-    result = train(config, retrieval=clients.retrieval, judge=judge, background=clients.background)
-    return list(result.history), time.perf_counter() - started
+    try:
+        result = train(config, retrieval=clients.retrieval, judge=judge, background=clients.background,
+                       tracker=tracker)
+    except BaseException:
+        tracker.close()
+        raise
+    return list(result.history), time.perf_counter() - started, tracker
+
+
+def _log_heldout_table(tracker: Any, curve: list[tuple[int, dict[str, float]]]) -> None:
+    """The run's held-out evaluation, one row per checkpoint, as the tracker table ``heldout``."""
+    names = sorted({k for _, metrics in curve for k, v in metrics.items() if isinstance(v, (int, float))})
+    tracker.log_table("heldout", ["step", *names], [[step, *(metrics.get(k) for k in names)] for step, metrics in curve])
 
 
 # --- entry point ----------------------------------------------------------------------------------------------------
@@ -561,12 +583,23 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--overwrite", action="store_true",
                         help="replace --out even if it holds something other than an earlier demo run")
     parser.add_argument("--no-progress", action="store_true", help="hide progress bars")
+    parser.add_argument("--report-to", default="tensorboard", metavar="TRACKERS",
+                        help="experiment trackers of the four training runs, comma-separated: tensorboard, wandb, "
+                        "mlflow, trackio, or none (default tensorboard); project calibrl-demo, one run per "
+                        "training run, with its held-out table")
     args = parser.parse_args(list(argv) if argv is not None else None)
 
     for name, value in (("HF_HUB_OFFLINE", "1"), ("TRANSFORMERS_OFFLINE", "1"), ("TOKENIZERS_PARALLELISM", "false")):
         os.environ.setdefault(name, value)
     if args.threads < 1:
         print(f"error: --threads={args.threads}: must be >= 1", file=sys.stderr)
+        return 2
+    from calibrl.tracking import check_report_to
+
+    try:
+        report_to = check_report_to(args.report_to.split(","), field="--report-to")
+    except CalibrlError as exc:
+        print(f"error: {exc}", file=sys.stderr)
         return 2
     out = pathlib.Path(args.out)
     problem = prepare_out(out, args.overwrite)
@@ -578,7 +611,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     started = time.perf_counter()
     try:
         run_demo(settings, out, seed=args.seed, threads=args.threads, progress=not args.no_progress,
-                 command=command)
+                 command=command, report_to=report_to)
     except CalibrlError as exc:
         print(f"\ndemo failed: {exc}", file=sys.stderr)
         return 1
