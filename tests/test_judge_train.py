@@ -25,8 +25,9 @@ torch = pytest.importorskip("torch")
 README = pathlib.Path(__file__).resolve().parent.parent / "README.md"
 FUNDS = ["VTSAX", "VFIAX", "VBTLX", "VTIAX", "VGSLX", "VWIAX"]
 TOPICS = ["expense ratio", "minimum investment", "dividend schedule", "turnover rate"]
-# The seeded run below reaches ~1.0 held-in and >0.9 golden balanced accuracy; the random
-# model sits near 0.5. The margins leave room for another CPU's float rounding.
+# Seeded runs (bases of seeds 0, 1, 2) reach 1.0 golden balanced accuracy on every criterion
+# after 4 epochs; untrained bases average 0.50-0.71. The margins leave room for another
+# CPU's float rounding and a less lucky initialisation.
 MIN_TRAINED_BALANCED_ACCURACY = 0.8
 MIN_GAIN_OVER_UNTRAINED = 0.25
 
@@ -86,7 +87,7 @@ def trained(workspace):
     with contextlib.redirect_stdout(stdout):
         code = calibrl_main(["rubric", "train-judge", "--feedback", str(folder / "feedback.jsonl"), "--rubric",
                              str(folder / "rubric.yaml"), "--base", str(base), "--out", str(folder / "judge"),
-                             "--epochs", "6", "--lr", "3e-3", "--batch-size", "16", "--device", "cpu",
+                             "--epochs", "4", "--lr", "3e-3", "--batch-size", "16", "--device", "cpu",
                              "--no-progress"])
     assert code == 0, stdout.getvalue()
     return folder / "judge", stdout.getvalue()
@@ -126,7 +127,10 @@ def test_trained_judge_beats_untrained_on_golden(workspace, trained):
     after = golden_balanced_accuracy(judge_folder, rubric, golden)
     for name in after:
         assert after[name] >= MIN_TRAINED_BALANCED_ACCURACY, (name, after, untrained)
-        assert after[name] >= untrained[name] + MIN_GAIN_OVER_UNTRAINED, (name, after, untrained)
+    # per criterion a random model can land on the right side by chance (another seed's
+    # base scored 0.96 on one criterion); the mean over criteria cannot
+    mean = lambda figures: sum(figures.values()) / len(figures)
+    assert mean(after) >= mean(untrained) + MIN_GAIN_OVER_UNTRAINED, (after, untrained)
 
 
 def test_validate_binds_the_trained_model_id(workspace, trained):
@@ -162,7 +166,7 @@ def test_record_and_printed_figures(workspace, trained):
         assert figures["final"]["agreement"] >= 0.9, (name, figures)
         assert figures["final"]["n"] == len(train)
     epochs = [line for line in stdout.splitlines() if line.startswith("epoch ")]
-    assert [line.split(":")[0] for line in epochs] == [f"epoch {i}/6" for i in range(1, 7)]
+    assert [line.split(":")[0] for line in epochs] == [f"epoch {i}/4" for i in range(1, 5)]
     for line in epochs:
         assert re.search(r"specificity: loss \d+\.\d+ agree \d\.\d+", line), line
         assert "no_invented_entities: loss" in line and "entities: loss" in line
@@ -201,7 +205,7 @@ def test_lora_writes_merged_weights(workspace, tmp_path):
 
     folder, base = workspace
     result = train_judge(folder / "feedback.jsonl", folder / "rubric.yaml", base, tmp_path / "lora-judge",
-                         TrainJudgeOptions(epochs=2, lr=3e-3, batch_size=16, lora=True, lora_rank=4, device="cpu"),
+                         TrainJudgeOptions(epochs=1, lr=3e-3, batch_size=32, lora=True, lora_rank=4, device="cpu"),
                          progress=False, echo=lambda line: None)
     assert not list(result.out.glob("adapter_*")), "LoRA adapters must be merged into ordinary weights"
     trained_model = AutoModelForCausalLM.from_pretrained(result.out, local_files_only=True)
