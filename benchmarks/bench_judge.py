@@ -1,7 +1,11 @@
 """Judge throughput: item x criterion scores per second.
 
-Compares, on the same items and LLM criteria, with a tiny randomly initialised causal
-LM built here (nothing downloaded):
+Compares, on the same items and LLM criteria, with a judge model built here (nothing
+downloaded): by default a tiny causal LM trained by ``calibrl rubric train-judge``'s core
+on synthetic SME feedback (``judge_server.testing.synthetic_feedback``: a rubric distilled
+with LLM criteria only, plus a 1-5 "quality" question learnt from the grades), so it
+answers for real; ``--judge-model random`` keeps the untrained, randomly initialised model.
+Paths:
 
 - logprob scoring with the shared-prefix KV cache (``prefix_cache``, the default),
 - logprob scoring with every item x criterion prompt in one flat left-padded batch,
@@ -9,9 +13,12 @@ LM built here (nothing downloaded):
   parse-failure rate (logprob scoring cannot fail to parse),
 
 then the programmatic rubric (MiniLM intent similarity and the rule-based criteria),
-and cache hits, in process and over gRPC on loopback.
+and cache hits, in process and over gRPC on loopback. The bench items are new records
+(another seed), never trained on; for a trained judge the script also prints how often
+its logprob answers agree with the SME tags and grades of those items.
 
-    python benchmarks/bench_judge.py                      # tiny model, CPU
+    python benchmarks/bench_judge.py                      # tiny trained model, CPU
+    python benchmarks/bench_judge.py --judge-model random
     python benchmarks/bench_judge.py --hidden 256 --layers 4 --items 64
     python benchmarks/bench_judge.py --device cuda --items 256
 
@@ -79,6 +86,11 @@ def main() -> int:
     parser.add_argument("--items-per-forward", type=int, default=16)
     parser.add_argument("--max-new-tokens", type=int, default=4)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--judge-model", choices=("trained", "random"), default="trained",
+                        help="train the judge on synthetic SME feedback first (default), or keep it random")
+    parser.add_argument("--train-records", type=int, default=160, help="synthetic SME records (30%% held out)")
+    parser.add_argument("--train-epochs", type=int, default=3)
+    parser.add_argument("--train-lr", type=float, default=3e-3)
     parser.add_argument("--json", help="also write the results here")
     args = parser.parse_args()
 
@@ -91,11 +103,19 @@ def main() -> int:
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    items = [r.to_item() for r in synthetic_feedback(args.items, seed=42)]
-    llm_rubric = parse_rubric(LLM_RUBRIC)
+    bench_records = synthetic_feedback(args.items, seed=42)
+    items = [r.to_item() for r in bench_records]
+    workdir = tempfile.mkdtemp(prefix="bench-judge-")
+    folder = build_tiny_causal_lm(f"{workdir}/base", hidden_size=args.hidden, num_layers=args.layers,
+                                  num_heads=max(2, args.hidden // 16), seed=0)
+    training = None
+    if args.judge_model == "trained":
+        started = time.perf_counter()
+        llm_rubric, folder, training = _train_judge(folder, workdir, args)
+        training["seconds"] = time.perf_counter() - started
+    else:
+        llm_rubric = parse_rubric(LLM_RUBRIC)
     n_scores = len(items) * len(llm_rubric.llm_criteria)
-    folder = build_tiny_causal_lm(tempfile.mkdtemp(prefix="bench-judge-"), hidden_size=args.hidden,
-                                  num_layers=args.layers, num_heads=max(2, args.hidden // 16), seed=0)
     results: dict[str, dict] = {}
 
     def llm_config(mode: str) -> JudgeConfig:
@@ -112,7 +132,8 @@ def main() -> int:
     reference = None
     for mode in ("prefix_cache", "flat"):
         backend.mode = mode
-        seconds, scores = timed(lambda: backend.score(items, llm_rubric.llm_criteria, ""), args.repeats)
+        seconds, scores = timed(lambda: backend.score(items, llm_rubric.llm_criteria, llm_rubric.instructions),
+                                args.repeats)
         if reference is None:
             reference = scores
         diff = max(abs(a - b) for ra, rb in zip(scores, reference) for a, b in zip(ra, rb))
@@ -122,6 +143,7 @@ def main() -> int:
     def generate():
         return backend.generate_answers(encoded, llm_rubric.llm_criteria)
 
+    agreement = _agreement_with_experts(llm_rubric.llm_criteria, bench_records, reference)
     seconds, answers = timed(generate, max(1, args.repeats - 1))
     values = [v for row in answers for v in row]
     results["generate_and_parse"] = {"seconds": seconds, "scores_per_s": n_scores / seconds,
@@ -137,15 +159,18 @@ def main() -> int:
     cached_judge = Judge([llm_rubric], dataclasses.replace(llm_config("prefix_cache"), cache_size=100_000),
                          llm=backend)
     backend.mode = "prefix_cache"
-    cached_judge.score("bench-llm", items)
-    seconds, hits = timed(lambda: cached_judge.score("bench-llm", items), args.repeats)
+    cached_judge.score(llm_rubric.id, items)
+    seconds, hits = timed(lambda: cached_judge.score(llm_rubric.id, items), args.repeats)
     assert all(s.cached for s in hits)
     results["cache_hits_in_process"] = {"seconds": seconds, "scores_per_s": n_scores / seconds, "parse_failures": 0.0}
-    results["cache_hits_grpc"] = asyncio.run(_grpc_cache_hits(cached_judge, items, n_scores, args.repeats))
+    results["cache_hits_grpc"] = asyncio.run(_grpc_cache_hits(cached_judge, llm_rubric.id, items, n_scores,
+                                                              args.repeats))
 
     base = results["logprob_prefix_cache"]["scores_per_s"]
-    print(f"judge benchmark: {len(items)} items x {len(llm_rubric.llm_criteria)} LLM criteria = {n_scores} scores; "
-          f"random Llama {args.layers} layers, hidden {args.hidden} ({n_params / 1e6:.2f} M parameters); "
+    n_likert = sum(c.scale == "likert_1_5" for c in llm_rubric.llm_criteria)
+    print(f"judge benchmark: {len(items)} items x {len(llm_rubric.llm_criteria)} LLM criteria "
+          f"({len(llm_rubric.llm_criteria) - n_likert} yes/no, {n_likert} 1-5) = {n_scores} scores; "
+          f"{args.judge_model} Llama {args.layers} layers, hidden {args.hidden} ({n_params / 1e6:.2f} M parameters); "
           f"prompts: prefix {prefix_tokens:.0f} + suffix {suffix_tokens:.0f} tokens on average; device {args.device}, "
           f"torch threads {torch.get_num_threads()}, {platform.processor() or platform.machine()}, "
           f"{os.cpu_count()} CPUs")
@@ -157,14 +182,62 @@ def main() -> int:
               f"{row['parse_failures']:.0%} |")
     print()
     print(f"flat vs prefix-cache scores: max |diff| = {results['logprob_flat']['max_abs_diff_vs_prefix_cache']:.2e}")
+    ratio = base / results["generate_and_parse"]["scores_per_s"]
+    print(f"shared-prefix logprob vs generate-and-parse: {ratio:.1f}x (target >= 5x)")
+    if training is not None:
+        print(f"trained on {training['n_train']} of {training['n_records']} synthetic SME records "
+              f"({training['epochs']} epochs, {training['seconds']:.0f} s); held-in agreement after training: "
+              + ", ".join(f"{name} {value:.2f}" for name, value in training["held_in_agreement"].items()))
+    print("agreement of the logprob answers with the SME tags/grades of the bench items (never trained on): "
+          + ", ".join(f"{name} {value:.2f}" for name, value in agreement.items()))
     if args.json:
         with open(args.json, "w") as handle:
             json.dump({"args": vars(args), "n_params": n_params, "prefix_tokens": prefix_tokens,
-                       "suffix_tokens": suffix_tokens, "results": results}, handle, indent=2)
+                       "suffix_tokens": suffix_tokens, "results": results, "training": training,
+                       "agreement_with_experts": agreement}, handle, indent=2)
     return 0
 
 
-async def _grpc_cache_hits(judge, items, n_scores, repeats) -> dict:
+def _train_judge(base, workdir: str, args) -> tuple:
+    """Distil LLM criteria from synthetic SME feedback, add a 1-5 question learnt from the
+    grades, and train the judge on the training part: (rubric, model folder, summary)."""
+    from judge_server.distill import DistillOptions, distill
+    from judge_server.feedback import write_feedback
+    from judge_server.rubric import Criterion, dump_rubric, load_rubric, with_fields
+    from judge_server.testing import synthetic_feedback
+    from judge_server.train_judge import TrainJudgeOptions, train_judge
+
+    records = synthetic_feedback(args.train_records, seed=7)
+    write_feedback(f"{workdir}/feedback.jsonl", records)
+    rubric = distill(records, DistillOptions(rubric_id="bench-llm", criteria_mode="llm")).rubric
+    quality = Criterion("quality", "llm", 0.5, question="How good is the output as a search query for the user's "
+                        "question?", scale="likert_1_5")
+    rubric = with_fields(rubric, criteria=rubric.criteria + (quality,))
+    with open(f"{workdir}/rubric.yaml", "w") as handle:
+        handle.write(dump_rubric(rubric))
+    options = TrainJudgeOptions(epochs=args.train_epochs, lr=args.train_lr, batch_size=16, device=args.device)
+    result = train_judge(f"{workdir}/feedback.jsonl", f"{workdir}/rubric.yaml", base, f"{workdir}/judge", options,
+                         progress=False, echo=lambda line: print(line, file=sys.stderr))
+    summary = {"n_records": len(records), "n_train": len(result.train), "epochs": args.train_epochs,
+               "held_in_agreement": {name: c["final"]["agreement"] for name, c in result.record["criteria"].items()}}
+    return load_rubric(f"{workdir}/rubric.yaml"), result.out, summary
+
+
+def _agreement_with_experts(criteria, records, scores) -> dict[str, float]:
+    """Per criterion, the share of items whose logprob answer is the one training would
+    target for that record (``train_judge.criterion_target``: from the SME tags, verdict or
+    grade; a 1-5 answer agrees when it rounds to the target grade)."""
+    from judge_server.train_judge import answer_agrees, criterion_target
+
+    out = {}
+    for column, criterion in enumerate(criteria):
+        hits = [answer_agrees(criterion, criterion_target(criterion, record), row[column])
+                for record, row in zip(records, scores)]
+        out[criterion.name] = sum(hits) / len(hits)
+    return out
+
+
+async def _grpc_cache_hits(judge, rubric_id, items, n_scores, repeats) -> dict:
     import grpc
 
     from calibrl.v1 import judge_pb2 as pb
@@ -179,7 +252,7 @@ async def _grpc_cache_hits(judge, items, n_scores, repeats) -> dict:
     try:
         async with grpc.aio.insecure_channel(f"127.0.0.1:{running.port}") as channel:
             stub = judge_pb2_grpc.JudgeServiceStub(channel)
-            request = pb.ScoreRequest(rubric_id="bench-llm", items=[wire.item_to_proto(i) for i in items])
+            request = pb.ScoreRequest(rubric_id=rubric_id, items=[wire.item_to_proto(i) for i in items])
             await stub.Score(request)
             times = []
             for _ in range(max(repeats, 5)):
