@@ -267,11 +267,11 @@ def check_targets(rubric: Rubric, rubric_source: str, criteria: Sequence[Criteri
         targets = {e.target for e in examples if e.criterion == index}
         if len(targets) < 2:
             line, where = _criterion_location(rubric, criterion)
-            source = "tags" if criterion.tags else "expert verdicts"
+            source = f"its tags {list(criterion.tags)}" if criterion.tags else "the expert verdicts"
             raise RubricError(rubric_source, line, f"{where}.tags" if criterion.tags else where,
                               f"criterion {criterion.name!r}: every one of the {n_train} training records of "
-                              f"{feedback_source} gives the answer {sorted(targets)} (from its {source} "
-                              f"{list(criterion.tags) or ''}); train on the feedback this rubric was distilled from")
+                              f"{feedback_source} gives the answer {sorted(targets)} (from {source}); train on "
+                              "the feedback this rubric was distilled from")
 
 
 def _load_base(base: pathlib.Path, device: str) -> tuple[Any, Any]:
@@ -425,7 +425,9 @@ def train_judge(
             raise ConfigError("the judge tokenizer has no single-token digits 1-5 for the rubric's 1-5 questions")
     except ConfigError as exc:
         raise ConfigError(f"--base {base}: {exc}") from None
-    answer_ids = canonical_answer_ids(tokens, encoder._encode_plain, encoder.chat)
+    # tokenised as the encoder finds answer tokens: no special tokens
+    answer_ids = canonical_answer_ids(tokens, lambda text: tokenizer(text, add_special_tokens=False)["input_ids"],
+                                      encoder.chat)
 
     suffixes = [encoder.encode_suffix(c) for c in criteria]
     examples: list[Example] = []

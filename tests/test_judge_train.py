@@ -275,6 +275,12 @@ def test_unknown_and_programmatic_criteria_are_refused(workspace, tmp_path, caps
               "--out", tmp_path / "out")
     code, err = run_cli(capsys, *common, "--criteria", "specifity")
     assert code == 2 and "--criteria: unknown criterion 'specifity'" in err and "'specificity'" in err
+    assert calibrl_main(["rubric", "distill", "--feedback", str(folder / "feedback.jsonl"), "--out",
+                         str(tmp_path / "both.yaml"), "--golden-out", str(tmp_path / "g.jsonl")]) == 0
+    capsys.readouterr()
+    code, err = run_cli(capsys, "--feedback", folder / "feedback.jsonl", "--rubric", tmp_path / "both.yaml",
+                        "--base", base, "--out", tmp_path / "out", "--criteria", "entities")
+    assert code == 2 and "--criteria: criterion 'entities'" in err and "is programmatic, not llm" in err
 
 
 def test_criterion_without_any_tagged_training_record_names_its_line(workspace, tmp_path, capsys):
