@@ -65,15 +65,33 @@ criteria:
 """
 
 
-def timed(fn, repeats: int) -> tuple[float, object]:
-    """Median wall time of ``repeats`` calls after one warm-up call, and the last result."""
-    result = fn()
-    times = []
+def timed(fn, repeats: int) -> tuple[float, float, object]:
+    """Median wall and process-CPU time of ``repeats`` calls after one warm-up call, and the
+    last result."""
+    [(wall, cpu, result)] = interleaved({"only": fn}, repeats).values()
+    return wall, cpu, result
+
+
+def interleaved(fns: dict, repeats: int) -> dict[str, tuple[float, float, object]]:
+    """Like :func:`timed` for several paths, run in turn in each round, so that a change
+    of load on a shared machine hits every path alike. CPU time (``time.process_time``,
+    all threads of this process) is what one path costs whatever else runs."""
+    results = {name: fn() for name, fn in fns.items()}
+    walls: dict[str, list[float]] = {name: [] for name in fns}
+    cpus: dict[str, list[float]] = {name: [] for name in fns}
     for _ in range(repeats):
-        start = time.perf_counter()
-        result = fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times), result
+        for name, fn in fns.items():
+            wall, cpu = time.perf_counter(), time.process_time()
+            results[name] = fn()
+            walls[name].append(time.perf_counter() - wall)
+            cpus[name].append(time.process_time() - cpu)
+    return {name: (statistics.median(walls[name]), statistics.median(cpus[name]), results[name]) for name in fns}
+
+
+def row(n_scores: int, wall: float, cpu: float, parse_failures: float = 0.0, **extra) -> dict:
+    return {"seconds": wall, "cpu_seconds": cpu, "scores_per_s": n_scores / wall,
+            "scores_per_cpu_s": n_scores / cpu if cpu > 0 else float("inf"), "parse_failures": parse_failures,
+            **extra}
 
 
 def main() -> int:
@@ -129,40 +147,39 @@ def main() -> int:
     suffix_tokens = statistics.mean(len(s) for s in encoded.suffix_ids)
     n_params = sum(p.numel() for p in backend.model.parameters())
 
-    reference = None
-    for mode in ("prefix_cache", "flat"):
-        backend.mode = mode
-        seconds, scores = timed(lambda: backend.score(items, llm_rubric.llm_criteria, llm_rubric.instructions),
-                                args.repeats)
-        if reference is None:
-            reference = scores
+    def logprob(mode: str):
+        def run():
+            backend.mode = mode
+            return backend.score(items, llm_rubric.llm_criteria, llm_rubric.instructions)
+        return run
+
+    measured = interleaved({"logprob_prefix_cache": logprob("prefix_cache"), "logprob_flat": logprob("flat"),
+                            "generate_and_parse": lambda: backend.generate_answers(encoded, llm_rubric.llm_criteria)},
+                           args.repeats)
+    reference = measured["logprob_prefix_cache"][2]
+    for name in ("logprob_prefix_cache", "logprob_flat"):
+        wall, cpu, scores = measured[name]
         diff = max(abs(a - b) for ra, rb in zip(scores, reference) for a, b in zip(ra, rb))
-        results[f"logprob_{mode}"] = {"seconds": seconds, "scores_per_s": n_scores / seconds, "parse_failures": 0.0,
-                                      "max_abs_diff_vs_prefix_cache": diff}
-
-    def generate():
-        return backend.generate_answers(encoded, llm_rubric.llm_criteria)
-
+        results[name] = row(n_scores, wall, cpu, max_abs_diff_vs_prefix_cache=diff)
+    wall, cpu, answers = measured["generate_and_parse"]
+    values = [v for answer_row in answers for v in answer_row]
+    results["generate_and_parse"] = row(n_scores, wall, cpu, sum(v is None for v in values) / len(values))
     agreement = _agreement_with_experts(llm_rubric.llm_criteria, bench_records, reference)
-    seconds, answers = timed(generate, max(1, args.repeats - 1))
-    values = [v for row in answers for v in row]
-    results["generate_and_parse"] = {"seconds": seconds, "scores_per_s": n_scores / seconds,
-                                     "parse_failures": sum(v is None for v in values) / len(values)}
 
     # Programmatic rubric (MiniLM loads once; timed calls run warm).
     programmatic = Judge([parse_rubric(PROGRAMMATIC_RUBRIC)], JudgeConfig(cache_size=0, allow_unvalidated=True))
     n_prog = len(items) * 5
-    seconds, _ = timed(lambda: programmatic.score("bench-programmatic", items), args.repeats)
-    results["programmatic_minilm"] = {"seconds": seconds, "scores_per_s": n_prog / seconds, "parse_failures": 0.0}
+    wall, cpu, _ = timed(lambda: programmatic.score("bench-programmatic", items), args.repeats)
+    results["programmatic_minilm"] = row(n_prog, wall, cpu)
 
     # Cache hits: in process, then over gRPC on loopback.
     cached_judge = Judge([llm_rubric], dataclasses.replace(llm_config("prefix_cache"), cache_size=100_000),
                          llm=backend)
     backend.mode = "prefix_cache"
     cached_judge.score(llm_rubric.id, items)
-    seconds, hits = timed(lambda: cached_judge.score(llm_rubric.id, items), args.repeats)
+    wall, cpu, hits = timed(lambda: cached_judge.score(llm_rubric.id, items), args.repeats)
     assert all(s.cached for s in hits)
-    results["cache_hits_in_process"] = {"seconds": seconds, "scores_per_s": n_scores / seconds, "parse_failures": 0.0}
+    results["cache_hits_in_process"] = row(n_scores, wall, cpu)
     results["cache_hits_grpc"] = asyncio.run(_grpc_cache_hits(cached_judge, llm_rubric.id, items, n_scores,
                                                               args.repeats))
 
@@ -175,15 +192,18 @@ def main() -> int:
           f"torch threads {torch.get_num_threads()}, {platform.processor() or platform.machine()}, "
           f"{os.cpu_count()} CPUs")
     print()
-    print("| path | seconds | item x criterion scores/s | vs prefix cache | parse failures |")
-    print("| --- | ---: | ---: | ---: | ---: |")
-    for name, row in results.items():
-        print(f"| {name} | {row['seconds']:.4f} | {row['scores_per_s']:,.0f} | {row['scores_per_s'] / base:.2f}x | "
-              f"{row['parse_failures']:.0%} |")
+    base_cpu = results["logprob_prefix_cache"]["scores_per_cpu_s"]
+    print("| path | wall s | scores/s | vs prefix cache | CPU s | scores/CPU s | vs prefix cache | parse failures |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    for name, r in results.items():
+        print(f"| {name} | {r['seconds']:.4f} | {r['scores_per_s']:,.0f} | {r['scores_per_s'] / base:.2f}x | "
+              f"{r['cpu_seconds']:.4f} | {r['scores_per_cpu_s']:,.0f} | {r['scores_per_cpu_s'] / base_cpu:.2f}x | "
+              f"{r['parse_failures']:.0%} |")
     print()
     print(f"flat vs prefix-cache scores: max |diff| = {results['logprob_flat']['max_abs_diff_vs_prefix_cache']:.2e}")
     ratio = base / results["generate_and_parse"]["scores_per_s"]
-    print(f"shared-prefix logprob vs generate-and-parse: {ratio:.1f}x (target >= 5x)")
+    ratio_cpu = base_cpu / results["generate_and_parse"]["scores_per_cpu_s"]
+    print(f"shared-prefix logprob vs generate-and-parse: {ratio:.1f}x wall, {ratio_cpu:.1f}x CPU (target >= 5x)")
     if training is not None:
         print(f"trained on {training['n_train']} of {training['n_records']} synthetic SME records "
               f"({training['epochs']} epochs, {training['seconds']:.0f} s); held-in agreement after training: "
@@ -255,15 +275,16 @@ async def _grpc_cache_hits(judge, rubric_id, items, n_scores, repeats) -> dict:
             request = pb.ScoreRequest(rubric_id=rubric_id, items=[wire.item_to_proto(i) for i in items])
             await stub.Score(request)
             times = []
+            cpu_times = []
             for _ in range(max(repeats, 5)):
-                start_time = time.perf_counter()
+                start_time, start_cpu = time.perf_counter(), time.process_time()
                 response = await stub.Score(request)
                 times.append(time.perf_counter() - start_time)
+                cpu_times.append(time.process_time() - start_cpu)
             assert all(s.cached for s in response.scores)
     finally:
         await running.stop(0)
-    seconds = statistics.median(times)
-    return {"seconds": seconds, "scores_per_s": n_scores / seconds, "parse_failures": 0.0}
+    return row(n_scores, statistics.median(times), statistics.median(cpu_times))
 
 
 if __name__ == "__main__":
