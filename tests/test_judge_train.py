@@ -348,10 +348,14 @@ def test_readme_train_judge_commands_run(workspace, tmp_path, monkeypatch, capsy
     for argv in commands:
         argv = [a.replace("/models/base", str(base)) for a in argv[1:]]
         if argv[1] == "train-judge":
-            argv += ["--epochs", "1", "--lr", "1e-3", "--batch-size", "32", "--no-progress", "--device", "cpu"]
+            argv += ["--epochs", "1", "--lr", "1e-3", "--batch-size", "32", "--device", "cpu"]
         if argv[1] == "validate":
             argv += ["embedder=hashed-ngrams", "device=cpu"]
         codes.append(calibrl_main(argv))
+        if argv[1] == "train-judge":
+            printed = capsys.readouterr()
+            assert re.search(r"train-judge: 100%.*\| (\d+)/\1 \[", printed.err), printed.err  # the progress bar
+            assert "epoch 1/1: specificity: loss" in printed.out
     assert codes[:2] == [0, 0] and codes[2] in (0, 1), capsys.readouterr()
     [validation] = read_records(next(pathlib.Path("rubrics").glob("*.validation.json")))
     assert validation.model_id.startswith("transformers:")
