@@ -49,7 +49,7 @@ target grade. Printed every epoch (the running figures of that epoch's batches) 
 once before and after training (a pass in eval mode), beside a tqdm bar.
 
 **Output.** An ordinary model folder (``save_pretrained`` weights, merged when LoRA
-was used, and the base's tokenizer) plus ``calibrl_judge.json``: base model, feedback
+was used, in the base's saved dtype though training runs in float32; the base's tokenizer) plus ``calibrl_judge.json``: base model, feedback
 and rubric hashes, split sizes and digests, options, per-criterion figures, and the
 model ids (``transformers:<folder>@<fingerprint>``). That id is what
 ``calibrl rubric validate --judge transformers:DIR`` binds its validation record to
@@ -274,8 +274,9 @@ def check_targets(rubric: Rubric, rubric_source: str, criteria: Sequence[Criteri
                               "the feedback this rubric was distilled from")
 
 
-def _load_base(base: pathlib.Path, device: str) -> tuple[Any, Any]:
-    """(tokenizer, model) of a causal LM folder, or a ConfigError naming --base."""
+def _load_base(base: pathlib.Path, device: str) -> tuple[Any, Any, Any]:
+    """(tokenizer, float32 model, the dtype the base was saved in) of a causal LM folder,
+    or a ConfigError naming --base."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
@@ -295,7 +296,8 @@ def _load_base(base: pathlib.Path, device: str) -> tuple[Any, Any]:
         model = AutoModelForCausalLM.from_pretrained(str(base), local_files_only=True, dtype="float32")
     except (OSError, ValueError) as exc:
         raise ConfigError(f"--base {base}: cannot load the tokenizer and causal LM weights ({exc})") from None
-    return tokenizer, model.to(device)
+    saved_dtype = getattr(config, "dtype", None)
+    return tokenizer, model.to(device), saved_dtype
 
 
 def _left_pad(sequences: Sequence[Sequence[int]], pad_id: int, device: str) -> tuple[Any, Any, Any]:
@@ -415,7 +417,7 @@ def train_judge(
 
     # ---- model, tokenizer and the backends' prompt encoder
     device = resolve_device(options.device)
-    tokenizer, model = _load_base(base, device)
+    tokenizer, model, saved_dtype = _load_base(base, device)
     max_positions = getattr(model.config, "max_position_embeddings", None)
     try:
         encoder = PromptEncoder(tokenizer, prompts.PromptOptions(options.max_docs, options.max_doc_chars),
@@ -493,6 +495,8 @@ def train_judge(
     if options.lora:
         model = model.merge_and_unload()
     model.eval()
+    if isinstance(saved_dtype, torch.dtype) and saved_dtype != torch.float32:
+        model = model.to(saved_dtype)  # trained in float32, saved as the base was (a bf16 base stays bf16)
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(str(out))
     tokenizer.save_pretrained(str(out))

@@ -201,15 +201,19 @@ def test_golden_records_are_never_trained_on(workspace, tmp_path, monkeypatch):
 
 def test_lora_writes_merged_weights(workspace, tmp_path):
     pytest.importorskip("peft")
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    folder, base = workspace
+    folder, base_fp32 = workspace
+    base = tmp_path / "base-bf16"  # a bf16 base, trained in float32, is saved as bf16 again
+    AutoModelForCausalLM.from_pretrained(base_fp32, dtype=torch.bfloat16).save_pretrained(base)
+    AutoTokenizer.from_pretrained(base_fp32).save_pretrained(base)
     result = train_judge(folder / "feedback.jsonl", folder / "rubric.yaml", base, tmp_path / "lora-judge",
                          TrainJudgeOptions(epochs=1, lr=3e-3, batch_size=32, lora=True, lora_rank=4, device="cpu"),
                          progress=False, echo=lambda line: None)
     assert not list(result.out.glob("adapter_*")), "LoRA adapters must be merged into ordinary weights"
-    trained_model = AutoModelForCausalLM.from_pretrained(result.out, local_files_only=True)
-    base_model = AutoModelForCausalLM.from_pretrained(base, local_files_only=True)
+    trained_model = AutoModelForCausalLM.from_pretrained(result.out, local_files_only=True, dtype="auto")
+    base_model = AutoModelForCausalLM.from_pretrained(base, local_files_only=True, dtype="auto")
+    assert trained_model.dtype == base_model.dtype == torch.bfloat16
     changed = [name for name, p in trained_model.state_dict().items()
                if not torch.equal(p, base_model.state_dict()[name])]
     assert any("q_proj" in name for name in changed)
