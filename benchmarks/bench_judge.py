@@ -1,7 +1,11 @@
 """Judge throughput: item x criterion scores per second.
 
-Compares, on the same items and LLM criteria, with a tiny randomly initialised causal
-LM built here (nothing downloaded):
+Compares, on the same items and LLM criteria, with a judge model built here (nothing
+downloaded): by default a tiny causal LM trained by ``calibrl rubric train-judge``'s core
+on synthetic SME feedback (``judge_server.testing.synthetic_feedback``: a rubric distilled
+with LLM criteria only, plus a 1-5 "quality" question learnt from the grades), so it
+answers for real; ``--judge-model random`` keeps the untrained, randomly initialised model.
+Paths:
 
 - logprob scoring with the shared-prefix KV cache (``prefix_cache``, the default),
 - logprob scoring with every item x criterion prompt in one flat left-padded batch,
@@ -9,9 +13,12 @@ LM built here (nothing downloaded):
   parse-failure rate (logprob scoring cannot fail to parse),
 
 then the programmatic rubric (MiniLM intent similarity and the rule-based criteria),
-and cache hits, in process and over gRPC on loopback.
+and cache hits, in process and over gRPC on loopback. The bench items are new records
+(another seed), never trained on; for a trained judge the script also prints how often
+its logprob answers agree with the SME tags and grades of those items.
 
-    python benchmarks/bench_judge.py                      # tiny model, CPU
+    python benchmarks/bench_judge.py                      # tiny trained model, CPU
+    python benchmarks/bench_judge.py --judge-model random
     python benchmarks/bench_judge.py --hidden 256 --layers 4 --items 64
     python benchmarks/bench_judge.py --device cuda --items 256
 
@@ -58,15 +65,33 @@ criteria:
 """
 
 
-def timed(fn, repeats: int) -> tuple[float, object]:
-    """Median wall time of ``repeats`` calls after one warm-up call, and the last result."""
-    result = fn()
-    times = []
+def timed(fn, repeats: int) -> tuple[float, float, object]:
+    """Median wall and process-CPU time of ``repeats`` calls after one warm-up call, and the
+    last result."""
+    [(wall, cpu, result)] = interleaved({"only": fn}, repeats).values()
+    return wall, cpu, result
+
+
+def interleaved(fns: dict, repeats: int) -> dict[str, tuple[float, float, object]]:
+    """Like :func:`timed` for several paths, run in turn in each round, so that a change
+    of load on a shared machine hits every path alike. CPU time (``time.process_time``,
+    all threads of this process) is what one path costs whatever else runs."""
+    results = {name: fn() for name, fn in fns.items()}
+    walls: dict[str, list[float]] = {name: [] for name in fns}
+    cpus: dict[str, list[float]] = {name: [] for name in fns}
     for _ in range(repeats):
-        start = time.perf_counter()
-        result = fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times), result
+        for name, fn in fns.items():
+            wall, cpu = time.perf_counter(), time.process_time()
+            results[name] = fn()
+            walls[name].append(time.perf_counter() - wall)
+            cpus[name].append(time.process_time() - cpu)
+    return {name: (statistics.median(walls[name]), statistics.median(cpus[name]), results[name]) for name in fns}
+
+
+def row(n_scores: int, wall: float, cpu: float, parse_failures: float = 0.0, **extra) -> dict:
+    return {"seconds": wall, "cpu_seconds": cpu, "scores_per_s": n_scores / wall,
+            "scores_per_cpu_s": n_scores / cpu if cpu > 0 else float("inf"), "parse_failures": parse_failures,
+            **extra}
 
 
 def main() -> int:
@@ -79,6 +104,11 @@ def main() -> int:
     parser.add_argument("--items-per-forward", type=int, default=16)
     parser.add_argument("--max-new-tokens", type=int, default=4)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--judge-model", choices=("trained", "random"), default="trained",
+                        help="train the judge on synthetic SME feedback first (default), or keep it random")
+    parser.add_argument("--train-records", type=int, default=160, help="synthetic SME records (30%% held out)")
+    parser.add_argument("--train-epochs", type=int, default=3)
+    parser.add_argument("--train-lr", type=float, default=3e-3)
     parser.add_argument("--json", help="also write the results here")
     args = parser.parse_args()
 
@@ -91,11 +121,19 @@ def main() -> int:
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    items = [r.to_item() for r in synthetic_feedback(args.items, seed=42)]
-    llm_rubric = parse_rubric(LLM_RUBRIC)
+    bench_records = synthetic_feedback(args.items, seed=42)
+    items = [r.to_item() for r in bench_records]
+    workdir = tempfile.mkdtemp(prefix="bench-judge-")
+    folder = build_tiny_causal_lm(f"{workdir}/base", hidden_size=args.hidden, num_layers=args.layers,
+                                  num_heads=max(2, args.hidden // 16), seed=0)
+    training = None
+    if args.judge_model == "trained":
+        started = time.perf_counter()
+        llm_rubric, folder, training = _train_judge(folder, workdir, args)
+        training["seconds"] = time.perf_counter() - started
+    else:
+        llm_rubric = parse_rubric(LLM_RUBRIC)
     n_scores = len(items) * len(llm_rubric.llm_criteria)
-    folder = build_tiny_causal_lm(tempfile.mkdtemp(prefix="bench-judge-"), hidden_size=args.hidden,
-                                  num_layers=args.layers, num_heads=max(2, args.hidden // 16), seed=0)
     results: dict[str, dict] = {}
 
     def llm_config(mode: str) -> JudgeConfig:
@@ -109,62 +147,117 @@ def main() -> int:
     suffix_tokens = statistics.mean(len(s) for s in encoded.suffix_ids)
     n_params = sum(p.numel() for p in backend.model.parameters())
 
-    reference = None
-    for mode in ("prefix_cache", "flat"):
-        backend.mode = mode
-        seconds, scores = timed(lambda: backend.score(items, llm_rubric.llm_criteria, ""), args.repeats)
-        if reference is None:
-            reference = scores
+    def logprob(mode: str):
+        def run():
+            backend.mode = mode
+            return backend.score(items, llm_rubric.llm_criteria, llm_rubric.instructions)
+        return run
+
+    measured = interleaved({"logprob_prefix_cache": logprob("prefix_cache"), "logprob_flat": logprob("flat"),
+                            "generate_and_parse": lambda: backend.generate_answers(encoded, llm_rubric.llm_criteria)},
+                           args.repeats)
+    reference = measured["logprob_prefix_cache"][2]
+    for name in ("logprob_prefix_cache", "logprob_flat"):
+        wall, cpu, scores = measured[name]
         diff = max(abs(a - b) for ra, rb in zip(scores, reference) for a, b in zip(ra, rb))
-        results[f"logprob_{mode}"] = {"seconds": seconds, "scores_per_s": n_scores / seconds, "parse_failures": 0.0,
-                                      "max_abs_diff_vs_prefix_cache": diff}
-
-    def generate():
-        return backend.generate_answers(encoded, llm_rubric.llm_criteria)
-
-    seconds, answers = timed(generate, max(1, args.repeats - 1))
-    values = [v for row in answers for v in row]
-    results["generate_and_parse"] = {"seconds": seconds, "scores_per_s": n_scores / seconds,
-                                     "parse_failures": sum(v is None for v in values) / len(values)}
+        results[name] = row(n_scores, wall, cpu, max_abs_diff_vs_prefix_cache=diff)
+    wall, cpu, answers = measured["generate_and_parse"]
+    values = [v for answer_row in answers for v in answer_row]
+    results["generate_and_parse"] = row(n_scores, wall, cpu, sum(v is None for v in values) / len(values))
+    agreement = _agreement_with_experts(llm_rubric.llm_criteria, bench_records, reference)
 
     # Programmatic rubric (MiniLM loads once; timed calls run warm).
     programmatic = Judge([parse_rubric(PROGRAMMATIC_RUBRIC)], JudgeConfig(cache_size=0, allow_unvalidated=True))
     n_prog = len(items) * 5
-    seconds, _ = timed(lambda: programmatic.score("bench-programmatic", items), args.repeats)
-    results["programmatic_minilm"] = {"seconds": seconds, "scores_per_s": n_prog / seconds, "parse_failures": 0.0}
+    wall, cpu, _ = timed(lambda: programmatic.score("bench-programmatic", items), args.repeats)
+    results["programmatic_minilm"] = row(n_prog, wall, cpu)
 
     # Cache hits: in process, then over gRPC on loopback.
     cached_judge = Judge([llm_rubric], dataclasses.replace(llm_config("prefix_cache"), cache_size=100_000),
                          llm=backend)
     backend.mode = "prefix_cache"
-    cached_judge.score("bench-llm", items)
-    seconds, hits = timed(lambda: cached_judge.score("bench-llm", items), args.repeats)
+    cached_judge.score(llm_rubric.id, items)
+    wall, cpu, hits = timed(lambda: cached_judge.score(llm_rubric.id, items), args.repeats)
     assert all(s.cached for s in hits)
-    results["cache_hits_in_process"] = {"seconds": seconds, "scores_per_s": n_scores / seconds, "parse_failures": 0.0}
-    results["cache_hits_grpc"] = asyncio.run(_grpc_cache_hits(cached_judge, items, n_scores, args.repeats))
+    results["cache_hits_in_process"] = row(n_scores, wall, cpu)
+    results["cache_hits_grpc"] = asyncio.run(_grpc_cache_hits(cached_judge, llm_rubric.id, items, n_scores,
+                                                              args.repeats))
 
     base = results["logprob_prefix_cache"]["scores_per_s"]
-    print(f"judge benchmark: {len(items)} items x {len(llm_rubric.llm_criteria)} LLM criteria = {n_scores} scores; "
-          f"random Llama {args.layers} layers, hidden {args.hidden} ({n_params / 1e6:.2f} M parameters); "
+    n_likert = sum(c.scale == "likert_1_5" for c in llm_rubric.llm_criteria)
+    print(f"judge benchmark: {len(items)} items x {len(llm_rubric.llm_criteria)} LLM criteria "
+          f"({len(llm_rubric.llm_criteria) - n_likert} yes/no, {n_likert} 1-5) = {n_scores} scores; "
+          f"{args.judge_model} Llama {args.layers} layers, hidden {args.hidden} ({n_params / 1e6:.2f} M parameters); "
           f"prompts: prefix {prefix_tokens:.0f} + suffix {suffix_tokens:.0f} tokens on average; device {args.device}, "
           f"torch threads {torch.get_num_threads()}, {platform.processor() or platform.machine()}, "
           f"{os.cpu_count()} CPUs")
     print()
-    print("| path | seconds | item x criterion scores/s | vs prefix cache | parse failures |")
-    print("| --- | ---: | ---: | ---: | ---: |")
-    for name, row in results.items():
-        print(f"| {name} | {row['seconds']:.4f} | {row['scores_per_s']:,.0f} | {row['scores_per_s'] / base:.2f}x | "
-              f"{row['parse_failures']:.0%} |")
+    base_cpu = results["logprob_prefix_cache"]["scores_per_cpu_s"]
+    print("| path | wall s | scores/s | vs prefix cache | CPU s | scores/CPU s | vs prefix cache | parse failures |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    for name, r in results.items():
+        print(f"| {name} | {r['seconds']:.4f} | {r['scores_per_s']:,.0f} | {r['scores_per_s'] / base:.2f}x | "
+              f"{r['cpu_seconds']:.4f} | {r['scores_per_cpu_s']:,.0f} | {r['scores_per_cpu_s'] / base_cpu:.2f}x | "
+              f"{r['parse_failures']:.0%} |")
     print()
     print(f"flat vs prefix-cache scores: max |diff| = {results['logprob_flat']['max_abs_diff_vs_prefix_cache']:.2e}")
+    ratio = base / results["generate_and_parse"]["scores_per_s"]
+    ratio_cpu = base_cpu / results["generate_and_parse"]["scores_per_cpu_s"]
+    print(f"shared-prefix logprob vs generate-and-parse: {ratio:.1f}x wall, {ratio_cpu:.1f}x CPU (target >= 5x)")
+    if training is not None:
+        print(f"trained on {training['n_train']} of {training['n_records']} synthetic SME records "
+              f"({training['epochs']} epochs, {training['seconds']:.0f} s); held-in agreement after training: "
+              + ", ".join(f"{name} {value:.2f}" for name, value in training["held_in_agreement"].items()))
+    print("agreement of the logprob answers with the SME tags/grades of the bench items (never trained on): "
+          + ", ".join(f"{name} {value:.2f}" for name, value in agreement.items()))
     if args.json:
         with open(args.json, "w") as handle:
             json.dump({"args": vars(args), "n_params": n_params, "prefix_tokens": prefix_tokens,
-                       "suffix_tokens": suffix_tokens, "results": results}, handle, indent=2)
+                       "suffix_tokens": suffix_tokens, "results": results, "training": training,
+                       "agreement_with_experts": agreement}, handle, indent=2)
     return 0
 
 
-async def _grpc_cache_hits(judge, items, n_scores, repeats) -> dict:
+def _train_judge(base, workdir: str, args) -> tuple:
+    """Distil LLM criteria from synthetic SME feedback, add a 1-5 question learnt from the
+    grades, and train the judge on the training part: (rubric, model folder, summary)."""
+    from judge_server.distill import DistillOptions, distill
+    from judge_server.feedback import write_feedback
+    from judge_server.rubric import Criterion, dump_rubric, load_rubric, with_fields
+    from judge_server.testing import synthetic_feedback
+    from judge_server.train_judge import TrainJudgeOptions, train_judge
+
+    records = synthetic_feedback(args.train_records, seed=7)
+    write_feedback(f"{workdir}/feedback.jsonl", records)
+    rubric = distill(records, DistillOptions(rubric_id="bench-llm", criteria_mode="llm")).rubric
+    quality = Criterion("quality", "llm", 0.5, question="How good is the output as a search query for the user's "
+                        "question?", scale="likert_1_5")
+    rubric = with_fields(rubric, criteria=rubric.criteria + (quality,))
+    with open(f"{workdir}/rubric.yaml", "w") as handle:
+        handle.write(dump_rubric(rubric))
+    options = TrainJudgeOptions(epochs=args.train_epochs, lr=args.train_lr, batch_size=16, device=args.device)
+    result = train_judge(f"{workdir}/feedback.jsonl", f"{workdir}/rubric.yaml", base, f"{workdir}/judge", options,
+                         progress=False, echo=lambda line: print(line, file=sys.stderr))
+    summary = {"n_records": len(records), "n_train": len(result.train), "epochs": args.train_epochs,
+               "held_in_agreement": {name: c["final"]["agreement"] for name, c in result.record["criteria"].items()}}
+    return load_rubric(f"{workdir}/rubric.yaml"), result.out, summary
+
+
+def _agreement_with_experts(criteria, records, scores) -> dict[str, float]:
+    """Per criterion, the share of items whose logprob answer is the one training would
+    target for that record (``train_judge.criterion_target``: from the SME tags, verdict or
+    grade; a 1-5 answer agrees when it rounds to the target grade)."""
+    from judge_server.train_judge import answer_agrees, criterion_target
+
+    out = {}
+    for column, criterion in enumerate(criteria):
+        hits = [answer_agrees(criterion, criterion_target(criterion, record), row[column])
+                for record, row in zip(records, scores)]
+        out[criterion.name] = sum(hits) / len(hits)
+    return out
+
+
+async def _grpc_cache_hits(judge, rubric_id, items, n_scores, repeats) -> dict:
     import grpc
 
     from calibrl.v1 import judge_pb2 as pb
@@ -179,18 +272,19 @@ async def _grpc_cache_hits(judge, items, n_scores, repeats) -> dict:
     try:
         async with grpc.aio.insecure_channel(f"127.0.0.1:{running.port}") as channel:
             stub = judge_pb2_grpc.JudgeServiceStub(channel)
-            request = pb.ScoreRequest(rubric_id="bench-llm", items=[wire.item_to_proto(i) for i in items])
+            request = pb.ScoreRequest(rubric_id=rubric_id, items=[wire.item_to_proto(i) for i in items])
             await stub.Score(request)
             times = []
+            cpu_times = []
             for _ in range(max(repeats, 5)):
-                start_time = time.perf_counter()
+                start_time, start_cpu = time.perf_counter(), time.process_time()
                 response = await stub.Score(request)
                 times.append(time.perf_counter() - start_time)
+                cpu_times.append(time.process_time() - start_cpu)
             assert all(s.cached for s in response.scores)
     finally:
         await running.stop(0)
-    seconds = statistics.median(times)
-    return {"seconds": seconds, "scores_per_s": n_scores / seconds, "parse_failures": 0.0}
+    return row(n_scores, statistics.median(times), statistics.median(cpu_times))
 
 
 if __name__ == "__main__":

@@ -19,6 +19,7 @@ COMMANDS: dict[tuple[str, ...], tuple[str, str]] = {
     ("serve", "judge"): ("judge_server.cli:serve", "Serve rubric judges over gRPC (JudgeService)."),
     ("rubric", "distill"): ("judge_server.cli:distill", "Distil SME feedback (JSONL) into a rubric and a golden set."),
     ("rubric", "validate"): ("judge_server.cli:validate", "Check a rubric + judge against the SME golden set."),
+    ("rubric", "train-judge"): ("judge_server.cli:train_judge", "Fine-tune a causal LM judge on SME feedback."),
     ("train",): ("trainer.cli:train", "Run GRPO / CalibAdv training against the two services."),
     ("eval",): ("trainer.cli:evaluate", "Evaluate a policy (or its base) on held-out tasks."),
     ("demo",): ("calibrl.demo.cli:main", "Run the whole loop on the built-in domain (no downloads)."),

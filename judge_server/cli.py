@@ -4,6 +4,7 @@
   [--config FILE] [key=value ...]``
 - ``calibrl rubric distill --feedback F --out rubric.yaml --golden-out golden.jsonl``
 - ``calibrl rubric validate --rubric R --golden G --judge SPEC`` (exit 0 = gate passed)
+- ``calibrl rubric train-judge --feedback F --rubric R --base MODEL --out DIR [--lora]``
 
 Heavy imports happen inside the functions, after argument parsing.
 """
@@ -241,3 +242,58 @@ def _summary(record) -> dict:
         "criteria": {name: {k: v for k, v in c.items() if k in ("precision", "recall", "support")}
                      for name, c in m["criteria"].items()},
     }
+
+
+# --------------------------------------------------------------------------- train-judge
+
+def train_judge(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(
+        prog="calibrl rubric train-judge",
+        description="Fine-tune a Hugging Face causal LM to answer a rubric's LLM criteria, on the training part "
+        "of the SME feedback (never the golden part), with the exact prompts and answer tokens the transformers "
+        "and vLLM judges score. Writes a model folder plus calibrl_judge.json; validate it with "
+        "'calibrl rubric validate --judge transformers:OUT'.",
+    )
+    parser.add_argument("--feedback", required=True, help="SME feedback JSONL (the file the rubric was distilled from)")
+    parser.add_argument("--rubric", required=True, help="rubric YAML with llm criteria")
+    parser.add_argument("--base", required=True, help="Hugging Face causal LM folder to start from")
+    parser.add_argument("--out", required=True, help="new folder for the trained model (must not exist or be empty)")
+    parser.add_argument("--golden", help="golden JSONL whose records are excluded too (the distil split always is)")
+    parser.add_argument("--golden-fraction", type=float, default=0.3,
+                        help="the distil hold-out share used to cut the feedback (0.3, distil's default)")
+    parser.add_argument("--criteria", action="append", default=[], metavar="NAME",
+                        help="train only this llm criterion (repeatable; default: all of them)")
+    parser.add_argument("--epochs", type=int, default=3, help="passes over the training examples (3)")
+    parser.add_argument("--lr", type=float, help="AdamW learning rate (default 2e-5, or 2e-4 with --lora)")
+    parser.add_argument("--batch-size", type=int, default=8, help="prompts per optimiser step (8)")
+    parser.add_argument("--seed", type=int, default=0, help="shuffling and LoRA initialisation seed (0)")
+    parser.add_argument("--lora", action="store_true", help="train LoRA adapters (peft) and save merged weights")
+    parser.add_argument("--lora-rank", type=int, default=8, help="LoRA rank (8)")
+    parser.add_argument("--lora-alpha", type=float, default=16.0, help="LoRA alpha (16)")
+    parser.add_argument("--pass-grade", type=int, default=4,
+                        help="expert pass = grade >= this, for records without a verdict (4)")
+    parser.add_argument("--device", default="auto", help="auto (cuda when available), cpu, cuda, ...")
+    parser.add_argument("--use-chat-template", choices=("auto", "true", "false"), default="auto",
+                        help="as the judge's use_chat_template; serve with the same value (auto)")
+    parser.add_argument("--max-docs", type=int, default=5, help="as the judge's max_docs (5)")
+    parser.add_argument("--max-doc-chars", type=int, default=600, help="as the judge's max_doc_chars (600)")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    args = parser.parse_args(argv)
+
+    from tqdm.auto import tqdm
+
+    from judge_server.train_judge import TrainJudgeOptions
+    from judge_server.train_judge import train_judge as run_training
+
+    options = TrainJudgeOptions(
+        epochs=args.epochs, lr=args.lr, batch_size=args.batch_size, seed=args.seed, lora=args.lora,
+        lora_rank=args.lora_rank, lora_alpha=args.lora_alpha, golden_fraction=args.golden_fraction,
+        pass_grade=args.pass_grade, criteria=tuple(args.criteria), device=args.device,
+        use_chat_template=args.use_chat_template, max_docs=args.max_docs, max_doc_chars=args.max_doc_chars,
+    )
+    try:
+        run_training(args.feedback, args.rubric, args.base, args.out, options, golden_path=args.golden,
+                     progress=not args.no_progress, echo=lambda line: tqdm.write(line, file=sys.stdout))
+    except CalibrlError as exc:
+        return _fail(str(exc))
+    return 0
