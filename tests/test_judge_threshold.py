@@ -172,3 +172,35 @@ async def test_get_rubric_names_the_gate_and_the_threshold_and_a_refusal_says_wh
                 assert needed in details, (needed, details)
     finally:
         await running.stop(0)
+
+
+def test_the_readme_field_map_line_reads_another_teams_feedback(tmp_path, monkeypatch):
+    import pathlib
+    import re
+    import shlex
+
+    from calibrl.cli import main as calibrl_main
+
+    readme = (pathlib.Path(__file__).resolve().parent.parent / "README.md").read_text(encoding="utf-8")
+    section = readme[readme.index("<!-- section:judge -->"):readme.index("<!-- /section:judge -->")]
+    [line] = [text for block in re.findall(r"```sh\n(.*?)```", section, re.S) for text in block.splitlines()
+              if "--field-map" in text]
+    argv = shlex.split(line)
+    pairs = dict(pair.split("=") for pair in argv[argv.index("--field-map") + 1].split(","))  # documented -> theirs
+    monkeypatch.chdir(tmp_path)
+    records = synthetic_feedback(60, seed=4)
+    with open("their_feedback.jsonl", "w", encoding="utf-8") as out:
+        for record in records:
+            out.write(json.dumps({pairs.get(k, k): v for k, v in record.to_json().items()}) + "\n")
+    assert "score" in open("their_feedback.jsonl").readline()  # the file really uses the other names
+    pathlib.Path("rubrics").mkdir()
+    assert calibrl_main(argv[1:]) == 0
+    write_feedback("documented.jsonl", records)
+    same = [a if a not in ("their_feedback.jsonl", "rubrics/funds.yaml", "golden.jsonl") else
+            {"their_feedback.jsonl": "documented.jsonl", "rubrics/funds.yaml": "same.yaml",
+             "golden.jsonl": "same-golden.jsonl"}[a] for a in argv[1:]]
+    field_map_at = same.index("--field-map")
+    del same[field_map_at:field_map_at + 2]
+    assert calibrl_main(same) == 0
+    assert pathlib.Path("rubrics/funds.yaml").read_bytes() == pathlib.Path("same.yaml").read_bytes()
+    assert pathlib.Path("golden.jsonl").read_bytes() == pathlib.Path("same-golden.jsonl").read_bytes()
