@@ -2,7 +2,8 @@
 
 A real ``trl.GRPOTrainer`` (the installed trl, 1.16 when written) is built on a
 tiny randomly initialised Llama and a word-level tokenizer made here; nothing
-is downloaded. Comparisons, all within 1e-6:
+is downloaded. Comparisons, each within the float error its computation allows
+(stated where it is checked, from tests/tolerances.py):
 
 * **Advantages** go through TRL's own code path: ``_generate_and_score_completions``
   generates real completions with the tiny model and scores them with a reward
