@@ -4,8 +4,9 @@ Why a tolerance at all: torch picks its CPU kernels at run time (AVX-512, AVX2 o
 ``ATEN_CPU_CAPABILITY`` forces one), a matmul blocks its reduction by the shape of its inputs, and a
 padded or sliced batch takes another path. The same float32 quantity computed two ways therefore
 rounds differently: a sum of ``n`` terms carries a first-order error of at most
-``(n - 1) * u * sum(|term|)`` in ANY summation order (Higham, *Accuracy and Stability of Numerical
-Algorithms*, 2nd ed., eq. 4.4), ``u = 2**-24`` the float32 unit roundoff. Two such results differ
+``(n - 1) * u * sum(|term|)`` in ANY order of its n - 1 additions, pairwise, blocked or SIMD lanes
+(Higham, *Accuracy and Stability of Numerical Algorithms*, 2nd ed., chapter 4), ``u = 2**-24`` the
+float32 unit roundoff. Two such results differ
 by at most twice that. The helpers below compute these bounds from the shape and size of the data,
 so a test states the error it allows and why, and passes on every CPU that rounds correctly.
 
@@ -18,10 +19,6 @@ from __future__ import annotations
 
 U32 = 2.0**-24
 """float32 unit roundoff: the relative error of one correctly rounded operation."""
-
-U64 = 2.0**-53
-"""float64 unit roundoff."""
-
 
 def float32_sum_error(terms: int, abs_sum: float) -> float:
     """Bound on how far two float32 sums of the same ``terms`` values, whose absolute values sum to
