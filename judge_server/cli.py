@@ -116,15 +116,18 @@ def distill(argv: list[str]) -> int:
     parser.add_argument("--critical", action="append", default=[], metavar="TAG",
                         help="extra critical tag, becomes a penalty criterion (repeatable)")
     parser.add_argument("--glossary", help="text file of domain terms, one a line")
+    parser.add_argument("--field-map", default="", metavar="DOCUMENTED=THEIRS,...",
+                        help="feedback written with other field names, e.g. grade=score,output=rewrite,"
+                        "error_tags=issues (see README, feedback fields)")
     args = parser.parse_args(argv)
 
     from judge_server.distill import DistillOptions
     from judge_server.distill import distill as run_distill
-    from judge_server.feedback import normalize_tag, read_feedback, write_feedback
+    from judge_server.feedback import normalize_tag, parse_field_map, read_feedback, write_feedback
     from judge_server.rubric import dump_rubric, parse_rubric
 
     try:
-        records = read_feedback(args.feedback)
+        records = read_feedback(args.feedback, parse_field_map(args.field_map))
         glossary: tuple[str, ...] = ()
         if args.glossary:
             path = pathlib.Path(args.glossary)
@@ -180,8 +183,13 @@ def validate(argv: list[str]) -> int:
     parser.add_argument("--golden", required=True, help="golden JSONL (from 'calibrl rubric distill')")
     parser.add_argument("--judge", required=True, help="judge SPEC: programmatic | transformers:PATH | vllm:PATH")
     parser.add_argument("--min-kappa", type=float, default=0.6, help="gate: least Cohen's kappa on pass/fail (0.6)")
-    parser.add_argument("--pass-threshold", type=float, default=0.6,
-                        help="judge pass = total >= this (0.6: the lower edge of judge grade 4)")
+    parser.add_argument("--pass-threshold", type=_threshold_arg, default=0.6, metavar="VALUE|auto",
+                        help="judge pass = total >= this (0.6: the lower edge of judge grade 4); 'auto' picks "
+                        "the best-kappa threshold on the non-golden records of --feedback (never the golden set)")
+    parser.add_argument("--feedback", help="the feedback JSONL the rubric was distilled from (for "
+                        "--pass-threshold auto; its golden records are left out)")
+    parser.add_argument("--field-map", default="", metavar="DOCUMENTED=THEIRS,...",
+                        help="read --feedback with other field names, e.g. grade=score,output=rewrite")
     parser.add_argument("--pass-grade", type=int, default=4,
                         help="expert pass = grade >= this, for records without a verdict (4)")
     parser.add_argument("--flag-threshold", type=float, default=0.5,
@@ -198,23 +206,33 @@ def validate(argv: list[str]) -> int:
     from judge_server.feedback import read_feedback
     from judge_server.judge import Judge, load_llm
     from judge_server.rubric import load_rubric
-    from judge_server.validation import ValidationOptions, agreement, validation_path, write_record
+    from judge_server.feedback import parse_field_map
+    from judge_server.validation import (ValidationOptions, agreement, pick_pass_threshold, validation_path,
+                                         write_record)
 
     try:
         config = load_config(JudgeConfig, args.config,
                              [*args.overrides, f"backend={args.judge}", "allow_unvalidated=true", "cache_size=0"])
-        options = ValidationOptions(args.min_kappa, args.pass_threshold, args.pass_grade, args.flag_threshold,
-                                    args.min_items)
+        auto = args.pass_threshold == "auto"
+        if auto and not args.feedback:
+            return _fail("--pass-threshold auto needs --feedback FILE: the threshold is picked on the feedback "
+                         "records that are not in the golden set")
+        options = ValidationOptions(args.min_kappa, 0.6 if auto else args.pass_threshold, args.pass_grade,
+                                    args.flag_threshold, args.min_items)
         options.validate()
         rubric = load_rubric(args.rubric)
         golden = read_feedback(args.golden)
         judge = Judge([rubric], config, llm=load_llm(config))
-        items = [r.to_item() for r in golden]
-        step = config.max_batch_size  # a golden set may be larger than one request
-        for start in range(0, len(items), step):
-            judge.check_items(items[start : start + step])
-        scores = judge.compute(judge.resolve(rubric.id), items)
-        record = agreement(rubric, judge.model_id, golden, scores, options)
+        choice = None
+        if auto:
+            golden_hashes = {r.record_hash for r in golden}
+            calibration = [r for r in read_feedback(args.feedback, parse_field_map(args.field_map))
+                           if r.record_hash not in golden_hashes]
+            choice = pick_pass_threshold(calibration, _score(judge, rubric, config, calibration), args.pass_grade)
+            print(f"--pass-threshold auto: {choice.threshold:g} (kappa {_fmt(choice.kappa)} on "
+                  f"{choice.n_items} non-golden feedback records; the golden set was not used)")
+        scores = _score(judge, rubric, config, golden)
+        record = agreement(rubric, judge.model_id, golden, scores, options, threshold_choice=choice)
     except CalibrlError as exc:
         return _fail(str(exc))
     if not args.no_record:
@@ -229,11 +247,35 @@ def validate(argv: list[str]) -> int:
     return 0 if record.passed else 1
 
 
+def _threshold_arg(text: str) -> float | str:
+    if text.strip().lower() == "auto":
+        return "auto"
+    try:
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: a number in [0, 1] or 'auto'") from None
+
+
+def _score(judge, rubric, config, records) -> list:
+    items = [r.to_item() for r in records]
+    step = config.max_batch_size  # a golden set may be larger than one request
+    for start in range(0, len(items), step):
+        judge.check_items(items[start : start + step])
+    return judge.compute(judge.resolve(rubric.id), items)
+
+
+def _fmt(value) -> str:
+    return "n/a" if value is None else f"{value:.3f}"
+
+
 def _summary(record) -> dict:
     m = record.metrics
     return {
         "passed": record.passed,
         "kappa": record.kappa,
+        "min_kappa": record.min_kappa,
+        "pass_threshold": record.pass_threshold,
+        "pass_threshold_source": record.pass_threshold_source,
         "agreement": m["pass_fail"]["agreement"],
         "pass_fail_confusion(expert x judge, [pass, fail])": m["pass_fail"]["confusion"]["matrix"],
         "quadratic_weighted_kappa": m["grades"]["quadratic_weighted_kappa"],

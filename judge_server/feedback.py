@@ -151,8 +151,40 @@ def parse_record(data: Any, source: str = "<feedback>", line: int = 1) -> Feedba
     )
 
 
-def read_feedback(path: str | pathlib.Path) -> list[FeedbackRecord]:
-    """All records of a JSONL file; blank lines are skipped; errors name the line."""
+def parse_field_map(text: str) -> dict[str, str]:
+    """``"grade=score,output=rewrite"`` -> ``{"score": "grade", "rewrite": "output"}``: each pair names a
+    documented field and the field another team's file holds it in (documented=theirs)."""
+    mapping: dict[str, str] = {}
+    for pair in (p.strip() for p in text.split(",")):
+        if not pair:
+            continue
+        ours, sep, theirs = (part.strip() for part in pair.partition("="))
+        if not sep or not ours or not theirs:
+            raise ConfigError(f"--field-map: {pair!r} is not DOCUMENTED=THEIRS (e.g. grade=score)")
+        if ours not in _FIELDS:
+            raise ConfigError(f"--field-map: {ours!r} is not a feedback field; valid fields: {sorted(_FIELDS)}")
+        if theirs in mapping or ours in mapping.values():
+            raise ConfigError(f"--field-map: {pair!r} maps a field twice")
+        mapping[theirs] = ours
+    return mapping
+
+
+def rename_fields(data: Any, field_map: dict[str, str], source: str, line: int) -> Any:
+    """One decoded record with another team's field names turned into the documented ones."""
+    if not field_map or not isinstance(data, dict):
+        return data
+    renamed: dict[str, Any] = {}
+    for key, value in data.items():
+        target = field_map.get(key, key)
+        if target in renamed:
+            raise FeedbackError(source, line, target, f"given twice (as {key!r} and under its documented name)")
+        renamed[target] = value
+    return renamed
+
+
+def read_feedback(path: str | pathlib.Path, field_map: dict[str, str] | None = None) -> list[FeedbackRecord]:
+    """All records of a JSONL file; blank lines are skipped; errors name the line. ``field_map``
+    (from :func:`parse_field_map`) renames another team's fields to the documented ones first."""
     path = pathlib.Path(path)
     if not path.is_file():
         raise ConfigError(f"feedback file {path} does not exist")
@@ -164,7 +196,7 @@ def read_feedback(path: str | pathlib.Path) -> list[FeedbackRecord]:
             data = json.loads(text)
         except json.JSONDecodeError as exc:
             raise FeedbackError(str(path), number, "(json)", f"not valid JSON: {exc.msg} at column {exc.colno}") from None
-        records.append(parse_record(data, str(path), number))
+        records.append(parse_record(rename_fields(data, field_map or {}, str(path), number), str(path), number))
     if not records:
         raise ConfigError(f"feedback file {path} has no records")
     return records

@@ -55,8 +55,10 @@ def rubric_to_proto(status: RubricStatus) -> pb.Rubric:
     )
     if status.validation is not None:
         v = status.validation
-        message.validation.CopyFrom(pb.Validation(passed=v.passed, kappa=v.kappa if v.kappa is not None else 0.0,
-                                                  model_id=v.model_id, threshold=v.min_kappa))
+        message.validation.CopyFrom(pb.Validation(
+            passed=v.passed, kappa=v.kappa if v.kappa is not None else 0.0, model_id=v.model_id,
+            threshold=v.min_kappa, min_kappa=v.min_kappa, pass_threshold=v.pass_threshold,
+            pass_threshold_source=v.pass_threshold_source, reason=v.reason))
     return message
 
 

@@ -6,7 +6,12 @@ on pass/fail, quadratic-weighted kappa and Spearman on grades, per-criterion
 precision/recall against the expert error tags (a criterion flags an item when its
 score is below ``flag_threshold``; the item is positive when the expert gave one of
 the criterion's ``tags``), and the confusion matrices. The gate passes when the
-golden set has at least ``min_items`` items and kappa >= ``min_kappa``.
+golden set has at least ``min_items`` items and kappa >= ``min_kappa``; when it fails, the
+record's ``reason`` says the kappa, the gate, the threshold used and what to look at.
+
+``pass_threshold`` may instead be picked (``--pass-threshold auto``) by
+:func:`pick_pass_threshold` on the NON-golden feedback, so the golden set stays a hold-out;
+the record keeps the choice (``pass_threshold_source``, ``metrics["threshold_selection"]``).
 
 The result is a :class:`ValidationRecord` bound to (rubric hash, judge model id),
 kept next to the rubric in ``<rubric file>.validation.json`` (one record per
@@ -21,7 +26,7 @@ import hashlib
 import json
 import math
 import pathlib
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Sequence
 
 from calibrl.errors import ConfigError
@@ -67,6 +72,9 @@ class ValidationRecord:
     reason: str
     metrics: dict[str, Any] = field(default_factory=dict)
     created_at: str = ""
+    # Where pass_threshold came from: "given" (the command line) or "auto" (picked on the
+    # non-golden feedback, see metrics["threshold_selection"]).
+    pass_threshold_source: str = "given"
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -82,6 +90,50 @@ def judge_grade(total: float) -> int:
     return 1 + min(4, int(math.floor(5.0 * total)))
 
 
+@dataclass(frozen=True)
+class ThresholdChoice:
+    """A judge pass threshold picked on calibration records (never the golden set)."""
+
+    threshold: float
+    kappa: float | None  # Cohen's kappa on the calibration records at that threshold
+    n_items: int
+    expert_pass_rate: float
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def pick_pass_threshold(records: Sequence[FeedbackRecord], scores: Sequence[ItemScore], pass_grade: int = 4,
+                        prefer: float = 0.6) -> ThresholdChoice:
+    """The judge pass threshold with the best Cohen's kappa against the experts' pass/fail on
+    ``records`` (the non-golden feedback; its ``scores`` from the judge under validation).
+
+    Candidates are the midpoints between consecutive distinct totals (every distinct split of
+    the records), plus 0 and 1; ties go to the candidate nearest ``prefer`` (the default
+    threshold), so the choice is deterministic."""
+    if len(scores) != len(records):
+        raise ValueError(f"{len(scores)} scores for {len(records)} calibration records")
+    if len(records) < 2:
+        raise ConfigError(f"--pass-threshold auto needs at least 2 non-golden feedback records, got {len(records)}")
+    expert = ["pass" if r.expert_pass(pass_grade) else "fail" for r in records]
+    if len(set(expert)) < 2:
+        raise ConfigError(f"--pass-threshold auto: the {len(records)} non-golden records are all expert "
+                          f"'{expert[0]}', so no threshold can be told from another; give --pass-threshold VALUE")
+    totals = sorted({round(s.total, 12) for s in scores})
+    candidates = {0.0, 1.0, *((a + b) / 2 for a, b in zip(totals, totals[1:]))}
+    best: tuple[float, float, float] | None = None  # (kappa, -distance to prefer, threshold)
+    for threshold in sorted(candidates):
+        judged = ["pass" if s.total >= threshold else "fail" for s in scores]
+        kappa = metrics.cohen_kappa(expert, judged, ["pass", "fail"])
+        key = (kappa if kappa is not None else -2.0, -abs(threshold - prefer), threshold)
+        if best is None or key > best:
+            best = key
+    assert best is not None
+    kappa = best[0] if best[0] > -2.0 else None
+    return ThresholdChoice(threshold=round(best[2], 6), kappa=kappa, n_items=len(records),
+                           expert_pass_rate=expert.count("pass") / len(records))
+
+
 def golden_digest(records: Sequence[FeedbackRecord]) -> str:
     digest = hashlib.sha256()
     for record in records:
@@ -90,9 +142,13 @@ def golden_digest(records: Sequence[FeedbackRecord]) -> str:
 
 
 def agreement(rubric: Rubric, model_id: str, golden: Sequence[FeedbackRecord], scores: Sequence[ItemScore],
-              options: ValidationOptions | None = None) -> ValidationRecord:
-    """Compare judge ``scores`` (one per golden record) with the experts and apply the gate."""
+              options: ValidationOptions | None = None,
+              threshold_choice: ThresholdChoice | None = None) -> ValidationRecord:
+    """Compare judge ``scores`` (one per golden record) with the experts and apply the gate.
+    ``threshold_choice``: the threshold was picked by :func:`pick_pass_threshold` (recorded)."""
     options = options or ValidationOptions()
+    if threshold_choice is not None:
+        options = replace(options, pass_threshold=threshold_choice.threshold)
     options.validate()
     if len(scores) != len(golden):
         raise ValueError(f"{len(scores)} scores for {len(golden)} golden records")
@@ -128,7 +184,11 @@ def agreement(rubric: Rubric, model_id: str, golden: Sequence[FeedbackRecord], s
     elif kappa < options.min_kappa:
         reasons.append(f"kappa {kappa:.3f} < min_kappa {options.min_kappa}")
     passed = not reasons
-    reason = "; ".join(reasons) if reasons else f"kappa {kappa:.3f} >= min_kappa {options.min_kappa}"
+    judged_at = f"judge pass = total >= pass_threshold {options.pass_threshold:g}"
+    if passed:
+        reason = f"kappa {kappa:.3f} >= min_kappa {options.min_kappa} ({judged_at})"
+    else:
+        reason = "; ".join(reasons) + f" ({judged_at}). " + _advice(expert_pass, judge_pass, per_criterion, options)
     return ValidationRecord(
         rubric_id=rubric.id,
         rubric_hash=rubric.hash,
@@ -151,9 +211,41 @@ def agreement(rubric: Rubric, model_id: str, golden: Sequence[FeedbackRecord], s
             "grades": grade_metrics,
             "criteria": per_criterion,
             "options": asdict(options),
+            **({"threshold_selection": {"method": "best Cohen's kappa on the non-golden feedback",
+                                        **threshold_choice.to_json()}} if threshold_choice else {}),
         },
         created_at=datetime.datetime.now(datetime.timezone.utc).replace(microsecond=0).isoformat(),
+        pass_threshold_source="auto" if threshold_choice else "given",
     )
+
+
+def _advice(expert_pass: Sequence[str], judge_pass: Sequence[str], per_criterion: dict[str, Any],
+            options: ValidationOptions) -> str:
+    """What to look at when the gate fails: the threshold against the SME pass line, and the
+    criteria that disagree most with the experts' error tags."""
+    n = max(len(expert_pass), 1)
+    expert_rate, judge_rate = expert_pass.count("pass") / n, judge_pass.count("pass") / n
+    hints = [f"Experts passed {expert_rate:.0%} of the golden items (grade >= {options.pass_grade} or verdict "
+             f"'pass'), the judge {judge_rate:.0%} at pass_threshold {options.pass_threshold:g}"]
+    if judge_rate < expert_rate - 0.1:
+        hints.append("the threshold looks too strict for the SME pass line: try a lower --pass-threshold, "
+                     "or --pass-threshold auto --feedback <the distilled feedback>")
+    elif judge_rate > expert_rate + 0.1:
+        hints.append("the threshold looks too lenient for the SME pass line: try a higher --pass-threshold, "
+                     "or --pass-threshold auto --feedback <the distilled feedback>")
+    else:
+        hints.append("the pass rates are within 10 points, so the threshold is not the main cause: the judge "
+                     "orders items unlike the experts; check the criteria")
+    weak = sorted(((c.get("f1") if c.get("f1") is not None else 0.0, name, c) for name, c in per_criterion.items()
+                   if c.get("support") and (c.get("f1") or 0.0) < 0.9), key=lambda entry: (entry[0], entry[1]))[:3]
+    if weak:
+        hints.append("criteria that disagree most with the expert tags: " + ", ".join(
+            f"{name} (precision {_fmt(c.get('precision'))}, recall {_fmt(c.get('recall'))})" for _, name, c in weak))
+    return "; ".join(hints) + ". Full report: the validation record's metrics"
+
+
+def _fmt(value: float | None) -> str:
+    return "n/a" if value is None else f"{value:.2f}"
 
 
 def _canonical_tags(record: FeedbackRecord) -> list[str]:

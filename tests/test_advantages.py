@@ -22,6 +22,10 @@ from trainer.advantages import (
 # ---------------------------------------------------------------------------
 
 
+# Tolerances: an explicit one says the error it allows and why (tests/tolerances.py). A bare
+# pytest.approx(x) (rel 1e-6, ~17 float32 roundings) compares values a few float operations
+# from their reference (float64 arithmetic or a handful of float32 steps): below 1e-7 on any CPU.
+
 def random_layout(rng: random.Random, batch: int, width: int, max_segments: int):
     """Token layout of ``batch`` multi-turn rollouts in ``width`` positions.
 
@@ -117,6 +121,8 @@ def test_grpo_matches_loop_reference(seed: int, scale: str) -> None:
     expected = torch.tensor(reference_grpo(inputs, scale), dtype=torch.float64)
     assert token_adv.shape == inputs.completion_mask.shape
     assert token_adv.dtype == torch.float32
+    # float32 group mean / std of <= 8 rewards in [0, 1] (float32_sum_error(8, 8) ~ 7e-6 before the
+    # division), against a float64 loop: atol 1e-5 is that bound; a wrong group or scale is off by >= 1e-2.
     torch.testing.assert_close(token_adv.double(), expected, atol=1e-5, rtol=1e-6)
     assert bool((token_adv[~inputs.completion_mask] == 0).all())
 
@@ -131,6 +137,8 @@ def test_grpo_hand_computed_group_scale() -> None:
     half = 0.5 / (math.sqrt(0.5) + 1e-4)
     std9 = math.sqrt((0.3 ** 2 * 2 + 0.6 ** 2) / 2)
     expected = [half, -half, 0.0, 0.0, -0.3 / (std9 + 1e-4), 0.6 / (std9 + 1e-4), -0.3 / (std9 + 1e-4)]
+    # Groups of 2-3 rewards with one decimal: float32 mean / std round a few times (|A| < 1.5, u = 6e-8),
+    # so 1e-6 (~16 u) bounds it.
     torch.testing.assert_close(token_adv[:, 0].double(), torch.tensor(expected, dtype=torch.float64), atol=1e-6,
                                rtol=0)
     torch.testing.assert_close(token_adv[:, 0], token_adv[:, 1])
@@ -138,6 +146,8 @@ def test_grpo_hand_computed_group_scale() -> None:
     assert metrics["reward"] == pytest.approx(float(rewards.double().mean()))
     assert metrics["reward_std"] == pytest.approx(float(rewards.double().std()))
     assert metrics["reward_std_within_group"] == pytest.approx((math.sqrt(0.5) + 0.0 + std9) / 3)
+    # float32 mean of 14 values vs float64: float32_sum_error(14, .) / sum < 2 * 13 u = 1.6e-6 worst case
+    # for the sum, but 7 distinct values of one sign sum with error ~ 7 u: rel 1e-6.
     assert metrics["advantage/abs_mean"] == pytest.approx(sum(abs(a) for a in expected) / 7, rel=1e-6)
 
 

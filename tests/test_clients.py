@@ -24,6 +24,10 @@ from trainer.grpc_clients import GrpcJudgeClient, GrpcRetrievalClient
 from trainer.inprocess import InProcessJudgeClient, InProcessRetrievalClient
 from tests.reward_fixtures import retriever, rubric_dir, tiny_index  # noqa: F401 (fixtures)
 
+# Tolerances: an explicit one says the error it allows and why (tests/tolerances.py). A bare
+# pytest.approx(x) (rel 1e-6, ~17 float32 roundings) compares values a few float operations
+# from their reference (float64 arithmetic or a handful of float32 steps): below 1e-7 on any CPU.
+
 ITEMS = [
     ScoreItem("iron lattice tower in Paris", gold_doc_ids=("eiffel",)),
     ScoreItem("who composed The Magic Flute", gold_doc_ids=("mozart",), gold_answers=("Mozart",)),

@@ -149,6 +149,7 @@ def test_warm_start_learns_and_saves_a_folder_the_trainer_loads(tokenizer, examp
 
 def test_rewrite_mix_is_a_distribution() -> None:
     names, weights = pol.RewriteMix().choices()
+    # float64 sum of a handful of weights: error ~1e-16, 1e-9 is ample.
     assert len(set(names)) == len(names) and abs(sum(weights) - 1.0) < 1e-9
     assert max(zip(weights, names))[1] == "copy"
     rng = random.Random(0)

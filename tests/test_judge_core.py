@@ -12,6 +12,10 @@ from judge_server.testing import build_tiny_causal_lm
 from judge_server.types import CriterionScore, JudgeItem, aggregate
 from judge_server.validation import ValidationOptions, agreement, find_record, read_records, write_record
 
+# Tolerances: an explicit one says the error it allows and why (tests/tolerances.py). A bare
+# pytest.approx(x) (rel 1e-6, ~17 float32 roundings) compares values a few float operations
+# from their reference (float64 arithmetic or a handful of float32 steps): below 1e-7 on any CPU.
+
 PROGRAMMATIC = """\
 id: rewriter
 version: "1"

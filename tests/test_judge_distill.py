@@ -14,6 +14,10 @@ from judge_server.rubric import dump_rubric, load_rubric, parse_rubric
 from judge_server.testing import synthetic_feedback
 
 
+# Tolerances: an explicit one says the error it allows and why (tests/tolerances.py). A bare
+# pytest.approx(x) (rel 1e-6, ~17 float32 roundings) compares values a few float operations
+# from their reference (float64 arithmetic or a handful of float32 steps): below 1e-7 on any CPU.
+
 def rec(grade, tags=(), notes="", n=[0]):
     n[0] += 1
     return FeedbackRecord(query=f"query {n[0]}", output=f"output {n[0]}", grade=grade, error_tags=tuple(tags),
@@ -44,6 +48,8 @@ def test_weights_follow_frequency_times_grade_drop():
     }
     total = sum(raw.values())
     weights = {c.name: c.weight for c in result.rubric.criteria}
+    # The rubric stores weights rounded to 4 decimals (distill.py), so they sit within 5e-5 of the exact
+    # value: abs 1e-4. Float rounding (~1e-16 here) plays no part.
     assert weights["entities"] == pytest.approx(raw["missing_entity"] / total / 2, abs=1e-4)
     assert weights["entities_llm"] == pytest.approx(raw["missing_entity"] / total / 2, abs=1e-4)
     assert weights["specificity"] == pytest.approx(raw["underspecified"] / total / 2, abs=1e-4)

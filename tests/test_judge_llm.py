@@ -14,8 +14,13 @@ from judge_server.judge import load_llm
 from judge_server.rubric import Criterion
 from judge_server.testing import SIMPLE_CHAT_TEMPLATE, build_tiny_causal_lm, synthetic_feedback
 from judge_server.types import JudgeItem
+from tests.tolerances import forward_error
 
 torch = pytest.importorskip("torch")
+
+# Tolerances: an explicit one says the error it allows and why (tests/tolerances.py). A bare
+# pytest.approx(x) (rel 1e-6, ~17 float32 roundings) compares values a few float operations
+# from their reference (float64 arithmetic or a handful of float32 steps): below 1e-7 on any CPU.
 
 CRITERIA = [
     Criterion("intent", "llm", 1.0, question="Does the output keep the intent of the user's query?"),
@@ -60,6 +65,19 @@ def reference_scores(backend, items, criteria):
     return rows
 
 
+def score_tolerance(backend, items):
+    """How far a criterion score may move between two forward paths (prefix cache, padding, batch):
+    a yes/no score is sigmoid(logit_yes - logit_no), so it moves by at most half the logits' error; a
+    1-5 expectation over (k - 1) / 4 by at most the logits' error. tests/tolerances.forward_error bounds
+    the logits' error from the model's sizes, the longest prompt and the largest logit."""
+    encoded = backend.encoder.encode(items, CRITERIA, "")
+    longest = max(len(p) for p in encoded.prefix_ids) + max(len(s) for s in encoded.suffix_ids)
+    with torch.no_grad():
+        logits = backend.model(torch.tensor([encoded.prefix_ids[0] + encoded.suffix_ids[0]])).logits
+    # The largest logit of one prompt stands for all: the head's weights bound every prompt's alike; x2 margin.
+    return forward_error(backend.model, longest, 2.0 * float(logits.abs().max()))
+
+
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 def test_prefix_cache_equals_flat_equals_reference(arch, tiny_llama, tmp_path, items):
     folder = tiny_llama if arch == "llama" else build_tiny_causal_lm(tmp_path / arch, arch="qwen2", seed=2)
@@ -70,9 +88,10 @@ def test_prefix_cache_equals_flat_equals_reference(arch, tiny_llama, tmp_path, i
     flat = backend.score(items, CRITERIA, "")
     reference = reference_scores(backend, items, CRITERIA)
     assert len(cached) == len(items) and all(len(row) == len(CRITERIA) for row in cached)
+    tolerance = score_tolerance(backend, items)
     for row_c, row_f, row_r in zip(cached, flat, reference):
-        assert row_c == pytest.approx(row_r, abs=1e-5)
-        assert row_f == pytest.approx(row_r, abs=1e-5)
+        assert row_c == pytest.approx(row_r, abs=tolerance)
+        assert row_f == pytest.approx(row_r, abs=tolerance)
     values = [v for row in cached for v in row]
     assert all(0.0 <= v <= 1.0 for v in values)
     assert max(values) - min(values) > 0.05  # continuous scores that depend on the prompt
@@ -85,6 +104,7 @@ def test_good_answer_no_is_the_complement(tiny_llama, items):
     no_good = Criterion("b", "llm", 1.0, question=question, good_answer="no")
     rows = backend.score(items[:3], [yes_good, no_good], "")
     for a, b in rows:
+        # p and 1 - p from the same float64 log-probs: a float64 subtraction, exact to ~1e-16.
         assert a + b == pytest.approx(1.0, abs=1e-6)
 
 
@@ -97,7 +117,8 @@ def test_chat_template_prompts(tmp_path):
     assert prefix.startswith("<s><|user|>\n") and "User query: VTSAX fees" in prefix
     assert suffix.endswith("Answer:</s>\n<|assistant|>\n")
     cached = backend.score([item], CRITERIA, "")
-    assert cached == [pytest.approx(r, abs=1e-5) for r in reference_scores(backend, [item], CRITERIA)]
+    tolerance = score_tolerance(backend, [item])
+    assert cached == [pytest.approx(r, abs=tolerance) for r in reference_scores(backend, [item], CRITERIA)]
     with pytest.raises(ConfigError, match="use_chat_template=true but the judge tokenizer has no chat template"):
         load_llm(JudgeConfig(backend=f"transformers:{build_tiny_causal_lm(tmp_path / 'plain')}",
                              use_chat_template="true"))

@@ -23,6 +23,10 @@ from trainer.losses import (
 # ---------------------------------------------------------------------------
 
 
+# Tolerances: an explicit one says the error it allows and why (tests/tolerances.py). A bare
+# pytest.approx(x) (rel 1e-6, ~17 float32 roundings) compares values a few float operations
+# from their reference (float64 arithmetic or a handful of float32 steps): below 1e-7 on any CPU.
+
 def reference_token_loss(logp, old, adv, ref, beta, eps_low, eps_high) -> float:
     ratio = math.exp(logp - old)
     clipped = min(max(ratio, 1 - eps_low), 1 + eps_high)
@@ -66,6 +70,8 @@ def test_policy_loss_matches_loop_reference(seed, beta, eps_low, eps_high, aggre
     loss, metrics = policy_loss(logp, old, adv, mask, ref_logp=ref, beta=beta, eps_low=eps_low,
                                 eps_high=eps_high, aggregation=aggregation, max_completion_length=9)
     expected = reference_policy_loss(logp, old, adv, mask, ref, beta, eps_low, eps_high, aggregation, 9)
+    # float64 inputs, two orders of summing <= 8 x 9 per-token terms: float64 error ~ 72 * 1.1e-16 relative
+    # to their absolute sum, far inside rel 1e-10; abs 1e-12 covers a loss that cancels to ~0.
     assert float(loss) == pytest.approx(expected, rel=1e-10, abs=1e-12)
     assert metrics["policy_loss"] == pytest.approx(expected, rel=1e-10, abs=1e-12)
 
@@ -231,6 +237,8 @@ def test_token_logprobs_match_log_softmax(tiny_chunks, temperature: float) -> No
     logits = torch.randn(3, 5, 11, generator=generator) * 3
     ids = torch.randint(0, 11, (3, 5), generator=generator)
     expected = torch.log_softmax(logits / temperature, dim=-1).gather(-1, ids[..., None]).squeeze(-1)
+    # Default float32 assert_close (atol 1e-5, rtol 1.3e-6) covers log_softmax_error(11, 1, 15) = 3e-6:
+    # an 11-term normaliser and |logits / T| <= 15 (randn * 3 / 0.7).
     torch.testing.assert_close(token_logprobs(logits, ids, temperature=temperature), expected)
 
 
@@ -240,6 +248,7 @@ def test_token_logprobs_are_differentiable_and_upcast_bf16(tiny_chunks) -> None:
     ids = torch.randint(0, 7, (2, 3), generator=generator)
     token_logprobs(logits, ids).sum().backward()
     expected = torch.nn.functional.one_hot(ids, 7) - torch.softmax(logits.detach(), dim=-1)
+    # softmax of 7 values in float32 twice (one-hot - p): a few u per entry, inside the default atol 1e-5.
     torch.testing.assert_close(logits.grad, expected)
     low = token_logprobs(logits.detach().bfloat16(), ids)
     assert low.dtype == torch.float32
@@ -264,11 +273,14 @@ def test_entropy_matches_categorical_and_respects_the_mask(tiny_chunks) -> None:
     mask = torch.tensor([[1, 1, 1, 0], [1, 0, 0, 0], [0, 0, 0, 0]], dtype=torch.bool)
     entropy, mean = masked_entropy_from_logits(logits, mask)
     expected = torch.distributions.Categorical(logits=logits).entropy() * mask
+    # Default float32 assert_close (atol 1e-5): entropy_error(9, 1, 8) ~ 9e-6 for 9 logits of |x| <= 8.
     torch.testing.assert_close(entropy, expected)
+    # The same 4 float32 entropies (all > 0) summed in two orders: <= 2 * 3 u = 3.6e-7 relative.
     assert mean == pytest.approx(float(expected.sum() / mask.sum()), rel=1e-6)
     assert not entropy.requires_grad
     # Uniform logits: entropy log(V).
     uniform, uniform_mean = masked_entropy_from_logits(torch.zeros(1, 2, 9), torch.ones(1, 2))
+    # log(9) through a float32 logsumexp of 9 zeros: a few u (rel 1e-6 is ~17 u).
     assert uniform_mean == pytest.approx(math.log(9), rel=1e-6)
 
 

@@ -31,6 +31,10 @@ from trainer.rewards import (
 )
 from trainer.tasks import Task
 
+# Tolerances: an explicit one says the error it allows and why (tests/tolerances.py). A bare
+# pytest.approx(x) (rel 1e-6, ~17 float32 roundings) compares values a few float operations
+# from their reference (float64 arithmetic or a handful of float32 steps): below 1e-7 on any CPU.
+
 TASKS = [
     Task("t-eiffel", "rewrite", "Which iron tower was finished in Paris in 1889?", ("eiffel",), ("Eiffel Tower",),
          (("domain", "travel"),)),

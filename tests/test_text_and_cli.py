@@ -9,6 +9,7 @@ def test_answer_normalisation_and_metrics():
     assert normalize_answer("The  Chief of Protocol!") == "chief of protocol"
     assert exact_match("chief of protocol", ["Chief of Protocol"]) == 1.0
     assert exact_match("chief", ["Chief of Protocol"]) == 0.0
+    # float64 ratio of small integers: exact to ~1e-16.
     assert abs(token_f1("chief of", ["Chief of Protocol"]) - 0.8) < 1e-9
     assert token_f1("", ["x"]) == 0.0
     assert contains_answer("She served as Chief of Protocol of the US.", ["chief of protocol"])

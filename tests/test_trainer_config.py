@@ -15,6 +15,10 @@ from calibrl.errors import ConfigError
 from trainer.config import CalibAdvAdvantage, GrpoAdvantage, TrainConfig, load_train_config
 from trainer.loop import lr_lambda
 
+# Tolerances: an explicit one says the error it allows and why (tests/tolerances.py). A bare
+# pytest.approx(x) (rel 1e-6, ~17 float32 roundings) compares values a few float operations
+# from their reference (float64 arithmetic or a handful of float32 steps): below 1e-7 on any CPU.
+
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 REQUIRED = ["policy.path=/models/p", "tasks.path=tasks.jsonl", "services.index_dir=/idx", "services.rubric_dir=/rub",
             "reward.rubric_id=r"]
@@ -127,6 +131,7 @@ def test_lr_schedules_warm_up_then_decay_to_the_floor():
     assert linear[0] == 1.0 and linear[1] == pytest.approx(1.0) and linear[-1] == pytest.approx(0.1)
     assert all(a >= b for a, b in zip(linear, linear[1:]))
     cosine = _schedule("optimizer.schedule=cosine")
+    # float64: 0.5 * (1 + cos(pi)) leaves ~1e-16; abs 1e-12 is ample, a wrong end point is off by >= 0.01.
     assert cosine[0] == 1.0 and cosine[-1] == pytest.approx(0.0, abs=1e-12)
     assert cosine[5] == pytest.approx(0.5 * (1 + math.cos(math.pi * 0.5)))
 

@@ -51,6 +51,7 @@ def test_calibrl_train_against_real_retrieval_and_judge_servers(trainer_world, t
         # Both services answered: the blend has a retrieval and a rubric part.
         assert 0.0 <= record["rewards/retrieval/mean"] <= 1.0
         assert 0.0 < record["rewards/rubric/mean"] <= 1.0
+        # float32 means of a few rewards in [0, 1], blended in float64: a few ulp, abs 1e-6 is ~17 u.
         assert record["reward"] == pytest.approx(
             0.7 * record["rewards/retrieval/mean"] + 0.3 * record["rewards/rubric/mean"], abs=1e-6)
         assert record["timing/reward_wait"] >= 0.0

@@ -124,16 +124,24 @@ class Criterion(_message.Message):
     def __init__(self, name: _Optional[str] = ..., kind: _Optional[str] = ..., question: _Optional[str] = ..., scorer: _Optional[str] = ..., params_json: _Optional[str] = ..., weight: _Optional[float] = ..., severity: _Optional[float] = ..., penalty: _Optional[bool] = ...) -> None: ...
 
 class Validation(_message.Message):
-    __slots__ = ("passed", "kappa", "model_id", "threshold")
+    __slots__ = ("passed", "kappa", "model_id", "threshold", "min_kappa", "pass_threshold", "pass_threshold_source", "reason")
     PASSED_FIELD_NUMBER: _ClassVar[int]
     KAPPA_FIELD_NUMBER: _ClassVar[int]
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     THRESHOLD_FIELD_NUMBER: _ClassVar[int]
+    MIN_KAPPA_FIELD_NUMBER: _ClassVar[int]
+    PASS_THRESHOLD_FIELD_NUMBER: _ClassVar[int]
+    PASS_THRESHOLD_SOURCE_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
     passed: bool
     kappa: float
     model_id: str
     threshold: float
-    def __init__(self, passed: _Optional[bool] = ..., kappa: _Optional[float] = ..., model_id: _Optional[str] = ..., threshold: _Optional[float] = ...) -> None: ...
+    min_kappa: float
+    pass_threshold: float
+    pass_threshold_source: str
+    reason: str
+    def __init__(self, passed: _Optional[bool] = ..., kappa: _Optional[float] = ..., model_id: _Optional[str] = ..., threshold: _Optional[float] = ..., min_kappa: _Optional[float] = ..., pass_threshold: _Optional[float] = ..., pass_threshold_source: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
 
 class Rubric(_message.Message):
     __slots__ = ("id", "version", "hash", "description", "criteria", "source_yaml", "validation")
