@@ -86,13 +86,13 @@ class Retriever:
     ) -> "Retriever":
         """Load an index folder, checking its files against the manifest first.
 
-        embedder: an :class:`~retrieval_server.embedder.Embedder`, a local model path
+        embedder: an :class:`~calibrl.embedding.SentenceEmbedder`, a local model path
         overriding the one in the manifest, or None for the manifest's.
         Raises FailedPrecondition when the folder does not match its manifest.
         """
         from calibrl.errors import FailedPrecondition
         from retrieval_server.dense import load_searcher
-        from retrieval_server.embedder import Embedder, resolve_device
+        from calibrl.embedding import SentenceEmbedder, resolve_device
         from retrieval_server.index import read_docs
         from retrieval_server.sparse import BM25_DIR, BM25Searcher
 
@@ -103,8 +103,8 @@ class Retriever:
             if extra:
                 log.warning("files in %s not listed in its manifest (ignored): %s", index_dir, extra)
         device = resolve_device(device)
-        if not isinstance(embedder, Embedder):
-            embedder = Embedder(embedder or manifest.embedder, device=device)
+        if not isinstance(embedder, SentenceEmbedder):
+            embedder = SentenceEmbedder(embedder or manifest.embedder, device=device)
         if embedder.dimension != manifest.dimension:
             raise FailedPrecondition(
                 f"embedder {embedder.label} makes {embedder.dimension}-d vectors, the index holds "
