@@ -11,10 +11,12 @@ Every index folder also keeps the raw embeddings (``embeddings.npy``), so the to
 backend can serve any index, and a ``torch`` index can be served by FAISS flat.
 
 Batch invariance: a query's scores never depend on the other queries searched with it.
-FAISS scores each query with its own inner products below
-``faiss.cvar.distance_compute_blas_threshold`` queries and through one BLAS matrix
-product above it, so :class:`FaissSearcher` searches in chunks below that threshold
-(HNSW is per query anyway); a GPU FAISS index gets fixed blocks like torch (not
+FAISS scores queries with per-query inner products below
+``faiss.cvar.distance_compute_blas_threshold`` and through one BLAS matrix product
+above it; older releases compare the query count with it, faiss 1.15 (measured) the
+query count times the dimension. :class:`FaissSearcher` therefore searches in chunks
+of fewer than threshold / dimension queries, one query at a time when that is below
+one (HNSW is per query anyway); a GPU FAISS index gets fixed blocks like torch (not
 verified here: no faiss-gpu on the machines we test on). ``torch`` multiplies fixed blocks of
 :data:`QUERY_BLOCK` rows, the unused rows zero: every query then goes through a
 product of one shape, and a row's result does not depend on its neighbours (a product
@@ -36,7 +38,7 @@ INDEX_TYPES = ("flat", "hnsw", "ivf", "torch")
 FAISS_FILE = "dense.faiss"
 EMBEDDINGS_FILE = "embeddings.npy"
 QUERY_BLOCK = 32  # rows of every torch score product (see the module doc)
-FAISS_QUERY_CHUNK = 1024  # queries per FAISS call, lowered below the BLAS threshold where needed
+FAISS_QUERY_CHUNK = 1024  # queries per FAISS call at most, fewer where the BLAS threshold needs it
 
 
 class DenseSearcher(Protocol):
@@ -99,7 +101,8 @@ class FaissSearcher:
         vectors = np.ascontiguousarray(vectors, dtype=np.float32)
         if self.on_gpu:  # a GPU index multiplies every call's queries at once: fixed-shape blocks, as torch
             return self._search_blocks(vectors, k)
-        chunk = max(1, min(FAISS_QUERY_CHUNK, int(faiss.cvar.distance_compute_blas_threshold) - 1))
+        threshold = int(faiss.cvar.distance_compute_blas_threshold)
+        chunk = max(1, min(FAISS_QUERY_CHUNK, (threshold - 1) // max(1, vectors.shape[1])))
         parts = [self.index.search(vectors[start : start + chunk], k) for start in range(0, len(vectors), chunk)]
         if not parts:
             return np.zeros((0, k), dtype=np.float32), np.zeros((0, k), dtype=np.int64)
