@@ -79,6 +79,31 @@ def padded_batch_embeddings(embedder, texts: list[str], batch_size: int = 64):
     return np.concatenate(chunks)
 
 
+def equal_length_batches(embedder, length: int, threads: int) -> tuple[int, float]:
+    """16 random token sequences of one length, two batches of 8 vs each alone, on
+    ``threads`` torch threads: no padding anywhere, so any difference comes from the
+    batch's shape."""
+    import numpy as np
+    import torch
+
+    rng = np.random.default_rng(0)
+    ids = torch.tensor(rng.integers(1000, 20000, size=(16, length)))
+    ids[:, 0], ids[:, -1] = embedder._tokenizer.cls_token_id, embedder._tokenizer.sep_token_id
+
+    def pooled(batch):
+        with torch.inference_mode():
+            hidden = embedder.model(input_ids=batch, attention_mask=torch.ones_like(batch)).last_hidden_state
+            return torch.nn.functional.normalize(hidden.mean(1), dim=-1).numpy()
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        batched = np.concatenate([pooled(ids[:8]), pooled(ids[8:])])
+        return differing(batched, np.concatenate([pooled(ids[i : i + 1]) for i in range(16)]))
+    finally:
+        torch.set_num_threads(before)
+
+
 def bench_embedding(args, rows: list, probe: list) -> None:
     from calibrl.embedding import SentenceEmbedder
 
@@ -92,15 +117,21 @@ def bench_embedding(args, rows: list, probe: list) -> None:
         alone = [embedder.encode([t])[0] for t in texts]
         probe.append(("MiniLM, padded batch of %d" % len(texts), *differing(padded_batch_embeddings(embedder, texts),
                                                                            alone), len(texts)))
-        by_length: dict[int, list[str]] = {}
-        for text in texts:
-            by_length.setdefault(len(embedder._tokenizer(text)["input_ids"]), []).append(text)
-        same = [t for group in by_length.values() if len(group) > 1 for t in group]
-        grouped = [padded_batch_embeddings(embedder, group)[i] for group in by_length.values() if len(group) > 1
-                   for i in range(len(group))]
-        probe.append(("MiniLM, batches of equal-length texts (no padding)",
-                      *differing(grouped, [alone[texts.index(t)] for t in same]), len(same)))
+        for length in (10, 40):
+            for threads in (1, 2):
+                probe.append((f"MiniLM, batches of 8 sequences of {length} tokens (no padding), {threads} thread(s)",
+                              *equal_length_batches(embedder, length, threads), 16))
         probe.append(("MiniLM, invariant (each text alone)", *differing(embedder.encode(texts), alone), len(texts)))
+        import torch
+
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1 if threads > 1 else 2)
+        try:
+            other = embedder.encode(texts)
+        finally:
+            torch.set_num_threads(threads)
+        probe.append((f"MiniLM, each text alone, {threads} vs {1 if threads > 1 else 2} torch threads",
+                      *differing(other, alone), len(texts)))
 
 
 def bench_dense(args, rows: list, probe: list) -> None:

@@ -1,7 +1,7 @@
 """The transformers judge backend: any Hugging Face causal LM from a local folder.
 
 LLM criteria are scored from the next-token distribution after each prompt (see
-``judge_server.prompts``), in one forward pass per item and criterion, batched:
+``judge_server.prompts``), one item at a time, all its criteria together:
 
 - ``prefix_cache`` (default): an item's shared prefix runs once, keeping the KV
   cache; the cache is repeated once per criterion and every criterion's suffix
@@ -13,8 +13,8 @@ LLM criteria are scored from the next-token distribution after each prompt (see
 
 Batch invariance: every mode runs one item per forward pass, so the shapes an item
 goes through depend only on the item and the rubric's criteria, never on the other
-items of the request or of the server's micro-batch. Several items in one padded
-forward gave scores that moved by up to 3e-7 with the batch
+items of the request or of the server's micro-batch. Sixteen items in one padded
+forward moved 30 of 32 scores, by up to 2.8e-6 with a tiny random model
 (``benchmarks/bench_invariance.py --probe``); the cost is in ``benchmarks/README.md``.
 :meth:`TransformersJudge.next_token_logprobs` still accepts several items, for
 that comparison.
@@ -206,9 +206,8 @@ class TransformersJudge:
         """Greedy-generate a short answer to every prompt and parse it (None = unparsable)."""
         torch = self._torch
         out_rows: list[list[float | None]] = []
-        for start in range(len(batch.prefix_ids)):  # one item per call, as in score()
-            prefixes = batch.prefix_ids[start : start + 1]
-            sequences = [p + s for p in prefixes for s in batch.suffix_ids]
+        for prefix in batch.prefix_ids:  # one item per call, as in score()
+            sequences = [prefix + suffix for suffix in batch.suffix_ids]
             ids, mask = self._left_pad(sequences)
             with torch.inference_mode():
                 generated = self.model.generate(
@@ -216,7 +215,5 @@ class TransformersJudge:
                     pad_token_id=self.pad_id, eos_token_id=self.tokenizer.eos_token_id,
                 )
             texts = self.tokenizer.batch_decode(generated[:, ids.shape[1] :], skip_special_tokens=True)
-            for b in range(len(prefixes)):
-                out_rows.append([prompts.parse_answer(criteria[c], texts[b * len(criteria) + c])
-                                 for c in range(len(criteria))])
+            out_rows.append([prompts.parse_answer(criterion, text) for criterion, text in zip(criteria, texts)])
         return out_rows
