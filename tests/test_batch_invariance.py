@@ -313,3 +313,34 @@ def test_rubric_folder_of_the_variants_loads():
             (pathlib.Path(root) / "rewriter.yaml").write_text(rubric)
             [loaded] = load_rubric_dir(root)
             assert bool(loaded.llm_criteria) == needs_llm, variant
+
+
+def test_both_services_share_one_embedder_module_and_model():
+    """One MiniLM wrapper (calibrl.embedding) serves the index and the judge: the same loaded model."""
+    from calibrl.embedding import load_embedder
+
+    judge_embedder = load_embedder("minilm", "cpu")
+    assert isinstance(judge_embedder, SentenceEmbedder)
+    assert judge_embedder.model is SentenceEmbedder(None, device="cpu").model
+    assert judge_embedder.encode(["iron tower in Paris"]).tobytes() == SentenceEmbedder(None, "cpu").encode(
+        ["iron tower in Paris"]).tobytes()
+
+
+def test_vllm_judge_asks_for_batch_invariant_kernels_before_vllm_is_imported(monkeypatch):
+    """vLLM reads VLLM_BATCH_INVARIANT once per process; vLLM cannot be installed here, so
+    this checks our side: the variable is set before the import, and a process that
+    imported vLLM without it is refused rather than served batch-dependent scores."""
+    from calibrl.errors import ConfigError
+    from judge_server.backends import vllm_backend
+
+    monkeypatch.delenv(vllm_backend.BATCH_INVARIANT_ENV, raising=False)
+    monkeypatch.delitem(sys.modules, "vllm", raising=False)
+    vllm_backend.enable_batch_invariance()
+    assert os.environ[vllm_backend.BATCH_INVARIANT_ENV] == "1"
+
+    monkeypatch.delenv(vllm_backend.BATCH_INVARIANT_ENV)
+    monkeypatch.setitem(sys.modules, "vllm", object())
+    with pytest.raises(ConfigError, match="VLLM_BATCH_INVARIANT=1"):
+        vllm_backend.enable_batch_invariance()
+    monkeypatch.setenv(vllm_backend.BATCH_INVARIANT_ENV, "1")
+    vllm_backend.enable_batch_invariance()  # already set by the operator: fine
