@@ -11,7 +11,10 @@ all call :class:`Retriever` directly::
 Rankings per mode: ``dense`` (inner product of unit embeddings), ``bm25``, and
 ``hybrid`` (reciprocal-rank fusion of the two, each ranking cut at a fixed depth
 of max(hybrid_depth, max_top_k) candidates, so a query's fused order never
-depends on the k it was asked with).
+depends on the k it was asked with). Dense search also runs at that depth, with ties
+ordered by passage index; with batch-invariant encoding and search
+(``calibrl.embedding``, ``retrieval_server.dense``), a query's hits and scores are a
+pure function of (index, query, parameters), whatever it was batched with.
 """
 
 from __future__ import annotations
@@ -212,12 +215,16 @@ class Retriever:
         return [self._hits(ranking) for ranking in rankings]
 
     def _dense(self, queries: Sequence[str], k: int) -> list[Ranking]:
+        """Top ``k`` per query. Searched at the fixed fusion depth whatever ``k`` (the server
+        batches calls at their largest k) and ties ordered by passage index, so the order
+        of equal scores (duplicate passages) never depends on k or on the backend's heap."""
         vectors = self.embedder.encode(queries, batch_size=self.encode_batch_size)
-        scores, indices = self.dense.search(vectors, k)
-        return [
-            [(int(i), float(s)) for i, s in zip(row_indices, row_scores) if i >= 0]
-            for row_indices, row_scores in zip(indices, scores)
-        ]
+        scores, indices = self.dense.search(vectors, max(k, self.fusion_depth))
+        rankings = []
+        for row_indices, row_scores in zip(indices, scores):
+            ranking = [(int(i), float(s)) for i, s in zip(row_indices, row_scores) if i >= 0]
+            rankings.append(sorted(ranking, key=lambda hit: (-hit[1], hit[0]))[:k])
+        return rankings
 
     def _hits(self, ranking: Ranking) -> list[Hit]:
         hits = []

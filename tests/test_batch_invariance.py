@@ -35,9 +35,8 @@ from judge_server.testing import build_tiny_causal_lm
 from judge_server.types import JudgeItem
 from retrieval_server import wire as retrieval_wire
 from retrieval_server.dense import FaissSearcher, TorchSearcher, build_faiss_index
-from retrieval_server.retriever import Retriever
 from retrieval_server.testing import build_test_index, start_test_server
-from retrieval_server.types import ScoreItem
+from retrieval_server.types import ScoreItem, SearchMode
 
 torch = pytest.importorskip("torch")
 
@@ -180,6 +179,25 @@ def _criteria_total(score):
     return score.criteria, score.total
 
 
+def test_dense_ties_keep_one_order_whatever_k_or_batch(tmp_path):
+    """Duplicate passages score the same: their order must not depend on the k the server
+    searched with (it batches calls at their largest k) nor on the queries beside them."""
+    from retrieval_server.retriever import Retriever
+    from retrieval_server.testing import TINY_CORPUS
+
+    mozart = next(p for p in TINY_CORPUS if p["_id"] == "mozart")
+    records = [{**mozart, "_id": "mozart-copy"}, *TINY_CORPUS]  # the copy comes first in index order
+    retriever = Retriever.load(build_test_index(tmp_path / "index", records), device="cpu")
+    query = "Who composed The Magic Flute?"
+    rankings = {k: retriever.ranked([query], k, SearchMode.DENSE)[0] for k in (1, 2, 5)}
+    rankings["batched"] = retriever.ranked([*TEXTS, query], 5, SearchMode.DENSE)[-1]
+    assert [h.doc_id for h in rankings[2]] == ["mozart-copy", "mozart"]
+    assert bits(rankings[2][0].score) == bits(rankings[2][1].score)
+    for name, hits in rankings.items():
+        assert [(h.doc_id, bits(h.score)) for h in hits] == [(h.doc_id, bits(h.score)) for h in rankings[5]][
+            : len(hits)], name
+
+
 # ------------------------------------------------------------------- servers: callers, restart, replica
 
 class Replica:
@@ -270,8 +288,8 @@ async def judge_reference(port: int) -> dict[JudgeItem, tuple]:
         stub = judge_pb2_grpc.JudgeServiceStub(channel)
         reference = {}
         for item in JUDGE_ITEMS:
-            reply = await stub.Score(judge_pb2.ScoreRequest(rubric_id="rewriter", items=[judge_wire.item_to_proto(item)]),
-                                     timeout=120)
+            request = judge_pb2.ScoreRequest(rubric_id="rewriter", items=[judge_wire.item_to_proto(item)])
+            reply = await stub.Score(request, timeout=120)
             reference[item] = score_bits(reply.scores[0].criteria, reply.scores[0].total)
         return reference
 
