@@ -58,7 +58,7 @@ criteria:
 def build_world(root: pathlib.Path, hidden: int, layers: int) -> dict:
     import torch
 
-    from retrieval_server.embedder import Embedder
+    from calibrl.embedding import SentenceEmbedder
     from retrieval_server.retriever import Retriever
     from retrieval_server.testing import TINY_CORPUS, build_test_index
     from tests.tiny_lm import build_model, build_tokenizer
@@ -73,7 +73,7 @@ def build_world(root: pathlib.Path, hidden: int, layers: int) -> dict:
     policy = root / "policy"
     model.save_pretrained(policy)
     tokenizer.save_pretrained(policy)
-    embedder = Embedder(None, device="cpu")
+    embedder = SentenceEmbedder(None, device="cpu")
     index = build_test_index(root / "index", embedder=embedder, show_progress=False)
     tasks = root / "tasks.jsonl"
     with tasks.open("w") as out:

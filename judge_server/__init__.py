@@ -15,7 +15,7 @@ Public surface (everything else is an implementation detail):
   tests and demos (nothing downloaded).
 - ``judge_server.cli``: ``calibrl serve judge``, ``calibrl rubric distill|validate``.
 
-Module map: ``programmatic`` + ``entities`` + ``embeddings`` (criteria without an LLM),
+Module map: ``programmatic`` + ``entities`` + ``calibrl.embedding`` (criteria without an LLM),
 ``prompts`` + ``backends/encoding`` (prompt and score code shared by the LLM backends),
 ``backends/hf`` (transformers), ``backends/vllm_backend`` (vLLM), ``metrics``
 (agreement statistics), ``cache`` (result cache).

@@ -3,8 +3,8 @@
 An in-memory LRU in front of an optional SQLite file (which survives restarts and
 can be shared by replicas on one host). GRPO asks for the same outputs again and
 again (identical rollouts within a group, repeated evaluation sets); answering them
-from the cache also makes identical requests get identical answers, whatever batch
-they were computed in.
+from the cache gives the same bits as computing them again: every backend scores an
+item independently of its batch (see ``backends/hf.py`` and ``calibrl.embedding``).
 """
 
 from __future__ import annotations
@@ -20,8 +20,13 @@ from dataclasses import dataclass, replace
 from judge_server.types import CriterionScore, ItemScore, JudgeItem
 
 
+# Bumped when the same (rubric, model, item) starts to score differently, so a cache
+# file written before never answers for the new code. 2: batch-invariant scoring.
+SCORING_VERSION = 2
+
+
 def cache_key(rubric_hash: str, model_id: str, item: JudgeItem) -> str:
-    payload = [rubric_hash, model_id, item.query, item.output, list(item.retrieved_texts),
+    payload = [SCORING_VERSION, rubric_hash, model_id, item.query, item.output, list(item.retrieved_texts),
                list(item.retrieved_doc_ids), [list(kv) for kv in item.context]]
     text = json.dumps(payload, ensure_ascii=False, separators=(",", ":"))
     return hashlib.sha256(text.encode("utf-8")).hexdigest()

@@ -29,7 +29,8 @@ class JudgeConfig:
         "prefix_cache", "transformers: shared-prefix KV reuse, one flat left-padded batch, or generate-and-parse.")
     device: str = option("auto", "transformers device: auto (cuda when available), cpu, cuda, cuda:1, ...")
     dtype: str = option("auto", "Model dtype: auto (bf16 on GPU, fp32 on CPU), float32, bfloat16, float16.")
-    max_items_per_forward: int = option(16, "transformers: items per forward pass (x criteria = rows).")
+    max_items_per_forward: int = option(
+        16, "Ignored since scores became batch-invariant (each item runs its own forward pass); kept so configs load.")
     max_docs: int = option(5, "Retrieved passages shown to an LLM judge, best first.")
     max_doc_chars: int = option(600, "Characters of each retrieved passage shown to an LLM judge.")
     use_chat_template: Literal["auto", "true", "false"] = option(
@@ -37,6 +38,8 @@ class JudgeConfig:
     max_new_tokens: int = option(4, "generate mode: tokens generated per answer.")
     vllm_tensor_parallel_size: int = option(1, "vllm: GPUs per model (tensor parallelism).")
     vllm_gpu_memory_utilization: float = option(0.85, "vllm: share of GPU memory for weights and KV cache.")
+    vllm_batch_invariant: bool = option(
+        True, "vllm: run with VLLM_BATCH_INVARIANT=1 so a score never depends on its batch (vLLM beta; slower).")
     cache_size: int = option(100_000, "Results kept in the in-memory LRU cache; 0 disables it.")
     cache_path: str = option("", "Optional SQLite file that persists cached results across restarts.")
     max_batch_size: int = option(256, "Most items in one Score request (RESOURCE_EXHAUSTED above).")

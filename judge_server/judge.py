@@ -79,6 +79,7 @@ def load_llm(config: JudgeConfig) -> LLMBackend | None:
         spec.model_path, prompt_options=options, use_chat_template=config.use_chat_template,
         tensor_parallel_size=config.vllm_tensor_parallel_size,
         gpu_memory_utilization=config.vllm_gpu_memory_utilization, dtype=config.dtype,
+        batch_invariant=config.vllm_batch_invariant,
     )
 
 
@@ -268,7 +269,7 @@ class Judge:
     def _embed(self, texts: list[str]):
         with self._embedder_lock:
             if self._embedder is None:
-                from judge_server.embeddings import load_embedder
+                from calibrl.embedding import load_embedder
 
                 self._embedder = load_embedder(self.config.embedder, self.config.embedder_device)
         return self._embedder.encode(texts)

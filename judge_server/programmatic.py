@@ -1,7 +1,8 @@
 """Programmatic criteria: scorers that need no LLM.
 
-Each scorer takes a batch of items (so intent similarity embeds them in one pass)
-and returns one score in [0, 1] per item, 1 = criterion met. Scorers are
+Each scorer takes a batch of items and returns one score in [0, 1] per item,
+1 = criterion met; an item's score depends on that item only (batch-invariant: the
+embedder encodes each text alone and the cosine is summed exactly). Scorers are
 registered by name with their parameters and defaults; a rubric names a scorer
 and overrides parameters (checked at rubric load, see ``judge_server.rubric``).
 
@@ -28,6 +29,7 @@ compliance_leak     0 when any compliance pattern (card number with a valid Luhn
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Sequence
@@ -91,8 +93,16 @@ def intent_similarity(items: Sequence[JudgeItem], params: Mapping[str, Any], con
     floor, ceiling = float(params["floor"]), float(params["ceiling"])
     queries = context.embed([item.query for item in items])
     outputs = context.embed([item.output for item in items])
-    cosines = (queries * outputs).sum(axis=1)
-    return [_clip01((float(c) - floor) / (ceiling - floor)) for c in cosines]
+    return [_clip01((exact_dot(q, o) - floor) / (ceiling - floor)) for q, o in zip(queries, outputs)]
+
+
+def exact_dot(a: Any, b: Any) -> float:
+    """Inner product of two float32 vectors, correctly rounded: each product is exact in
+    float64 and ``math.fsum`` sums without rounding error, so the result never depends
+    on a BLAS kernel, the memory alignment or the batch the vectors came in."""
+    import numpy as np
+
+    return math.fsum((np.asarray(a, dtype=np.float64) * np.asarray(b, dtype=np.float64)).tolist())
 
 
 def specificity(items: Sequence[JudgeItem], params: Mapping[str, Any], context: ScorerContext) -> list[float]:

@@ -39,7 +39,7 @@ def index_build(argv: Sequence[str]) -> int:
     parser.add_argument("--index-type", choices=INDEX_TYPES, default="flat",
                         help="dense index: flat (exact, default), hnsw, ivf, or torch (exact torch.topk)")
     parser.add_argument("--device", default="auto", help="embedder device: auto, cpu, cuda, cuda:N (default: auto)")
-    parser.add_argument("--batch-size", type=int, default=64, help="passages per embedder forward pass")
+    parser.add_argument("--batch-size", type=int, default=64, help="passages tokenised together (each is embedded alone)")
     parser.add_argument("--hnsw-m", type=int, default=32, help="HNSW links per node (index type hnsw)")
     parser.add_argument("--ivf-nlist", type=int, default=0, help="IVF cells; 0 = about 4*sqrt(n) (index type ivf)")
     parser.add_argument("--bm25-k1", type=float, default=1.5, help="BM25 k1")

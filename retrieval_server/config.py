@@ -28,7 +28,7 @@ class RetrievalServerConfig:
         "auto", "auto: the index's own type; torch: exact torch.topk search over the stored embeddings."
     )
     embedder: str = option("", "Local sentence-transformers folder overriding the manifest's embedder.")
-    encode_batch_size: int = option(64, "Queries per embedder forward pass.")
+    encode_batch_size: int = option(64, "Queries tokenised together (each is embedded by its own forward pass).")
     torch_threads: int = option(
         0, "CPU threads of the embedder (torch.set_num_threads) in `calibrl serve`; 0 keeps torch's default."
     )

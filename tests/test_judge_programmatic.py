@@ -5,7 +5,7 @@ import pytest
 
 from judge_server import entities
 from judge_server import programmatic as P
-from judge_server.embeddings import HashedNgramEmbedder, load_embedder
+from calibrl.embedding import HashedNgramEmbedder, load_embedder
 from judge_server.types import JudgeItem
 from tests.tolerances import float32_sum_error
 

@@ -97,13 +97,13 @@ class TrainerWorld:
 
 
 def build_world(root: pathlib.Path) -> TrainerWorld:
-    from retrieval_server.embedder import Embedder
+    from calibrl.embedding import SentenceEmbedder
     from retrieval_server.retriever import Retriever
     from retrieval_server.testing import TINY_CORPUS, build_test_index
     from tests.tiny_lm import save_tiny_policy
 
     policy_dir = save_tiny_policy(root / "policy")
-    embedder = Embedder(None, device="cpu")  # MiniLM, loaded once for building and serving
+    embedder = SentenceEmbedder(None, device="cpu")  # MiniLM, loaded once for building and serving
     index_dir = build_test_index(root / "index", embedder=embedder, show_progress=False)
     rubric_dir = root / "rubrics"
     rubric_dir.mkdir()

@@ -8,13 +8,26 @@ only the answer tokens, so the returned log-probabilities are exactly those of t
 answers (renormalised over them, which leaves P(yes)/(P(yes)+P(no)) and the 1-5
 expectation unchanged).
 
+Batch invariance: by default the engine runs in vLLM's batch-invariant mode
+(``VLLM_BATCH_INVARIANT=1``, documented by vLLM as beta, on NVIDIA GPUs of compute
+capability 8.0 or newer and on some AMD and Intel accelerators; see vLLM's "Batch
+Invariance" page), which swaps in kernels whose reductions do not depend on the batch.
+vLLM reads the variable once per process, so it is set here before vLLM is imported;
+when vLLM was already imported without it, the judge refuses to start rather than
+serve scores that depend on the batch. ``vllm_batch_invariant=false`` turns it off.
+Whether the mode is bitwise invariant together with prefix caching and
+``processed_logprobs`` for a given model is vLLM's claim, not checked by us: no
+machine we test on can run vLLM (see README: verified hardware).
+
 vLLM is imported only here, only when a ``vllm:`` judge is built: CPU installs never
 touch it. Not exercised by the CPU test suite (see README: verified hardware).
 """
 
 from __future__ import annotations
 
+import os
 import pathlib
+import sys
 from typing import Any, Sequence
 
 from calibrl.errors import ConfigError, RewardError
@@ -23,6 +36,20 @@ from judge_server.backends import model_id_for
 from judge_server.backends.encoding import PromptEncoder
 from judge_server.rubric import Criterion, Rubric
 from judge_server.types import JudgeItem
+
+
+BATCH_INVARIANT_ENV = "VLLM_BATCH_INVARIANT"
+
+
+def enable_batch_invariance() -> None:
+    """Ask vLLM for batch-invariant kernels; it must happen before vLLM is imported (module doc)."""
+    if os.environ.get(BATCH_INVARIANT_ENV) == "1":
+        return
+    if "vllm" in sys.modules:
+        raise ConfigError(
+            f"vllm_batch_invariant=true, but vLLM was imported before {BATCH_INVARIANT_ENV}=1 was set; "
+            f"export {BATCH_INVARIANT_ENV}=1 before starting the process, or set vllm_batch_invariant=false")
+    os.environ[BATCH_INVARIANT_ENV] = "1"
 
 
 def import_vllm() -> Any:
@@ -47,7 +74,10 @@ class VLLMJudge:
         tensor_parallel_size: int = 1,
         gpu_memory_utilization: float = 0.85,
         dtype: str = "auto",
+        batch_invariant: bool = True,
     ) -> None:
+        if batch_invariant:
+            enable_batch_invariance()
         vllm = import_vllm()
         folder = pathlib.Path(path)
         self.model_id = model_id_for("vllm", folder)

@@ -1,0 +1,265 @@
+"""What batch-invariant scoring costs, and which paths vary with the batch (issue 10).
+
+For each CPU backend, on the same inputs, in one run:
+
+- **batched (before)**: the way the services computed a batch before scores were made
+  batch-invariant (a padded batch through the encoder, several items per judge
+  forward, one FAISS call or one torch product for every query);
+- **invariant (now)**: what the services run now (one text / one item per forward,
+  FAISS in chunks below its BLAS switch, torch in fixed 32-row blocks).
+
+``--probe`` also counts, per path, how many rows of a mixed batch differ bitwise from
+the same input computed alone, and the largest difference: the measurement the
+choices in ``calibrl/embedding.py``, ``retrieval_server/dense.py`` and
+``judge_server/backends/hf.py`` rest on.
+
+    python benchmarks/bench_invariance.py --probe
+    python benchmarks/bench_invariance.py --threads 1 --texts 64 --docs 20000
+
+Figures are noisy on a shared machine: compare ratios within one run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+WORDS = ("the fund expense ratio vanguard total stock market index who directed alien paris tower glucose "
+         "insulin pancreas river africa mountain himalayas composer baroque antibiotic fleming").split()
+
+
+def make_texts(count: int, seed: int) -> list[str]:
+    rng = random.Random(seed)
+    return [" ".join(rng.choice(WORDS) for _ in range(rng.randint(2, 30))) for _ in range(count)]
+
+
+def best_of(repeats: int, fn) -> float:
+    """The fastest of ``repeats`` runs, in seconds (the least disturbed by other load)."""
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return min(times)
+
+
+def differing(batched, alone) -> tuple[int, float]:
+    """(rows of ``batched`` not bitwise equal to ``alone``, largest absolute difference)."""
+    import numpy as np
+
+    batched, alone = np.asarray(batched, dtype=np.float64), np.asarray(alone, dtype=np.float64)
+    if batched.size == 0:
+        return 0, 0.0
+    rows = int((batched != alone).reshape(len(batched), -1).any(axis=1).sum())
+    return rows, float(np.abs(batched - alone).max()) if rows else 0.0
+
+
+def padded_batch_embeddings(embedder, texts: list[str], batch_size: int = 64):
+    """The encoder as the services ran it before: padded batches, masked mean pooling."""
+    import numpy as np
+    import torch
+
+    chunks = []
+    with torch.inference_mode():
+        for start in range(0, len(texts), batch_size):
+            batch = embedder._tokenizer(texts[start : start + batch_size], padding=True, truncation=True,
+                                        max_length=embedder._layout.max_tokens, return_tensors="pt")
+            hidden = embedder.model(**batch).last_hidden_state
+            mask = batch["attention_mask"].unsqueeze(-1).to(hidden.dtype)
+            pooled = (hidden * mask).sum(1) / mask.sum(1).clamp(min=1e-9)
+            chunks.append(torch.nn.functional.normalize(pooled, dim=-1).numpy())
+    return np.concatenate(chunks)
+
+
+def equal_length_batches(embedder, length: int, threads: int) -> tuple[int, float]:
+    """16 random token sequences of one length, two batches of 8 vs each alone, on
+    ``threads`` torch threads: no padding anywhere, so any difference comes from the
+    batch's shape."""
+    import numpy as np
+    import torch
+
+    rng = np.random.default_rng(0)
+    ids = torch.tensor(rng.integers(1000, 20000, size=(16, length)))
+    ids[:, 0], ids[:, -1] = embedder._tokenizer.cls_token_id, embedder._tokenizer.sep_token_id
+
+    def pooled(batch):
+        with torch.inference_mode():
+            hidden = embedder.model(input_ids=batch, attention_mask=torch.ones_like(batch)).last_hidden_state
+            return torch.nn.functional.normalize(hidden.mean(1), dim=-1).numpy()
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        batched = np.concatenate([pooled(ids[:8]), pooled(ids[8:])])
+        return differing(batched, np.concatenate([pooled(ids[i : i + 1]) for i in range(16)]))
+    finally:
+        torch.set_num_threads(before)
+
+
+def bench_embedding(args, rows: list, probe: list) -> None:
+    from calibrl.embedding import SentenceEmbedder
+
+    embedder = SentenceEmbedder(None, device="cpu")
+    texts = make_texts(args.texts, seed=1)
+    before = best_of(args.repeats, lambda: padded_batch_embeddings(embedder, texts))
+    now = best_of(args.repeats, lambda: embedder.encode(texts))
+    rows.append(("MiniLM embedding (retrieval queries, judge intent similarity)", "texts/s",
+                 len(texts) / before, len(texts) / now))
+    if args.probe:
+        alone = [embedder.encode([t])[0] for t in texts]
+        probe.append(("MiniLM, padded batch of %d" % len(texts), *differing(padded_batch_embeddings(embedder, texts),
+                                                                           alone), len(texts)))
+        for length in (10, 40):
+            for threads in (1, 2):
+                probe.append((f"MiniLM, batches of 8 sequences of {length} tokens (no padding), {threads} thread(s)",
+                              *equal_length_batches(embedder, length, threads), 16))
+        probe.append(("MiniLM, invariant (each text alone)", *differing(embedder.encode(texts), alone), len(texts)))
+        import torch
+
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1 if threads > 1 else 2)
+        try:
+            other = embedder.encode(texts)
+        finally:
+            torch.set_num_threads(threads)
+        probe.append((f"MiniLM, each text alone, {threads} vs {1 if threads > 1 else 2} torch threads",
+                      *differing(other, alone), len(texts)))
+
+
+def bench_dense(args, rows: list, probe: list) -> None:
+    import faiss
+    import numpy as np
+    import torch
+
+    from retrieval_server.dense import FaissSearcher, TorchSearcher, build_faiss_index
+
+    rng = np.random.default_rng(0)
+    docs = rng.standard_normal((args.docs, 384)).astype(np.float32)
+    docs /= np.linalg.norm(docs, axis=1, keepdims=True)
+    queries = rng.standard_normal((args.queries, 384)).astype(np.float32)
+    queries /= np.linalg.norm(queries, axis=1, keepdims=True)
+    for kind in ("flat", "hnsw", "ivf"):
+        searcher = FaissSearcher(build_faiss_index(docs, kind), ef_search=128, nprobe=16)
+        before = best_of(args.repeats, lambda: searcher.index.search(queries, 10))
+        now = best_of(args.repeats, lambda: searcher.search(queries, 10))
+        rows.append((f"dense search, FAISS {kind} ({args.docs} docs)", "queries/s",
+                     len(queries) / before, len(queries) / now))
+        if args.probe:
+            alone = np.concatenate([searcher.search(queries[i : i + 1], 10)[0] for i in range(len(queries))])
+            probe.append((f"FAISS {kind}, one call, threshold as installed "
+                          f"({faiss.cvar.distance_compute_blas_threshold})",
+                          *differing(searcher.index.search(queries, 10)[0], alone), len(queries)))
+            installed = faiss.cvar.distance_compute_blas_threshold
+            faiss.cvar.distance_compute_blas_threshold = 20
+            try:  # alone again: at threshold 20 even one query may take the BLAS path
+                alone = np.concatenate([searcher.search(queries[i : i + 1], 10)[0] for i in range(len(queries))])
+                probe.append((f"FAISS {kind}, one call, threshold 20 (older releases' default)",
+                              *differing(searcher.index.search(queries, 10)[0], alone), len(queries)))
+                probe.append((f"FAISS {kind}, invariant, threshold 20",
+                              *differing(searcher.search(queries, 10)[0], alone), len(queries)))
+            finally:
+                faiss.cvar.distance_compute_blas_threshold = installed
+    matrix = torch.from_numpy(docs)
+    torch_searcher = TorchSearcher(docs)
+
+    def one_product():
+        with torch.inference_mode():
+            return torch.topk(torch.from_numpy(queries) @ matrix.T, 10, dim=1).values.numpy()
+
+    before = best_of(args.repeats, one_product)
+    now = best_of(args.repeats, lambda: torch_searcher.search(queries, 10))
+    rows.append((f"dense search, torch exact ({args.docs} docs)", "queries/s", len(queries) / before,
+                 len(queries) / now))
+    if args.probe:
+        alone = np.concatenate([torch_searcher.search(queries[i : i + 1], 10)[0] for i in range(len(queries))])
+        with torch.inference_mode():
+            single = np.concatenate([torch.topk(torch.from_numpy(queries[i : i + 1]) @ matrix.T, 10).values.numpy()
+                                     for i in range(len(queries))])
+        probe.append(("torch, one product of every query vs each alone", *differing(one_product(), single),
+                      len(queries)))
+        probe.append(("torch, invariant (32-row blocks)", *differing(torch_searcher.search(queries, 10)[0], alone),
+                      len(queries)))
+
+
+def bench_transformers_judge(args, rows: list, probe: list) -> None:
+    from judge_server.backends.encoding import EncodedBatch
+    from judge_server.backends.hf import TransformersJudge
+    from judge_server.rubric import Criterion
+    from judge_server.testing import build_tiny_causal_lm
+    from judge_server.types import JudgeItem
+
+    criteria = [
+        Criterion("intent", "llm", 1.0, question="Does the output keep the intent of the user's query?"),
+        Criterion("quality", "llm", 1.0, question="How good is the rewrite?", scale="likert_1_5"),
+    ]
+    texts = make_texts(2 * args.items, seed=2)
+    items = [JudgeItem.make(texts[2 * i], texts[2 * i + 1]) for i in range(args.items)]
+    with tempfile.TemporaryDirectory() as folder:
+        build_tiny_causal_lm(folder, hidden_size=args.hidden, num_layers=args.layers, num_heads=4, seed=0)
+        judge = TransformersJudge(folder, device="cpu", dtype="float32")
+    encoded = judge.encoder.encode(items, criteria, "")
+    step = 16
+
+    def batched():  # as before: 16 items per forward, prefixes left-padded together
+        out = []
+        for start in range(0, len(items), step):
+            chunk = EncodedBatch(encoded.prefix_ids[start : start + step], encoded.suffix_ids)
+            out.extend(judge._scores_from_rows(judge.next_token_logprobs(chunk), criteria, len(chunk.prefix_ids)))
+        return out
+
+    before = best_of(args.repeats, batched)
+    now = best_of(args.repeats, lambda: judge.score(items, criteria, ""))
+    rows.append((f"transformers judge (tiny Llama, hidden {args.hidden}, {args.layers} layers, 2 criteria)",
+                 "items/s", len(items) / before, len(items) / now))
+    if args.probe:
+        alone = [judge.score([item], criteria, "")[0] for item in items]
+        probe.append((f"transformers judge, {step} items per padded forward", *differing(batched(), alone),
+                      len(items)))
+        probe.append(("transformers judge, invariant (one item per forward)",
+                      *differing(judge.score(items, criteria, ""), alone), len(items)))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--probe", action="store_true", help="also count the rows that differ from alone")
+    parser.add_argument("--texts", type=int, default=64, help="texts to embed")
+    parser.add_argument("--queries", type=int, default=64, help="dense-search queries")
+    parser.add_argument("--docs", type=int, default=20000, help="random unit vectors in the dense index")
+    parser.add_argument("--items", type=int, default=32, help="items for the transformers judge")
+    parser.add_argument("--hidden", type=int, default=128, help="hidden size of the tiny judge model")
+    parser.add_argument("--layers", type=int, default=4, help="layers of the tiny judge model")
+    parser.add_argument("--repeats", type=int, default=3, help="runs per measurement (the fastest is kept)")
+    parser.add_argument("--threads", type=int, default=1, help="torch CPU threads")
+    args = parser.parse_args()
+
+    import torch
+
+    torch.set_num_threads(args.threads)
+    rows: list = []
+    probe: list = []
+    bench_embedding(args, rows, probe)
+    bench_dense(args, rows, probe)
+    bench_transformers_judge(args, rows, probe)
+    print(f"torch {torch.__version__}, {args.threads} thread(s), "
+          f"ATEN_CPU_CAPABILITY={os.environ.get('ATEN_CPU_CAPABILITY', '(default)')}\n")
+    print("| backend | unit | batched (before) | invariant (now) | now / before |")
+    print("|---|---|---:|---:|---:|")
+    for name, unit, before, now in rows:
+        print(f"| {name} | {unit} | {before:,.0f} | {now:,.0f} | {now / before:.2f} |")
+    if probe:
+        print("\n| path | rows differing from alone | of | max abs difference |")
+        print("|---|---:|---:|---:|")
+        for name, count, largest, total in probe:
+            print(f"| {name} | {count} | {total} | {largest:.1e} |")
+
+
+if __name__ == "__main__":
+    main()
