@@ -88,5 +88,5 @@ def test_reviews_needed_uses_the_median_of_random_draws():
     ]
     assert result.reviews_needed("representative") == 20 and result.reviews_needed("random") == 20
     assert result.summary_kappa("random", 10) == pytest.approx(0.2)
-    assert "| 10 | n/a | 0.200 (n/a-0.900) | 1/3 |" in result.table()
+    assert "| 10 | no rubric | 0.200 (no rubric-0.900) | 1/3 |" in result.table()
     assert "representative sampling 20 reviews, random sampling 20 reviews" in result.verdict()

@@ -118,7 +118,7 @@ class StudyResult:
 
 
 def _fmt(value: float | None) -> str:
-    return "n/a" if value is None or value == -1.0 else f"{value:.3f}"
+    return "no rubric" if value is None or value == -1.0 else f"{value:.3f}"
 
 
 class _MemoEmbedder:
@@ -198,26 +198,41 @@ def run_study(pool: Sequence[SampleItem], answers: Mapping[str, FeedbackRecord],
     return result
 
 
+NO_RUBRIC_Y = -0.1  # where the plot marks a budget whose reviews distilled into no rubric
+
+
 def plot_study(result: StudyResult, path: Any) -> Any:
-    """kappa vs reviews: representative line, random median with its min-max band, the gate."""
+    """kappa vs reviews (log x): representative line, random median with its min-max band, the
+    gate; a budget that distilled into no rubric is an "x" below zero."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     budgets = result.budgets()
-    rep = [result.summary_kappa("representative", b) for b in budgets]
-    rnd = [[(-1.0 if k is None else k) for k in result.kappas("random", b)] for b in budgets]
+
+    def shown(values: list[float | None]) -> list[float]:
+        return [NO_RUBRIC_Y if v is None or v == -1.0 else v for v in values]
+
+    rep = shown([result.summary_kappa("representative", b) for b in budgets])
+    rnd = [shown(result.kappas("random", b)) for b in budgets]
     figure, axes = plt.subplots(figsize=(6.4, 4.0))
     axes.plot(budgets, rep, marker="o", label="representative (calibrl sme sample)")
     axes.plot(budgets, [statistics.median(v) for v in rnd], marker="s", label="random (median of draws)")
     axes.fill_between(budgets, [min(v) for v in rnd], [max(v) for v in rnd], alpha=0.2, label="random (min-max)")
+    failed = [(p.budget, NO_RUBRIC_Y) for p in result.points if p.kappa is None]
+    if failed:
+        axes.scatter(*zip(*failed), marker="x", color="black", zorder=3, label="no rubric distilled (fails the gate)")
     axes.axhline(result.options.min_kappa, color="grey", linestyle="--", label=f"gate kappa {result.options.min_kappa}")
-    axes.set_xlabel("expert reviews distilled into the rubric")
+    axes.set_xscale("log")
+    axes.set_xticks(budgets)
+    axes.set_xticklabels([str(b) for b in budgets], fontsize=8)
+    axes.minorticks_off()
+    axes.set_xlabel("expert reviews distilled into the rubric (log scale)")
     axes.set_ylabel("validation Cohen's kappa (same golden set)")
-    axes.set_ylim(-0.2, 1.0)
+    axes.set_ylim(-0.2, 1.02)
     axes.legend(loc="lower right", fontsize=8)
-    axes.set_title("Judge agreement vs expert reviews")
+    axes.set_title(f"Judge agreement vs expert reviews ({result.golden_size} golden items)")
     figure.tight_layout()
     figure.savefig(path, dpi=110)
     plt.close(figure)
@@ -230,7 +245,7 @@ def report_section(result: StudyResult, plot_name: str) -> str:
         "## SME time: representative vs random sampling", "",
         "The judge's validation kappa when its rubric is distilled from only n expert reviews, the n chosen by "
         "`calibrl sme sample` (representative) or at random; each rubric is validated on the same golden set. "
-        "A budget whose reviews distil into no rubric counts as failing the gate (kappa shown as n/a).", "",
+        "A budget whose reviews distil into no rubric (too few tagged errors) counts as failing the gate.", "",
         f"- {result.verdict()}", "",
         result.table(), "",
         f"![kappa vs expert reviews](plots/{plot_name})", "",
