@@ -14,6 +14,7 @@ import pytest
 from calibrl.demo import cli as demo_cli
 from calibrl.demo.services import Service, free_port
 from calibrl.errors import Unavailable
+from calibrl.sme.items import read_items
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
@@ -97,6 +98,7 @@ def test_quick_demo_end_to_end(tmp_path: pathlib.Path) -> None:
     study = json.loads((out / "sme_study.json").read_text())
     assert {p["method"] for p in study["points"]} == {"representative", "random"}
     assert sorted({p["budget"] for p in study["points"]}) == [5, 10, 20, 40]
+    assert len(read_items(out / "sme_items.jsonl")) == study["pool_size"]  # ready for calibrl sme sample
 
     results = json.loads((out / "results.json").read_text())
     by_name = {r["name"]: r for r in results["rewrite"] + results["search"]}

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
 
 from calibrl.errors import CalibrlError
-from calibrl.sme.items import SampleItem
+from calibrl.sme.items import SampleItem, write_items
 from calibrl.sme.sample import Embed, SampleOptions, choose_sample, item_text
 from judge_server.feedback import FeedbackRecord
 
@@ -280,8 +280,9 @@ QUICK_BUDGETS = (5, 10, 20, 40)
 def run_demo_study(domain: Any, search: Any, out_dir: Any, *, seed: int = 0, quick: bool = False,
                    progress: Any = None) -> str:
     """The demo's stage: run the study on the demo domain (``search``: BM25 doc ids per
-    query, hit@1), write ``sme_study.json`` and ``plots/sme_kappa_vs_reviews.png`` under
-    ``out_dir``; returns the report section (markdown)."""
+    query, hit@1), write ``sme_study.json``, ``plots/sme_kappa_vs_reviews.png`` and the
+    pool as ``sme_items.jsonl`` (input of ``calibrl sme sample``) under ``out_dir``;
+    returns the report section (markdown)."""
     import json
     import pathlib
 
@@ -293,6 +294,7 @@ def run_demo_study(domain: Any, search: Any, out_dir: Any, *, seed: int = 0, qui
     (out / "plots").mkdir(parents=True, exist_ok=True)
     plot_study(result, out / "plots" / "sme_kappa_vs_reviews.png")
     (out / "sme_study.json").write_text(json.dumps(result.to_json(), indent=2) + "\n", encoding="utf-8")
+    write_items(out / "sme_items.jsonl", pool)  # the pool, ready for `calibrl sme sample --rollouts`
     if progress is not None:
         progress(result.verdict())
     return report_section(result, "sme_kappa_vs_reviews.png")
