@@ -7,7 +7,6 @@ Set CALIBRL_SME_SCREENSHOTS=DIR to keep a screenshot of each page there.
 
 import os
 import pathlib
-import re
 import shutil
 import signal
 import socket

@@ -18,7 +18,6 @@ from __future__ import annotations
 import hashlib
 import hmac
 import ipaddress
-import logging
 import pathlib
 import threading
 from dataclasses import dataclass, field
@@ -29,8 +28,6 @@ from calibrl.sme.agreement import pairwise
 from calibrl.sme.items import SampleItem, read_items
 from calibrl.sme.store import FeedbackStore, check_reviewer
 from judge_server.feedback import FeedbackRecord, normalize_tag
-
-log = logging.getLogger(__name__)
 
 REVIEWER_COOKIE = "calibrl_sme_reviewer"
 TOKEN_COOKIE = "calibrl_sme_token"

@@ -22,7 +22,7 @@ import hashlib
 import json
 import math
 import pathlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Iterable
 
 from calibrl.errors import ConfigError
