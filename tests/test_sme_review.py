@@ -75,6 +75,8 @@ def test_feedback_is_read_by_rubric_distill_unchanged(tmp_path):
         tags = ["missing_entity"] if n % 3 == 0 else (["vague"] if n % 3 == 1 else [])
         store.save(item.id, "alice", answer(item, "alice", grade=2 if tags else 5, tags=tags))
     before = out.read_bytes()
+    # distillation's reader gets exactly the records the page saved
+    assert read_feedback(out) == [a.record for a in store.answers()]
     code = judge_cli.distill(["--feedback", str(out), "--out", str(tmp_path / "r.yaml"),
                               "--golden-out", str(tmp_path / "g.jsonl"), "--golden-fraction", "0",
                               "--criteria", "programmatic"])
