@@ -22,6 +22,8 @@ COMMANDS: dict[tuple[str, ...], tuple[str, str]] = {
     ("rubric", "train-judge"): ("judge_server.cli:train_judge", "Fine-tune a causal LM judge on SME feedback."),
     ("train",): ("trainer.cli:train", "Run GRPO / CalibAdv training against the two services."),
     ("eval",): ("trainer.cli:evaluate", "Evaluate a policy (or its base) on held-out tasks."),
+    ("sme", "sample"): ("calibrl.sme.cli:sample", "Choose the few items worth an expert's review."),
+    ("sme", "review"): ("calibrl.sme.cli:review", "Serve a local page where experts grade a sample."),
     ("demo",): ("calibrl.demo.cli:main", "Run the whole loop on the built-in domain (no downloads)."),
     ("health",): ("calibrl.healthcheck:main", "Ask a server over the gRPC health protocol whether it serves."),
 }

@@ -14,6 +14,7 @@ import pytest
 from calibrl.demo import cli as demo_cli
 from calibrl.demo.services import Service, free_port
 from calibrl.errors import Unavailable
+from calibrl.sme.items import read_items
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
@@ -73,8 +74,8 @@ def test_quick_demo_end_to_end(tmp_path: pathlib.Path) -> None:
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     stdout = proc.stdout
-    for stage in range(1, 11):
-        assert f"[{stage}/10]" in stdout
+    for stage in range(1, 12):
+        assert f"[{stage}/11]" in stdout
     assert "gate PASSED" in stdout
     assert re.search(r"retrieval server SERVING on 127\.0\.0\.1:\d+", stdout)
     assert re.search(r"judge server SERVING on 127\.0\.0\.1:\d+", stdout)
@@ -87,10 +88,17 @@ def test_quick_demo_end_to_end(tmp_path: pathlib.Path) -> None:
     report = (out / "report.md").read_text()
     assert "| GRPO, binary hit@1 reward |" in report and "## Plots" in report
     plots = sorted((out / "plots").glob("*.png"))
-    assert len(plots) == 10
+    assert len(plots) == 11
     for plot in plots:
         assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and plot.stat().st_size > 5000
         assert f"(plots/{plot.name})" in report
+
+    # the SME-time study (calibrl/sme/study.py): a kappa per budget for both samplers, and the verdict
+    assert "## SME time: representative vs random sampling" in report and "Reviews needed to pass the gate" in report
+    study = json.loads((out / "sme_study.json").read_text())
+    assert {p["method"] for p in study["points"]} == {"representative", "random"}
+    assert sorted({p["budget"] for p in study["points"]}) == [5, 10, 20, 40]
+    assert len(read_items(out / "sme_items.jsonl")) == study["pool_size"]  # ready for calibrl sme sample
 
     results = json.loads((out / "results.json").read_text())
     by_name = {r["name"]: r for r in results["rewrite"] + results["search"]}

@@ -200,6 +200,8 @@ def evaluate(argv: Sequence[str]) -> int:
                         "checkpoint's training choice, auto for a base model")
     parser.add_argument("--device", default="auto", help="policy device (default auto)")
     parser.add_argument("--out", help="write the results as JSON here")
+    parser.add_argument("--sme-items", metavar="FILE",
+                        help="also write each model's outputs as items for 'calibrl sme sample' (README: SME review)")
     parser.add_argument("--api-key", default="", help="API key for the retrieval service (or CALIBRL_API_KEY)")
     parser.add_argument("--log-level", default="WARNING")
     args = parser.parse_args(argv)
@@ -239,6 +241,12 @@ def evaluate(argv: Sequence[str]) -> int:
             rows = evaluate_models(args.model, tasks, retrieval, settings, run_async=background.run,
                                    names=args.name or None, raw_query_baseline=args.raw_query_baseline,
                                    prompt_template=prompt_template, chat_template=args.chat_template)
+            if args.sme_items:  # SME review: the outputs as sample-input items (calibrl/sme/eval_items.py)
+                from calibrl.sme.eval_items import write_eval_items
+
+                print(write_eval_items(args.sme_items, args.model, tasks, retrieval, settings, run_async=background.run,
+                                       names=args.name or None, prompt_template=prompt_template,
+                                       chat_template=args.chat_template))
         except CalibrlError as exc:
             print(f"error: {exc}", file=sys.stderr)
             return 1

@@ -170,7 +170,7 @@ def run_demo(settings: DemoSettings, out: pathlib.Path, *, seed: int = 0, thread
     logs.mkdir(exist_ok=True)
     _log_to_file(logs / "demo.log")
     machine = machine_description()
-    stages = Stages(total=10)
+    stages = Stages(total=11)
     services: list[Any] = []
     notes: list[str] = []
     try:
@@ -252,6 +252,12 @@ def run_demo(settings: DemoSettings, out: pathlib.Path, *, seed: int = 0, thread
             clients = _Clients(retrieval.target, judge.target, background)
             try:
                 report = _train_and_evaluate(settings, out, domain, files, clients, stages, seed, progress, report_to)
+                with stages.stage("SME time: validation kappa vs expert reviews, representative vs random sampling"):
+                    from calibrl.sme.study import run_demo_study  # the experiment lives in calibrl/sme/study.py
+
+                    sme_section = run_demo_study(
+                        domain, lambda qs: [[h.doc_id for h in hits] for hits in clients.search_many(qs, 1)], out,
+                        seed=seed, quick=settings.name == "quick", progress=lambda line: print(f"    {line}"))
             finally:
                 clients.close()
         report.command = command
@@ -267,6 +273,7 @@ def run_demo(settings: DemoSettings, out: pathlib.Path, *, seed: int = 0, thread
     with stages.stage("write the report"):
         report.stages = list(stages.done)
         path = rep.write_report(report, out)
+        path.write_text(path.read_text(encoding="utf-8") + "\n" + sme_section, encoding="utf-8")
         rep.print_tables(report)
         print(f"\n    report: {path}\n    plots:  {out / 'plots'}\n    results: {out / 'results.json'}")
     return path

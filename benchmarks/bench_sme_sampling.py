@@ -1,0 +1,63 @@
+"""Expert reviews needed to pass the validation gate: representative vs random sampling.
+
+Runs :func:`calibrl.sme.study.run_study` on the built-in demo domain exactly as
+``calibrl demo`` does (same SME feedback, golden split, BM25 hit@1 outcome, programmatic
+judge, judge pass = total >= 0.8, gate kappa >= 0.6), without the training stages:
+
+    python benchmarks/bench_sme_sampling.py --seed 0 [--out DIR]
+
+Prints the table and the verdict; writes study.json and the plot into --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import sys
+import tempfile
+import time
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--seed", type=int, default=0, help="seed of the domain and of the sampling (0)")
+    parser.add_argument("--repeats", type=int, default=5, help="random draws per budget (5)")
+    parser.add_argument("--budgets", default="5,8,10,15,20,30,45,60,90,120,160",
+                        help="comma-separated review budgets")
+    parser.add_argument("--out", default="", help="folder for study.json and the plot (default: a temp folder)")
+    args = parser.parse_args(argv)
+
+    from calibrl.demo.domain import generate_domain
+    from calibrl.sme.study import StudyOptions, demo_inputs, plot_study, run_study
+    from retrieval_server.index import build_index_from_dicts
+    from retrieval_server.retriever import Retriever
+    from retrieval_server.types import SearchMode
+
+    started = time.perf_counter()
+    out = pathlib.Path(args.out or tempfile.mkdtemp(prefix="bench-sme-"))
+    out.mkdir(parents=True, exist_ok=True)
+    domain = generate_domain(args.seed)
+    build_index_from_dicts(({"_id": p.doc_id, "title": p.title, "text": p.text} for p in domain.passages),
+                           out / "index", device="cpu", overwrite=True, show_progress=False)
+    retriever = Retriever.load(out / "index", device="cpu")
+
+    def search(queries: list[str]) -> list[list[str]]:  # the demo's outcome: BM25 hit@1
+        return [[h.doc_id for h in hits] for hits in retriever.search(queries, 1, SearchMode.BM25)]
+
+    pool, answers, golden = demo_inputs(domain, search)
+    options = StudyOptions(budgets=tuple(int(b) for b in args.budgets.split(",")), random_repeats=args.repeats,
+                           seed=args.seed, glossary=tuple(domain.glossary_terms()))
+    result = run_study(pool, answers, golden, options, progress=lambda line: print("  " + line, flush=True))
+    plot_study(result, out / "sme_kappa_vs_reviews.png")
+    (out / "study.json").write_text(json.dumps(result.to_json(), indent=2) + "\n", encoding="utf-8")
+    print(result.table())
+    print(result.verdict())
+    print(f"outcome mix of the pool: " + ", ".join(
+        f"{k} {v}" for k, v in sorted(__import__("collections").Counter(i.outcome for i in pool).items())))
+    print(f"wrote {out / 'study.json'} and {out / 'sme_kappa_vs_reviews.png'} in {time.perf_counter() - started:.0f}s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

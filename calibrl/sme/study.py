@@ -1,0 +1,300 @@
+"""Does representative sampling save expert time? The judge's validation kappa against the
+number of reviewed items, representative sampling vs random sampling, one golden set.
+
+The experiment (run by ``calibrl demo``, and by ``benchmarks/bench_sme_sampling.py``):
+
+1. a **pool** of items an expert could review, each with its simulated expert answer
+   (in the demo: the SME feedback outside the golden set; the simulated SMEs answer
+   whatever they are shown, so an answer is known for every item);
+2. for each **budget** n: choose n items by :func:`calibrl.sme.sample.choose_sample`
+   (representative, seed ``seed``) or uniformly at random (``random_repeats`` draws,
+   seeds ``seed``, ``seed + 1``, ...); take their answers as the reviewed feedback;
+3. distil a rubric from those n reviews alone (``golden_fraction=0``), score the
+   **same golden set** with the programmatic judge, and compute Cohen's kappa and the
+   gate (kappa >= ``min_kappa``) exactly as ``calibrl rubric validate`` does;
+4. **reviews needed** = the smallest budget whose kappa passes the gate (for random
+   sampling: whose median kappa over the draws passes). A budget whose reviews
+   distil into no rubric (too few tagged errors) counts as a failed gate, with the
+   reason kept.
+"""
+
+from __future__ import annotations
+
+import random
+import statistics
+from dataclasses import dataclass, field
+from typing import Any, Mapping, Sequence
+
+from calibrl.errors import CalibrlError
+from calibrl.sme.items import SampleItem, write_items
+from calibrl.sme.sample import Embed, SampleOptions, choose_sample, item_text
+from judge_server.feedback import FeedbackRecord
+
+
+@dataclass
+class StudyOptions:
+    """Budgets and settings of :func:`run_study`."""
+
+    budgets: tuple[int, ...] = (10, 15, 20, 30, 45, 60, 90, 120, 160)  # reviews per point of the curve
+    random_repeats: int = 5  # random draws per budget
+    seed: int = 0  # representative sampling's seed; random draw r uses seed + r
+    min_kappa: float = 0.6  # the validation gate
+    pass_threshold: float = 0.8  # judge pass = total >= this (the demo's)
+    criteria_mode: str = "programmatic"  # distillation's criteria kinds
+    glossary: tuple[str, ...] = ()  # domain terms for the entity criteria
+    rubric_id: str = "sme-study"
+
+
+@dataclass
+class StudyPoint:
+    method: str  # "representative" | "random"
+    budget: int
+    draw: int  # 0 for representative
+    kappa: float | None
+    passed: bool
+    note: str = ""  # why no rubric, when distillation failed
+
+
+@dataclass
+class StudyResult:
+    options: StudyOptions
+    pool_size: int
+    golden_size: int
+    points: list[StudyPoint] = field(default_factory=list)
+
+    def kappas(self, method: str, budget: int) -> list[float | None]:
+        return [p.kappa for p in self.points if p.method == method and p.budget == budget]
+
+    def budgets(self) -> list[int]:
+        return sorted({p.budget for p in self.points})
+
+    def summary_kappa(self, method: str, budget: int) -> float | None:
+        """Representative: its kappa; random: the median over draws (a failed distillation counts as -1)."""
+        values = [(-1.0 if k is None else k) for k in self.kappas(method, budget)]
+        return statistics.median(values) if values else None
+
+    def share_passing(self, method: str, budget: int) -> float:
+        points = [p for p in self.points if p.method == method and p.budget == budget]
+        return sum(p.passed for p in points) / len(points) if points else 0.0
+
+    def reviews_needed(self, method: str) -> int | None:
+        """Smallest budget whose (median) kappa passes the gate; None when none does."""
+        for budget in self.budgets():
+            value = self.summary_kappa(method, budget)
+            if value is not None and value >= self.options.min_kappa:
+                return budget
+        return None
+
+    def table(self) -> str:
+        """Markdown table: one row per budget."""
+        lines = ["| reviews | representative kappa | random kappa, median (min-max) | random draws passing |",
+                 "| ---: | ---: | ---: | ---: |"]
+        for budget in self.budgets():
+            rep = self.kappas("representative", budget)
+            rnd = [(-1.0 if k is None else k) for k in self.kappas("random", budget)]
+            rep_text = _fmt(rep[0]) + (" (pass)" if rep and rep[0] is not None and rep[0] >= self.options.min_kappa
+                                       else "") if rep else "-"
+            rnd_text = (f"{_fmt(statistics.median(rnd))} ({_fmt(min(rnd))}-{_fmt(max(rnd))})" if rnd else "-")
+            lines.append(f"| {budget} | {rep_text} | {rnd_text} | "
+                         f"{sum(1 for k in rnd if k >= self.options.min_kappa)}/{len(rnd)} |")
+        return "\n".join(lines)
+
+    def verdict(self) -> str:
+        rep, rnd = self.reviews_needed("representative"), self.reviews_needed("random")
+
+        def say(n: int | None) -> str:
+            return f"{n} reviews" if n is not None else f"more than {self.budgets()[-1]} reviews (never passed)"
+
+        return (f"Reviews needed to pass the gate (kappa >= {self.options.min_kappa}) on the same "
+                f"{self.golden_size} golden items: representative sampling {say(rep)}, random sampling {say(rnd)} "
+                f"(median of {self.options.random_repeats} draws), from a pool of {self.pool_size}.")
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "pool_size": self.pool_size, "golden_size": self.golden_size, "min_kappa": self.options.min_kappa,
+            "reviews_needed": {m: self.reviews_needed(m) for m in ("representative", "random")},
+            "points": [vars(p) for p in self.points],
+        }
+
+
+def _fmt(value: float | None) -> str:
+    return "no rubric" if value is None or value == -1.0 else f"{value:.3f}"
+
+
+class _MemoEmbedder:
+    """The judge's sentence embedder with every text's vector kept: each budget's judge scores
+    the same golden items, so their vectors are computed once for the whole study."""
+
+    def __init__(self, config: Any) -> None:
+        from judge_server.embeddings import load_embedder
+
+        self.inner = load_embedder(config.embedder, config.embedder_device)
+        self.vectors: dict[str, Any] = {}
+
+    def encode(self, texts: list[str]) -> Any:
+        import numpy as np
+
+        todo = list(dict.fromkeys(t for t in texts if t not in self.vectors))
+        if todo:
+            for text, vector in zip(todo, self.inner.encode(todo)):
+                self.vectors[text] = vector
+        return np.stack([self.vectors[t] for t in texts]) if texts else self.inner.encode([])
+
+
+def validation_kappa(reviews: Sequence[FeedbackRecord], golden: Sequence[FeedbackRecord], options: StudyOptions,
+                     judge_config: Any = None, embedder: Any = None) -> tuple[float | None, bool, str]:
+    """(kappa, gate passed, note) of a rubric distilled from ``reviews`` alone, on ``golden``."""
+    from judge_server.config import JudgeConfig
+    from judge_server.distill import DistillOptions, distill
+    from judge_server.judge import Judge
+    from judge_server.validation import ValidationOptions, agreement
+
+    try:
+        result = distill(list(reviews), DistillOptions(
+            rubric_id=options.rubric_id, golden_fraction=0.0, criteria_mode=options.criteria_mode,  # type: ignore[arg-type]
+            glossary=options.glossary))
+        config = judge_config or JudgeConfig(allow_unvalidated=True, cache_size=0)
+        judge = Judge([result.rubric], config)
+        if embedder is not None:
+            judge._embedder = embedder  # the study's shared memo (see _MemoEmbedder); same vectors, computed once
+        scores = judge.compute(result.rubric, [r.to_item() for r in golden])
+    except CalibrlError as exc:
+        return None, False, str(exc)
+    record = agreement(result.rubric, judge.model_id, golden, scores, ValidationOptions(
+        min_kappa=options.min_kappa, pass_threshold=options.pass_threshold))
+    return record.kappa, record.passed, "" if record.kappa is not None else record.reason
+
+
+def run_study(pool: Sequence[SampleItem], answers: Mapping[str, FeedbackRecord], golden: Sequence[FeedbackRecord],
+              options: StudyOptions | None = None, *, embed: Embed | None = None, vectors: Any = None,
+              judge_config: Any = None, progress: Any = None) -> StudyResult:
+    """Run the experiment of the module doc. ``answers`` maps each pool item's id to its
+    expert answer; ``vectors`` (one row per pool item) or ``embed`` place the items."""
+    options = options or StudyOptions()
+    missing = [item.id for item in pool if item.id not in answers]
+    if missing:
+        raise ValueError(f"{len(missing)} pool items have no answer, e.g. {missing[:3]}")
+    if vectors is None:
+        from calibrl.sme.sample import minilm_embed
+
+        vectors = (embed or minilm_embed())([item_text(i) for i in pool])
+    from judge_server.config import JudgeConfig
+
+    judge_config = judge_config or JudgeConfig(allow_unvalidated=True, cache_size=0)
+    memo = _MemoEmbedder(judge_config)
+    result = StudyResult(options, len(pool), len(golden))
+    budgets = [b for b in options.budgets if b <= len(pool)] or [len(pool)]
+    for budget in budgets:
+        chosen = choose_sample(pool, SampleOptions(n=budget, seed=options.seed), vectors=vectors).items
+        kappa, passed, note = validation_kappa([answers[i.id] for i in chosen], golden, options, judge_config, memo)
+        result.points.append(StudyPoint("representative", budget, 0, kappa, passed, note))
+        for draw in range(options.random_repeats):
+            picked = random.Random(options.seed + draw).sample(list(pool), budget)
+            kappa, passed, note = validation_kappa([answers[i.id] for i in picked], golden, options, judge_config, memo)
+            result.points.append(StudyPoint("random", budget, draw, kappa, passed, note))
+        if progress is not None:
+            progress(f"{budget} reviews: representative kappa {_fmt(result.kappas('representative', budget)[0])}, "
+                     f"random median {_fmt(result.summary_kappa('random', budget))}")
+    return result
+
+
+NO_RUBRIC_Y = -0.1  # where the plot marks a budget whose reviews distilled into no rubric
+
+
+def plot_study(result: StudyResult, path: Any) -> Any:
+    """kappa vs reviews (log x): representative line, random median with its min-max band, the
+    gate; a budget that distilled into no rubric is an "x" below zero."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    budgets = result.budgets()
+
+    def shown(values: list[float | None]) -> list[float]:
+        return [NO_RUBRIC_Y if v is None or v == -1.0 else v for v in values]
+
+    rep = shown([result.summary_kappa("representative", b) for b in budgets])
+    rnd = [shown(result.kappas("random", b)) for b in budgets]
+    figure, axes = plt.subplots(figsize=(6.4, 4.0))
+    axes.plot(budgets, rep, marker="o", label="representative (calibrl sme sample)")
+    axes.plot(budgets, [statistics.median(v) for v in rnd], marker="s", label="random (median of draws)")
+    axes.fill_between(budgets, [min(v) for v in rnd], [max(v) for v in rnd], alpha=0.2, label="random (min-max)")
+    failed = [(p.budget, NO_RUBRIC_Y) for p in result.points if p.kappa is None]
+    if failed:
+        axes.scatter(*zip(*failed), marker="x", color="black", zorder=3, label="no rubric distilled (fails the gate)")
+    axes.axhline(result.options.min_kappa, color="grey", linestyle="--", label=f"gate kappa {result.options.min_kappa}")
+    axes.set_xscale("log")
+    axes.set_xticks(budgets)
+    axes.set_xticklabels([str(b) for b in budgets], fontsize=8)
+    axes.minorticks_off()
+    axes.set_xlabel("expert reviews distilled into the rubric (log scale)")
+    axes.set_ylabel("validation Cohen's kappa (same golden set)")
+    axes.set_ylim(-0.2, 1.02)
+    axes.legend(loc="lower right", fontsize=8)
+    axes.set_title(f"Judge agreement vs expert reviews ({result.golden_size} golden items)")
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
+    return path
+
+
+def report_section(result: StudyResult, plot_name: str) -> str:
+    """The demo report's section: what was measured, the verdict, the table and the plot."""
+    return "\n".join([
+        "## SME time: representative vs random sampling", "",
+        "The judge's validation kappa when its rubric is distilled from only n expert reviews, the n chosen by "
+        "`calibrl sme sample` (representative) or at random; each rubric is validated on the same golden set. "
+        "A budget whose reviews distil into no rubric (too few tagged errors) counts as failing the gate.", "",
+        f"- {result.verdict()}", "",
+        result.table(), "",
+        f"![kappa vs expert reviews](plots/{plot_name})", "",
+    ])
+
+
+def demo_inputs(domain: Any, search: Any, golden_fraction: float = 0.3
+                ) -> tuple[list[SampleItem], dict[str, FeedbackRecord], list[FeedbackRecord]]:
+    """(pool, answers, golden) of the built-in demo domain: its SME feedback split as
+    ``calibrl rubric distill`` splits it; the pool is the non-golden part, each item with
+    the documents ``search(outputs) -> doc ids per output`` retrieves for its rewrite
+    (hence its outcome, hit or miss) and the gold passage of its query."""
+    from judge_server.distill import split_golden
+    from judge_server.feedback import parse_record
+
+    records = [parse_record(feedback.record(), "<demo feedback>", n + 1) for n, feedback in enumerate(domain.sme_feedback)]
+    train, golden = split_golden(records, golden_fraction)
+    gold = {task.query: tuple(task.gold_doc_ids) for task in domain.rewrite_tasks}
+    retrieved = search([r.output for r in train])
+    # hit is given explicitly: an output that retrieves nothing is a miss, not an unknown outcome
+    pool = [SampleItem(id=r.id, query=r.query, output=r.output, retrieved_doc_ids=tuple(ids),
+                       gold_doc_ids=gold.get(r.query, ()), context=r.context,
+                       signals=(("hit", float(bool(set(gold.get(r.query, ())) & set(ids)))),))
+            for r, ids in zip(train, retrieved)]
+    return pool, {r.id: r for r in train}, golden
+
+
+DEMO_BUDGETS = (5, 8, 10, 15, 20, 30, 45, 60, 90, 120, 160)
+QUICK_BUDGETS = (5, 10, 20, 40)
+
+
+def run_demo_study(domain: Any, search: Any, out_dir: Any, *, seed: int = 0, quick: bool = False,
+                   progress: Any = None) -> str:
+    """The demo's stage: run the study on the demo domain (``search``: BM25 doc ids per
+    query, hit@1), write ``sme_study.json``, ``plots/sme_kappa_vs_reviews.png`` and the
+    pool as ``sme_items.jsonl`` (input of ``calibrl sme sample``) under ``out_dir``;
+    returns the report section (markdown)."""
+    import json
+    import pathlib
+
+    out = pathlib.Path(out_dir)
+    pool, answers, golden = demo_inputs(domain, search)
+    options = StudyOptions(budgets=QUICK_BUDGETS if quick else DEMO_BUDGETS, random_repeats=2 if quick else 5,
+                           seed=seed, glossary=tuple(domain.glossary_terms()))
+    result = run_study(pool, answers, golden, options, progress=progress)
+    (out / "plots").mkdir(parents=True, exist_ok=True)
+    plot_study(result, out / "plots" / "sme_kappa_vs_reviews.png")
+    (out / "sme_study.json").write_text(json.dumps(result.to_json(), indent=2) + "\n", encoding="utf-8")
+    write_items(out / "sme_items.jsonl", pool)  # the pool, ready for `calibrl sme sample --rollouts`
+    if progress is not None:
+        progress(result.verdict())
+    return report_section(result, "sme_kappa_vs_reviews.png")
