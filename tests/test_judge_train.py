@@ -342,7 +342,7 @@ def test_readme_train_judge_commands_run(workspace, tmp_path, monkeypatch, capsy
     tiny base as /models/base."""
     text = README.read_text()
     section = text[text.index("<!-- section:judge -->"): text.index("<!-- /section:judge -->")]
-    [block] = re.findall(r"```sh\n(.*?)```", section, re.S)
+    [block] = [b for b in re.findall(r"```sh\n(.*?)```", section, re.S) if "train-judge" in b]
     commands = [shlex.split(line) for line in block.splitlines() if line.startswith("calibrl ")]
     assert [c[1:3] for c in commands] == [["rubric", "distill"], ["rubric", "train-judge"], ["rubric", "validate"]]
     folder, base = workspace
