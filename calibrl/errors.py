@@ -12,6 +12,7 @@ place (:func:`grpc_status_for`), and clients map status codes back
     ├── Unauthenticated        missing or unknown API key                  -> UNAUTHENTICATED
     ├── PermissionDenied       key valid, resource belongs to another tenant -> PERMISSION_DENIED
     ├── Unavailable            a service is down or draining               -> UNAVAILABLE
+    ├── DeadlineExceeded       the caller's deadline passed before the work ran -> DEADLINE_EXCEEDED
     ├── ConfigError            a config file or override is invalid (local, never on the wire)
     └── RewardError            a reward could not be computed; never becomes a silent 0
 """
@@ -58,6 +59,10 @@ class Unavailable(CalibrlError):
     """A service could not be reached or is shutting down."""
 
 
+class DeadlineExceeded(CalibrlError):
+    """The caller's deadline passed before its work could run (the work was dropped)."""
+
+
 class ConfigError(CalibrlError):
     """A configuration value is invalid; the message names the value and the fix."""
 
@@ -77,6 +82,7 @@ def _status_table() -> dict[type[CalibrlError], Any]:
         Unauthenticated: grpc.StatusCode.UNAUTHENTICATED,
         PermissionDenied: grpc.StatusCode.PERMISSION_DENIED,
         Unavailable: grpc.StatusCode.UNAVAILABLE,
+        DeadlineExceeded: grpc.StatusCode.DEADLINE_EXCEEDED,
     }
 
 
