@@ -263,9 +263,11 @@ class MicroBatcher(Generic[ItemT, ResultT]):
                     raise RuntimeError(f"batch returned {len(results)} results for {len(flat)} items")
             except BaseException as exc:  # noqa: BLE001 - delivered to every caller of the batch
                 cancelled = isinstance(exc, asyncio.CancelledError)
+                if cancelled:  # close() gave up on this batch
+                    exc = Unavailable("server is shutting down; the batch was abandoned")
                 for pending, _, _ in slices:
                     if not pending.future.done():
-                        pending.future.cancel() if cancelled else pending.future.set_exception(exc)
+                        pending.future.set_exception(exc)
                 if cancelled:
                     raise
                 continue

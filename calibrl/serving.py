@@ -94,6 +94,12 @@ def rpc_errors(method: Callable[..., Awaitable[Any]]) -> Callable[..., Awaitable
     return wrapper
 
 
+def time_remaining(context: Any) -> float | None:
+    """Seconds left before the call's deadline; None when the caller set none."""
+    remaining = context.time_remaining()
+    return None if remaining is None or remaining > 1e8 else max(0.0, remaining)
+
+
 class _Undecodable:
     """Stands in for a request whose bytes are not a valid message."""
 

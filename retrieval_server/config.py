@@ -22,6 +22,11 @@ class RetrievalServerConfig:
     max_batch_size: int = option(256, "Most queries (Search) or items (ScoreRetrieval) in one request.")
     max_query_chars: int = option(2048, "Longest query accepted, in characters.")
     max_ids_per_item: int = option(1024, "Most gold ids, gold answers or seen ids in one ScoreItem.")
+    max_ids_per_request: int = option(16384, "Most gold ids + seen ids, all items of one ScoreRetrieval together.")
+    max_answers_per_request: int = option(
+        2048, "Most gold answers, all items of one ScoreRetrieval together (each is matched against top_k passages).")
+    max_id_chars: int = option(256, "Longest gold or seen doc id, in characters.")
+    max_answer_chars: int = option(512, "Longest gold answer, in characters.")
     hybrid_depth: int = option(100, "Candidates taken from each of dense and BM25 before RRF (raised to max_top_k).")
     device: str = option("auto", "Embedder and torch-search device: auto (cuda when present), cpu, cuda, cuda:N.")
     dense_backend: Literal["auto", "faiss", "torch"] = option(
@@ -46,12 +51,17 @@ class RetrievalServerConfig:
             max_batch_size=self.max_batch_size,
             max_query_chars=self.max_query_chars,
             max_ids_per_item=self.max_ids_per_item,
+            max_ids_per_request=self.max_ids_per_request,
+            max_answers_per_request=self.max_answers_per_request,
+            max_id_chars=self.max_id_chars,
+            max_answer_chars=self.max_answer_chars,
         )
 
     def validate(self) -> None:
         if not self.index_dir:
             raise ConfigError("index_dir: required; pass --index DIR or index_dir=DIR")
-        for name in ("max_top_k", "max_batch_size", "max_query_chars", "max_ids_per_item", "hybrid_depth",
+        for name in ("max_top_k", "max_batch_size", "max_query_chars", "max_ids_per_item", "max_ids_per_request",
+                     "max_answers_per_request", "max_id_chars", "max_answer_chars", "hybrid_depth",
                      "encode_batch_size", "hnsw_ef_search", "ivf_nprobe", "batch_max_items"):
             value = getattr(self, name)
             if value < 1:
