@@ -95,7 +95,7 @@ async def memory_floods(retrieval, judge, retrieval_address, judge_address, requ
     return rows
 
 
-async def worst_case(retrieval_address, judge_address, repeats: int = 3) -> list[dict]:
+async def worst_case(retrieval_address, judge_address, repeats: int = 1) -> list[dict]:
     """The most expensive requests the default limits admit, timed alone."""
     import grpc
 
@@ -222,6 +222,7 @@ def main() -> None:
     parser.add_argument("--oversize-mb", type=float, default=6.0, help="size of an oversize request, MiB")
     parser.add_argument("--calls", type=int, default=200, help="small caller's calls per phase")
     parser.add_argument("--heavy-items", type=int, default=256, help="queries of the heavy and cancelled calls")
+    parser.add_argument("--repeats", type=int, default=1, help="timings of each worst-case request")
     parser.add_argument("--workdir", default="", help="folder for the index and logs (default: a temp folder)")
     parser.add_argument("--json", default="", help="write the results here")
     args = parser.parse_args()
@@ -251,12 +252,19 @@ def main() -> None:
     judge, judge_address = _start(
         ["serve", "judge", "--rubrics", str(rubrics), "--port", "0", "--allow-unvalidated"], work / "judge.log")
     try:
-        results = {
-            "memory": asyncio.run(memory_floods(retrieval, judge, retrieval_address, judge_address,
-                                                args.requests, args.oversize_mb)),
-            "worst_case": asyncio.run(worst_case(retrieval_address, judge_address)),
-            "small_caller": asyncio.run(small_caller_latency(retrieval_address, args.calls, args.heavy_items)),
+        sections = {
+            "memory": lambda: memory_floods(retrieval, judge, retrieval_address, judge_address,
+                                            args.requests, args.oversize_mb),
+            "worst_case": lambda: worst_case(retrieval_address, judge_address, args.repeats),
+            "small_caller": lambda: small_caller_latency(retrieval_address, args.calls, args.heavy_items),
         }
+        results: dict = {}
+        for name, section in sections.items():
+            try:
+                results[name] = asyncio.run(section())
+            except Exception as exc:  # noqa: BLE001 - one failed section must not lose the others
+                results[name] = {"error": f"{type(exc).__name__}: {exc}"}
+                print(name, results[name], flush=True)
     finally:
         for process in (retrieval, judge):
             process.terminate()
