@@ -6,7 +6,7 @@ Starts real `calibrl serve retrieval` and `calibrl serve judge` processes on loo
 (default limits, API keys on the retrieval server), over the demo's generated corpus
 (142 passages, so top_k 100 returns 100 hits) and a programmatic judge rubric.
 
-    python benchmarks/bench_abuse.py [--requests 1000] [--oversize-mb 6] [--json out.json]
+    python benchmarks/bench_abuse.py [--requests 1000] [--oversize-mb 6] [--only memory,...] [--json out.json]
 """
 
 from __future__ import annotations
@@ -222,6 +222,7 @@ def main() -> None:
     parser.add_argument("--oversize-mb", type=float, default=6.0, help="size of an oversize request, MiB")
     parser.add_argument("--calls", type=int, default=200, help="small caller's calls per phase")
     parser.add_argument("--heavy-items", type=int, default=256, help="queries of the heavy and cancelled calls")
+    parser.add_argument("--only", default="", help="comma-separated sections: memory, worst_case, small_caller")
     parser.add_argument("--repeats", type=int, default=1, help="timings of each worst-case request")
     parser.add_argument("--workdir", default="", help="folder for the index and logs (default: a temp folder)")
     parser.add_argument("--json", default="", help="write the results here")
@@ -260,6 +261,8 @@ def main() -> None:
         }
         results: dict = {}
         for name, section in sections.items():
+            if args.only and name not in args.only.split(","):
+                continue
             try:
                 results[name] = asyncio.run(section())
             except Exception as exc:  # noqa: BLE001 - one failed section must not lose the others

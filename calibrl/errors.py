@@ -12,7 +12,7 @@ place (:func:`grpc_status_for`), and clients map status codes back
     ├── Unauthenticated        missing or unknown API key                  -> UNAUTHENTICATED
     ├── PermissionDenied       key valid, resource belongs to another tenant -> PERMISSION_DENIED
     ├── Unavailable            a service is down or draining               -> UNAVAILABLE
-    ├── DeadlineExceeded       the caller's deadline passed before the work ran -> DEADLINE_EXCEEDED
+    │   └── DeadlineExceeded   the caller's deadline passed before its work ran -> DEADLINE_EXCEEDED
     ├── ConfigError            a config file or override is invalid (local, never on the wire)
     └── RewardError            a reward could not be computed; never becomes a silent 0
 """
@@ -59,8 +59,9 @@ class Unavailable(CalibrlError):
     """A service could not be reached or is shutting down."""
 
 
-class DeadlineExceeded(CalibrlError):
-    """The caller's deadline passed before its work could run (the work was dropped)."""
+class DeadlineExceeded(Unavailable):
+    """The caller's deadline passed before its work could run (the work was dropped).
+    A kind of Unavailable: transient, worth a retry with a longer deadline."""
 
 
 class ConfigError(CalibrlError):
@@ -81,8 +82,8 @@ def _status_table() -> dict[type[CalibrlError], Any]:
         FailedPrecondition: grpc.StatusCode.FAILED_PRECONDITION,
         Unauthenticated: grpc.StatusCode.UNAUTHENTICATED,
         PermissionDenied: grpc.StatusCode.PERMISSION_DENIED,
+        DeadlineExceeded: grpc.StatusCode.DEADLINE_EXCEEDED,  # before Unavailable, its base class
         Unavailable: grpc.StatusCode.UNAVAILABLE,
-        DeadlineExceeded: grpc.StatusCode.DEADLINE_EXCEEDED,
     }
 
 
