@@ -76,7 +76,9 @@ class JudgeServerConfig:
     judge: JudgeConfig = option(factory=JudgeConfig, doc="The judge: backend, limits, cache.")
     serving: ServingConfig = option(factory=_judge_serving, doc="Network settings.")
     max_wait_ms: float = option(5.0, "How long a batch waits for concurrent callers to join.")
-    max_batch_items: int = option(64, "Most items scored together in one batch (all callers).")
+    max_batch_items: int = option(
+        16, "Most items scored together in one batch (all callers); a large request is split, so other "
+            "callers wait for at most one such batch.")
     max_queue_items: int = option(4096, "Items waiting to be scored before RESOURCE_EXHAUSTED.")
 
     def validate(self) -> None:
