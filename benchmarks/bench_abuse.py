@@ -88,9 +88,12 @@ async def memory_floods(retrieval, judge, retrieval_address, judge_address, requ
         before = _rss_mib(process)
         started = time.perf_counter()
         codes = await _flood(address, method, body, metadata, requests)
+        seconds = time.perf_counter() - started
+        after = _rss_mib(process)
+        await asyncio.sleep(2.0)  # the server hands freed heap back once a second
         rows.append({"flood": name, "requests": sum(codes.values()), "codes": codes,
-                     "rss_before_mib": round(before, 1), "rss_after_mib": round(_rss_mib(process), 1),
-                     "seconds": round(time.perf_counter() - started, 1)})
+                     "rss_before_mib": round(before, 1), "rss_after_mib": round(after, 1),
+                     "rss_settled_mib": round(_rss_mib(process), 1), "seconds": round(seconds, 1)})
         print(rows[-1], flush=True)
     return rows
 
