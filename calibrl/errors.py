@@ -12,6 +12,7 @@ place (:func:`grpc_status_for`), and clients map status codes back
     ├── Unauthenticated        missing or unknown API key                  -> UNAUTHENTICATED
     ├── PermissionDenied       key valid, resource belongs to another tenant -> PERMISSION_DENIED
     ├── Unavailable            a service is down or draining               -> UNAVAILABLE
+    │   └── DeadlineExceeded   the caller's deadline passed before its work ran -> DEADLINE_EXCEEDED
     ├── ConfigError            a config file or override is invalid (local, never on the wire)
     └── RewardError            a reward could not be computed; never becomes a silent 0
 """
@@ -58,6 +59,11 @@ class Unavailable(CalibrlError):
     """A service could not be reached or is shutting down."""
 
 
+class DeadlineExceeded(Unavailable):
+    """The caller's deadline passed before its work could run (the work was dropped).
+    A kind of Unavailable: transient, worth a retry with a longer deadline."""
+
+
 class ConfigError(CalibrlError):
     """A configuration value is invalid; the message names the value and the fix."""
 
@@ -76,6 +82,7 @@ def _status_table() -> dict[type[CalibrlError], Any]:
         FailedPrecondition: grpc.StatusCode.FAILED_PRECONDITION,
         Unauthenticated: grpc.StatusCode.UNAUTHENTICATED,
         PermissionDenied: grpc.StatusCode.PERMISSION_DENIED,
+        DeadlineExceeded: grpc.StatusCode.DEADLINE_EXCEEDED,  # before Unavailable, its base class
         Unavailable: grpc.StatusCode.UNAVAILABLE,
     }
 

@@ -9,7 +9,9 @@
   reflection (probes must work without a key), enforces the tenant's request-size
   and rate limits, and runs the handler with :func:`current_tenant` set, so a
   servicer can restrict what the tenant sees (the judge shows a tenant only its own
-  rubrics).
+  rubrics). It decides from the call's metadata alone: an unknown key or a tenant
+  over its rate is refused before the request body is read, and a body over the
+  tenant's size limit is refused before it is parsed, so refused calls cost no memory.
 
 Keys file (YAML)::
 
@@ -166,30 +168,31 @@ class AuthInterceptor(_make_interceptor_base()):  # type: ignore[misc]
         if handler is None or method.startswith(OPEN_SERVICES) or handler.unary_unary is None:
             return handler
         tenant = self._authenticate(handler_call_details.invocation_metadata)
-        inner = handler.unary_unary
-        bucket = self._buckets.get(tenant.name) if tenant else None
+        if tenant is None:
+            telemetry.record("refusals", 1, tenant="unknown", reason="unauthenticated", method=method)
+            return _refusal(grpc.StatusCode.UNAUTHENTICATED,
+                            "missing or unknown API key: send metadata 'authorization: Bearer <key>'")
+        telemetry.record("tenant_requests", 1, tenant=tenant.name, method=method)
+        bucket = self._buckets.get(tenant.name)
+        if bucket is not None and not bucket.take():
+            telemetry.record("refusals", 1, tenant=tenant.name, reason="rate_limit", method=method)
+            return _refusal(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                            f"rate: tenant {tenant.name!r} is above its limit of {tenant.rate_per_second:g} "
+                            "calls/s; retry with backoff")
+        inner, decode = handler.unary_unary, handler.request_deserializer
+        limit = tenant.max_request_bytes
+
+        def sized_decode(data: bytes) -> Any:
+            if limit is not None and len(data) > limit:
+                return _Oversize(len(data))  # never parsed
+            return decode(data) if decode is not None else data
 
         async def guarded(request: Any, context: Any) -> Any:
-            if tenant is None:
-                telemetry.record("refusals", 1, tenant="unknown", reason="unauthenticated", method=method)
-                await context.abort(
-                    grpc.StatusCode.UNAUTHENTICATED,
-                    "missing or unknown API key: send metadata 'authorization: Bearer <key>'",
-                )
-            telemetry.record("tenant_requests", 1, tenant=tenant.name, method=method)
-            if tenant.max_request_bytes is not None and request.ByteSize() > tenant.max_request_bytes:
+            if isinstance(request, _Oversize):
                 telemetry.record("refusals", 1, tenant=tenant.name, reason="request_size", method=method)
                 await context.abort(
                     grpc.StatusCode.RESOURCE_EXHAUSTED,
-                    f"request: {request.ByteSize()} bytes, above tenant {tenant.name!r} limit of "
-                    f"{tenant.max_request_bytes} bytes",
-                )
-            if bucket is not None and not bucket.take():
-                telemetry.record("refusals", 1, tenant=tenant.name, reason="rate_limit", method=method)
-                await context.abort(
-                    grpc.StatusCode.RESOURCE_EXHAUSTED,
-                    f"rate: tenant {tenant.name!r} is above its limit of {tenant.rate_per_second:g} "
-                    "calls/s; retry with backoff",
+                    f"request: {request.size} bytes, above tenant {tenant.name!r} limit of {limit} bytes",
                 )
             token = _current_tenant.set(tenant.name)
             try:
@@ -198,10 +201,30 @@ class AuthInterceptor(_make_interceptor_base()):  # type: ignore[misc]
                 _current_tenant.reset(token)
 
         return grpc.unary_unary_rpc_method_handler(
-            guarded,
-            request_deserializer=handler.request_deserializer,
-            response_serializer=handler.response_serializer,
+            guarded, request_deserializer=sized_decode, response_serializer=handler.response_serializer,
         )
+
+
+class _Oversize:
+    """Stands in for a request body over the tenant's size limit."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+
+
+def _refusal(code: Any, details: str) -> Any:
+    """A handler that answers ``code`` without reading the request.
+
+    Declared request-streaming, so grpc.aio runs it before any message is received
+    (a unary handler only runs once the whole body has arrived and been parsed);
+    the unary caller sees the status as usual.
+    """
+    import grpc
+
+    async def refuse(request_iterator: Any, context: Any) -> Any:
+        await context.abort(code, details)
+
+    return grpc.stream_unary_rpc_method_handler(refuse)
 
 
 def server_credentials(cert_file: str, key_file: str, client_ca_file: str | None = None) -> Any:

@@ -45,13 +45,19 @@ class JudgeConfig:
     max_batch_size: int = option(256, "Most items in one Score request (RESOURCE_EXHAUSTED above).")
     max_text_chars: int = option(8000, "Longest query, output or retrieved text, in characters.")
     max_retrieved: int = option(50, "Most retrieved texts or ids per item.")
+    max_id_chars: int = option(256, "Longest retrieved doc id, in characters.")
+    max_context_entries: int = option(32, "Most context entries (key/value pairs) per item.")
+    max_context_chars: int = option(8000, "Most characters of context per item, keys and values together.")
+    max_request_chars: int = option(
+        2_000_000, "Most characters in one Score request, every text, id and context entry of every item together.")
 
     def validate(self) -> None:
         from judge_server.backends import parse_spec
 
         parse_spec(self.backend)
         for name in ("max_items_per_forward", "max_docs", "max_doc_chars", "max_new_tokens", "max_batch_size",
-                     "max_text_chars", "max_retrieved", "vllm_tensor_parallel_size"):
+                     "max_text_chars", "max_retrieved", "max_id_chars", "max_context_entries", "max_context_chars",
+                     "max_request_chars", "vllm_tensor_parallel_size"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"judge.{name}={getattr(self, name)}: must be > 0")
         if self.cache_size < 0:
@@ -73,7 +79,9 @@ class JudgeServerConfig:
     judge: JudgeConfig = option(factory=JudgeConfig, doc="The judge: backend, limits, cache.")
     serving: ServingConfig = option(factory=_judge_serving, doc="Network settings.")
     max_wait_ms: float = option(5.0, "How long a batch waits for concurrent callers to join.")
-    max_batch_items: int = option(64, "Most items scored together in one batch (all callers).")
+    max_batch_items: int = option(
+        16, "Most items scored together in one batch (all callers); a large request is split, so other "
+            "callers wait for at most one such batch.")
     max_queue_items: int = option(4096, "Items waiting to be scored before RESOURCE_EXHAUSTED.")
 
     def validate(self) -> None:

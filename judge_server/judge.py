@@ -181,6 +181,7 @@ class Judge:
         if len(items) > config.max_batch_size:
             raise ResourceExhausted(f"items: {len(items)} items in one request, limit max_batch_size="
                                     f"{config.max_batch_size}; split the batch")
+        total_chars = 0
         for i, item in enumerate(items):
             if not item.output.strip():
                 raise InvalidArgument(f"items[{i}].output", "empty; there is nothing to judge")
@@ -200,6 +201,22 @@ class Judge:
                 if len(text) > config.max_text_chars:
                     raise ResourceExhausted(f"items[{i}].retrieved_texts[{j}]: {len(text)} characters, limit "
                                             f"max_text_chars={config.max_text_chars}")
+            for j, doc_id in enumerate(item.retrieved_doc_ids):
+                if len(doc_id) > config.max_id_chars:
+                    raise ResourceExhausted(f"items[{i}].retrieved_doc_ids[{j}]: {len(doc_id)} characters, limit "
+                                            f"max_id_chars={config.max_id_chars}")
+            if len(item.context) > config.max_context_entries:
+                raise ResourceExhausted(f"items[{i}].context: {len(item.context)} entries, limit "
+                                        f"max_context_entries={config.max_context_entries}")
+            context_chars = sum(len(key) + len(value) for key, value in item.context)
+            if context_chars > config.max_context_chars:
+                raise ResourceExhausted(f"items[{i}].context: {context_chars} characters (keys and values), limit "
+                                        f"max_context_chars={config.max_context_chars}")
+            total_chars += (len(item.query) + len(item.output) + context_chars + sum(map(len, item.retrieved_texts))
+                            + sum(map(len, item.retrieved_doc_ids)))
+        if total_chars > config.max_request_chars:
+            raise ResourceExhausted(f"items: {total_chars} characters in one request, limit max_request_chars="
+                                    f"{config.max_request_chars}; split the batch")
 
     def score(self, rubric_id: str, items: Sequence[JudgeItem], tenant: str | None = None,
               rubric_hash: str = "") -> list[ItemScore]:

@@ -15,7 +15,7 @@ import logging
 from typing import Any, Callable, Sequence
 
 from calibrl.batching import MicroBatcher
-from calibrl.serving import RunningServer, rpc_errors, start_server
+from calibrl.serving import RunningServer, rpc_errors, start_server, time_remaining
 from calibrl.v1 import judge_pb2 as pb
 from calibrl.v1 import judge_pb2_grpc
 from judge_server import wire
@@ -25,6 +25,10 @@ from judge_server.rubric import Rubric
 from judge_server.types import ItemScore, JudgeItem
 
 log = logging.getLogger(__name__)
+
+# After stop(grace) has cancelled the calls left, how long the batch in progress may take
+# before the process exits without it (its thread is a daemon): grace + this + exit < grace + 1 s.
+BATCHER_CLOSE_S = 0.5
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["JudgeService"].full_name
 
@@ -68,11 +72,12 @@ class JudgeServicer(judge_pb2_grpc.JudgeServiceServicer):
         self.batcher = batcher
         self.tenant_of = tenant_of
 
-    async def score_items(self, rubric: Rubric, items: Sequence[JudgeItem]) -> list[ItemScore]:
+    async def score_items(self, rubric: Rubric, items: Sequence[JudgeItem],
+                          timeout_s: float | None = None) -> list[ItemScore]:
         results, missing = self.judge.lookup(rubric, items)
         if missing:
             unique = list(dict.fromkeys(items[i] for i in missing))
-            computed = dict(zip(unique, await self.batcher.submit(rubric.hash, unique)))
+            computed = dict(zip(unique, await self.batcher.submit(rubric.hash, unique, timeout_s=timeout_s)))
             for i in missing:
                 results[i] = computed[items[i]]
         return results  # type: ignore[return-value]
@@ -82,7 +87,7 @@ class JudgeServicer(judge_pb2_grpc.JudgeServiceServicer):
         rubric = self.judge.resolve(request.rubric_id, self.tenant_of(context), request.rubric_hash)
         items = [wire.item_from_proto(m) for m in request.items]
         self.judge.check_items(items)
-        scores = await self.score_items(rubric, items)
+        scores = await self.score_items(rubric, items, timeout_s=time_remaining(context))
         return pb.ScoreResponse(scores=[wire.item_score_to_proto(s) for s in scores], rubric_id=rubric.id,
                                 rubric_hash=rubric.hash, model_id=self.judge.model_id)
 
@@ -123,7 +128,8 @@ async def start(config: JudgeServerConfig, judge: Judge | None = None,
         return judge.compute(judge.rubric_by_hash(rubric_hash), items)
 
     batcher: MicroBatcher = MicroBatcher(process, max_batch_items=config.max_batch_items,
-                                         max_queue_items=config.max_queue_items, max_wait_ms=config.max_wait_ms)
+                                         max_queue_items=config.max_queue_items, max_wait_ms=config.max_wait_ms,
+                                         name="judge")
     servicer = JudgeServicer(judge, batcher, tenant_of)
 
     async def close_judge() -> None:
@@ -133,7 +139,7 @@ async def start(config: JudgeServerConfig, judge: Judge | None = None,
         config.serving,
         lambda server: judge_pb2_grpc.add_JudgeServiceServicer_to_server(servicer, server),
         [SERVICE_NAME],
-        on_stop=[batcher.close, close_judge],
+        on_stop=[lambda: batcher.close(timeout_s=BATCHER_CLOSE_S), close_judge],
         interceptors=interceptors,
     )
     running.servicer = servicer  # type: ignore[attr-defined]

@@ -48,6 +48,8 @@ def index_build(argv: Sequence[str]) -> int:
     parser.add_argument("--no-progress", action="store_true", help="hide progress bars")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.no_progress:
+        hide_library_progress_bars()
 
     from retrieval_server.corpus import file_sha256, read_corpus, resolve_corpus_path
     from retrieval_server.index import build_index
@@ -159,4 +161,15 @@ def serve(argv: Sequence[str]) -> int:
         asyncio.run(serve_forever(config))
     except CalibrlError as exc:
         return _fail(exc)
+    from calibrl.serving import exit_after_shutdown
+
+    exit_after_shutdown(0)  # skips the slow interpreter teardown: exit within drain + grace + 1 s
     return 0
+
+
+def hide_library_progress_bars() -> None:
+    """Silence the bars other libraries draw on their own, e.g. transformers' "Loading
+    weights" when the embedder loads (our own bars follow --no-progress directly)."""
+    from transformers.utils import logging as transformers_logging
+
+    transformers_logging.disable_progress_bar()

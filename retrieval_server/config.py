@@ -22,6 +22,11 @@ class RetrievalServerConfig:
     max_batch_size: int = option(256, "Most queries (Search) or items (ScoreRetrieval) in one request.")
     max_query_chars: int = option(2048, "Longest query accepted, in characters.")
     max_ids_per_item: int = option(1024, "Most gold ids, gold answers or seen ids in one ScoreItem.")
+    max_ids_per_request: int = option(16384, "Most gold ids + seen ids, all items of one ScoreRetrieval together.")
+    max_answers_per_request: int = option(
+        2048, "Most gold answers, all items of one ScoreRetrieval together (each is matched against top_k passages).")
+    max_id_chars: int = option(256, "Longest gold or seen doc id, in characters.")
+    max_answer_chars: int = option(512, "Longest gold answer, in characters.")
     hybrid_depth: int = option(100, "Candidates taken from each of dense and BM25 before RRF (raised to max_top_k).")
     device: str = option("auto", "Embedder and torch-search device: auto (cuda when present), cpu, cuda, cuda:N.")
     dense_backend: Literal["auto", "faiss", "torch"] = option(
@@ -35,7 +40,8 @@ class RetrievalServerConfig:
     hnsw_ef_search: int = option(128, "HNSW search breadth (raised to at least max_top_k).")
     ivf_nprobe: int = option(16, "IVF cells visited per query.")
     verify_checksums: bool = option(True, "Check every index file against the manifest's sha256 at start.")
-    batch_max_items: int = option(256, "Most queries of concurrent callers answered in one batch.")
+    batch_max_items: int = option(
+        32, "Most queries in one batch: a large request is split, so other callers wait for at most one such batch.")
     batch_max_wait_ms: float = option(2.0, "How long the batcher waits for more callers before a batch runs.")
     batch_max_queue_items: int = option(4096, "Queued queries beyond which calls get RESOURCE_EXHAUSTED.")
     serving: ServingConfig = option(factory=ServingConfig, doc="Network settings (host, port, grace, sizes).")
@@ -46,12 +52,17 @@ class RetrievalServerConfig:
             max_batch_size=self.max_batch_size,
             max_query_chars=self.max_query_chars,
             max_ids_per_item=self.max_ids_per_item,
+            max_ids_per_request=self.max_ids_per_request,
+            max_answers_per_request=self.max_answers_per_request,
+            max_id_chars=self.max_id_chars,
+            max_answer_chars=self.max_answer_chars,
         )
 
     def validate(self) -> None:
         if not self.index_dir:
             raise ConfigError("index_dir: required; pass --index DIR or index_dir=DIR")
-        for name in ("max_top_k", "max_batch_size", "max_query_chars", "max_ids_per_item", "hybrid_depth",
+        for name in ("max_top_k", "max_batch_size", "max_query_chars", "max_ids_per_item", "max_ids_per_request",
+                     "max_answers_per_request", "max_id_chars", "max_answer_chars", "hybrid_depth",
                      "encode_batch_size", "hnsw_ef_search", "ivf_nprobe", "batch_max_items"):
             value = getattr(self, name)
             if value < 1:

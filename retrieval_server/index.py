@@ -115,6 +115,7 @@ def build_index(
             created_at=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         )
         write_manifest(staging, manifest)
+        _honour_umask(staging)  # mkdtemp made it 0700: other users (a container's uid) could not read it
         if out_dir.exists():
             shutil.rmtree(out_dir)
         staging.rename(out_dir)
@@ -135,3 +136,13 @@ def read_docs(index_dir: pathlib.Path) -> list[Passage]:
     """The passages of an index folder, in index order."""
     with open(index_dir / DOCS_FILE, encoding="utf-8") as handle:
         return [Passage(row["doc_id"], row["title"], row["text"]) for row in map(json.loads, handle)]
+
+
+def _honour_umask(folder: pathlib.Path) -> None:
+    """Give ``folder`` the mode a plain mkdir would have (0777 less the umask): the mode of
+    a folder just made beside it (os.umask would change the umask of every thread)."""
+    probe = folder / ".mode-probe"
+    probe.mkdir()
+    mode = probe.stat().st_mode & 0o777
+    probe.rmdir()
+    folder.chmod(mode)

@@ -3,7 +3,14 @@
 Each violation raises a calibrl error whose message names the field and the limit:
 InvalidArgument for malformed input (empty batch or query, top_k out of range,
 unknown mode), ResourceExhausted for input over a size limit (batch, query
-length, ids per item).
+length, ids per item, ids or answers per request, id or answer length).
+
+The limits bound the work of one request, not only its parts: ranking costs
+one embedding pass and one BM25 pass over at most ``max_batch_size`` queries of
+at most ``max_query_chars``; the answer check of ScoreRetrieval costs at most
+``max_top_k`` passages x ``max_answers_per_request`` answers (each answer is
+matched against the hits of its own item only); the id signals are set lookups
+over at most ``max_ids_per_request`` ids.
 """
 
 from __future__ import annotations
@@ -25,6 +32,10 @@ class RetrievalLimits:
     max_batch_size: int = 256
     max_query_chars: int = 2048
     max_ids_per_item: int = 1024
+    max_ids_per_request: int = 16384
+    max_answers_per_request: int = 2048
+    max_id_chars: int = 256
+    max_answer_chars: int = 512
 
 
 def parse_mode(mode: SearchMode | str | None, default: SearchMode) -> SearchMode:
@@ -80,9 +91,28 @@ def check_score(items: Sequence[ScoreItem], top_k: int, limits: RetrievalLimits)
             raise InvalidArgument(f"items[{position}]", f"expected a ScoreItem, got {type(item).__name__}")
         _check_query(item.query, f"items[{position}].query", limits)
         for name in ("gold_doc_ids", "gold_answers", "seen_doc_ids"):
-            count = len(getattr(item, name))
-            if count > limits.max_ids_per_item:
+            values = getattr(item, name)
+            if len(values) > limits.max_ids_per_item:
                 raise ResourceExhausted(
-                    f"items[{position}].{name}: {count} entries, limit max_ids_per_item={limits.max_ids_per_item}"
+                    f"items[{position}].{name}: {len(values)} entries, limit max_ids_per_item={limits.max_ids_per_item}"
                 )
+            longest, limit_name = ((limits.max_answer_chars, "max_answer_chars") if name == "gold_answers"
+                                   else (limits.max_id_chars, "max_id_chars"))
+            for index, value in enumerate(values):
+                if len(value) > longest:
+                    raise ResourceExhausted(
+                        f"items[{position}].{name}[{index}]: {len(value)} characters, limit {limit_name}={longest}"
+                    )
+    ids = sum(len(item.gold_doc_ids) + len(item.seen_doc_ids) for item in items)
+    if ids > limits.max_ids_per_request:
+        raise ResourceExhausted(
+            f"items[*].gold_doc_ids + seen_doc_ids: {ids} ids in one request, limit "
+            f"max_ids_per_request={limits.max_ids_per_request}; split the batch"
+        )
+    answers = sum(len(item.gold_answers) for item in items)
+    if answers > limits.max_answers_per_request:
+        raise ResourceExhausted(
+            f"items[*].gold_answers: {answers} answers in one request, limit "
+            f"max_answers_per_request={limits.max_answers_per_request}; split the batch"
+        )
     check_top_k(top_k, limits)

@@ -27,6 +27,10 @@ from retrieval_server.servicer import SERVICE_NAME, RetrievalServicer, answer_ba
 
 log = logging.getLogger(__name__)
 
+# After stop(grace) has cancelled the calls left, how long the batch in progress may take
+# before the process exits without it (its thread is a daemon): grace + this + exit < grace + 1 s.
+BATCHER_CLOSE_S = 0.5
+
 
 @dataclass
 class RunningRetrievalServer(RunningServer):
@@ -57,12 +61,12 @@ async def start(config: RetrievalServerConfig, retriever: Retriever | None = Non
         max_wait_ms=config.batch_max_wait_ms,
         name="retrieval",
     )
-    servicer = RetrievalServicer(retriever, batcher)
+    servicer = RetrievalServicer(retriever, batcher, int(config.serving.max_request_mb * 1024 * 1024))
     running = await start_server(
         config.serving,
         lambda server: pb_grpc.add_RetrievalServiceServicer_to_server(servicer, server),
         [SERVICE_NAME],
-        on_stop=[batcher.close],
+        on_stop=[lambda: batcher.close(timeout_s=BATCHER_CLOSE_S)],
     )
     base = {f.name: getattr(running, f.name) for f in dataclasses.fields(RunningServer)}
     return RunningRetrievalServer(**base, host=config.serving.host, retriever=retriever, batcher=batcher)

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Any, Hashable, Sequence
 
 from calibrl.batching import MicroBatcher
-from calibrl.serving import rpc_errors
+from calibrl.serving import rpc_errors, time_remaining
 from calibrl.v1 import retrieval_pb2 as pb
 from calibrl.v1 import retrieval_pb2_grpc as pb_grpc
 from retrieval_server import limits as rules
@@ -54,16 +54,18 @@ def answer_batch(retriever: Retriever, mode: Hashable, work: Sequence[QueryWork]
 class RetrievalServicer(pb_grpc.RetrievalServiceServicer):
     """Translates protobuf <-> dataclasses; the work is done by the Retriever via the batcher."""
 
-    def __init__(self, retriever: Retriever, batcher: MicroBatcher) -> None:
+    def __init__(self, retriever: Retriever, batcher: MicroBatcher, max_request_bytes: int = 0) -> None:
         self.retriever = retriever
         self.batcher = batcher
+        self.max_request_bytes = max_request_bytes  # the transport's limit, shown in IndexInfo
 
     @rpc_errors
     async def Search(self, request: pb.SearchRequest, context: Any) -> pb.SearchResponse:
         mode = wire.mode_from_proto(request.mode, self.retriever.default_mode)
         queries = list(request.queries)
         rules.check_search(queries, request.top_k, self.retriever.limits)
-        results = await self.batcher.submit(mode, [QueryWork(q, request.top_k) for q in queries])
+        results = await self.batcher.submit(mode, [QueryWork(q, request.top_k) for q in queries],
+                                            timeout_s=time_remaining(context))
         return pb.SearchResponse(results=[wire.hits_to_proto(hits, request.include_text) for hits in results])
 
     @rpc_errors
@@ -71,7 +73,8 @@ class RetrievalServicer(pb_grpc.RetrievalServiceServicer):
         mode = wire.mode_from_proto(request.mode, self.retriever.default_mode)
         items = [wire.score_item_from_proto(message) for message in request.items]
         rules.check_score(items, request.top_k, self.retriever.limits)
-        scores = await self.batcher.submit(mode, [QueryWork(i.query, request.top_k, i) for i in items])
+        scores = await self.batcher.submit(mode, [QueryWork(i.query, request.top_k, i) for i in items],
+                                           timeout_s=time_remaining(context))
         return pb.ScoreRetrievalResponse(
             scores=[wire.retrieval_score_to_proto(score, request.include_text) for score in scores]
         )
@@ -92,4 +95,10 @@ class RetrievalServicer(pb_grpc.RetrievalServiceServicer):
             max_top_k=limits.max_top_k,
             max_batch_size=limits.max_batch_size,
             max_query_chars=limits.max_query_chars,
+            max_ids_per_item=limits.max_ids_per_item,
+            max_ids_per_request=limits.max_ids_per_request,
+            max_answers_per_request=limits.max_answers_per_request,
+            max_id_chars=limits.max_id_chars,
+            max_answer_chars=limits.max_answer_chars,
+            max_request_bytes=self.max_request_bytes,
         )

@@ -74,7 +74,8 @@ async def test_api_keys_tenant_limits_and_open_health(tiny_index, retriever, key
                 await _search(channel, [("x-api-key", KEY_B)], query="paris " * 60)
             assert too_big.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
             assert "200 bytes" in too_big.value.details()
-            # team-b: burst of 2 at 1/s, the third call in a row is refused
+            # team-b: burst of 2 at 1/s; the oversize call above took one token (the rate is checked
+            # from the metadata, before the body is read), so the second call in a row is refused
             codes = []
             for _ in range(4):
                 try:
@@ -82,7 +83,7 @@ async def test_api_keys_tenant_limits_and_open_health(tiny_index, retriever, key
                     codes.append("OK")
                 except grpc.aio.AioRpcError as exc:
                     codes.append(exc.code().name)
-            assert codes[:2] == ["OK", "OK"] and "RESOURCE_EXHAUSTED" in codes[2:]
+            assert codes[0] == "OK" and "RESOURCE_EXHAUSTED" in codes[1:]
             # health checking needs no key (probes)
             health = health_pb2_grpc.HealthStub(channel)
             status = await health.Check(health_pb2.HealthCheckRequest(service="calibrl.v1.RetrievalService"))

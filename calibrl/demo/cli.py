@@ -232,9 +232,10 @@ def run_demo(settings: DemoSettings, out: pathlib.Path, *, seed: int = 0, thread
             retrieval = Service("retrieval server", [
                 "serve", "retrieval", "--index", str(index_dir), "--port", str(retrieval_port),
                 f"default_mode={RETRIEVAL_MODE}", "device=cpu", "torch_threads=1", "serving.grace_seconds=2",
+                "serving.drain_seconds=0",  # loopback, no load balancer to tell
             ], retrieval_port, logs / "serve_retrieval.log")
             judge_args = ["serve", "judge", "--rubrics", str(rubrics), "--backend", "programmatic",
-                          "--port", str(judge_port), "serving.grace_seconds=2"]
+                          "--port", str(judge_port), "serving.grace_seconds=2", "serving.drain_seconds=0"]
             if allow_unvalidated:
                 judge_args.append("--allow-unvalidated")
             judge = Service("judge server", judge_args, judge_port, logs / "serve_judge.log")
@@ -616,6 +617,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     settings = QUICK if args.quick else FULL
     command = "calibrl demo" + (" --quick" if args.quick else "") + (f" --seed {args.seed}" if args.seed else "")
     started = time.perf_counter()
+    if args.no_progress:
+        from retrieval_server.cli import hide_library_progress_bars
+
+        hide_library_progress_bars()
     try:
         run_demo(settings, out, seed=args.seed, threads=args.threads, progress=not args.no_progress,
                  command=command, report_to=report_to)

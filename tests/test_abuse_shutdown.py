@@ -1,0 +1,97 @@
+"""SIGTERM on a real `calibrl serve retrieval` process: health says NOT_SERVING while the
+server keeps answering for serving.drain_seconds, then it stops with the grace period and
+exits within drain + grace + 1 s even with a heavy cancelled call's work pending."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from calibrl.v1 import retrieval_pb2 as pb
+from calibrl.v1 import retrieval_pb2_grpc as pb_grpc
+from retrieval_server.testing import build_test_index
+
+DRAIN_S, GRACE_S = 2.0, 1.0
+
+
+@pytest.fixture(scope="module")
+def tiny_index(tmp_path_factory):
+    return build_test_index(tmp_path_factory.mktemp("abuse-shutdown") / "index")
+
+
+def _start(index) -> tuple[subprocess.Popen, str]:
+    process = subprocess.Popen(
+        [sys.executable, "-m", "calibrl", "serve", "retrieval", "--index", str(index), "--port", "0", "device=cpu",
+         "torch_threads=1", f"serving.drain_seconds={DRAIN_S}", f"serving.grace_seconds={GRACE_S}",
+         "batch_max_items=16", "batch_max_wait_ms=0"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+    line = process.stdout.readline()
+    assert "listening on" in line, line
+    return process, f"127.0.0.1:{line.strip().rsplit(':', 1)[1]}"
+
+
+def _status(channel) -> str:
+    reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=5)
+    return health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
+
+
+@pytest.mark.slow
+def test_sigterm_drains_while_not_serving_then_exits_in_time(tiny_index):
+    process, address = _start(tiny_index)
+    try:
+        with grpc.insecure_channel(address) as channel:
+            stub = pb_grpc.RetrievalServiceStub(channel)
+            assert _status(channel) == "SERVING"
+            # a heavy dense call (256 long queries through the embedder, 16 per batch), given up by its caller
+            heavy = stub.Search.future(pb.SearchRequest(
+                queries=[f"tower {i} " + "lattice iron " * 10 for i in range(256)], top_k=100,
+                mode=pb.SEARCH_MODE_DENSE), timeout=60)
+            time.sleep(0.5)
+            heavy.cancel()
+            signalled = time.monotonic()
+            process.send_signal(signal.SIGTERM)
+            seen_not_serving = served_while_draining = False
+            while time.monotonic() - signalled < DRAIN_S - 0.5:
+                if _status(channel) == "NOT_SERVING":
+                    seen_not_serving = True
+                    reply = stub.Search(pb.SearchRequest(queries=["Mozart"], top_k=1, mode=pb.SEARCH_MODE_BM25),
+                                        timeout=5)
+                    served_while_draining = reply.results[0].hits[0].doc_id == "mozart"
+                    break
+                time.sleep(0.05)
+            assert seen_not_serving, "health never said NOT_SERVING during the drain"
+            assert served_while_draining, "a call during the drain was not answered"
+        code = process.wait(timeout=60)
+        elapsed = time.monotonic() - signalled
+        assert code == 0
+        assert elapsed < DRAIN_S + GRACE_S + 1.0, f"exited {elapsed:.1f}s after SIGTERM"
+        assert elapsed >= DRAIN_S - 0.1  # it did keep serving for the drain delay
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+
+
+@pytest.mark.slow
+def test_a_second_signal_cuts_the_drain_short(tiny_index):
+    process, _ = _start(tiny_index)
+    try:
+        signalled = time.monotonic()
+        process.send_signal(signal.SIGTERM)
+        time.sleep(0.3)
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(timeout=60) == 0
+        assert time.monotonic() - signalled < DRAIN_S
+        assert "drain delay cut short" in process.stderr.read()
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
