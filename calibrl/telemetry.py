@@ -260,13 +260,17 @@ class TracingInterceptor(_server_interceptor_base()):  # type: ignore[misc]
         import grpc
 
         handler = await continuation(handler_call_details)
-        if handler is None or handler.unary_unary is None or _state.tracer_provider is None:
+        if handler is None or _state.tracer_provider is None:
+            return handler
+        # unary_unary: the services' calls; stream_unary: security's refusals, answered before the
+        # body is read (they count in the latency histogram with their status code like any call).
+        inner = handler.unary_unary or handler.stream_unary
+        if inner is None:
             return handler
         method = handler_call_details.method
         if method.startswith("/grpc."):
             return handler
         carrier = {k: v for k, v in handler_call_details.invocation_metadata or () if isinstance(v, str)}
-        inner = handler.unary_unary
 
         async def traced(request: Any, context: Any) -> Any:
             from opentelemetry.trace import SpanKind, Status, StatusCode
@@ -288,7 +292,8 @@ class TracingInterceptor(_server_interceptor_base()):  # type: ignore[misc]
                     span.set_attribute("rpc.grpc.status_code", code)
                     record("rpc_duration", time.perf_counter() - start, method=method, code=code)
 
-        return grpc.unary_unary_rpc_method_handler(
+        make = grpc.unary_unary_rpc_method_handler if handler.unary_unary else grpc.stream_unary_rpc_method_handler
+        return make(
             traced,
             request_deserializer=handler.request_deserializer,
             response_serializer=handler.response_serializer,

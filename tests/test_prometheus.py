@@ -122,7 +122,7 @@ async def test_metrics_page_counts_calls_latency_batches_cache_tenants_and_refus
     assert moved("calibrl_tenant_refusals_total", tenant="team-b", reason="rate_limit") == 1
     assert moved("calibrl_tenant_refusals_total", tenant="unknown", reason="unauthenticated") == 1
     assert moved("calibrl_tenant_refusals_total", tenant="team-a", reason="queue_full") == 1
-    depth = [v for (n, ls), v in after.items() if n == "calibrl_queue_depth" and ("batcher", "batcher") in ls]
+    depth = [v for (n, ls), v in after.items() if n == "calibrl_queue_depth" and ("batcher", "judge") in ls]
     assert depth == [0.0]  # the gauge, read at scrape time: nothing waits once the calls have returned
 
 
