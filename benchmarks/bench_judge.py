@@ -87,7 +87,7 @@ def main() -> int:
     from judge_server.config import JudgeConfig
     from judge_server.judge import Judge, load_llm
     from judge_server.rubric import parse_rubric
-    from judge_server.testing import build_tiny_causal_lm, synthetic_feedback
+    from calibrl.testing import build_tiny_causal_lm, synthetic_feedback
 
     if args.threads:
         torch.set_num_threads(args.threads)

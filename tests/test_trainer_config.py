@@ -13,7 +13,7 @@ import pytest
 from calibrl.cli import main as calibrl_main
 from calibrl.errors import ConfigError
 from trainer.config import CalibAdvAdvantage, GrpoAdvantage, TrainConfig, load_train_config
-from trainer.loop import lr_lambda
+from trainer.run_setup import lr_lambda
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 REQUIRED = ["policy.path=/models/p", "tasks.path=tasks.jsonl", "services.index_dir=/idx", "services.rubric_dir=/rub",

@@ -25,6 +25,7 @@ import inspect
 from typing import TYPE_CHECKING, Any, Iterator, Protocol, Sequence
 
 from calibrl.errors import ConfigError, FailedPrecondition, InvalidArgument
+from trainer.policy import pad_token_id
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
@@ -155,7 +156,7 @@ class TransformersEngine:
         self.policy = policy
         self.max_batch_size = max_batch_size
         self.eos_ids = eos_token_ids(policy.tokenizer, policy.model)
-        self.pad_id = _pad_id(policy.tokenizer)
+        self.pad_id = pad_token_id(policy.tokenizer)
         self.max_context_tokens = _context_length(policy.model)
 
     def update_weights(self, model: Any) -> None:
@@ -314,13 +315,6 @@ def top_p_filter(logits: "torch.Tensor", top_p: float) -> "torch.Tensor":
     mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
     sorted_logits = sorted_logits.masked_fill(mass_before >= top_p, float("-inf"))
     return torch.empty_like(logits).scatter_(-1, order, sorted_logits)
-
-
-def _pad_id(tokenizer: Any) -> int:
-    for candidate in (getattr(tokenizer, "pad_token_id", None), getattr(tokenizer, "eos_token_id", None)):
-        if candidate is not None:
-            return int(candidate)
-    return 0
 
 
 def _context_length(model: Any) -> int | None:

@@ -30,12 +30,11 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Sequence
 
 from calibrl.errors import ConfigError, InvalidArgument
+from trainer.task_kinds import TASK_KINDS, task_kind
 
 log = logging.getLogger(__name__)
 
 CHECKPOINT_CONFIG = "config.yaml"  # the training config the loop writes into every checkpoint
-REWRITE_METRICS = ("hit@k", "all_gold@k", "recall@k", "mrr", "ndcg@k", "empty_rewrite_rate")
-SEARCH_METRICS = ("em", "f1", "answered", "well_formed", "searches", "gold_doc_recall")
 
 
 @dataclass
@@ -175,7 +174,7 @@ def choose_prompt(model: str | pathlib.Path, kind: str, *, prompt_template: str 
             source = "checkpoint"
             tasks_section = data.get("tasks")
             trained_kind = tasks_section.get("kind") if isinstance(tasks_section, dict) else None
-            if trained.prompt_template and trained_kind in ("rewrite", "search") and trained_kind != kind:
+            if trained.prompt_template and trained_kind in TASK_KINDS and trained_kind != kind:
                 log.warning("%s was trained as a %s agent with its own prompt template; evaluating it on %s tasks "
                             "with that template", config_path.parent, trained_kind, kind)
     return PromptChoice(
@@ -281,12 +280,11 @@ def evaluate_policy(policy: Any, tasks: Sequence[Any], retrieval: Any, settings:
     kind = tasks[0].kind
     template, chat_template = rollout.template_for(kind), rollout.chat_template_flag()
     engine = make_engine("transformers", policy)
-    if kind == "search":
-        return _evaluate_search(engine, policy.tokenizer, tasks, retrieval, settings, run_async, template, chat_template)
-    return _evaluate_rewrites(engine, policy.tokenizer, tasks, retrieval, settings, run_async, template, chat_template)
+    return task_kind(kind).evaluate(engine, policy.tokenizer, tasks, retrieval, settings, run_async, template,
+                                    chat_template)
 
 
-def _evaluate_rewrites(engine: Any, tokenizer: Any, tasks: Sequence[Any], retrieval: Any, settings: EvalSettings,
+def evaluate_rewrites(engine: Any, tokenizer: Any, tasks: Sequence[Any], retrieval: Any, settings: EvalSettings,
                        run_async: RunAsync, template: str, chat_template: bool | None) -> dict[str, float]:
     from trainer.rollout import rollout_rewrites
 
@@ -324,12 +322,12 @@ def _retrieval_metrics(queries: Sequence[str], tasks: Sequence[Any], retrieval: 
     return metrics
 
 
-def _evaluate_search(engine: Any, tokenizer: Any, tasks: Sequence[Any], retrieval: Any, settings: EvalSettings,
+def evaluate_search(engine: Any, tokenizer: Any, tasks: Sequence[Any], retrieval: Any, settings: EvalSettings,
                      run_async: RunAsync, template: str, chat_template: bool | None) -> dict[str, float]:
     from calibrl.text import exact_match, token_f1
     from trainer.rollout import rollout_search
 
-    totals = dict.fromkeys(SEARCH_METRICS, 0.0)
+    totals = dict.fromkeys(task_kind("search").metric_names, 0.0)
     with_gold = 0
     for start in range(0, len(tasks), settings.batch_size):
         batch = rollout_search(
@@ -363,7 +361,7 @@ def format_table(rows: Sequence[EvalResult]) -> str:
     """The results as an aligned text table, one row per model."""
     if not rows:
         return "(no results)"
-    names = REWRITE_METRICS if rows[0].kind == "rewrite" else SEARCH_METRICS
+    names = task_kind(rows[0].kind).metric_names
     header = ["model", "tasks", *names, "prompt"]
     body = [[row.name, str(row.num_tasks), *(f"{row.metrics.get(n, float('nan')):.3f}" for n in names),
              _prompt_cell(row.prompt)] for row in rows]

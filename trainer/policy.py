@@ -8,8 +8,9 @@ reference, and per-token log-probabilities.
 - :func:`make_reference` gives the frozen model of the KL term: a deep copy in
   eval mode with gradients off, or, for a LoRA policy, a view of the same base
   with the adapters disabled (no second copy of the weights).
-- :func:`token_logprobs` is the one place log-probabilities are computed, for
-  the policy, its old copy and the reference alike.
+- :func:`completion_logprobs` is the one place log-probabilities are computed, for
+  the policy, its behaviour copy and the reference alike (:func:`token_logprobs`
+  is the same over every position).
 """
 
 from __future__ import annotations
@@ -246,6 +247,58 @@ def _adapter_disabled_reference_class() -> type:
 # --------------------------------------------------------------------------- log-probabilities
 
 
+def pad_token_id(tokenizer: Any) -> int:
+    """The id that pads a batch: the tokenizer's pad token, else its EOS, else 0."""
+    for candidate in (getattr(tokenizer, "pad_token_id", None), getattr(tokenizer, "eos_token_id", None)):
+        if candidate is not None:
+            return int(candidate)
+    return 0
+
+
+def completion_logprobs(
+    model: Any,
+    input_ids: "torch.Tensor",
+    attention_mask: "torch.Tensor",
+    *,
+    start: int = 1,
+    temperature: float = 1.0,
+    entropy_mask: "torch.Tensor | None" = None,
+) -> "tuple[torch.Tensor, torch.Tensor | None]":
+    """Log-probabilities of ``input_ids[:, start:]`` under ``model``: the one place
+    the trainer turns a forward pass into log-probs (policy, behaviour copy and
+    reference alike).
+
+    ``input_ids``, ``attention_mask``: (B, L), right-padded (positions are counted
+    from the first attended token, so left padding works too); ``start`` >= 1.
+    Returns ``logp`` (B, L - start) with ``logp[:, j] = log p(input_ids[:, start + j]
+    | the tokens before it)`` at ``temperature``, and, when ``entropy_mask`` (B, L -
+    start) is given, the entropy of each of those next-token distributions (0 where
+    the mask is False; no gradient), else None. The model projects only the last
+    ``L - start + 1`` positions to the vocabulary (``logits_to_keep``, as TRL does):
+    the prompt's hidden states are computed, its logits are not. Gradients flow
+    into ``logp`` unless the caller disables them."""
+    from trainer.losses import masked_entropy_from_logits, token_logprobs as logprobs_from_logits
+
+    if input_ids.dim() != 2 or input_ids.shape != attention_mask.shape:
+        raise InvalidArgument(
+            "input_ids", f"must be (B, L) with attention_mask of the same shape, got {tuple(input_ids.shape)} "
+            f"and {tuple(attention_mask.shape)}"
+        )
+    if not 1 <= start <= max(1, input_ids.shape[1]):
+        raise InvalidArgument("start", f"must be in [1, L={input_ids.shape[1]}], got {start}")
+    keep = input_ids.shape[1] - start + 1
+    position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+    inputs = dict(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False)
+    if _accepts_logits_to_keep(model):
+        inputs["logits_to_keep"] = keep
+    logits = model(**inputs).logits[:, -keep:-1, :]
+    logp = logprobs_from_logits(logits, input_ids[:, start:], temperature=temperature)
+    entropy = None
+    if entropy_mask is not None:
+        entropy = masked_entropy_from_logits(logits.detach(), entropy_mask, temperature=temperature)[0]
+    return logp, entropy
+
+
 def token_logprobs(
     model: Any,
     input_ids: "torch.Tensor",
@@ -253,47 +306,30 @@ def token_logprobs(
     *,
     temperature: float = 1.0,
     return_entropy: bool = False,
-    chunk_size: int | None = None,
 ) -> "torch.Tensor | tuple[torch.Tensor, torch.Tensor]":
-    """Per-token log-probabilities of ``input_ids`` under ``model``.
-
-    ``input_ids``, ``attention_mask``: (B, L), right-padded (left padding works too:
-    positions are counted from the first attended token). Returns ``logp`` (B, L)
-    with ``logp[:, t] = log p(input_ids[:, t] | input_ids[:, :t])`` at temperature
-    ``temperature`` and ``logp[:, 0] = 0``; with ``return_entropy`` also the entropy
-    (B, L) of the distribution each token was drawn from (0 at t = 0). Values at
-    padded positions are meaningless; mask them. ``chunk_size`` bounds how many
-    positions are turned into full-vocabulary float32 log-softmax at once.
-    Gradients flow unless the caller disables them.
-    """
+    """:func:`completion_logprobs` over every position: ``logp`` (B, L) with
+    ``logp[:, 0] = 0`` (and with ``return_entropy`` the entropy (B, L), 0 at t = 0).
+    Values at padded positions are meaningless; mask them."""
     import torch
 
-    if input_ids.dim() != 2 or input_ids.shape != attention_mask.shape:
-        raise InvalidArgument(
-            "input_ids", f"must be (B, L) with attention_mask of the same shape, got {tuple(input_ids.shape)} "
-            f"and {tuple(attention_mask.shape)}"
-        )
-    if not temperature > 0:
-        raise InvalidArgument("temperature", f"must be > 0, got {temperature}")
-    if chunk_size is not None and chunk_size < 1:
-        raise InvalidArgument("chunk_size", f"must be >= 1 or None, got {chunk_size}")
-    position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
-    logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False).logits
-    batch, length = input_ids.shape
-    targets = input_ids[:, 1:]
-    predicting = logits[:, :-1, :]  # logits at t-1 predict the token at t
-    step = chunk_size or max(length - 1, 1)
-    logp_parts, entropy_parts = [], []
-    for start in range(0, length - 1, step):
-        scaled = predicting[:, start : start + step, :].float() / temperature
-        log_norm = torch.logsumexp(scaled, dim=-1)
-        chosen = scaled.gather(-1, targets[:, start : start + step].unsqueeze(-1)).squeeze(-1)
-        logp_parts.append(chosen - log_norm)
-        if return_entropy:
-            probs = torch.softmax(scaled, dim=-1)
-            entropy_parts.append(log_norm - (probs * scaled).sum(-1))
-    zeros = torch.zeros((batch, 1), dtype=torch.float32, device=logits.device)
-    logp = torch.cat([zeros, *logp_parts], dim=1)
+    entropy_mask = torch.ones(input_ids.shape[0], max(input_ids.shape[1] - 1, 0), dtype=torch.bool,
+                              device=input_ids.device) if return_entropy else None
+    logp, entropy = completion_logprobs(model, input_ids, attention_mask, start=1, temperature=temperature,
+                                        entropy_mask=entropy_mask)
+    zeros = torch.zeros((input_ids.shape[0], 1), dtype=logp.dtype, device=logp.device)
+    logp = torch.cat([zeros, logp], dim=1)
     if not return_entropy:
         return logp
-    return logp, torch.cat([zeros, *entropy_parts], dim=1)
+    return logp, torch.cat([zeros, entropy.to(logp.dtype)], dim=1)
+
+
+def _accepts_logits_to_keep(model: Any) -> bool:
+    import inspect
+
+    target = getattr(model, "_peft_model", model)  # the LoRA reference wraps the peft policy
+    if hasattr(target, "get_base_model"):
+        target = target.get_base_model()
+    try:
+        return "logits_to_keep" in inspect.signature(target.forward).parameters
+    except (TypeError, ValueError):
+        return False
