@@ -14,7 +14,8 @@ import pathlib
 import threading
 from typing import Any, Sequence
 
-from calibrl.errors import ConfigError, FailedPrecondition
+from calibrl.devices import resolve_device
+from calibrl.errors import FailedPrecondition
 
 log = logging.getLogger(__name__)
 
@@ -38,19 +39,6 @@ def resolve_embedder(name_or_path: str | None) -> tuple[str, pathlib.Path]:
             "(no modules.json or config.json); models are never downloaded"
         )
     return str(path), path
-
-
-def resolve_device(device: str) -> str:
-    """``auto`` -> ``cuda`` when torch sees a GPU, else ``cpu``; anything else is checked."""
-    import torch
-
-    if device == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    if device.startswith("cuda") and not torch.cuda.is_available():
-        raise ConfigError(f"device={device!r}: torch sees no CUDA device; use device=cpu or device=auto")
-    if not (device == "cpu" or device.startswith("cuda")):
-        raise ConfigError(f"device={device!r}: use auto, cpu, cuda or cuda:N")
-    return device
 
 
 @functools.lru_cache(maxsize=4)

@@ -28,7 +28,6 @@ if TYPE_CHECKING:  # pragma: no cover
     import torch
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
-DEVICES_HELP = "'auto', 'cpu', 'cuda' or 'cuda:<index>'"
 
 
 @dataclass(frozen=True)
@@ -73,18 +72,12 @@ class Policy:
 
 
 def resolve_device(device: str = "auto") -> "torch.device":
-    """"auto" is the first CUDA device when there is one, else the CPU."""
+    """``calibrl.devices.resolve_device`` as a ``torch.device``."""
     import torch
 
-    if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        resolved = torch.device(device)
-    except (RuntimeError, TypeError):
-        raise InvalidArgument("device", f"{device!r} is not a device; use {DEVICES_HELP}") from None
-    if resolved.type == "cuda" and not torch.cuda.is_available():
-        raise InvalidArgument("device", f"{device!r} asked for CUDA but no CUDA device is available; use 'cpu'")
-    return resolved
+    from calibrl.devices import resolve_device as device_name
+
+    return torch.device(device_name(device))
 
 
 def resolve_dtype(dtype: str, device: "torch.device") -> "torch.dtype":

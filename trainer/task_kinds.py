@@ -20,6 +20,7 @@ rollout and evaluation code) are imported only when a kind's functions run.
 
 from __future__ import annotations
 
+import importlib
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Coroutine, Sequence
 
@@ -91,6 +92,16 @@ def task_kind(name: str) -> TaskKind:
         raise ConfigError(f"task kind {name!r}: expected one of {sorted(TASK_KINDS)}") from None
 
 
+def _lazy(module: str, name: str) -> Callable[..., Any]:
+    """``module.name``, imported on first call (keeps torch out of ``--help``)."""
+
+    def call(*args: Any, **kwargs: Any) -> Any:
+        return getattr(importlib.import_module(module), name)(*args, **kwargs)
+
+    call.__name__ = call.__qualname__ = name
+    return call
+
+
 # --------------------------------------------------------------------------- rewrite: a one-step query rewriter
 
 
@@ -107,14 +118,6 @@ def _rollout_rewrites(engine: "GenerationEngine", tokenizer: Any, tasks: Sequenc
 
 def _score_rewrites(rewards: "RewardModel", rollouts: Sequence[Any]) -> Coroutine[Any, Any, "list[RewardBreakdown]"]:
     return rewards.score_rewrites(rollouts)
-
-
-def _evaluate_rewrites(engine: "GenerationEngine", tokenizer: Any, tasks: Sequence["Task"], retrieval: Any,
-                       settings: "EvalSettings", run_async: RunAsync, template: str,
-                       chat_template: bool | None) -> dict[str, float]:
-    from trainer.eval import evaluate_rewrites
-
-    return evaluate_rewrites(engine, tokenizer, tasks, retrieval, settings, run_async, template, chat_template)
 
 
 def _one_turn(rollout: "RolloutConfig") -> int:
@@ -140,14 +143,6 @@ def _score_search(rewards: "RewardModel", rollouts: Sequence[Any]) -> Coroutine[
     return rewards.score_search(rollouts)
 
 
-def _evaluate_search(engine: "GenerationEngine", tokenizer: Any, tasks: Sequence["Task"], retrieval: Any,
-                     settings: "EvalSettings", run_async: RunAsync, template: str,
-                     chat_template: bool | None) -> dict[str, float]:
-    from trainer.eval import evaluate_search
-
-    return evaluate_search(engine, tokenizer, tasks, retrieval, settings, run_async, template, chat_template)
-
-
 def _all_turns(rollout: "RolloutConfig") -> int:
     return rollout.max_new_tokens * rollout.max_turns
 
@@ -157,13 +152,13 @@ def _register_builtin_kinds() -> None:
 
     register_task_kind(TaskKind(
         name="rewrite", builtin_template=REWRITE_TEMPLATE, rollout=_rollout_rewrites, score=_score_rewrites,
-        evaluate=_evaluate_rewrites,
+        evaluate=_lazy("trainer.eval", "evaluate_rewrites"),
         metric_names=("hit@k", "all_gold@k", "recall@k", "mrr", "ndcg@k", "empty_rewrite_rate"),
         max_completion_tokens=_one_turn,
     ))
     register_task_kind(TaskKind(
         name="search", builtin_template=SEARCH_TEMPLATE, rollout=_rollout_search, score=_score_search,
-        evaluate=_evaluate_search,
+        evaluate=_lazy("trainer.eval", "evaluate_search"),
         metric_names=("em", "f1", "answered", "well_formed", "searches", "gold_doc_recall"),
         max_completion_tokens=_all_turns,
     ))
