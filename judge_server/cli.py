@@ -195,9 +195,8 @@ def validate(argv: list[str]) -> int:
     from calibrl.config import load_config
     from judge_server.config import JudgeConfig
     from judge_server.feedback import read_feedback
-    from judge_server.judge import Judge, load_llm
     from judge_server.rubric import load_rubric
-    from judge_server.validation import ValidationOptions, agreement, validation_path, write_record
+    from judge_server.validation import ValidationOptions, validate_judge, validation_path, write_record
 
     try:
         config = load_config(JudgeConfig, args.config,
@@ -205,15 +204,7 @@ def validate(argv: list[str]) -> int:
         options = ValidationOptions(args.min_kappa, args.pass_threshold, args.pass_grade, args.flag_threshold,
                                     args.min_items)
         options.validate()
-        rubric = load_rubric(args.rubric)
-        golden = read_feedback(args.golden)
-        judge = Judge([rubric], config, llm=load_llm(config))
-        items = [r.to_item() for r in golden]
-        step = config.max_batch_size  # a golden set may be larger than one request
-        for start in range(0, len(items), step):
-            judge.check_items(items[start : start + step])
-        scores = judge.compute(judge.resolve(rubric.id), items)
-        record = agreement(rubric, judge.model_id, golden, scores, options)
+        record = validate_judge(load_rubric(args.rubric), read_feedback(args.golden), config, options)
     except CalibrlError as exc:
         return _fail(str(exc))
     if not args.no_record:

@@ -162,6 +162,23 @@ def _canonical_tags(record: FeedbackRecord) -> list[str]:
     return [canonical_tag(t) for t in record.error_tags]
 
 
+def validate_judge(rubric: Rubric, golden: Sequence[FeedbackRecord], config: Any,
+                   options: ValidationOptions) -> ValidationRecord:
+    """Score the golden set with the judge of ``config`` (a ``JudgeConfig``) and compare
+    it with the SME grades: the validation record of ``rubric`` for that judge (not
+    written; :func:`write_record` does that). Raises on items the judge rejects."""
+    from judge_server.judge import Judge, load_llm
+
+    options.validate()
+    judge = Judge([rubric], config, llm=load_llm(config))
+    items = [r.to_item() for r in golden]
+    step = config.max_batch_size  # a golden set may be larger than one request
+    for start in range(0, len(items), step):
+        judge.check_items(items[start : start + step])
+    scores = judge.compute(judge.resolve(rubric.id), items)
+    return agreement(rubric, judge.model_id, golden, scores, options)
+
+
 def validation_path(rubric_path: str | pathlib.Path) -> pathlib.Path:
     return pathlib.Path(str(rubric_path) + VALIDATION_SUFFIX)
 
