@@ -339,6 +339,9 @@ class LossConfig:
     aggregation: Literal["sequence_mean", "token_mean", "constant"] = option(
         "sequence_mean", "Token aggregation: TRL grpo (sequence_mean), bnpo/dapo (token_mean), dr_grpo (constant)."
     )
+    kl_ratio_correction: bool = option(
+        False, "Weight the k3 KL term by the ratio r (TRL's use_bias_correction_kl); off keeps plain k3."
+    )
 
     def validate(self) -> None:
         if not 0.0 <= self.eps_low < 1.0:

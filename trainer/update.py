@@ -121,7 +121,7 @@ def policy_loss_for(loss: "LossConfig", max_completion_length: int, logp: "torch
 
     return policy_loss(logp, old_logp, token_adv, mask, ref_logp=ref_logp, beta=loss.beta, eps_low=loss.eps_low,
                        eps_high=loss.eps_high, aggregation=loss.aggregation,
-                       max_completion_length=max_completion_length)
+                       max_completion_length=max_completion_length, kl_ratio_correction=loss.kl_ratio_correction)
 
 
 def apply_update(optimizer: "torch.optim.Optimizer", grad_norm: float) -> bool:
