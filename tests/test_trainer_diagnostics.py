@@ -45,8 +45,6 @@ def test_component_and_completion_metrics():
     assert (lengths["completions/mean_length"], lengths["completions/min_length"],
             lengths["completions/max_length"]) == (pytest.approx(7 / 3), 1.0, 4.0)
     assert lengths["completions/clipped_ratio"] == pytest.approx(1 / 3)
-    assert diag.prefixed("calibadv", {"rebalance": 2.0, "calibadv/x": 1, "skip": "text"}) == {
-        "calibadv/rebalance": 2.0, "calibadv/x": 1.0}
 
 
 def test_health_warnings_fire_only_outside_the_bands():

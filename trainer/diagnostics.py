@@ -59,30 +59,6 @@ def completion_metrics(completion_mask: Any, truncated: Any | None = None) -> di
     return metrics
 
 
-def prefixed(prefix: str, metrics: Mapping[str, Any]) -> dict[str, float]:
-    """Scalar entries of ``metrics`` under ``prefix/`` (names that already carry the
-    prefix are kept as they are)."""
-    out: dict[str, float] = {}
-    for name, value in metrics.items():
-        scalar = _scalar(value)
-        if scalar is None:
-            continue
-        key = name if name.startswith(prefix + "/") else f"{prefix}/{name}"
-        out[key] = scalar
-    return out
-
-
-def _scalar(value: Any) -> float | None:
-    if isinstance(value, bool):
-        return float(value)
-    if isinstance(value, (int, float)):
-        return float(value)
-    numel = getattr(value, "numel", None)
-    if callable(numel) and numel() == 1:
-        return float(value.item())
-    return None
-
-
 # --------------------------------------------------------------------------- health bands
 
 
@@ -188,8 +164,11 @@ def _json_number(value: Any) -> Any:
 
 
 def read_log(path: str | pathlib.Path) -> list[dict[str, Any]]:
-    """The records of a ``metrics.jsonl``, in order."""
-    with open(path, encoding="utf-8") as handle:
+    """The records of a run's ``metrics.jsonl``, in order (a missing file: none)."""
+    path = pathlib.Path(path)
+    if not path.exists():
+        return []
+    with path.open(encoding="utf-8") as handle:
         return [json.loads(line) for line in handle if line.strip()]
 
 

@@ -237,17 +237,6 @@ def check_in_sync(parameters: Iterable[Any], ctx: DistContext) -> None:
         raise RuntimeError(f"trainable weights differ across ranks (checksums {[g.tolist() for g in gathered]})")
 
 
-def broadcast_object(value: T, ctx: DistContext) -> T:
-    """Rank 0's ``value`` on every rank."""
-    if not ctx.distributed:
-        return value
-    import torch.distributed as dist
-
-    box = [value]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
-
-
 def any_rank(flag: bool, ctx: DistContext) -> bool:
     """True on every rank when ``flag`` is true on any rank (e.g. SIGTERM seen)."""
     if not ctx.distributed:

@@ -334,6 +334,7 @@ def _train_and_evaluate(settings: DemoSettings, out: pathlib.Path, domain: Any, 
                         stages: Stages, seed: int, progress: bool) -> Any:
     from calibrl.demo import report as rep
     from calibrl.demo.policy import PolicySpec, RewriteMix, build_base_policies
+    from trainer.diagnostics import read_log
     from trainer.tasks import load_tasks
 
     # 6 -------------------------------------------------------------------- policies
@@ -412,7 +413,7 @@ def _train_and_evaluate(settings: DemoSettings, out: pathlib.Path, domain: Any, 
     base_f1 = agent_rows[0].metrics["f1"]
     for name in runs:
         _, seconds = trained[name]
-        history = rep.read_metrics(out / "runs" / name / "metrics.jsonl")
+        history = read_log(out / "runs" / name / "metrics.jsonl")
         is_rewrite = name in ("binary", "dense")
         final = curves[name][-1][1]
         curve = [(0, base_hit if is_rewrite else base_f1)] + [
