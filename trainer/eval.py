@@ -27,10 +27,13 @@ import hashlib
 import logging
 import pathlib
 from dataclasses import asdict, dataclass, field
-from typing import Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 from calibrl.errors import ConfigError, InvalidArgument
 from trainer.task_kinds import TASK_KINDS, task_kind
+
+if TYPE_CHECKING:  # pragma: no cover
+    from transformers import PreTrainedTokenizerBase
 
 log = logging.getLogger(__name__)
 
@@ -257,7 +260,7 @@ def evaluate_models(
     return rows
 
 
-def _chat_template_applied(prompt: PromptChoice, tokenizer: Any, folder: pathlib.Path) -> bool:
+def _chat_template_applied(prompt: PromptChoice, tokenizer: "PreTrainedTokenizerBase", folder: pathlib.Path) -> bool:
     """Whether ``prompt`` wraps the text in the tokenizer's chat template; a chat
     template asked for ("on") that the tokenizer lacks is an error."""
     has_chat_template = bool(getattr(tokenizer, "chat_template", None))
@@ -284,7 +287,8 @@ def evaluate_policy(policy: Any, tasks: Sequence[Any], retrieval: Any, settings:
                                     chat_template)
 
 
-def evaluate_rewrites(engine: Any, tokenizer: Any, tasks: Sequence[Any], retrieval: Any, settings: EvalSettings,
+def evaluate_rewrites(engine: Any, tokenizer: "PreTrainedTokenizerBase", tasks: Sequence[Any], retrieval: Any,
+                      settings: EvalSettings,
                        run_async: RunAsync, template: str, chat_template: bool | None) -> dict[str, float]:
     from trainer.rollout import rollout_rewrites
 
@@ -322,7 +326,8 @@ def _retrieval_metrics(queries: Sequence[str], tasks: Sequence[Any], retrieval: 
     return metrics
 
 
-def evaluate_search(engine: Any, tokenizer: Any, tasks: Sequence[Any], retrieval: Any, settings: EvalSettings,
+def evaluate_search(engine: Any, tokenizer: "PreTrainedTokenizerBase", tasks: Sequence[Any], retrieval: Any,
+                    settings: EvalSettings,
                      run_async: RunAsync, template: str, chat_template: bool | None) -> dict[str, float]:
     from calibrl.text import exact_match, token_f1
     from trainer.rollout import rollout_search

@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 from calibrl.errors import ConfigError, InvalidArgument, NotFound
 
 if TYPE_CHECKING:  # pragma: no cover
+    from transformers import PreTrainedTokenizerBase
     import torch
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -54,9 +55,9 @@ class LoraSettings:
 class Policy:
     """The trained model and what is needed to talk to it."""
 
-    model: Any  # transformers PreTrainedModel, or a peft PeftModel around one
-    tokenizer: Any
-    device: Any  # torch.device
+    model: "torch.nn.Module"  # transformers PreTrainedModel, or a peft PeftModel around one
+    tokenizer: "PreTrainedTokenizerBase"
+    device: "torch.device | str"  # torch.device
     model_id: str  # the folder the weights came from (the vLLM engine loads it too)
     lora: LoraSettings | None = field(default=None)
 
@@ -144,7 +145,7 @@ def load_policy(
     return Policy(model=model, tokenizer=tokenizer, device=torch_device, model_id=str(base_path), lora=lora)
 
 
-def wrap_lora(model: Any, lora: LoraSettings) -> Any:
+def wrap_lora(model: "torch.nn.Module", lora: LoraSettings) -> Any:
     """``model`` inside a fresh peft LoRA adapter (only the adapter is trainable)."""
     peft = _import_peft()
     target = lora.target_modules if isinstance(lora.target_modules, str) else list(lora.target_modules)
@@ -154,10 +155,11 @@ def wrap_lora(model: Any, lora: LoraSettings) -> Any:
     try:
         return peft.get_peft_model(model, config)
     except ValueError as exc:
-        raise InvalidArgument("lora.target_modules", f"{lora.target_modules!r} does not fit this model: {exc}") from None
+        raise InvalidArgument("lora.target_modules",
+                              f"{lora.target_modules!r} does not fit this model: {exc}") from None
 
 
-def enable_gradient_checkpointing(model: Any) -> None:
+def enable_gradient_checkpointing(model: "torch.nn.Module") -> None:
     """Recompute activations in the backward pass (non-reentrant, so it works with
     LoRA where the embeddings do not need gradients)."""
     checkpoint_kwargs = {"use_reentrant": False}
@@ -185,7 +187,7 @@ def _has_tokenizer(folder: pathlib.Path) -> bool:
     return any((folder / name).exists() for name in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model"))
 
 
-def _is_peft(model: Any) -> bool:
+def _is_peft(model: "torch.nn.Module") -> bool:
     return hasattr(model, "peft_config") and hasattr(model, "disable_adapter")
 
 
@@ -240,7 +242,7 @@ def _adapter_disabled_reference_class() -> type:
 # --------------------------------------------------------------------------- log-probabilities
 
 
-def pad_token_id(tokenizer: Any) -> int:
+def pad_token_id(tokenizer: "PreTrainedTokenizerBase") -> int:
     """The id that pads a batch: the tokenizer's pad token, else its EOS, else 0."""
     for candidate in (getattr(tokenizer, "pad_token_id", None), getattr(tokenizer, "eos_token_id", None)):
         if candidate is not None:
@@ -249,7 +251,7 @@ def pad_token_id(tokenizer: Any) -> int:
 
 
 def completion_logprobs(
-    model: Any,
+    model: "torch.nn.Module",
     input_ids: "torch.Tensor",
     attention_mask: "torch.Tensor",
     *,
@@ -293,7 +295,7 @@ def completion_logprobs(
 
 
 def token_logprobs(
-    model: Any,
+    model: "torch.nn.Module",
     input_ids: "torch.Tensor",
     attention_mask: "torch.Tensor",
     *,
@@ -316,7 +318,7 @@ def token_logprobs(
     return logp, torch.cat([zeros, entropy.to(logp.dtype)], dim=1)
 
 
-def _accepts_logits_to_keep(model: Any) -> bool:
+def _accepts_logits_to_keep(model: "torch.nn.Module") -> bool:
     import inspect
 
     target = getattr(model, "_peft_model", model)  # the LoRA reference wraps the peft policy

@@ -52,6 +52,7 @@ from trainer.search_format import (
 )
 
 if TYPE_CHECKING:  # pragma: no cover
+    from transformers import PreTrainedTokenizerBase
     import torch
 
     from trainer.clients import RetrievalClient
@@ -77,7 +78,7 @@ class RolloutBatch:
     def __len__(self) -> int:
         return int(self.input_ids.shape[0])
 
-    def to(self, device: Any) -> "RolloutBatch":
+    def to(self, device: "torch.device | str") -> "RolloutBatch":
         """A copy with every tensor on ``device``."""
         return replace(
             self,
@@ -135,7 +136,8 @@ def assemble_rows(rows: Sequence[Sequence[Piece]], pad_id: int) -> dict[str, "to
     }
 
 
-def encode_prompt(tokenizer: Any, text: str, *, suffix: str = "", chat_template: bool | None = None) -> list[int]:
+def encode_prompt(tokenizer: "PreTrainedTokenizerBase", text: str, *, suffix: str = "",
+                  chat_template: bool | None = None) -> list[int]:
     """Token ids of a prompt. With a chat template (``chat_template`` None = use the
     tokenizer's when it has one) ``text`` is the user turn and ``suffix`` follows
     the assistant header; otherwise ``text + suffix`` with the tokenizer's usual
@@ -151,7 +153,7 @@ def encode_prompt(tokenizer: Any, text: str, *, suffix: str = "", chat_template:
     return list(tokenizer(text + suffix, add_special_tokens=True)["input_ids"])
 
 
-def decode_completion(tokenizer: Any, token_ids: Sequence[int]) -> str:
+def decode_completion(tokenizer: "PreTrainedTokenizerBase", token_ids: Sequence[int]) -> str:
     """Text of sampled tokens without EOS/padding-like special tokens (format tags
     registered as special tokens are kept)."""
     special = set(getattr(tokenizer, "all_special_ids", ()) or ())
@@ -161,7 +163,8 @@ def decode_completion(tokenizer: Any, token_ids: Sequence[int]) -> str:
     return tokenizer.decode(kept, skip_special_tokens=False)
 
 
-def observation_tokens(tokenizer: Any, hits: Sequence[Any], max_obs_tokens: int) -> tuple[list[int], str]:
+def observation_tokens(tokenizer: "PreTrainedTokenizerBase", hits: Sequence[Any],
+                       max_obs_tokens: int) -> tuple[list[int], str]:
     """Token ids and text of the observation appended after a search: the
     formatted documents (cut to ``max_obs_tokens`` tokens) inside the information
     block, then the ``<think>`` that opens the next turn."""
@@ -212,7 +215,7 @@ def parse_rewrite(text: str) -> str:
 
 def rollout_rewrites(
     engine: "GenerationEngine",
-    tokenizer: Any,
+    tokenizer: "PreTrainedTokenizerBase",
     tasks: Sequence["Task"],
     *,
     group_size: int,
@@ -281,7 +284,7 @@ class _SearchState:
         return [token for ids, _ in self.pieces for token in ids]
 
 
-def search_prompt(tokenizer: Any, task: "Task", *, prompt_template: str = SEARCH_TEMPLATE,
+def search_prompt(tokenizer: "PreTrainedTokenizerBase", task: "Task", *, prompt_template: str = SEARCH_TEMPLATE,
                   chat_template: bool | None = None) -> list[int]:
     """Token ids of a search-agent prompt; it ends with ``<think>``."""
     return encode_prompt(
@@ -294,7 +297,7 @@ def search_prompt(tokenizer: Any, task: "Task", *, prompt_template: str = SEARCH
 
 def rollout_search(
     engine: "GenerationEngine",
-    tokenizer: Any,
+    tokenizer: "PreTrainedTokenizerBase",
     tasks: Sequence["Task"],
     *,
     group_size: int,
@@ -349,7 +352,8 @@ def rollout_search(
     return _search_batch(tokenizer, states, len(tasks), group_size)
 
 
-def _generate_turn(engine: "GenerationEngine", tokenizer: Any, live: list[_SearchState], sampling: dict[str, Any],
+def _generate_turn(engine: "GenerationEngine", tokenizer: "PreTrainedTokenizerBase", live: list[_SearchState],
+                   sampling: dict[str, Any],
                    *, last_turn: bool, max_query_chars: int) -> list[tuple[_SearchState, str, str]]:
     """One generation for every live rollout (one engine call); returns the
     ``(state, think, query)`` of those that searched and have a turn left to use it."""
@@ -369,7 +373,8 @@ def _generate_turn(engine: "GenerationEngine", tokenizer: Any, live: list[_Searc
     return searching
 
 
-def _observe(retrieval: "RetrievalClient", run_async: Callable[[Coroutine[Any, Any, Any]], Any], tokenizer: Any,
+def _observe(retrieval: "RetrievalClient", run_async: Callable[[Coroutine[Any, Any, Any]], Any],
+             tokenizer: "PreTrainedTokenizerBase",
              searching: list[tuple[_SearchState, str, str]], top_k: int, max_obs_tokens: int) -> None:
     """Send the turn's searches to the retrieval client in one batch and append each
     result as a non-trained observation and a step record."""
@@ -397,7 +402,8 @@ def _observe(retrieval: "RetrievalClient", run_async: Callable[[Coroutine[Any, A
                 state.seen_doc_ids.append(doc_id)
 
 
-def _search_batch(tokenizer: Any, states: list[_SearchState], num_tasks: int, group_size: int) -> RolloutBatch:
+def _search_batch(tokenizer: "PreTrainedTokenizerBase", states: list[_SearchState], num_tasks: int,
+                  group_size: int) -> RolloutBatch:
     """The finished search rollouts as one RolloutBatch."""
     from trainer.rewards import SearchRollout
 
@@ -420,7 +426,7 @@ def _search_batch(tokenizer: Any, states: list[_SearchState], num_tasks: int, gr
     )
 
 
-def _check_context_budget(engine: Any, tokenizer: Any, longest_prompt: int, *, max_turns: int,
+def _check_context_budget(engine: Any, tokenizer: "PreTrainedTokenizerBase", longest_prompt: int, *, max_turns: int,
                           max_new_tokens_per_turn: int, max_obs_tokens: int) -> None:
     """Fail before sampling when the longest possible trajectory cannot fit the
     engine's context (engines that do not know their context skip this)."""

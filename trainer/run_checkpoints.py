@@ -15,6 +15,7 @@ from trainer import checkpoint as ckpt
 from trainer import distributed as dist_util
 
 if TYPE_CHECKING:  # pragma: no cover
+    from transformers import PreTrainedTokenizerBase
     import torch
 
     from trainer.config import TrainConfig
@@ -24,8 +25,10 @@ if TYPE_CHECKING:  # pragma: no cover
 class Checkpointer:
     """Saves checkpoints of one run (one job: the write; pruning old ones on rank 0)."""
 
-    def __init__(self, config: "TrainConfig", ctx: dist_util.DistContext, model: Any, tokenizer: Any,
-                 optimizer: "torch.optim.Optimizer", scheduler: Any, order: dist_util.TaskOrder) -> None:
+    def __init__(self, config: "TrainConfig", ctx: dist_util.DistContext, model: "torch.nn.Module",
+                 tokenizer: "PreTrainedTokenizerBase",
+                 optimizer: "torch.optim.Optimizer", scheduler: "torch.optim.lr_scheduler.LRScheduler",
+                 order: dist_util.TaskOrder) -> None:
         self.config, self.ctx, self.model, self.tokenizer = config, ctx, model, tokenizer
         self.optimizer, self.scheduler, self.order = optimizer, scheduler, order
         self.config_yaml = config.to_yaml()

@@ -38,7 +38,7 @@ class TrainingRun:
     ctx: dist_util.DistContext
     device: str  # the torch device of this rank
     policy: "Policy"
-    reference: Any  # the frozen reference model, None when loss.beta == 0
+    reference: "torch.nn.Module | None"  # the frozen reference model, None when loss.beta == 0
     engine: "GenerationEngine"
     optimizer: "torch.optim.Optimizer"
     scheduler: "torch.optim.lr_scheduler.LambdaLR"
@@ -107,7 +107,7 @@ def _restore(run: TrainingRun, config: "TrainConfig", checkpoint_from: pathlib.P
     log.info("resumed from %s at step %d", checkpoint_from, run.state.step)
 
 
-def _optimizer_and_schedule(config: "TrainConfig", model: Any) -> "tuple[torch.optim.Optimizer, Any]":
+def _optimizer_and_schedule(config: "TrainConfig", model: "torch.nn.Module") -> "tuple[torch.optim.Optimizer, Any]":
     import torch
 
     params = [p for p in model.parameters() if p.requires_grad]
@@ -176,7 +176,7 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def _broadcast_parameters(model: Any) -> None:
+def _broadcast_parameters(model: "torch.nn.Module") -> None:
     import torch.distributed as dist
 
     for tensor in model.state_dict().values():

@@ -11,7 +11,7 @@ is a :class:`~trainer.scoring.PendingBatch`: one right-padded
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import TYPE_CHECKING, Sequence
 
 from trainer import distributed as dist_util
 from trainer.policy import pad_token_id
@@ -19,6 +19,8 @@ from trainer.scoring import PendingBatch, ScoreFn
 from trainer.task_kinds import RolloutSettings, TaskKind
 
 if TYPE_CHECKING:  # pragma: no cover
+    import torch
+    from transformers import PreTrainedTokenizerBase
     from trainer.aio import BackgroundLoop
     from trainer.clients import RetrievalClient
     from trainer.config import TrainConfig
@@ -30,7 +32,8 @@ if TYPE_CHECKING:  # pragma: no cover
 class RolloutSampler:
     """Samples the rollouts of one step and starts their scoring (one job: generation)."""
 
-    def __init__(self, config: "TrainConfig", kind: TaskKind, engine: "GenerationEngine", tokenizer: Any,
+    def __init__(self, config: "TrainConfig", kind: TaskKind, engine: "GenerationEngine",
+                 tokenizer: "PreTrainedTokenizerBase",
                  tasks: Sequence["Task"], order: dist_util.TaskOrder, ctx: dist_util.DistContext,
                  retrieval: "RetrievalClient", background: "BackgroundLoop", score: ScoreFn, device: str) -> None:
         self.config, self.kind, self.engine, self.tokenizer = config, kind, engine, tokenizer
@@ -42,7 +45,8 @@ class RolloutSampler:
         each chunk's reward coroutine at once so scoring overlaps the next chunk."""
         started = time.perf_counter()
         config = self.config
-        step_tasks = [self.tasks[i] for i in dist_util.shard(self.order.take(config.rollout.prompts_per_step), self.ctx)]
+        taken = self.order.take(config.rollout.prompts_per_step)
+        step_tasks = [self.tasks[i] for i in dist_util.shard(taken, self.ctx)]
         taken_to = self.order.state()
         chunk = config.rollout.chunk_size(len(step_tasks))
         chunks, futures = [], []

@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any, Callable, Coroutine, Sequence
 from calibrl.errors import ConfigError
 
 if TYPE_CHECKING:  # pragma: no cover
+    from transformers import PreTrainedTokenizerBase
     from trainer.config import RolloutConfig
     from trainer.engines import GenerationEngine
     from trainer.eval import EvalSettings
@@ -68,7 +69,7 @@ class TaskKind:
     builtin_template: str
     rollout: RolloutFn  # (engine, tokenizer, tasks, settings, retrieval, run_async) -> RolloutBatch
     score: ScoreFn  # (reward_model, rollouts) -> coroutine of one RewardBreakdown per rollout
-    evaluate: EvaluateFn  # (engine, tokenizer, tasks, retrieval, settings, run_async, template, chat_template) -> metrics
+    evaluate: EvaluateFn  # (engine, tokenizer, tasks, retrieval, settings, run_async, template, chat) -> metrics
     metric_names: tuple[str, ...]
     max_completion_tokens: Callable[["RolloutConfig"], int]
 
@@ -105,7 +106,8 @@ def _lazy(module: str, name: str) -> Callable[..., Any]:
 # --------------------------------------------------------------------------- rewrite: a one-step query rewriter
 
 
-def _rollout_rewrites(engine: "GenerationEngine", tokenizer: Any, tasks: Sequence["Task"], settings: RolloutSettings,
+def _rollout_rewrites(engine: "GenerationEngine", tokenizer: "PreTrainedTokenizerBase", tasks: Sequence["Task"],
+                      settings: RolloutSettings,
                       retrieval: Any, run_async: RunAsync) -> "RolloutBatch":
     from trainer.rollout import rollout_rewrites
 
@@ -127,7 +129,8 @@ def _one_turn(rollout: "RolloutConfig") -> int:
 # --------------------------------------------------------------------------- search: a multi-step Search-R1 agent
 
 
-def _rollout_search(engine: "GenerationEngine", tokenizer: Any, tasks: Sequence["Task"], settings: RolloutSettings,
+def _rollout_search(engine: "GenerationEngine", tokenizer: "PreTrainedTokenizerBase", tasks: Sequence["Task"],
+                    settings: RolloutSettings,
                     retrieval: Any, run_async: RunAsync) -> "RolloutBatch":
     from trainer.rollout import rollout_search
 

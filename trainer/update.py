@@ -80,7 +80,7 @@ def micro_batch(batch: "RolloutBatch", token_adv: "torch.Tensor | None", rows: l
     )
 
 
-def micro_logprobs(model: Any, micro: MicroBatch, temperature: float,
+def micro_logprobs(model: "torch.nn.Module", micro: MicroBatch, temperature: float,
                    with_entropy: bool = False) -> "tuple[torch.Tensor, float | None]":
     """Log-probs ``(b, L - start)`` of a micro-batch's tokens from column ``start`` on
     (:func:`trainer.policy.completion_logprobs`), and optionally the mean entropy
@@ -157,9 +157,9 @@ class UpdateResult:
 class PolicyUpdate:
     """The clipped GRPO update of the policy (one job: turn training batches into weights)."""
 
-    def __init__(self, config: "TrainConfig", model: Any, reference: Any, optimizer: "torch.optim.Optimizer",
-                 scheduler: Any, ctx: dist_util.DistContext, autocast: ContextManager[Any],
-                 max_completion_length: int) -> None:
+    def __init__(self, config: "TrainConfig", model: "torch.nn.Module", reference: "torch.nn.Module | None",
+                 optimizer: "torch.optim.Optimizer", scheduler: "torch.optim.lr_scheduler.LRScheduler",
+                 ctx: dist_util.DistContext, autocast: ContextManager[Any], max_completion_length: int) -> None:
         self.config, self.model, self.reference = config, model, reference
         self.optimizer, self.scheduler, self.ctx, self.autocast = optimizer, scheduler, ctx, autocast
         self.max_completion_length = max_completion_length
