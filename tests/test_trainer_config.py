@@ -23,7 +23,7 @@ REQUIRED = ["policy.path=/models/p", "tasks.path=tasks.jsonl", "services.index_d
 def test_defaults_follow_the_design_and_overrides_are_typed():
     config = load_train_config(None, [*REQUIRED, "optimizer.lr=2e-5", "optimizer.betas=[0.9, 0.95]", "steps=7"])
     assert isinstance(config, TrainConfig)
-    assert config.max_grad_norm == 0.5  # DESIGN: grad norm clipped to 0.5 by default
+    assert config.max_grad_norm == 0.5  # docs/design.md: grad norm clipped to 0.5 by default
     assert (config.reward.w_retrieval, config.reward.w_rubric) == (0.7, 0.3)
     assert isinstance(config.advantage, GrpoAdvantage) and config.advantage.scale == "group"
     assert config.optimizer.lr == 2e-5 and config.optimizer.betas == [0.9, 0.95] and config.steps == 7
