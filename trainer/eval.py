@@ -35,6 +35,12 @@ from trainer.task_kinds import TASK_KINDS, task_kind
 if TYPE_CHECKING:  # pragma: no cover
     from transformers import PreTrainedTokenizerBase
 
+    from trainer.clients import RetrievalClient
+    from trainer.config import RolloutConfig
+    from trainer.engines import GenerationEngine
+    from trainer.policy import Policy
+    from trainer.tasks import Task
+
 log = logging.getLogger(__name__)
 
 CHECKPOINT_CONFIG = "config.yaml"  # the training config the loop writes into every checkpoint
@@ -89,7 +95,7 @@ class PromptChoice:
     template_source: str = "default"
     chat_template_source: str = "default"
 
-    def rollout_config(self) -> Any:
+    def rollout_config(self) -> "RolloutConfig":
         """A :class:`~trainer.config.RolloutConfig` holding this choice, so eval picks the
         effective template exactly as training does."""
         from trainer.config import RolloutConfig
@@ -189,7 +195,7 @@ def choose_prompt(model: str | pathlib.Path, kind: str, *, prompt_template: str 
 
 
 def load_eval_tasks(path: str, *, fmt: str = "auto", kind: str = "auto", heldout_fraction: float = 0.0,
-                    seed: int = 0, limit: int = 0) -> list[Any]:
+                    seed: int = 0, limit: int = 0) -> list["Task"]:
     """Tasks to evaluate: the file's tasks, or the held-out part of the split
     training made with the same ``heldout_fraction`` and ``seed``."""
     from trainer.tasks import load_tasks, split_tasks
@@ -213,8 +219,8 @@ RunAsync = Callable[[Any], Any]
 
 def evaluate_models(
     models: Sequence[str],
-    tasks: Sequence[Any],
-    retrieval: Any,
+    tasks: Sequence["Task"],
+    retrieval: "RetrievalClient",
     settings: EvalSettings,
     *,
     run_async: RunAsync,
@@ -273,7 +279,7 @@ def _chat_template_applied(prompt: PromptChoice, tokenizer: "PreTrainedTokenizer
     return has_chat_template if flag is None else flag
 
 
-def evaluate_policy(policy: Any, tasks: Sequence[Any], retrieval: Any, settings: EvalSettings, *,
+def evaluate_policy(policy: "Policy", tasks: Sequence["Task"], retrieval: "RetrievalClient", settings: EvalSettings, *,
                     run_async: RunAsync, prompt: PromptChoice | None = None) -> dict[str, float]:
     """Greedy metrics of one loaded :class:`~trainer.policy.Policy` on ``tasks``,
     prompted with ``prompt`` (default: the built-in template, chat template auto)."""
@@ -287,9 +293,9 @@ def evaluate_policy(policy: Any, tasks: Sequence[Any], retrieval: Any, settings:
                                     chat_template)
 
 
-def evaluate_rewrites(engine: Any, tokenizer: "PreTrainedTokenizerBase", tasks: Sequence[Any], retrieval: Any,
-                      settings: EvalSettings,
-                       run_async: RunAsync, template: str, chat_template: bool | None) -> dict[str, float]:
+def evaluate_rewrites(engine: "GenerationEngine", tokenizer: "PreTrainedTokenizerBase", tasks: Sequence["Task"],
+                      retrieval: "RetrievalClient", settings: EvalSettings, run_async: RunAsync, template: str,
+                      chat_template: bool | None) -> dict[str, float]:
     from trainer.rollout import rollout_rewrites
 
     rewrites: list[str] = []
@@ -301,8 +307,8 @@ def evaluate_rewrites(engine: Any, tokenizer: "PreTrainedTokenizerBase", tasks: 
     return _retrieval_metrics(rewrites, tasks, retrieval, settings, run_async)
 
 
-def _retrieval_metrics(queries: Sequence[str], tasks: Sequence[Any], retrieval: Any, settings: EvalSettings,
-                       run_async: RunAsync) -> dict[str, float]:
+def _retrieval_metrics(queries: Sequence[str], tasks: Sequence["Task"], retrieval: "RetrievalClient",
+                       settings: EvalSettings, run_async: RunAsync) -> dict[str, float]:
     """Mean retrieval metrics of one query per task; an empty query retrieves nothing
     (it scores 0 everywhere rather than being sent)."""
     from retrieval_server.types import ScoreItem, SearchMode
@@ -326,9 +332,9 @@ def _retrieval_metrics(queries: Sequence[str], tasks: Sequence[Any], retrieval: 
     return metrics
 
 
-def evaluate_search(engine: Any, tokenizer: "PreTrainedTokenizerBase", tasks: Sequence[Any], retrieval: Any,
-                    settings: EvalSettings,
-                     run_async: RunAsync, template: str, chat_template: bool | None) -> dict[str, float]:
+def evaluate_search(engine: "GenerationEngine", tokenizer: "PreTrainedTokenizerBase", tasks: Sequence["Task"],
+                    retrieval: "RetrievalClient", settings: EvalSettings, run_async: RunAsync, template: str,
+                    chat_template: bool | None) -> dict[str, float]:
     from calibrl.text import exact_match, token_f1
     from trainer.rollout import rollout_search
 

@@ -28,6 +28,8 @@ from calibrl.errors import ConfigError
 
 if TYPE_CHECKING:  # pragma: no cover
     from transformers import PreTrainedTokenizerBase
+
+    from trainer.clients import RetrievalClient
     from trainer.config import RolloutConfig
     from trainer.engines import GenerationEngine
     from trainer.eval import EvalSettings
@@ -55,10 +57,11 @@ class RolloutSettings:
     max_obs_tokens: int = 256  # search: retrieved tokens per observation
 
 
-RolloutFn = Callable[["GenerationEngine", Any, Sequence["Task"], RolloutSettings, Any, RunAsync], "RolloutBatch"]
+RolloutFn = Callable[["GenerationEngine", "PreTrainedTokenizerBase", Sequence["Task"], RolloutSettings,
+                     "RetrievalClient", RunAsync], "RolloutBatch"]
 ScoreFn = Callable[["RewardModel", Sequence[Any]], Coroutine[Any, Any, "list[RewardBreakdown]"]]
-EvaluateFn = Callable[["GenerationEngine", Any, Sequence["Task"], Any, "EvalSettings", RunAsync, str, "bool | None"],
-                      "dict[str, float]"]
+EvaluateFn = Callable[["GenerationEngine", "PreTrainedTokenizerBase", Sequence["Task"], "RetrievalClient",
+                       "EvalSettings", RunAsync, str, "bool | None"], "dict[str, float]"]
 
 
 @dataclass(frozen=True)
@@ -108,7 +111,7 @@ def _lazy(module: str, name: str) -> Callable[..., Any]:
 
 def _rollout_rewrites(engine: "GenerationEngine", tokenizer: "PreTrainedTokenizerBase", tasks: Sequence["Task"],
                       settings: RolloutSettings,
-                      retrieval: Any, run_async: RunAsync) -> "RolloutBatch":
+                      retrieval: "RetrievalClient", run_async: RunAsync) -> "RolloutBatch":
     from trainer.rollout import rollout_rewrites
 
     return rollout_rewrites(
@@ -131,7 +134,7 @@ def _one_turn(rollout: "RolloutConfig") -> int:
 
 def _rollout_search(engine: "GenerationEngine", tokenizer: "PreTrainedTokenizerBase", tasks: Sequence["Task"],
                     settings: RolloutSettings,
-                    retrieval: Any, run_async: RunAsync) -> "RolloutBatch":
+                    retrieval: "RetrievalClient", run_async: RunAsync) -> "RolloutBatch":
     from trainer.rollout import rollout_search
 
     return rollout_search(
