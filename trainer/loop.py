@@ -1,6 +1,6 @@
 """The GRPO / CalibAdv training loop.
 
-One function, :func:`train`, reads top to bottom. Each step::
+:func:`train` builds the run and :meth:`_Loop.step` reads top to bottom. Each step::
 
     rollout     G samples per task, generated in chunks; each chunk's reward
                 coroutine is submitted to a background event loop at once, so
@@ -64,7 +64,7 @@ import logging
 import pathlib
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, NoReturn
+from typing import TYPE_CHECKING, Any, Callable, Coroutine, NoReturn
 
 from calibrl.errors import CalibrlError, RewardError
 from trainer import checkpoint as ckpt
@@ -76,6 +76,8 @@ from trainer.scoring import PendingBatch, settled
 
 if TYPE_CHECKING:  # pragma: no cover
     from trainer.pipeline import RolloutPipeline
+    from trainer.rewards import RewardBreakdown
+    from trainer.rollout import RolloutBatch
     from trainer.run_checkpoints import Checkpointer
     from trainer.run_setup import TrainingRun
     from trainer.step_log import StepLog
@@ -133,7 +135,7 @@ def train(
     checkpointer = Checkpointer(config, ctx, model, tokenizer, run.optimizer, run.scheduler, run.order)
     stop_signal = StopSignal()
 
-    def score(batch: Any) -> Any:
+    def score(batch: "RolloutBatch") -> "Coroutine[Any, Any, list[RewardBreakdown]]":
         """The reward coroutine of a batch's rollouts."""
         return run.kind.score(reward_model, batch.rollouts)
 
