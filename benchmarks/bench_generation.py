@@ -42,7 +42,7 @@ def main() -> None:
 
     import torch
 
-    from tests.tiny_lm import build_model, build_tokenizer
+    from calibrl.testing import build_model, build_tokenizer
     from trainer.engines import TransformersEngine
     from trainer.policy import Policy, token_logprobs
     from trainer.rollout import assemble_rows

@@ -193,7 +193,7 @@ def bench_transformers_judge(args, rows: list, probe: list) -> None:
     from judge_server.backends.encoding import EncodedBatch
     from judge_server.backends.hf import TransformersJudge
     from judge_server.rubric import Criterion
-    from judge_server.testing import build_tiny_causal_lm
+    from calibrl.testing import build_tiny_causal_lm
     from judge_server.types import JudgeItem
 
     criteria = [

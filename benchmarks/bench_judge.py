@@ -2,7 +2,7 @@
 
 Compares, on the same items and LLM criteria, with a judge model built here (nothing
 downloaded): by default a tiny causal LM trained by ``calibrl rubric train-judge``'s core
-on synthetic SME feedback (``judge_server.testing.synthetic_feedback``: a rubric distilled
+on synthetic SME feedback (``calibrl.testing.synthetic_feedback``: a rubric distilled
 with LLM criteria only, plus a 1-5 "quality" question learnt from the grades), so it
 answers for real; ``--judge-model random`` keeps the untrained, randomly initialised model.
 Paths:
@@ -117,7 +117,7 @@ def main() -> int:
     from judge_server.config import JudgeConfig
     from judge_server.judge import Judge, load_llm
     from judge_server.rubric import parse_rubric
-    from judge_server.testing import build_tiny_causal_lm, synthetic_feedback
+    from calibrl.testing import build_tiny_causal_lm, synthetic_feedback
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -224,7 +224,7 @@ def _train_judge(base, workdir: str, args) -> tuple:
     from judge_server.distill import DistillOptions, distill
     from judge_server.feedback import write_feedback
     from judge_server.rubric import Criterion, dump_rubric, load_rubric, with_fields
-    from judge_server.testing import synthetic_feedback
+    from calibrl.testing import synthetic_feedback
     from judge_server.train_judge import TrainJudgeOptions, train_judge
 
     records = synthetic_feedback(args.train_records, seed=7)

@@ -140,7 +140,7 @@ def choose_index(index: str, data: pathlib.Path, work: pathlib.Path) -> tuple[pa
                 return DEFAULT_HOTPOTQA_INDEX, f"HotpotQA dev_400 ({manifest.doc_count} passages, flat)"
         except CalibrlError as exc:
             print(f"not using {DEFAULT_HOTPOTQA_INDEX}: {exc}", file=sys.stderr)
-    from retrieval_server.testing import TINY_CORPUS, build_test_index
+    from calibrl.testing import TINY_CORPUS, build_test_index
 
     print("HotpotQA index not built (python benchmarks/bench_retrieval.py builds it); using the test index",
           file=sys.stderr)
@@ -162,7 +162,7 @@ def retrieval_requests(batch: int, data: pathlib.Path, hotpotqa: bool, mode: str
         items = [pb.ScoreItem(query=q.question, gold_doc_ids=list(q.gold_titles), gold_answers=list(q.answers))
                  for q in read_hotpotqa_questions(data)]
     else:
-        from retrieval_server.testing import TINY_CORPUS
+        from calibrl.testing import TINY_CORPUS
 
         items = [pb.ScoreItem(query=f"{word} {p['title']}", gold_doc_ids=[p["_id"]])
                  for p in TINY_CORPUS for word in ("what is", "tell me about", "facts on", "history of")]
@@ -173,7 +173,7 @@ def retrieval_requests(batch: int, data: pathlib.Path, hotpotqa: bool, mode: str
 
 def judge_requests(batch: int) -> list[Any]:
     from calibrl.v1 import judge_pb2 as pb
-    from judge_server.testing import synthetic_feedback
+    from calibrl.testing import synthetic_feedback
 
     items = [pb.JudgeItem(query=r.query, output=r.output, retrieved_texts=list(r.retrieved_texts),
                           retrieved_doc_ids=list(r.retrieved_doc_ids)) for r in synthetic_feedback(n=400, seed=7)]
@@ -308,7 +308,7 @@ def main(argv: list[str] | None = None) -> int:
                     f", {o}" for o in args.retrieval_set)
                 stub, rpc = retrieval_pb2_grpc.RetrievalServiceStub, "ScoreRetrieval"
             else:
-                from judge_server.testing import SYNTHETIC_GLOSSARY
+                from calibrl.testing import SYNTHETIC_GLOSSARY
 
                 rubrics = work / "rubrics"
                 rubrics.mkdir()

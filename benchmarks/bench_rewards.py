@@ -45,7 +45,7 @@ async def run(batch: int, repeats: int, workdir: pathlib.Path) -> dict[str, floa
     from judge_server.judge import Judge
     from judge_server.rubric import load_rubric_dir
     from retrieval_server.retriever import Retriever
-    from retrieval_server.testing import TINY_CORPUS, build_test_index, start_test_server
+    from calibrl.testing import TINY_CORPUS, build_test_index, start_test_server
     from trainer.grpc_clients import GrpcJudgeClient, GrpcRetrievalClient
     from trainer.inprocess import InProcessJudgeClient, InProcessRetrievalClient
     from trainer.rewards import RewardConfig, RewardModel, RewriteRollout

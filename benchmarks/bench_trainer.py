@@ -60,8 +60,8 @@ def build_world(root: pathlib.Path, hidden: int, layers: int) -> dict:
 
     from calibrl.embedding import SentenceEmbedder
     from retrieval_server.retriever import Retriever
-    from retrieval_server.testing import TINY_CORPUS, build_test_index
-    from tests.tiny_lm import build_model, build_tokenizer
+    from calibrl.testing import TINY_CORPUS, build_test_index
+    from calibrl.testing import build_model, build_tokenizer
 
     tokenizer = build_tokenizer()
     model = build_model(tokenizer, seed=0, hidden=hidden, layers=layers)
@@ -223,7 +223,7 @@ def part_services(world: dict, root: pathlib.Path, steps: int, chunks: list[int]
     from calibrl.config import load_config
     from judge_server.config import JudgeServerConfig
     from judge_server.server import start as start_judge
-    from retrieval_server.testing import start_test_server
+    from calibrl.testing import start_test_server
     from trainer.aio import BackgroundLoop
     from trainer.cli import make_clients
     from trainer.config import load_train_config

@@ -1,13 +1,81 @@
 """calibrl: SME-calibrated rewards and calibrated GRPO for retrieval agents.
 
-The distribution holds four top-level packages:
+What a user imports::
+
+    from calibrl import Retriever, Judge, JudgeConfig                 # the two cores, in process
+    from calibrl import GrpcRetrievalClient, GrpcJudgeClient          # reward clients of the services
+    from calibrl import InProcessRetrievalClient, InProcessJudgeClient  # the same, without a network
+    from calibrl import TrainConfig, load_train_config, train         # the trainer
+
+Everything is imported on first use, so ``import calibrl`` (and ``calibrl --help``)
+loads neither torch nor faiss. The distribution holds four top-level packages:
 
 - ``calibrl``          shared core: errors, config loading, gRPC serving, batching,
-                       text normalisation, the ``calibrl`` CLI, generated wire code
-                       (``calibrl.v1``) and the embedded demo (``calibrl.demo``).
+                       text normalisation, devices, the ``calibrl`` CLI, generated wire
+                       code (``calibrl.v1``), the embedded demo (``calibrl.demo``) and
+                       the helpers of tests and benchmarks (``calibrl.testing``).
 - ``retrieval_server`` the fixed index and its reward signals, served over gRPC.
 - ``judge_server``     rubric judges distilled from SME grades, served over gRPC.
 - ``trainer``          the GRPO / CalibAdv trainer, a client of both services.
+
+The errors every part raises on purpose are in ``calibrl.errors`` (``CalibrlError``
+and its subclasses), exported here too.
 """
 
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
 __version__ = "0.1.0"
+
+# public name -> the module that defines it
+_EXPORTS = {
+    "Retriever": "retrieval_server.retriever",
+    "RetrievalServerConfig": "retrieval_server.config",
+    "Judge": "judge_server.judge",
+    "JudgeConfig": "judge_server.config",
+    "JudgeServerConfig": "judge_server.config",
+    "RetrievalClient": "trainer.clients",
+    "JudgeClient": "trainer.clients",
+    "GrpcRetrievalClient": "trainer.grpc_clients",
+    "GrpcJudgeClient": "trainer.grpc_clients",
+    "InProcessRetrievalClient": "trainer.inprocess",
+    "InProcessJudgeClient": "trainer.inprocess",
+    "RewardModel": "trainer.rewards",
+    "TrainConfig": "trainer.config",
+    "load_train_config": "trainer.config",
+    "train": "trainer.loop",
+    "TrainResult": "trainer.loop",
+    "CalibrlError": "calibrl.errors",
+    "ConfigError": "calibrl.errors",
+    "InvalidArgument": "calibrl.errors",
+    "RewardError": "calibrl.errors",
+}
+
+__all__ = ["__version__", *sorted(_EXPORTS)]
+
+if TYPE_CHECKING:  # pragma: no cover
+    from calibrl.errors import CalibrlError, ConfigError, InvalidArgument, RewardError
+    from judge_server.config import JudgeConfig, JudgeServerConfig
+    from judge_server.judge import Judge
+    from retrieval_server.config import RetrievalServerConfig
+    from retrieval_server.retriever import Retriever
+    from trainer.clients import JudgeClient, RetrievalClient
+    from trainer.config import TrainConfig, load_train_config
+    from trainer.grpc_clients import GrpcJudgeClient, GrpcRetrievalClient
+    from trainer.inprocess import InProcessJudgeClient, InProcessRetrievalClient
+    from trainer.loop import TrainResult, train
+    from trainer.rewards import RewardModel
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'calibrl' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_EXPORTS[name]), name)
+    globals()[name] = value  # later look-ups skip this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_EXPORTS])

@@ -31,6 +31,7 @@ import threading
 from dataclasses import dataclass
 from typing import Any, Protocol, Sequence
 
+from calibrl.devices import resolve_device
 from calibrl.errors import ConfigError, FailedPrecondition
 
 log = logging.getLogger(__name__)
@@ -65,20 +66,6 @@ def resolve_embedder(name_or_path: str | None) -> tuple[str, pathlib.Path]:
     return str(path), path
 
 
-def resolve_device(device: str) -> str:
-    """``auto`` -> ``cuda`` when torch sees a GPU, else ``cpu``; anything else is checked."""
-    import torch
-
-    if device == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    if device.startswith("cuda") and not torch.cuda.is_available():
-        raise ConfigError(f"device={device!r}: torch sees no CUDA device; use device=cpu or device=auto")
-    if not (device == "cpu" or device.startswith("cuda")):
-        raise ConfigError(f"device={device!r}: use auto, cpu, cuda or cuda:N")
-    return device
-
-
-@dataclass(frozen=True)
 class _Layout:
     """What a sentence-transformers folder does after the encoder, when we can run it directly."""
 

@@ -36,7 +36,7 @@ criteria:
   - {{name: length, kind: programmatic, scorer: length, weight: 0.2, severity: 0.8}}
 """
 
-# Rewrite tasks over retrieval_server.testing.TINY_CORPUS (the gold passage ids).
+# Rewrite tasks over calibrl.testing.TINY_CORPUS (the gold passage ids).
 TASKS = [
     ("iron-tower", "Which iron tower was built in Paris for the 1889 World's Fair?", ("eiffel",)),
     ("magic-flute", "Who wrote the opera The Magic Flute?", ("mozart",)),
@@ -54,7 +54,7 @@ class LocalServices:
         from judge_server.config import JudgeServerConfig
         from retrieval_server import server as retrieval_server
         from retrieval_server.config import RetrievalServerConfig
-        from retrieval_server.testing import TINY_CORPUS, build_test_index
+        from calibrl.testing import TINY_CORPUS, build_test_index
         from trainer.aio import BackgroundLoop
 
         index_dir = workdir / "index"
@@ -83,7 +83,7 @@ class LocalServices:
 
 def build_tiny_policy(workdir: pathlib.Path) -> str:
     """A tiny random Llama and a BPE tokenizer trained on the task prompts (no download)."""
-    from judge_server.testing import build_tiny_causal_lm
+    from calibrl.testing import build_tiny_causal_lm
     from trainer.search_format import REWRITE_TEMPLATE, fill_template
 
     folder = workdir / "policy"

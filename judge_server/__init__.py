@@ -11,9 +11,9 @@ Public surface (everything else is an implementation detail):
 - ``judge_server.rubric``: the rubric file format, ``load_rubric``, ``Rubric.hash``.
 - ``judge_server.feedback``, ``judge_server.distill``, ``judge_server.validation``:
   SME feedback records, distillation, validation records and the gate.
-- ``judge_server.testing``: ``build_tiny_causal_lm`` and ``synthetic_feedback`` for
-  tests and demos (nothing downloaded).
 - ``judge_server.cli``: ``calibrl serve judge``, ``calibrl rubric distill|validate``.
+
+Test helpers (a tiny causal LM, synthetic SME feedback) live in ``calibrl.testing``.
 
 Module map: ``programmatic`` + ``entities`` + ``calibrl.embedding`` (criteria without an LLM),
 ``prompts`` + ``backends/encoding`` (prompt and score code shared by the LLM backends),

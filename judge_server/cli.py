@@ -207,11 +207,9 @@ def validate(argv: list[str]) -> int:
     from calibrl.config import load_config
     from judge_server.config import JudgeConfig
     from judge_server.feedback import read_feedback
-    from judge_server.judge import Judge, load_llm
     from judge_server.rubric import load_rubric
     from judge_server.feedback import parse_field_map
-    from judge_server.validation import (ValidationOptions, agreement, pick_pass_threshold, validation_path,
-                                         write_record)
+    from judge_server.validation import ValidationOptions, validate_judge, validation_path, write_record
 
     try:
         config = load_config(JudgeConfig, args.config,
@@ -223,19 +221,12 @@ def validate(argv: list[str]) -> int:
         options = ValidationOptions(args.min_kappa, 0.6 if auto else args.pass_threshold, args.pass_grade,
                                     args.flag_threshold, args.min_items)
         options.validate()
-        rubric = load_rubric(args.rubric)
-        golden = read_feedback(args.golden)
-        judge = Judge([rubric], config, llm=load_llm(config))
-        choice = None
-        if auto:
-            golden_hashes = {r.record_hash for r in golden}
-            calibration = [r for r in read_feedback(args.feedback, parse_field_map(args.field_map))
-                           if r.record_hash not in golden_hashes]
-            choice = pick_pass_threshold(calibration, _score(judge, rubric, config, calibration), args.pass_grade)
-            print(f"--pass-threshold auto: {choice.threshold:g} (kappa {_fmt(choice.kappa)} on "
-                  f"{choice.n_items} non-golden feedback records; the golden set was not used)")
-        scores = _score(judge, rubric, config, golden)
-        record = agreement(rubric, judge.model_id, golden, scores, options, threshold_choice=choice)
+        calibration = read_feedback(args.feedback, parse_field_map(args.field_map)) if auto else None
+        record = validate_judge(load_rubric(args.rubric), read_feedback(args.golden), config, options, calibration)
+        choice = record.metrics.get("threshold_selection") if auto else None
+        if choice:
+            print(f"--pass-threshold auto: {record.pass_threshold:g} (kappa {_fmt(choice.get('kappa'))} on "
+                  f"{choice.get('n_items', '?')} non-golden feedback records; the golden set was not used)")
     except CalibrlError as exc:
         return _fail(str(exc))
     if not args.no_record:
@@ -257,14 +248,6 @@ def _threshold_arg(text: str) -> float | str:
         return float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r}: a number in [0, 1] or 'auto'") from None
-
-
-def _score(judge, rubric, config, records) -> list:
-    items = [r.to_item() for r in records]
-    step = config.max_batch_size  # a golden set may be larger than one request
-    for start in range(0, len(items), step):
-        judge.check_items(items[start : start + step])
-    return judge.compute(judge.resolve(rubric.id), items)
 
 
 def _fmt(value) -> str:

@@ -254,6 +254,39 @@ def _canonical_tags(record: FeedbackRecord) -> list[str]:
     return [canonical_tag(t) for t in record.error_tags]
 
 
+def validate_judge(rubric: Rubric, golden: Sequence[FeedbackRecord], config: Any,
+                   options: ValidationOptions,
+                   calibration: Sequence[FeedbackRecord] | None = None) -> ValidationRecord:
+    """Score the golden set with the judge of ``config`` (a ``JudgeConfig``) and compare
+    it with the SME grades: the validation record of ``rubric`` for that judge (not
+    written; :func:`write_record` does that). Raises on items the judge rejects.
+
+    ``calibration``: non-golden feedback records (``--pass-threshold auto``); the pass
+    threshold is then picked on them by :func:`pick_pass_threshold` and recorded, and
+    ``options.pass_threshold`` is ignored. Records that are also in ``golden`` are left
+    out, so the golden set never decides its own threshold."""
+    from judge_server.judge import Judge, load_llm
+
+    options.validate()
+    judge = Judge([rubric], config, llm=load_llm(config))
+    choice = None
+    if calibration is not None:
+        golden_hashes = {r.record_hash for r in golden}
+        calibration = [r for r in calibration if r.record_hash not in golden_hashes]
+        choice = pick_pass_threshold(calibration, _judge_scores(judge, rubric, config, calibration),
+                                     options.pass_grade)
+    scores = _judge_scores(judge, rubric, config, golden)
+    return agreement(rubric, judge.model_id, golden, scores, options, threshold_choice=choice)
+
+
+def _judge_scores(judge: Any, rubric: Rubric, config: Any, records: Sequence[FeedbackRecord]) -> list[ItemScore]:
+    items = [r.to_item() for r in records]
+    step = config.max_batch_size  # a record set may be larger than one request
+    for start in range(0, len(items), step):
+        judge.check_items(items[start : start + step])
+    return judge.compute(judge.resolve(rubric.id), items)
+
+
 def validation_path(rubric_path: str | pathlib.Path) -> pathlib.Path:
     return pathlib.Path(str(rubric_path) + VALIDATION_SUFFIX)
 

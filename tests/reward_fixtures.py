@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from retrieval_server.retriever import Retriever
-from retrieval_server.testing import build_test_index
+from calibrl.testing import build_test_index
 
 RUBRIC_YAML = """\
 id: rewrite-test

@@ -1,5 +1,5 @@
 """Shared data of the tests/test_sme_*.py tests: sample items built from the synthetic
-SME feedback of judge_server.testing, and a rubric distilled from that feedback."""
+SME feedback of calibrl.testing, and a rubric distilled from that feedback."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pathlib
 from calibrl.sme.items import SampleItem, write_items
 from judge_server.distill import DistillOptions, distill
 from judge_server.rubric import dump_rubric
-from judge_server.testing import SYNTHETIC_GLOSSARY, synthetic_feedback
+from calibrl.testing import SYNTHETIC_GLOSSARY, synthetic_feedback
 
 
 def feedback_items(n: int = 40, seed: int = 0) -> list[SampleItem]:

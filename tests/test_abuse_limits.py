@@ -13,7 +13,7 @@ from calibrl.v1 import retrieval_pb2 as pb
 from calibrl.v1 import retrieval_pb2_grpc as pb_grpc
 from judge_server.server import start as start_judge
 from retrieval_server.retriever import Retriever
-from retrieval_server.testing import build_test_index, start_test_server
+from calibrl.testing import build_test_index, start_test_server
 from tests.test_judge_server import make_rubrics, server_config
 
 

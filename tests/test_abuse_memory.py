@@ -14,7 +14,7 @@ import psutil
 import pytest
 
 from calibrl.v1 import retrieval_pb2 as pb
-from retrieval_server.testing import build_test_index
+from calibrl.testing import build_test_index
 
 SEARCH = "/calibrl.v1.RetrievalService/Search"
 KEY = "memory-test-key"

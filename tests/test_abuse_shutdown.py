@@ -16,7 +16,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from calibrl.v1 import retrieval_pb2 as pb
 from calibrl.v1 import retrieval_pb2_grpc as pb_grpc
-from retrieval_server.testing import build_test_index
+from calibrl.testing import build_test_index
 
 DRAIN_S, GRACE_S = 2.0, 1.0
 

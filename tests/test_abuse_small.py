@@ -16,7 +16,7 @@ from google.protobuf.message_factory import GetMessageClass
 
 from calibrl import healthcheck
 from retrieval_server.retriever import Retriever
-from retrieval_server.testing import TINY_CORPUS, build_test_index, start_test_server
+from calibrl.testing import TINY_CORPUS, build_test_index, start_test_server
 from tests.tls_helpers import make_pki
 
 

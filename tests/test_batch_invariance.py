@@ -31,11 +31,11 @@ from judge_server.config import JudgeConfig, JudgeServerConfig
 from judge_server.judge import Judge
 from judge_server.rubric import load_rubric_dir
 from judge_server.server import start as start_judge
-from judge_server.testing import build_tiny_causal_lm
+from calibrl.testing import build_tiny_causal_lm
 from judge_server.types import JudgeItem
 from retrieval_server import wire as retrieval_wire
 from retrieval_server.dense import FaissSearcher, TorchSearcher, build_faiss_index
-from retrieval_server.testing import build_test_index, start_test_server
+from calibrl.testing import build_test_index, start_test_server
 from retrieval_server.types import ScoreItem, SearchMode
 
 torch = pytest.importorskip("torch")
@@ -183,7 +183,7 @@ def test_dense_ties_keep_one_order_whatever_k_or_batch(tmp_path):
     """Duplicate passages score the same: their order must not depend on the k the server
     searched with (it batches calls at their largest k) nor on the queries beside them."""
     from retrieval_server.retriever import Retriever
-    from retrieval_server.testing import TINY_CORPUS
+    from calibrl.testing import TINY_CORPUS
 
     mozart = next(p for p in TINY_CORPUS if p["_id"] == "mozart")
     records = [{**mozart, "_id": "mozart-copy"}, *TINY_CORPUS]  # the copy comes first in index order

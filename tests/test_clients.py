@@ -18,7 +18,7 @@ from judge_server.rubric import load_rubric_dir
 from judge_server.types import JudgeItem
 from retrieval_server.limits import RetrievalLimits
 from retrieval_server.retriever import Retriever
-from retrieval_server.testing import start_test_server
+from calibrl.testing import start_test_server
 from retrieval_server.types import ScoreItem, SearchMode
 from trainer.grpc_clients import GrpcJudgeClient, GrpcRetrievalClient
 from trainer.inprocess import InProcessJudgeClient, InProcessRetrievalClient

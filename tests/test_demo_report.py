@@ -81,7 +81,9 @@ def test_missing_metrics_print_as_dashes_and_text_table_aligns() -> None:
     assert "50.0%" in table[2] and "-" in table[3].split()
 
 
-def test_read_metrics_missing_file_is_empty(tmp_path: pathlib.Path) -> None:
-    assert rep.read_metrics(tmp_path / "nope.jsonl") == []
+def test_read_log_missing_file_is_empty(tmp_path: pathlib.Path) -> None:
+    from trainer.diagnostics import read_log
+
+    assert read_log(tmp_path / "nope.jsonl") == []
     (tmp_path / "m.jsonl").write_text('{"step": 1, "reward": 0.5}\n\n{"step": 2, "reward": 0.7}\n')
-    assert [r["step"] for r in rep.read_metrics(tmp_path / "m.jsonl")] == [1, 2]
+    assert [r["step"] for r in read_log(tmp_path / "m.jsonl")] == [1, 2]

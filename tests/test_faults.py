@@ -41,7 +41,7 @@ from calibrl.v1 import judge_pb2_grpc as jpb_grpc
 from calibrl.v1 import retrieval_pb2 as rpb
 from calibrl.v1 import retrieval_pb2_grpc as rpb_grpc
 from retrieval_server import wire as retrieval_wire
-from retrieval_server.testing import TINY_CORPUS, build_test_index, start_test_server
+from calibrl.testing import TINY_CORPUS, build_test_index, start_test_server
 from retrieval_server.types import ScoreItem
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -79,7 +79,7 @@ class World:
 
 @pytest.fixture(scope="module")
 def world(tmp_path_factory) -> World:
-    from tests.tiny_lm import save_tiny_policy
+    from calibrl.testing import save_tiny_policy
 
     root = tmp_path_factory.mktemp("faults")
     rubric_dir = root / "rubrics"

@@ -101,7 +101,7 @@ class Served:
     def __init__(self, root) -> None:
         from trainer.aio import BackgroundLoop
 
-        from retrieval_server.testing import build_test_index
+        from calibrl.testing import build_test_index
 
         self.index_dir = build_test_index(root / "index")
         self.rubric_dir = root / "rubrics"
@@ -118,7 +118,7 @@ class Served:
         self.fuzz_hash = self.judge_stub.GetRubric(jpb.GetRubricRequest(rubric_id=FUZZ_RUBRIC), timeout=30).hash
 
     async def _start_retrieval(self):
-        from retrieval_server.testing import start_test_server
+        from calibrl.testing import start_test_server
 
         return await start_test_server(
             self.index_dir, f"max_top_k={MAX_TOP_K}", f"max_batch_size={MAX_QUERIES}",

@@ -15,7 +15,7 @@ from judge_server.config import JudgeConfig, JudgeServerConfig
 from judge_server.feedback import read_feedback, write_feedback
 from judge_server.rubric import load_rubric
 from judge_server.server import start
-from judge_server.testing import SYNTHETIC_GLOSSARY, build_tiny_causal_lm, synthetic_feedback
+from calibrl.testing import SYNTHETIC_GLOSSARY, build_tiny_causal_lm, synthetic_feedback
 from judge_server.types import JudgeItem
 from judge_server.validation import read_records
 

@@ -8,7 +8,7 @@ from judge_server.config import JudgeConfig
 from judge_server.feedback import FeedbackRecord
 from judge_server.judge import Judge, load_llm
 from judge_server.rubric import parse_rubric
-from judge_server.testing import build_tiny_causal_lm
+from calibrl.testing import build_tiny_causal_lm
 from judge_server.types import CriterionScore, JudgeItem, aggregate
 from judge_server.validation import ValidationOptions, agreement, find_record, read_records, write_record
 

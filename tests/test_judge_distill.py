@@ -11,7 +11,7 @@ from calibrl.errors import ConfigError
 from judge_server.distill import DistillOptions, distill, is_golden, split_golden
 from judge_server.feedback import FeedbackError, FeedbackRecord, read_feedback, write_feedback
 from judge_server.rubric import dump_rubric, load_rubric, parse_rubric
-from judge_server.testing import synthetic_feedback
+from calibrl.testing import synthetic_feedback
 
 
 # Tolerances: an explicit one says the error it allows and why (tests/tolerances.py). A bare

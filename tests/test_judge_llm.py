@@ -12,7 +12,7 @@ from judge_server.backends import model_fingerprint, parse_spec
 from judge_server.config import JudgeConfig
 from judge_server.judge import load_llm
 from judge_server.rubric import Criterion
-from judge_server.testing import SIMPLE_CHAT_TEMPLATE, build_tiny_causal_lm, synthetic_feedback
+from calibrl.testing import SIMPLE_CHAT_TEMPLATE, build_tiny_causal_lm, synthetic_feedback
 from judge_server.types import JudgeItem
 from tests.tolerances import forward_error
 

@@ -15,7 +15,7 @@ from judge_server.config import JudgeServerConfig
 from judge_server.feedback import FeedbackRecord, parse_field_map, read_feedback, write_feedback
 from judge_server.rubric import load_rubric
 from judge_server.server import start
-from judge_server.testing import SYNTHETIC_GLOSSARY, synthetic_feedback
+from calibrl.testing import SYNTHETIC_GLOSSARY, synthetic_feedback
 from judge_server.types import CriterionScore, ItemScore, JudgeItem
 from judge_server.validation import ValidationOptions, agreement, pick_pass_threshold, read_records
 

@@ -16,7 +16,7 @@ from calibrl.errors import ConfigError
 from judge_server.distill import split_golden
 from judge_server.feedback import FeedbackRecord, read_feedback, write_feedback
 from judge_server.rubric import Criterion, load_rubric
-from judge_server.testing import build_tiny_causal_lm
+from calibrl.testing import build_tiny_causal_lm
 from judge_server.train_judge import TrainJudgeOptions, criterion_target, read_training_record, train_judge
 from judge_server.validation import golden_digest, read_records
 
@@ -313,7 +313,7 @@ def test_base_that_is_not_a_causal_lm_is_refused(workspace, tmp_path, capsys):
 
 
 def test_tokenizer_without_single_token_answers_is_refused(workspace, tmp_path, capsys):
-    from tests.tiny_lm import save_tiny_policy
+    from calibrl.testing import save_tiny_policy
 
     folder, _ = workspace
     policy = save_tiny_policy(tmp_path / "policy")  # its BPE never saw "yes": no single-token spelling

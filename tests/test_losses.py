@@ -13,7 +13,6 @@ from calibrl.errors import InvalidArgument
 from trainer.losses import (
     LOSS_AGGREGATIONS,
     masked_entropy_from_logits,
-    per_token_policy_loss,
     policy_loss,
     token_logprobs,
 )
@@ -103,6 +102,11 @@ def _one(value: float) -> torch.Tensor:
     return torch.tensor([[value]], dtype=torch.float64)
 
 
+def _token_loss(logp, old, adv, **kwargs):
+    """The loss of one token (any aggregation of a single token is its own loss)."""
+    return policy_loss(logp, old, adv, torch.ones(1, 1, dtype=torch.bool), **kwargs)[0]
+
+
 @pytest.mark.parametrize(
     ("ratio", "advantage", "expected"),
     [
@@ -116,18 +120,17 @@ def _one(value: float) -> torch.Tensor:
 def test_clipped_surrogate_hand_values(ratio: float, advantage: float, expected: float) -> None:
     old = _one(-2.0)
     logp = old + math.log(ratio)
-    assert float(per_token_policy_loss(logp, old, _one(advantage))) == pytest.approx(expected)
+    assert float(_token_loss(logp, old, _one(advantage))) == pytest.approx(expected)
 
 
 def test_k3_kl_is_zero_at_the_reference_and_positive_elsewhere() -> None:
     logp = _one(-1.0)
-    assert float(per_token_policy_loss(logp, logp, _one(0.0), ref_logp=logp, beta=1.0)) == 0.0
+    assert float(_token_loss(logp, logp, _one(0.0), ref_logp=logp, beta=1.0)) == 0.0
     kl = math.exp(0.5) - 0.5 - 1
-    assert float(per_token_policy_loss(logp, logp, _one(0.0), ref_logp=_one(-0.5), beta=0.1)) == pytest.approx(
+    assert float(_token_loss(logp, logp, _one(0.0), ref_logp=_one(-0.5), beta=0.1)) == pytest.approx(
         0.1 * kl)
     # With the ratio correction the KL term is weighted by r = exp(logp - old).
-    corrected = per_token_policy_loss(logp, logp - 0.2, _one(0.0), ref_logp=_one(-0.5), beta=0.1,
-                                      kl_ratio_correction=True)
+    corrected = _token_loss(logp, logp - 0.2, _one(0.0), ref_logp=_one(-0.5), beta=0.1, kl_ratio_correction=True)
     assert float(corrected) == pytest.approx(0.1 * kl * math.exp(0.2))
 
 

@@ -7,7 +7,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from calibrl.errors import ConfigError, InvalidArgument, NotFound  # noqa: E402
-from tests.tiny_lm import build_model, build_tokenizer, save_tiny_policy  # noqa: E402
+from calibrl.testing import build_model, build_tokenizer, save_tiny_policy  # noqa: E402
 from tests.tolerances import forward_error  # noqa: E402
 from trainer.engines import inference_weights  # noqa: E402
 from trainer.policy import (  # noqa: E402
@@ -58,14 +58,12 @@ def _manual_logprobs(model, input_ids, lengths, temperature=1.0):
     return logp, entropy
 
 
-@pytest.mark.parametrize("temperature, chunk_size", [(1.0, None), (0.7, 3)])
-def test_token_logprobs_equal_a_manual_loop(tokenizer, temperature, chunk_size):
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_token_logprobs_equal_a_manual_loop(tokenizer, temperature):
     model = build_model(tokenizer)
     input_ids, attention_mask, lengths = _batch(tokenizer)
     with torch.no_grad():
-        logp, entropy = token_logprobs(
-            model, input_ids, attention_mask, temperature=temperature, return_entropy=True, chunk_size=chunk_size
-        )
+        logp, entropy = token_logprobs(model, input_ids, attention_mask, temperature=temperature, return_entropy=True)
     expected_logp, expected_entropy = _manual_logprobs(model, input_ids, lengths, temperature)
     valid = attention_mask.bool()
     assert logp.shape == entropy.shape == input_ids.shape

@@ -24,7 +24,7 @@ from retrieval_server.corpus import file_sha256, read_hotpotqa_corpus, read_hotp
 from retrieval_server.index import build_index
 from retrieval_server.manifest import read_manifest, verify_files
 from retrieval_server.retriever import Retriever
-from retrieval_server.testing import start_test_server
+from calibrl.testing import start_test_server
 from retrieval_server.types import ScoreItem, SearchMode
 
 # Building the 3,931-passage MiniLM index takes minutes on 2 cores: allow it beyond the default timeout.

@@ -19,7 +19,7 @@ from retrieval_server.limits import RetrievalLimits
 from retrieval_server.manifest import read_manifest
 from retrieval_server.retriever import Retriever
 from tests.tolerances import float32_sum_error
-from retrieval_server.testing import TINY_CORPUS, build_test_index
+from calibrl.testing import TINY_CORPUS, build_test_index
 from retrieval_server.types import ScoreItem, SearchMode
 
 QUERIES = {

@@ -22,7 +22,7 @@ from calibrl.v1 import retrieval_pb2 as pb
 from calibrl.v1 import retrieval_pb2_grpc as pb_grpc
 from retrieval_server import wire
 from retrieval_server.retriever import Retriever
-from retrieval_server.testing import TINY_CORPUS, build_test_index, start_test_server
+from calibrl.testing import TINY_CORPUS, build_test_index, start_test_server
 from retrieval_server.types import ScoreItem, SearchMode
 
 # Tolerances: an explicit one says the error it allows and why (tests/tolerances.py). A bare

@@ -17,7 +17,7 @@ from judge_server.config import JudgeConfig, JudgeServerConfig
 from judge_server.judge import Judge
 from judge_server.rubric import load_rubric_dir
 from judge_server.types import JudgeItem
-from retrieval_server.testing import start_test_server
+from calibrl.testing import start_test_server
 from retrieval_server.types import ScoreItem
 from trainer.grpc_clients import GrpcJudgeClient, GrpcRetrievalClient
 from trainer.inprocess import InProcessJudgeClient, InProcessRetrievalClient

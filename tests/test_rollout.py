@@ -7,7 +7,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from calibrl.errors import ConfigError, InvalidArgument  # noqa: E402
-from tests.tiny_lm import build_model, build_tokenizer  # noqa: E402
+from calibrl.testing import build_model, build_tokenizer  # noqa: E402
 from trainer.aio import BackgroundLoop  # noqa: E402
 from trainer.engines import (  # noqa: E402
     TransformersEngine,
@@ -338,7 +338,7 @@ class RecordingRetrieval:
 @pytest.fixture(scope="module")
 def retriever(tmp_path_factory):
     from retrieval_server.retriever import Retriever
-    from retrieval_server.testing import build_test_index
+    from calibrl.testing import build_test_index
 
     index_dir = build_test_index(tmp_path_factory.mktemp("index"))
     return Retriever.load(index_dir, device="cpu")

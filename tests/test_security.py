@@ -16,7 +16,7 @@ from calibrl.telemetry import TelemetryConfig
 from calibrl.v1 import retrieval_pb2 as pb
 from calibrl.v1 import retrieval_pb2_grpc as pb_grpc
 from retrieval_server.retriever import Retriever
-from retrieval_server.testing import build_test_index, start_test_server
+from calibrl.testing import build_test_index, start_test_server
 from tests.tls_helpers import make_pki
 
 KEY_A, KEY_B = "key-of-team-a", "key-of-team-b"

@@ -11,7 +11,7 @@ from judge_server import cli as judge_cli
 from judge_server.config import JudgeConfig
 from judge_server.distill import split_golden
 from judge_server.feedback import write_feedback
-from judge_server.testing import SYNTHETIC_GLOSSARY, synthetic_feedback
+from calibrl.testing import SYNTHETIC_GLOSSARY, synthetic_feedback
 
 FAST_JUDGE = JudgeConfig(embedder="hashed-ngrams", allow_unvalidated=True, cache_size=0)
 

@@ -11,7 +11,7 @@ import torch
 
 from calibrl.errors import NotFound
 from tests.test_trainer_support import one_torch_thread  # noqa: F401  (fixture)
-from tests.tiny_lm import build_model, build_tokenizer
+from calibrl.testing import build_model, build_tokenizer
 from trainer import checkpoint as ckpt
 
 

@@ -13,7 +13,7 @@ import pytest
 from calibrl.cli import main as calibrl_main
 from calibrl.errors import ConfigError
 from trainer.config import CalibAdvAdvantage, GrpoAdvantage, TrainConfig, load_train_config
-from trainer.loop import lr_lambda
+from trainer.run_setup import lr_lambda
 
 # Tolerances: an explicit one says the error it allows and why (tests/tolerances.py). A bare
 # pytest.approx(x) (rel 1e-6, ~17 float32 roundings) compares values a few float operations
@@ -27,7 +27,7 @@ REQUIRED = ["policy.path=/models/p", "tasks.path=tasks.jsonl", "services.index_d
 def test_defaults_follow_the_design_and_overrides_are_typed():
     config = load_train_config(None, [*REQUIRED, "optimizer.lr=2e-5", "optimizer.betas=[0.9, 0.95]", "steps=7"])
     assert isinstance(config, TrainConfig)
-    assert config.max_grad_norm == 0.5  # DESIGN: grad norm clipped to 0.5 by default
+    assert config.max_grad_norm == 0.5  # docs/design.md: grad norm clipped to 0.5 by default
     assert (config.reward.w_retrieval, config.reward.w_rubric) == (0.7, 0.3)
     assert isinstance(config.advantage, GrpoAdvantage) and config.advantage.scale == "group"
     assert config.optimizer.lr == 2e-5 and config.optimizer.betas == [0.9, 0.95] and config.steps == 7

@@ -150,7 +150,8 @@ def templated_run(trainer_world, tmp_path_factory):
 
 def test_training_rollouts_use_the_configured_template_and_chat_choice(trainer_world, tmp_path):
     from trainer.engines import make_engine
-    from trainer.loop import _rollout
+    from trainer.sampling import rollout_settings
+    from trainer.task_kinds import task_kind
     from trainer.policy import load_policy
     from trainer.search_format import REWRITE_TEMPLATE, SEARCH_TEMPLATE
     from trainer.tasks import load_tasks
@@ -168,7 +169,9 @@ def test_training_rollouts_use_the_configured_template_and_chat_choice(trainer_w
                 config = load_train_config(None, trainer_world.overrides(
                     tmp_path, *([template] if template else []), f"rollout.chat_template={chat}",
                     "rollout.group_size=2", "rollout.max_new_tokens=3", "rollout.max_turns=1", judge=False))
-                batch = _rollout(config, kind, engine, policy.tokenizer, tasks, retrieval, background, seed=0)
+                registered = task_kind(kind)
+                batch = registered.rollout(engine, policy.tokenizer, tasks, rollout_settings(config, registered, 0),
+                                           retrieval, background.run)
                 for row in (0, 2):  # the first rollout of each task
                     prompt = policy.tokenizer.decode(batch.input_ids[row, : batch.prompt_lengths[row]])
                     task = tasks[row // 2]

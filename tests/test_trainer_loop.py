@@ -227,7 +227,7 @@ def test_search_agent_with_calibadv_trains_and_logs_its_metrics(trainer_world, t
 def test_search_step_scores_follow_calibadv_per_group():
     from retrieval_server.types import Hit, RetrievalScore
     from trainer.config import CalibAdvAdvantage
-    from trainer.loop import search_step_scores
+    from trainer.calibadv import search_step_scores
     from trainer.rewards import SearchRollout, SearchStepRecord
     from trainer.tasks import Task
 
@@ -289,9 +289,10 @@ def test_training_runs_off_the_main_thread_without_signal_handling(trainer_world
 def test_completion_logprobs_equal_the_policy_logprobs_on_generated_tokens():
     """The loop projects only the completion columns to the vocabulary; the values
     must be those of trainer.policy.token_logprobs, for full and LoRA models."""
-    from tests.tiny_lm import build_model, build_tokenizer
-    from trainer.loop import _accepts_logits_to_keep, completion_logprobs, micro_batch
-    from trainer.policy import LoraSettings, Policy, make_reference, token_logprobs, wrap_lora
+    from calibrl.testing import build_model, build_tokenizer
+    from trainer.policy import LoraSettings, Policy, _accepts_logits_to_keep, make_reference, token_logprobs, wrap_lora
+    from trainer.update import micro_batch
+    from trainer.update import micro_logprobs as completion_logprobs
     from trainer.rollout import RolloutBatch, assemble_rows
 
     tokenizer = build_tokenizer()

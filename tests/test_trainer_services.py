@@ -20,7 +20,7 @@ def test_calibrl_train_against_real_retrieval_and_judge_servers(trainer_world, t
     from calibrl.config import load_config
     from judge_server.config import JudgeServerConfig
     from judge_server.server import start as start_judge
-    from retrieval_server.testing import start_test_server
+    from calibrl.testing import start_test_server
 
     judge_config = load_config(JudgeServerConfig, None, [
         f"rubrics={trainer_world.rubric_dir}", "serving.port=0", "serving.host=127.0.0.1", "serving.grace_seconds=1",

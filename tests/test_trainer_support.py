@@ -1,7 +1,7 @@
 """Shared material of the trainer tests: a tiny real world to train in.
 
-- a tiny random Llama policy with a BPE tokenizer trained here (tests/tiny_lm.py);
-- a real retrieval index (MiniLM + FAISS + BM25) over retrieval_server.testing's
+- a tiny random Llama policy with a BPE tokenizer trained here (calibrl.testing);
+- a real retrieval index (MiniLM + FAISS + BM25) over calibrl.testing's
   twelve passages;
 - a programmatic rubric (no LLM) for the judge;
 - rewrite and search task files over those passages.
@@ -99,8 +99,8 @@ class TrainerWorld:
 def build_world(root: pathlib.Path) -> TrainerWorld:
     from calibrl.embedding import SentenceEmbedder
     from retrieval_server.retriever import Retriever
-    from retrieval_server.testing import TINY_CORPUS, build_test_index
-    from tests.tiny_lm import save_tiny_policy
+    from calibrl.testing import TINY_CORPUS, build_test_index
+    from calibrl.testing import save_tiny_policy
 
     policy_dir = save_tiny_policy(root / "policy")
     embedder = SentenceEmbedder(None, device="cpu")  # MiniLM, loaded once for building and serving

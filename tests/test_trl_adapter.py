@@ -19,7 +19,7 @@ from judge_server.config import JudgeConfig
 from judge_server.judge import Judge
 from judge_server.rubric import load_rubric_dir
 from retrieval_server.retriever import Retriever
-from retrieval_server.testing import build_test_index
+from calibrl.testing import build_test_index
 from trainer.aio import BackgroundLoop
 from trainer.inprocess import InProcessJudgeClient, InProcessRetrievalClient
 from trainer.rewards import RewardConfig, RewardModel, RewriteRollout

@@ -48,7 +48,7 @@ from __future__ import annotations
 import inspect
 import math
 from dataclasses import dataclass
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 from torch import Tensor
@@ -56,9 +56,12 @@ from torch import Tensor
 from calibrl.errors import InvalidArgument
 
 __all__ = [
+    "ADVANTAGE_BATCH_INPUTS",
     "ADVANTAGE_ESTIMATORS",
     "AdvantageInputs",
+    "batch_inputs_for",
     "compute_advantages",
+    "reward_metrics",
     "register_advantage",
 ]
 
@@ -204,19 +207,36 @@ def _validate_inputs(inputs: AdvantageInputs) -> None:
 # ---------------------------------------------------------------------------
 
 AdvantageFn = Callable[..., "tuple[Tensor, dict[str, float]]"]
+# (rollout batch, advantage settings) -> (extra AdvantageInputs fields, metrics): what an
+# estimator reads from the rollouts themselves beyond rewards and token layout.
+BatchInputsFn = Callable[[Any, Any], "tuple[dict[str, Tensor], dict[str, float]]"]
 ADVANTAGE_ESTIMATORS: dict[str, AdvantageFn] = {}
+ADVANTAGE_BATCH_INPUTS: dict[str, BatchInputsFn] = {}
 
 
-def register_advantage(name: str) -> Callable[[AdvantageFn], AdvantageFn]:
-    """Register ``fn(inputs, **params) -> (token_adv, metrics)`` under ``name``."""
+def register_advantage(name: str, batch_inputs: BatchInputsFn | None = None) -> Callable[[AdvantageFn], AdvantageFn]:
+    """Register ``fn(inputs, **params) -> (token_adv, metrics)`` under ``name``.
+
+    ``batch_inputs(batch, settings)``, when given, computes the estimator's extra
+    inputs from a :class:`~trainer.rollout.RolloutBatch` (CalibAdv's step scores),
+    so the training loop never needs to know which estimator runs."""
 
     def decorator(fn: AdvantageFn) -> AdvantageFn:
         if name in ADVANTAGE_ESTIMATORS and ADVANTAGE_ESTIMATORS[name] is not fn:
             raise InvalidArgument("name", f"advantage estimator {name!r} is already registered")
         ADVANTAGE_ESTIMATORS[name] = fn
+        if batch_inputs is not None:
+            ADVANTAGE_BATCH_INPUTS[name] = batch_inputs
         return fn
 
     return decorator
+
+
+def batch_inputs_for(name: str, batch: Any, settings: Any) -> tuple[dict[str, Tensor], dict[str, float]]:
+    """The extra inputs (and their metrics) estimator ``name`` reads from ``batch``;
+    none for an estimator that needs only rewards and the token layout."""
+    hook = ADVANTAGE_BATCH_INPUTS.get(name)
+    return hook(batch, settings) if hook is not None else ({}, {})
 
 
 def compute_advantages(name: str, inputs: AdvantageInputs, **params: object) -> tuple[Tensor, dict[str, float]]:
@@ -260,6 +280,15 @@ def _groups(rewards: Tensor, group_index: Tensor) -> _Groups:
     squared = torch.zeros_like(count).index_add_(0, inverse, (rewards - mean[inverse]) ** 2)
     std = torch.where(count > 1, (squared / (count - 1).clamp(min=1)).sqrt(), torch.zeros_like(count))
     return _Groups(inverse, count, mean, std)
+
+
+def reward_metrics(rewards: Tensor, group_index: Tensor) -> dict[str, float]:
+    """``reward``, ``reward_std`` (over the batch), ``reward_std_within_group`` and
+    ``frac_reward_zero_std`` (the fraction of GROUPS whose rewards are all equal,
+    TRL's meaning) of rewards (B,) grouped by group_index (B,). The one definition:
+    every estimator reports these."""
+    rewards = rewards.double()
+    return _reward_metrics(rewards, _groups(rewards, group_index))
 
 
 def _reward_metrics(rewards: Tensor, groups: _Groups) -> dict[str, float]:
@@ -314,7 +343,19 @@ def grpo_advantages(
     return token_adv, metrics
 
 
-@register_advantage("calibadv")
+def _calibadv_batch_inputs(batch: Any, settings: Any) -> tuple[dict[str, Tensor], dict[str, float]]:
+    """CalibAdv's step scores ``(B, S)`` of a batch of search rollouts (settings:
+    ``f1_threshold``, ``use_gold``, ``similarity_threshold``) and their mean."""
+    from trainer.calibadv import search_step_scores
+
+    step_scores = search_step_scores(batch.rollouts, batch.group_index, batch.segment_index, settings).to(
+        batch.input_ids.device
+    )
+    known = step_scores[~torch.isnan(step_scores)]
+    return {"step_scores": step_scores}, {"calibadv/mean_step_score": float(known.mean()) if known.numel() else 0.0}
+
+
+@register_advantage("calibadv", batch_inputs=_calibadv_batch_inputs)
 def calibadv_advantages(
     inputs: AdvantageInputs, *, lambda_: float = 1.0, eps: float = 1e-6
 ) -> tuple[Tensor, dict[str, float]]:

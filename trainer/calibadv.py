@@ -1,9 +1,9 @@
 """CalibAdv's signals: silver documents of a group and step scores of a rollout.
 
-Plain Python, no tensors: the trainer calls these per group of rollouts, pads
-the scores into the ``(B, S)`` ``step_scores`` tensor of
-:class:`trainer.advantages.AdvantageInputs`, and the ``calibadv`` estimator
-does the rest.
+Plain Python per group of rollouts; :func:`search_step_scores` pads a batch's
+scores into the ``(B, S)`` ``step_scores`` tensor of
+:class:`trainer.advantages.AdvantageInputs` (the ``calibadv`` estimator's batch
+inputs, registered with it), and the estimator does the rest.
 
 Semantics follow the authors' release (Wu et al., arXiv 2604.18235, verl fork):
 
@@ -34,11 +34,17 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 from calibrl.errors import InvalidArgument
 
-__all__ = ["SearchStep", "select_silver_docs", "step_scores", "word_edit_similarity"]
+if TYPE_CHECKING:  # pragma: no cover
+    import torch
+
+    from trainer.config import CalibAdvAdvantage
+    from trainer.rewards import SearchRollout
+
+__all__ = ["SearchStep", "search_step_scores", "select_silver_docs", "step_scores", "word_edit_similarity"]
 
 
 @dataclass(frozen=True)
@@ -154,4 +160,37 @@ def step_scores(
             first_seen_silver = {doc for doc in step.doc_ids if doc in silver_docs and doc not in seen}
             scores.append(len(first_seen_silver) / len(step.doc_ids))
         seen.update(step.doc_ids)
+    return scores
+
+
+# --------------------------------------------------------------------------- a batch's step scores
+
+
+def search_step_scores(rollouts: Sequence["SearchRollout"], group_index: "torch.Tensor", segment_index: "torch.Tensor",
+                       settings: "CalibAdvAdvantage") -> "torch.Tensor":
+    """CalibAdv step scores ``(B, S)`` of a batch of search rollouts.
+
+    rollouts: B SearchRollouts; group_index: (B,) their groups; segment_index:
+    (B, T). Silver documents are chosen per group (``settings.f1_threshold``,
+    ``settings.use_gold``); step k of a rollout is its generated segment k. Slots
+    without a search step (the answer segment, unused turns) are NaN: the
+    estimator reads only intermediate segments."""
+    import torch
+
+    from calibrl.text import token_f1
+
+    slots = max(1, int(segment_index.max()) + 1)
+    scores = torch.full((len(rollouts), slots), float("nan"), dtype=torch.float32)
+    groups: dict[int, list[int]] = {}
+    for row, group in enumerate(group_index.tolist()):
+        groups.setdefault(int(group), []).append(row)
+    for rows in groups.values():
+        steps = [[SearchStep(s.think, tuple(s.result.doc_ids)) for s in rollouts[r].steps] for r in rows]
+        f1 = [token_f1(rollouts[r].answer, rollouts[r].task.answers) if rollouts[r].answer else 0.0 for r in rows]
+        task = rollouts[rows[0]].task
+        silver = select_silver_docs(f1, steps, task.gold_doc_ids, settings.f1_threshold, settings.use_gold)
+        for r, rollout_steps in zip(rows, steps):
+            values = step_scores(rollout_steps, silver, rollouts[r].well_formed, settings.similarity_threshold)
+            for k, value in enumerate(values[:slots]):
+                scores[r, k] = value
     return scores

@@ -29,9 +29,13 @@ import pathlib
 import random
 import shutil
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from calibrl.errors import NotFound
+
+if TYPE_CHECKING:  # pragma: no cover
+    import torch
+    from transformers import PreTrainedTokenizerBase
 
 STATE_FILE = "state.json"
 MODEL_DIR = "model"
@@ -96,10 +100,10 @@ def set_rng_state(state: dict[str, Any]) -> None:
 def save_checkpoint(
     directory: str | pathlib.Path,
     *,
-    model: Any,
-    tokenizer: Any,
-    optimizer: Any,
-    scheduler: Any,
+    model: "torch.nn.Module",
+    tokenizer: "PreTrainedTokenizerBase",
+    optimizer: "torch.optim.Optimizer",
+    scheduler: "torch.optim.lr_scheduler.LRScheduler",
     state: TrainState,
     config_yaml: str,
     rank: int = 0,
@@ -151,7 +155,7 @@ def load_train_state(directory: str | pathlib.Path) -> TrainState:
     return TrainState(**data)
 
 
-def load_model_weights(directory: str | pathlib.Path, model: Any) -> None:
+def load_model_weights(directory: str | pathlib.Path, model: "torch.nn.Module") -> None:
     """Overwrite ``model``'s trainable weights with those saved in a checkpoint."""
     from safetensors.torch import load_file
 
@@ -181,7 +185,7 @@ def load_model_weights(directory: str | pathlib.Path, model: Any) -> None:
         )
 
 
-def _is_tied_alias(model: Any, key: str, state: dict[str, Any]) -> bool:
+def _is_tied_alias(model: "torch.nn.Module", key: str, state: dict[str, Any]) -> bool:
     params = dict(model.named_parameters(remove_duplicate=False))
     target = params.get(key)
     if target is None:
@@ -189,7 +193,8 @@ def _is_tied_alias(model: Any, key: str, state: dict[str, Any]) -> bool:
     return any(p is target for name, p in params.items() if name in state)
 
 
-def load_optimizer_and_schedule(directory: str | pathlib.Path, optimizer: Any, scheduler: Any) -> dict[str, Any]:
+def load_optimizer_and_schedule(directory: str | pathlib.Path, optimizer: "torch.optim.Optimizer",
+                                scheduler: "torch.optim.lr_scheduler.LRScheduler") -> dict[str, Any]:
     """Restore the scheduler; return the optimizer state (the caller loads it, since a
     sharded optimizer needs the distributed loader)."""
     import torch

@@ -22,6 +22,7 @@ import typing
 from typing import Any, Sequence
 
 from calibrl.errors import CalibrlError, ConfigError
+from trainer.task_kinds import TASK_KINDS
 
 log = logging.getLogger(__name__)
 
@@ -163,7 +164,8 @@ def train(argv: Sequence[str]) -> int:
 # =============================================================================== eval
 
 
-def evaluate(argv: Sequence[str]) -> int:
+def _eval_parser() -> argparse.ArgumentParser:
+    """The arguments of ``calibrl eval``."""
     parser = argparse.ArgumentParser(
         prog="calibrl eval",
         description="Held-out evaluation, greedy decoding: a query rewriter's retrieval accuracy (hit@k, "
@@ -175,7 +177,7 @@ def evaluate(argv: Sequence[str]) -> int:
     parser.add_argument("--name", action="append", default=[], help="row label of each --model, in order")
     parser.add_argument("--tasks", required=True, help="JSONL tasks file")
     parser.add_argument("--format", default="auto", choices=["auto", "rewrite", "search", "hotpotqa"])
-    parser.add_argument("--kind", default="auto", choices=["auto", "rewrite", "search"])
+    parser.add_argument("--kind", default="auto", choices=["auto", *TASK_KINDS])
     parser.add_argument("--heldout-fraction", type=float, default=0.0,
                         help="evaluate only the held-out part of a split made like training's (tasks.heldout_fraction)")
     parser.add_argument("--split-seed", type=int, default=0, help="seed of that split (the training seed)")
@@ -204,7 +206,11 @@ def evaluate(argv: Sequence[str]) -> int:
                         help="also write each model's outputs as items for 'calibrl sme sample' (README: SME review)")
     parser.add_argument("--api-key", default="", help="API key for the retrieval service (or CALIBRL_API_KEY)")
     parser.add_argument("--log-level", default="WARNING")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def evaluate(argv: Sequence[str]) -> int:
+    args = _eval_parser().parse_args(argv)
     _setup_logging(args.log_level)
 
     import json

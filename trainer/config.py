@@ -205,14 +205,11 @@ class RolloutConfig:
             raise ConfigError(f"rollout.generation_batch_size={self.generation_batch_size}: must be >= 0")
 
     def template_for(self, kind: str) -> str:
-        """The prompt template of a ``rewrite`` or ``search`` policy: the configured
-        one, or the kind's built-in template when none is set."""
-        from trainer.search_format import REWRITE_TEMPLATE, SEARCH_TEMPLATE
+        """The prompt template of a policy of task kind ``kind`` (``trainer.task_kinds``):
+        the configured one, or the kind's built-in template when none is set."""
+        from trainer.task_kinds import task_kind
 
-        builtin = {"rewrite": REWRITE_TEMPLATE, "search": SEARCH_TEMPLATE}
-        if kind not in builtin:
-            raise ConfigError(f"task kind {kind!r}: expected 'rewrite' or 'search'")
-        return self.prompt_template or builtin[kind]
+        return self.prompt_template or task_kind(kind).builtin_template
 
     def chat_template_flag(self) -> bool | None:
         """``chat_template`` as the rollout functions take it (None = auto)."""
@@ -341,6 +338,9 @@ class LossConfig:
     beta: float = option(0.04, "Weight of the k3 KL penalty to the frozen reference; 0 skips the reference.")
     aggregation: Literal["sequence_mean", "token_mean", "constant"] = option(
         "sequence_mean", "Token aggregation: TRL grpo (sequence_mean), bnpo/dapo (token_mean), dr_grpo (constant)."
+    )
+    kl_ratio_correction: bool = option(
+        False, "Weight the k3 KL term by the ratio r (TRL's use_bias_correction_kl); off keeps plain k3."
     )
 
     def validate(self) -> None:

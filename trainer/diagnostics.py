@@ -4,6 +4,9 @@ Metric names follow TRL's GRPOTrainer where TRL has one (``reward``,
 ``reward_std``, ``rewards/<component>/mean``, ``frac_reward_zero_std``, ``kl``,
 ``entropy``, ``clip_ratio/...``, ``grad_norm``, ``completions/mean_length``,
 ``learning_rate``), so dashboards built for TRL read calibrl runs unchanged.
+``reward``, ``reward_std`` and ``frac_reward_zero_std`` (the fraction of groups
+with all-equal rewards) come from the advantage estimator
+(``trainer.advantages.reward_metrics``).
 Our own additions are namespaced: ``calibadv/*`` (from the advantage
 estimator), ``timing/*`` (seconds per phase), ``health/*`` (warnings).
 
@@ -27,32 +30,6 @@ log = logging.getLogger(__name__)
 
 
 # --------------------------------------------------------------------------- metrics of one step
-
-
-def reward_metrics(rewards: Any, group_index: Any) -> dict[str, float]:
-    """``reward``, ``reward_std`` and ``frac_reward_zero_std`` of one step.
-
-    rewards: (B,) float; group_index: (B,) int, the prompt each rollout answers.
-    ``reward_std`` is the std over the whole batch (as TRL logs it);
-    ``frac_reward_zero_std`` is the fraction of rollouts whose group has all-equal
-    rewards (those rollouts get a zero advantage and teach nothing).
-    """
-    import torch
-
-    rewards = rewards.detach().double().cpu()
-    group_index = group_index.detach().long().cpu()
-    groups = torch.unique(group_index)
-    zero_std_rollouts = 0
-    for group in groups:
-        members = rewards[group_index == group]
-        if members.numel() < 2 or bool(torch.all(members == members[0])):
-            zero_std_rollouts += members.numel()
-    batch_std = rewards.std(unbiased=True).item() if rewards.numel() > 1 else 0.0
-    return {
-        "reward": rewards.mean().item(),
-        "reward_std": batch_std,
-        "frac_reward_zero_std": zero_std_rollouts / max(1, rewards.numel()),
-    }
 
 
 def component_metrics(components: Sequence[Mapping[str, float]]) -> dict[str, float]:
@@ -82,30 +59,6 @@ def completion_metrics(completion_mask: Any, truncated: Any | None = None) -> di
     return metrics
 
 
-def prefixed(prefix: str, metrics: Mapping[str, Any]) -> dict[str, float]:
-    """Scalar entries of ``metrics`` under ``prefix/`` (names that already carry the
-    prefix are kept as they are)."""
-    out: dict[str, float] = {}
-    for name, value in metrics.items():
-        scalar = _scalar(value)
-        if scalar is None:
-            continue
-        key = name if name.startswith(prefix + "/") else f"{prefix}/{name}"
-        out[key] = scalar
-    return out
-
-
-def _scalar(value: Any) -> float | None:
-    if isinstance(value, bool):
-        return float(value)
-    if isinstance(value, (int, float)):
-        return float(value)
-    numel = getattr(value, "numel", None)
-    if callable(numel) and numel() == 1:
-        return float(value.item())
-    return None
-
-
 # --------------------------------------------------------------------------- health bands
 
 
@@ -114,7 +67,7 @@ class HealthConfig:
     """Healthy bands of the stability signals; leaving one logs a warning."""
 
     max_frac_reward_zero_std: float = option(
-        0.6, "Warn when more than this fraction of rollouts sit in zero-variance groups (no signal)."
+        0.6, "Warn when more than this fraction of groups have zero reward variance (no signal)."
     )
     min_reward_std: float = option(0.02, "Warn when the batch reward std falls below this (reward collapse).")
     max_reward_std: float = option(1e9, "Warn when the batch reward std rises above this (reward scale drift).")
@@ -212,8 +165,11 @@ def _json_number(value: Any) -> Any:
 
 
 def read_log(path: str | pathlib.Path) -> list[dict[str, Any]]:
-    """The records of a ``metrics.jsonl``, in order."""
-    with open(path, encoding="utf-8") as handle:
+    """The records of a run's ``metrics.jsonl``, in order (a missing file: none)."""
+    path = pathlib.Path(path)
+    if not path.exists():
+        return []
+    with path.open(encoding="utf-8") as handle:
         return [json.loads(line) for line in handle if line.strip()]
 
 

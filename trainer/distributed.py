@@ -22,7 +22,10 @@ from __future__ import annotations
 import logging
 import os
 from dataclasses import dataclass
-from typing import Any, Iterable, Mapping, Sequence, TypeVar
+from typing import TYPE_CHECKING, Any, Iterable, Mapping, Sequence, TypeVar
+
+if TYPE_CHECKING:  # pragma: no cover
+    import torch
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -237,17 +240,6 @@ def check_in_sync(parameters: Iterable[Any], ctx: DistContext) -> None:
         raise RuntimeError(f"trainable weights differ across ranks (checksums {[g.tolist() for g in gathered]})")
 
 
-def broadcast_object(value: T, ctx: DistContext) -> T:
-    """Rank 0's ``value`` on every rank."""
-    if not ctx.distributed:
-        return value
-    import torch.distributed as dist
-
-    box = [value]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
-
-
 def any_rank(flag: bool, ctx: DistContext) -> bool:
     """True on every rank when ``flag`` is true on any rank (e.g. SIGTERM seen)."""
     if not ctx.distributed:
@@ -258,7 +250,7 @@ def any_rank(flag: bool, ctx: DistContext) -> bool:
 # --------------------------------------------------------------------------- FSDP (GPU)
 
 
-def apply_fsdp(model: Any, ctx: DistContext, mixed_precision: bool) -> Any:
+def apply_fsdp(model: "torch.nn.Module", ctx: DistContext, mixed_precision: bool) -> Any:
     """Shard ``model`` with FSDP2 (``fully_shard``): each decoder layer, then the root.
     Used for ``distributed.strategy=fsdp``; the model stays the same object."""
     import torch
@@ -283,7 +275,8 @@ def apply_fsdp(model: Any, ctx: DistContext, mixed_precision: bool) -> Any:
     return model
 
 
-def full_state_dicts(model: Any, optimizer: Any) -> tuple[dict[str, Any], dict[str, Any]]:
+def full_state_dicts(model: "torch.nn.Module",
+                     optimizer: "torch.optim.Optimizer") -> tuple[dict[str, Any], dict[str, Any]]:
     """Gathered (unsharded, on CPU) model and optimizer state of an FSDP model."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
@@ -291,7 +284,8 @@ def full_state_dicts(model: Any, optimizer: Any) -> tuple[dict[str, Any], dict[s
     return get_state_dict(model, optimizer, options=options)
 
 
-def load_full_optimizer_state(model: Any, optimizer: Any, state: dict[str, Any]) -> None:
+def load_full_optimizer_state(model: "torch.nn.Module", optimizer: "torch.optim.Optimizer",
+                              state: dict[str, Any]) -> None:
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
 
     set_optimizer_state_dict(model, optimizer, state, options=StateDictOptions(full_state_dict=True))

@@ -25,8 +25,10 @@ import inspect
 from typing import TYPE_CHECKING, Any, Iterator, Protocol, Sequence
 
 from calibrl.errors import ConfigError, FailedPrecondition, InvalidArgument
+from trainer.policy import pad_token_id
 
 if TYPE_CHECKING:  # pragma: no cover
+    from transformers import PreTrainedTokenizerBase
     import torch
 
     from trainer.policy import Policy
@@ -48,7 +50,7 @@ class GenerationEngine(Protocol):
         """The new tokens of each prompt, in order (see the module docstring)."""
         ...
 
-    def update_weights(self, model: Any) -> None:
+    def update_weights(self, model: "torch.nn.Module") -> None:
         """Make the engine sample from ``model``'s current weights."""
         ...
 
@@ -66,7 +68,7 @@ def check_sampling(*, max_new_tokens: int, temperature: float, top_p: float) -> 
         raise InvalidArgument("top_p", f"must be in (0, 1], got {top_p!r}")
 
 
-def eos_token_ids(tokenizer: Any, model: Any = None) -> frozenset[int]:
+def eos_token_ids(tokenizer: "PreTrainedTokenizerBase", model: "torch.nn.Module | None" = None) -> frozenset[int]:
     """Every id that ends a completion: the tokenizer's EOS and the model's
     generation-config EOS ids (chat models often list several)."""
     ids: set[int] = set()
@@ -81,14 +83,15 @@ def eos_token_ids(tokenizer: Any, model: Any = None) -> frozenset[int]:
     return frozenset(ids)
 
 
-def decode_for_stops(tokenizer: Any, token_ids: Sequence[int]) -> str:
+def decode_for_stops(tokenizer: "PreTrainedTokenizerBase", token_ids: Sequence[int]) -> str:
     """Text used to look for stop strings: special tokens kept, so a tag registered
     as a special token is still seen."""
     return tokenizer.decode(list(token_ids), skip_special_tokens=False)
 
 
 def truncate_completion(
-    token_ids: Sequence[int], tokenizer: Any, *, stop_strings: Sequence[str] = (), eos_ids: frozenset[int] = frozenset()
+    token_ids: Sequence[int], tokenizer: "PreTrainedTokenizerBase", *, stop_strings: Sequence[str] = (),
+    eos_ids: frozenset[int] = frozenset(),
 ) -> list[int]:
     """``token_ids`` cut after the first EOS id or after the first token whose text
     completes a stop string, whichever comes first (the shortest prefix that
@@ -106,7 +109,7 @@ def truncate_completion(
     return tokens  # pragma: no cover - unreachable: the full text contains a stop string
 
 
-def inference_weights(model: Any) -> Iterator[tuple[str, "torch.Tensor"]]:
+def inference_weights(model: "torch.nn.Module") -> Iterator[tuple[str, "torch.Tensor"]]:
     """The model's weights as an inference engine loads them: Hugging Face checkpoint
     names (``model.layers.0.self_attn.q_proj.weight``) and, for a peft LoRA model,
     the adapters merged into the base weights (the model itself is left unchanged).
@@ -155,10 +158,10 @@ class TransformersEngine:
         self.policy = policy
         self.max_batch_size = max_batch_size
         self.eos_ids = eos_token_ids(policy.tokenizer, policy.model)
-        self.pad_id = _pad_id(policy.tokenizer)
+        self.pad_id = pad_token_id(policy.tokenizer)
         self.max_context_tokens = _context_length(policy.model)
 
-    def update_weights(self, model: Any) -> None:
+    def update_weights(self, model: "torch.nn.Module") -> None:
         """Nothing to do: the engine samples from the policy's model itself."""
 
     def generate(
@@ -221,8 +224,8 @@ class TransformersEngine:
         temperature: float,
         top_p: float,
         stop_strings: tuple[str, ...],
-        generator: Any,
-        device: Any,
+        generator: "torch.Generator | None",
+        device: "torch.device | str",
     ) -> list[list[int]]:
         import torch
 
@@ -278,7 +281,8 @@ class TransformersEngine:
         return completions
 
 
-def sample_next_token(logits: "torch.Tensor", *, temperature: float, top_p: float, generator: Any = None) -> "torch.Tensor":
+def sample_next_token(logits: "torch.Tensor", *, temperature: float, top_p: float,
+                      generator: "torch.Generator | None" = None) -> "torch.Tensor":
     """One token per row from ``logits`` (B, V): argmax when ``temperature`` is 0,
     else a draw from ``softmax(logits / temperature)`` restricted to the smallest
     set of tokens whose probability reaches ``top_p``. Returns (B,) long. Raises
@@ -316,24 +320,17 @@ def top_p_filter(logits: "torch.Tensor", top_p: float) -> "torch.Tensor":
     return torch.empty_like(logits).scatter_(-1, order, sorted_logits)
 
 
-def _pad_id(tokenizer: Any) -> int:
-    for candidate in (getattr(tokenizer, "pad_token_id", None), getattr(tokenizer, "eos_token_id", None)):
-        if candidate is not None:
-            return int(candidate)
-    return 0
-
-
-def _context_length(model: Any) -> int | None:
+def _context_length(model: "torch.nn.Module") -> int | None:
     config = getattr(model, "config", None)
     value = getattr(config, "max_position_embeddings", None)
     return int(value) if isinstance(value, int) and value > 0 else None
 
 
-def _model_device(model: Any) -> Any:
+def _model_device(model: "torch.nn.Module") -> Any:
     return next(model.parameters()).device
 
 
-def _accepts(model: Any, argument: str) -> bool:
+def _accepts(model: "torch.nn.Module", argument: str) -> bool:
     target = model.get_base_model() if hasattr(model, "get_base_model") else model
     try:
         return argument in inspect.signature(target.forward).parameters
@@ -353,7 +350,7 @@ class VLLMEngine:
     new weights to the model directly; tensor parallelism is therefore 1.
     """
 
-    def __init__(self, model_path: str, *, tokenizer: Any = None, **engine_kwargs: Any) -> None:
+    def __init__(self, model_path: str, *, tokenizer: "PreTrainedTokenizerBase" = None, **engine_kwargs: Any) -> None:
         import os
 
         try:
@@ -419,12 +416,12 @@ class VLLMEngine:
             for out in outputs
         ]
 
-    def update_weights(self, model: Any) -> None:
+    def update_weights(self, model: "torch.nn.Module") -> None:
         """Load ``model``'s current weights (LoRA merged) into the vLLM model and drop
         cached prefixes computed with the old weights."""
         weights = [(name, tensor) for name, tensor in inference_weights(model)]
 
-        def load(vllm_model: Any) -> None:
+        def load(vllm_model: "torch.nn.Module") -> None:
             vllm_model.load_weights(weights=iter(weights))
 
         self.llm.apply_model(load)

@@ -27,15 +27,23 @@ import hashlib
 import logging
 import pathlib
 from dataclasses import asdict, dataclass, field
-from typing import Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 from calibrl.errors import ConfigError, InvalidArgument
+from trainer.task_kinds import TASK_KINDS, task_kind
+
+if TYPE_CHECKING:  # pragma: no cover
+    from transformers import PreTrainedTokenizerBase
+
+    from trainer.clients import RetrievalClient
+    from trainer.config import RolloutConfig
+    from trainer.engines import GenerationEngine
+    from trainer.policy import Policy
+    from trainer.tasks import Task
 
 log = logging.getLogger(__name__)
 
 CHECKPOINT_CONFIG = "config.yaml"  # the training config the loop writes into every checkpoint
-REWRITE_METRICS = ("hit@k", "all_gold@k", "recall@k", "mrr", "ndcg@k", "empty_rewrite_rate")
-SEARCH_METRICS = ("em", "f1", "answered", "well_formed", "searches", "gold_doc_recall")
 
 
 @dataclass
@@ -87,7 +95,7 @@ class PromptChoice:
     template_source: str = "default"
     chat_template_source: str = "default"
 
-    def rollout_config(self) -> Any:
+    def rollout_config(self) -> "RolloutConfig":
         """A :class:`~trainer.config.RolloutConfig` holding this choice, so eval picks the
         effective template exactly as training does."""
         from trainer.config import RolloutConfig
@@ -175,7 +183,7 @@ def choose_prompt(model: str | pathlib.Path, kind: str, *, prompt_template: str 
             source = "checkpoint"
             tasks_section = data.get("tasks")
             trained_kind = tasks_section.get("kind") if isinstance(tasks_section, dict) else None
-            if trained.prompt_template and trained_kind in ("rewrite", "search") and trained_kind != kind:
+            if trained.prompt_template and trained_kind in TASK_KINDS and trained_kind != kind:
                 log.warning("%s was trained as a %s agent with its own prompt template; evaluating it on %s tasks "
                             "with that template", config_path.parent, trained_kind, kind)
     return PromptChoice(
@@ -187,7 +195,7 @@ def choose_prompt(model: str | pathlib.Path, kind: str, *, prompt_template: str 
 
 
 def load_eval_tasks(path: str, *, fmt: str = "auto", kind: str = "auto", heldout_fraction: float = 0.0,
-                    seed: int = 0, limit: int = 0) -> list[Any]:
+                    seed: int = 0, limit: int = 0) -> list["Task"]:
     """Tasks to evaluate: the file's tasks, or the held-out part of the split
     training made with the same ``heldout_fraction`` and ``seed``."""
     from trainer.tasks import load_tasks, split_tasks
@@ -211,8 +219,8 @@ RunAsync = Callable[[Any], Any]
 
 def evaluate_models(
     models: Sequence[str],
-    tasks: Sequence[Any],
-    retrieval: Any,
+    tasks: Sequence["Task"],
+    retrieval: "RetrievalClient",
     settings: EvalSettings,
     *,
     run_async: RunAsync,
@@ -258,7 +266,7 @@ def evaluate_models(
     return rows
 
 
-def _chat_template_applied(prompt: PromptChoice, tokenizer: Any, folder: pathlib.Path) -> bool:
+def _chat_template_applied(prompt: PromptChoice, tokenizer: "PreTrainedTokenizerBase", folder: pathlib.Path) -> bool:
     """Whether ``prompt`` wraps the text in the tokenizer's chat template; a chat
     template asked for ("on") that the tokenizer lacks is an error."""
     has_chat_template = bool(getattr(tokenizer, "chat_template", None))
@@ -271,7 +279,7 @@ def _chat_template_applied(prompt: PromptChoice, tokenizer: Any, folder: pathlib
     return has_chat_template if flag is None else flag
 
 
-def evaluate_policy(policy: Any, tasks: Sequence[Any], retrieval: Any, settings: EvalSettings, *,
+def evaluate_policy(policy: "Policy", tasks: Sequence["Task"], retrieval: "RetrievalClient", settings: EvalSettings, *,
                     run_async: RunAsync, prompt: PromptChoice | None = None) -> dict[str, float]:
     """Greedy metrics of one loaded :class:`~trainer.policy.Policy` on ``tasks``,
     prompted with ``prompt`` (default: the built-in template, chat template auto)."""
@@ -281,13 +289,13 @@ def evaluate_policy(policy: Any, tasks: Sequence[Any], retrieval: Any, settings:
     kind = tasks[0].kind
     template, chat_template = rollout.template_for(kind), rollout.chat_template_flag()
     engine = make_engine("transformers", policy)
-    if kind == "search":
-        return _evaluate_search(engine, policy.tokenizer, tasks, retrieval, settings, run_async, template, chat_template)
-    return _evaluate_rewrites(engine, policy.tokenizer, tasks, retrieval, settings, run_async, template, chat_template)
+    return task_kind(kind).evaluate(engine, policy.tokenizer, tasks, retrieval, settings, run_async, template,
+                                    chat_template)
 
 
-def _evaluate_rewrites(engine: Any, tokenizer: Any, tasks: Sequence[Any], retrieval: Any, settings: EvalSettings,
-                       run_async: RunAsync, template: str, chat_template: bool | None) -> dict[str, float]:
+def evaluate_rewrites(engine: "GenerationEngine", tokenizer: "PreTrainedTokenizerBase", tasks: Sequence["Task"],
+                      retrieval: "RetrievalClient", settings: EvalSettings, run_async: RunAsync, template: str,
+                      chat_template: bool | None) -> dict[str, float]:
     from trainer.rollout import rollout_rewrites
 
     rewrites: list[str] = []
@@ -299,8 +307,8 @@ def _evaluate_rewrites(engine: Any, tokenizer: Any, tasks: Sequence[Any], retrie
     return _retrieval_metrics(rewrites, tasks, retrieval, settings, run_async)
 
 
-def _retrieval_metrics(queries: Sequence[str], tasks: Sequence[Any], retrieval: Any, settings: EvalSettings,
-                       run_async: RunAsync) -> dict[str, float]:
+def _retrieval_metrics(queries: Sequence[str], tasks: Sequence["Task"], retrieval: "RetrievalClient",
+                       settings: EvalSettings, run_async: RunAsync) -> dict[str, float]:
     """Mean retrieval metrics of one query per task; an empty query retrieves nothing
     (it scores 0 everywhere rather than being sent)."""
     from retrieval_server.types import ScoreItem, SearchMode
@@ -324,12 +332,13 @@ def _retrieval_metrics(queries: Sequence[str], tasks: Sequence[Any], retrieval: 
     return metrics
 
 
-def _evaluate_search(engine: Any, tokenizer: Any, tasks: Sequence[Any], retrieval: Any, settings: EvalSettings,
-                     run_async: RunAsync, template: str, chat_template: bool | None) -> dict[str, float]:
+def evaluate_search(engine: "GenerationEngine", tokenizer: "PreTrainedTokenizerBase", tasks: Sequence["Task"],
+                    retrieval: "RetrievalClient", settings: EvalSettings, run_async: RunAsync, template: str,
+                    chat_template: bool | None) -> dict[str, float]:
     from calibrl.text import exact_match, token_f1
     from trainer.rollout import rollout_search
 
-    totals = dict.fromkeys(SEARCH_METRICS, 0.0)
+    totals = dict.fromkeys(task_kind("search").metric_names, 0.0)
     with_gold = 0
     for start in range(0, len(tasks), settings.batch_size):
         batch = rollout_search(
@@ -363,7 +372,7 @@ def format_table(rows: Sequence[EvalResult]) -> str:
     """The results as an aligned text table, one row per model."""
     if not rows:
         return "(no results)"
-    names = REWRITE_METRICS if rows[0].kind == "rewrite" else SEARCH_METRICS
+    names = task_kind(rows[0].kind).metric_names
     header = ["model", "tasks", *names, "prompt"]
     body = [[row.name, str(row.num_tasks), *(f"{row.metrics.get(n, float('nan')):.3f}" for n in names),
              _prompt_cell(row.prompt)] for row in rows]

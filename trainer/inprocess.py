@@ -15,10 +15,14 @@ without starting the services.
 from __future__ import annotations
 
 import asyncio
-from typing import Any, Sequence, TypeVar
+from typing import TYPE_CHECKING, Any, Sequence, TypeVar
 
 from judge_server.types import ItemScore, JudgeItem
 from retrieval_server.types import Hit, RetrievalScore, ScoreItem, SearchMode
+
+if TYPE_CHECKING:  # pragma: no cover
+    from judge_server.judge import Judge
+    from retrieval_server.retriever import Retriever
 
 T = TypeVar("T")
 
@@ -33,7 +37,7 @@ def _chunks(items: Sequence[T], size: int) -> list[list[T]]:
 class InProcessRetrievalClient:
     """RetrievalClient over a Retriever object (anything with ``search`` and ``score``)."""
 
-    def __init__(self, retriever: Any) -> None:
+    def __init__(self, retriever: "Retriever") -> None:
         self.retriever = retriever
 
     async def search(
@@ -82,7 +86,7 @@ class InProcessRetrievalClient:
 class InProcessJudgeClient:
     """JudgeClient over a Judge object (anything with ``score(rubric_id, items)``)."""
 
-    def __init__(self, judge: Any) -> None:
+    def __init__(self, judge: "Judge") -> None:
         self.judge = judge
 
     async def score(self, rubric_id: str, items: Sequence[JudgeItem]) -> list[ItemScore]:

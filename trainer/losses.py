@@ -33,7 +33,6 @@ from calibrl.errors import InvalidArgument
 __all__ = [
     "LOSS_AGGREGATIONS",
     "masked_entropy_from_logits",
-    "per_token_policy_loss",
     "policy_loss",
     "token_logprobs",
 ]
@@ -104,25 +103,6 @@ def _per_token_terms(
         if beta > 0.0:
             per_token = per_token + beta * kl
     return per_token, ratio, kl
-
-
-def per_token_policy_loss(
-    logp: Tensor,
-    old_logp: Tensor,
-    token_adv: Tensor,
-    *,
-    ref_logp: Tensor | None = None,
-    beta: float = 0.0,
-    eps_low: float = 0.2,
-    eps_high: float = 0.2,
-    kl_ratio_correction: bool = False,
-) -> Tensor:
-    """The (B, T) per-token loss of :func:`policy_loss`, before masking and aggregation."""
-    _check_loss_args(logp, {"old_logp": old_logp, "token_adv": token_adv, "ref_logp": ref_logp},
-                     beta, eps_low, eps_high, ref_logp)
-    per_token, _, _ = _per_token_terms(logp, old_logp, token_adv, ref_logp, beta, eps_low, eps_high,
-                                       kl_ratio_correction)
-    return per_token
 
 
 def policy_loss(

@@ -8,8 +8,9 @@ reference, and per-token log-probabilities.
 - :func:`make_reference` gives the frozen model of the KL term: a deep copy in
   eval mode with gradients off, or, for a LoRA policy, a view of the same base
   with the adapters disabled (no second copy of the weights).
-- :func:`token_logprobs` is the one place log-probabilities are computed, for
-  the policy, its old copy and the reference alike.
+- :func:`completion_logprobs` is the one place log-probabilities are computed, for
+  the policy, its behaviour copy and the reference alike (:func:`token_logprobs`
+  is the same over every position).
 """
 
 from __future__ import annotations
@@ -24,10 +25,10 @@ from typing import TYPE_CHECKING, Any
 from calibrl.errors import ConfigError, InvalidArgument, NotFound
 
 if TYPE_CHECKING:  # pragma: no cover
+    from transformers import PreTrainedTokenizerBase
     import torch
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
-DEVICES_HELP = "'auto', 'cpu', 'cuda' or 'cuda:<index>'"
 
 
 @dataclass(frozen=True)
@@ -54,9 +55,9 @@ class LoraSettings:
 class Policy:
     """The trained model and what is needed to talk to it."""
 
-    model: Any  # transformers PreTrainedModel, or a peft PeftModel around one
-    tokenizer: Any
-    device: Any  # torch.device
+    model: "torch.nn.Module"  # transformers PreTrainedModel, or a peft PeftModel around one
+    tokenizer: "PreTrainedTokenizerBase"
+    device: "torch.device | str"  # torch.device
     model_id: str  # the folder the weights came from (the vLLM engine loads it too)
     lora: LoraSettings | None = field(default=None)
 
@@ -72,18 +73,12 @@ class Policy:
 
 
 def resolve_device(device: str = "auto") -> "torch.device":
-    """"auto" is the first CUDA device when there is one, else the CPU."""
+    """``calibrl.devices.resolve_device`` as a ``torch.device``."""
     import torch
 
-    if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        resolved = torch.device(device)
-    except (RuntimeError, TypeError):
-        raise InvalidArgument("device", f"{device!r} is not a device; use {DEVICES_HELP}") from None
-    if resolved.type == "cuda" and not torch.cuda.is_available():
-        raise InvalidArgument("device", f"{device!r} asked for CUDA but no CUDA device is available; use 'cpu'")
-    return resolved
+    from calibrl.devices import resolve_device as device_name
+
+    return torch.device(device_name(device))
 
 
 def resolve_dtype(dtype: str, device: "torch.device") -> "torch.dtype":
@@ -150,7 +145,7 @@ def load_policy(
     return Policy(model=model, tokenizer=tokenizer, device=torch_device, model_id=str(base_path), lora=lora)
 
 
-def wrap_lora(model: Any, lora: LoraSettings) -> Any:
+def wrap_lora(model: "torch.nn.Module", lora: LoraSettings) -> Any:
     """``model`` inside a fresh peft LoRA adapter (only the adapter is trainable)."""
     peft = _import_peft()
     target = lora.target_modules if isinstance(lora.target_modules, str) else list(lora.target_modules)
@@ -160,10 +155,11 @@ def wrap_lora(model: Any, lora: LoraSettings) -> Any:
     try:
         return peft.get_peft_model(model, config)
     except ValueError as exc:
-        raise InvalidArgument("lora.target_modules", f"{lora.target_modules!r} does not fit this model: {exc}") from None
+        raise InvalidArgument("lora.target_modules",
+                              f"{lora.target_modules!r} does not fit this model: {exc}") from None
 
 
-def enable_gradient_checkpointing(model: Any) -> None:
+def enable_gradient_checkpointing(model: "torch.nn.Module") -> None:
     """Recompute activations in the backward pass (non-reentrant, so it works with
     LoRA where the embeddings do not need gradients)."""
     checkpoint_kwargs = {"use_reentrant": False}
@@ -191,7 +187,7 @@ def _has_tokenizer(folder: pathlib.Path) -> bool:
     return any((folder / name).exists() for name in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model"))
 
 
-def _is_peft(model: Any) -> bool:
+def _is_peft(model: "torch.nn.Module") -> bool:
     return hasattr(model, "peft_config") and hasattr(model, "disable_adapter")
 
 
@@ -246,54 +242,89 @@ def _adapter_disabled_reference_class() -> type:
 # --------------------------------------------------------------------------- log-probabilities
 
 
-def token_logprobs(
-    model: Any,
+def pad_token_id(tokenizer: "PreTrainedTokenizerBase") -> int:
+    """The id that pads a batch: the tokenizer's pad token, else its EOS, else 0."""
+    for candidate in (getattr(tokenizer, "pad_token_id", None), getattr(tokenizer, "eos_token_id", None)):
+        if candidate is not None:
+            return int(candidate)
+    return 0
+
+
+def completion_logprobs(
+    model: "torch.nn.Module",
     input_ids: "torch.Tensor",
     attention_mask: "torch.Tensor",
     *,
+    start: int = 1,
     temperature: float = 1.0,
-    return_entropy: bool = False,
-    chunk_size: int | None = None,
-) -> "torch.Tensor | tuple[torch.Tensor, torch.Tensor]":
-    """Per-token log-probabilities of ``input_ids`` under ``model``.
+    entropy_mask: "torch.Tensor | None" = None,
+) -> "tuple[torch.Tensor, torch.Tensor | None]":
+    """Log-probabilities of ``input_ids[:, start:]`` under ``model``: the one place
+    the trainer turns a forward pass into log-probs (policy, behaviour copy and
+    reference alike).
 
-    ``input_ids``, ``attention_mask``: (B, L), right-padded (left padding works too:
-    positions are counted from the first attended token). Returns ``logp`` (B, L)
-    with ``logp[:, t] = log p(input_ids[:, t] | input_ids[:, :t])`` at temperature
-    ``temperature`` and ``logp[:, 0] = 0``; with ``return_entropy`` also the entropy
-    (B, L) of the distribution each token was drawn from (0 at t = 0). Values at
-    padded positions are meaningless; mask them. ``chunk_size`` bounds how many
-    positions are turned into full-vocabulary float32 log-softmax at once.
-    Gradients flow unless the caller disables them.
-    """
-    import torch
+    ``input_ids``, ``attention_mask``: (B, L), right-padded (positions are counted
+    from the first attended token, so left padding works too); ``start`` >= 1.
+    Returns ``logp`` (B, L - start) with ``logp[:, j] = log p(input_ids[:, start + j]
+    | the tokens before it)`` at ``temperature``, and, when ``entropy_mask`` (B, L -
+    start) is given, the entropy of each of those next-token distributions (0 where
+    the mask is False; no gradient), else None. The model projects only the last
+    ``L - start + 1`` positions to the vocabulary (``logits_to_keep``, as TRL does):
+    the prompt's hidden states are computed, its logits are not. Gradients flow
+    into ``logp`` unless the caller disables them."""
+    from trainer.losses import masked_entropy_from_logits, token_logprobs as logprobs_from_logits
 
     if input_ids.dim() != 2 or input_ids.shape != attention_mask.shape:
         raise InvalidArgument(
             "input_ids", f"must be (B, L) with attention_mask of the same shape, got {tuple(input_ids.shape)} "
             f"and {tuple(attention_mask.shape)}"
         )
-    if not temperature > 0:
-        raise InvalidArgument("temperature", f"must be > 0, got {temperature}")
-    if chunk_size is not None and chunk_size < 1:
-        raise InvalidArgument("chunk_size", f"must be >= 1 or None, got {chunk_size}")
+    if not 1 <= start <= max(1, input_ids.shape[1]):
+        raise InvalidArgument("start", f"must be in [1, L={input_ids.shape[1]}], got {start}")
+    keep = input_ids.shape[1] - start + 1
     position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
-    logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False).logits
-    batch, length = input_ids.shape
-    targets = input_ids[:, 1:]
-    predicting = logits[:, :-1, :]  # logits at t-1 predict the token at t
-    step = chunk_size or max(length - 1, 1)
-    logp_parts, entropy_parts = [], []
-    for start in range(0, length - 1, step):
-        scaled = predicting[:, start : start + step, :].float() / temperature
-        log_norm = torch.logsumexp(scaled, dim=-1)
-        chosen = scaled.gather(-1, targets[:, start : start + step].unsqueeze(-1)).squeeze(-1)
-        logp_parts.append(chosen - log_norm)
-        if return_entropy:
-            probs = torch.softmax(scaled, dim=-1)
-            entropy_parts.append(log_norm - (probs * scaled).sum(-1))
-    zeros = torch.zeros((batch, 1), dtype=torch.float32, device=logits.device)
-    logp = torch.cat([zeros, *logp_parts], dim=1)
+    inputs = dict(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False)
+    if _accepts_logits_to_keep(model):
+        inputs["logits_to_keep"] = keep
+    logits = model(**inputs).logits[:, -keep:-1, :]
+    logp = logprobs_from_logits(logits, input_ids[:, start:], temperature=temperature)
+    entropy = None
+    if entropy_mask is not None:
+        entropy = masked_entropy_from_logits(logits.detach(), entropy_mask, temperature=temperature)[0]
+    return logp, entropy
+
+
+def token_logprobs(
+    model: "torch.nn.Module",
+    input_ids: "torch.Tensor",
+    attention_mask: "torch.Tensor",
+    *,
+    temperature: float = 1.0,
+    return_entropy: bool = False,
+) -> "torch.Tensor | tuple[torch.Tensor, torch.Tensor]":
+    """:func:`completion_logprobs` over every position: ``logp`` (B, L) with
+    ``logp[:, 0] = 0`` (and with ``return_entropy`` the entropy (B, L), 0 at t = 0).
+    Values at padded positions are meaningless; mask them."""
+    import torch
+
+    entropy_mask = torch.ones(input_ids.shape[0], max(input_ids.shape[1] - 1, 0), dtype=torch.bool,
+                              device=input_ids.device) if return_entropy else None
+    logp, entropy = completion_logprobs(model, input_ids, attention_mask, start=1, temperature=temperature,
+                                        entropy_mask=entropy_mask)
+    zeros = torch.zeros((input_ids.shape[0], 1), dtype=logp.dtype, device=logp.device)
+    logp = torch.cat([zeros, logp], dim=1)
     if not return_entropy:
         return logp
-    return logp, torch.cat([zeros, *entropy_parts], dim=1)
+    return logp, torch.cat([zeros, entropy.to(logp.dtype)], dim=1)
+
+
+def _accepts_logits_to_keep(model: "torch.nn.Module") -> bool:
+    import inspect
+
+    target = getattr(model, "_peft_model", model)  # the LoRA reference wraps the peft policy
+    if hasattr(target, "get_base_model"):
+        target = target.get_base_model()
+    try:
+        return "logits_to_keep" in inspect.signature(target.forward).parameters
+    except (TypeError, ValueError):
+        return False

@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING, Any, Callable, Coroutine, Sequence
 
 from calibrl.errors import InvalidArgument
 from retrieval_server.types import ScoreItem
+from trainer.policy import pad_token_id
 from trainer.search_format import (
     OBSERVATION_PREFIX,
     OBSERVATION_SUFFIX,
@@ -51,6 +52,7 @@ from trainer.search_format import (
 )
 
 if TYPE_CHECKING:  # pragma: no cover
+    from transformers import PreTrainedTokenizerBase
     import torch
 
     from trainer.clients import RetrievalClient
@@ -76,7 +78,7 @@ class RolloutBatch:
     def __len__(self) -> int:
         return int(self.input_ids.shape[0])
 
-    def to(self, device: Any) -> "RolloutBatch":
+    def to(self, device: "torch.device | str") -> "RolloutBatch":
         """A copy with every tensor on ``device``."""
         return replace(
             self,
@@ -134,7 +136,8 @@ def assemble_rows(rows: Sequence[Sequence[Piece]], pad_id: int) -> dict[str, "to
     }
 
 
-def encode_prompt(tokenizer: Any, text: str, *, suffix: str = "", chat_template: bool | None = None) -> list[int]:
+def encode_prompt(tokenizer: "PreTrainedTokenizerBase", text: str, *, suffix: str = "",
+                  chat_template: bool | None = None) -> list[int]:
     """Token ids of a prompt. With a chat template (``chat_template`` None = use the
     tokenizer's when it has one) ``text`` is the user turn and ``suffix`` follows
     the assistant header; otherwise ``text + suffix`` with the tokenizer's usual
@@ -150,7 +153,7 @@ def encode_prompt(tokenizer: Any, text: str, *, suffix: str = "", chat_template:
     return list(tokenizer(text + suffix, add_special_tokens=True)["input_ids"])
 
 
-def decode_completion(tokenizer: Any, token_ids: Sequence[int]) -> str:
+def decode_completion(tokenizer: "PreTrainedTokenizerBase", token_ids: Sequence[int]) -> str:
     """Text of sampled tokens without EOS/padding-like special tokens (format tags
     registered as special tokens are kept)."""
     special = set(getattr(tokenizer, "all_special_ids", ()) or ())
@@ -160,7 +163,8 @@ def decode_completion(tokenizer: Any, token_ids: Sequence[int]) -> str:
     return tokenizer.decode(kept, skip_special_tokens=False)
 
 
-def observation_tokens(tokenizer: Any, hits: Sequence[Any], max_obs_tokens: int) -> tuple[list[int], str]:
+def observation_tokens(tokenizer: "PreTrainedTokenizerBase", hits: Sequence[Any],
+                       max_obs_tokens: int) -> tuple[list[int], str]:
     """Token ids and text of the observation appended after a search: the
     formatted documents (cut to ``max_obs_tokens`` tokens) inside the information
     block, then the ``<think>`` that opens the next turn."""
@@ -170,13 +174,6 @@ def observation_tokens(tokenizer: Any, hits: Sequence[Any], max_obs_tokens: int)
         documents = tokenizer.decode(document_ids[:max_obs_tokens], skip_special_tokens=True)
     text = OBSERVATION_PREFIX + documents + OBSERVATION_SUFFIX
     return list(tokenizer(text, add_special_tokens=False)["input_ids"]), text
-
-
-def _pad_id(tokenizer: Any) -> int:
-    for candidate in (getattr(tokenizer, "pad_token_id", None), getattr(tokenizer, "eos_token_id", None)):
-        if candidate is not None:
-            return int(candidate)
-    return 0
 
 
 def _check_common(tasks: Sequence["Task"], kind: str, group_size: int, temperature: float, top_p: float) -> None:
@@ -218,7 +215,7 @@ def parse_rewrite(text: str) -> str:
 
 def rollout_rewrites(
     engine: "GenerationEngine",
-    tokenizer: Any,
+    tokenizer: "PreTrainedTokenizerBase",
     tasks: Sequence["Task"],
     *,
     group_size: int,
@@ -258,7 +255,7 @@ def rollout_rewrites(
         rows.append([(prompt, False), (completion, True)])
         texts.append(text)
         rollouts.append(RewriteRollout(task=task, rewrite=parse_rewrite(text)))
-    tensors = assemble_rows(rows, _pad_id(tokenizer))
+    tensors = assemble_rows(rows, pad_token_id(tokenizer))
     return RolloutBatch(
         **tensors,
         group_index=_group_index(len(tasks), group_size),
@@ -287,7 +284,7 @@ class _SearchState:
         return [token for ids, _ in self.pieces for token in ids]
 
 
-def search_prompt(tokenizer: Any, task: "Task", *, prompt_template: str = SEARCH_TEMPLATE,
+def search_prompt(tokenizer: "PreTrainedTokenizerBase", task: "Task", *, prompt_template: str = SEARCH_TEMPLATE,
                   chat_template: bool | None = None) -> list[int]:
     """Token ids of a search-agent prompt; it ends with ``<think>``."""
     return encode_prompt(
@@ -300,7 +297,7 @@ def search_prompt(tokenizer: Any, task: "Task", *, prompt_template: str = SEARCH
 
 def rollout_search(
     engine: "GenerationEngine",
-    tokenizer: Any,
+    tokenizer: "PreTrainedTokenizerBase",
     tasks: Sequence["Task"],
     *,
     group_size: int,
@@ -326,8 +323,6 @@ def rollout_search(
     ``include_text=True``. The results are appended as non-trained observation
     tokens and recorded as ``SearchStepRecord(think, query, result)``. Queries are
     cut to ``max_query_chars`` characters before they are sent."""
-    from trainer.rewards import SearchRollout, SearchStepRecord
-
     _check_common(tasks, "search", group_size, temperature, top_p)
     for name, value in (("max_turns", max_turns), ("top_k", top_k), ("max_new_tokens_per_turn", max_new_tokens_per_turn),
                         ("max_obs_tokens", max_obs_tokens), ("max_query_chars", max_query_chars)):
@@ -348,54 +343,71 @@ def rollout_search(
         live = [state for state in states if not state.done]
         if not live:
             break
-        completions = _checked_completions(
-            engine.generate(
-                [state.context() for state in live],
-                max_new_tokens=max_new_tokens_per_turn,
-                temperature=temperature,
-                top_p=top_p,
-                stop_strings=TURN_STOP_STRINGS,
-                seed=None if seed is None else seed + turn,
-            ),
-            len(live),
+        sampling = dict(max_new_tokens=max_new_tokens_per_turn, temperature=temperature, top_p=top_p,
+                        stop_strings=TURN_STOP_STRINGS, seed=None if seed is None else seed + turn)
+        searching = _generate_turn(engine, tokenizer, live, sampling, last_turn=turn == max_turns - 1,
+                                   max_query_chars=max_query_chars)
+        if searching:
+            _observe(retrieval, run_async, tokenizer, searching, top_k, max_obs_tokens)
+    return _search_batch(tokenizer, states, len(tasks), group_size)
+
+
+def _generate_turn(engine: "GenerationEngine", tokenizer: "PreTrainedTokenizerBase", live: list[_SearchState],
+                   sampling: dict[str, Any],
+                   *, last_turn: bool, max_query_chars: int) -> list[tuple[_SearchState, str, str]]:
+    """One generation for every live rollout (one engine call); returns the
+    ``(state, think, query)`` of those that searched and have a turn left to use it."""
+    completions = _checked_completions(engine.generate([state.context() for state in live], **sampling), len(live))
+    searching = []
+    for state, completion in zip(live, completions):
+        text = decode_completion(tokenizer, completion)
+        state.pieces.append((completion, True))
+        state.trajectory += text
+        parsed = parse_turn(text)
+        if parsed.action == "answer":
+            state.answer, state.done = parsed.answer, True
+        elif parsed.action == "search" and not last_turn:
+            searching.append((state, parsed.think, parsed.query[:max_query_chars].strip()))
+        else:
+            state.done = True  # no action, or a search with no turn left to use it
+    return searching
+
+
+def _observe(retrieval: "RetrievalClient", run_async: Callable[[Coroutine[Any, Any, Any]], Any],
+             tokenizer: "PreTrainedTokenizerBase",
+             searching: list[tuple[_SearchState, str, str]], top_k: int, max_obs_tokens: int) -> None:
+    """Send the turn's searches to the retrieval client in one batch and append each
+    result as a non-trained observation and a step record."""
+    from trainer.rewards import SearchStepRecord
+
+    items = [
+        ScoreItem(
+            query=query,
+            gold_doc_ids=tuple(state.task.gold_doc_ids),
+            gold_answers=tuple(state.task.answers),
+            seen_doc_ids=tuple(state.seen_doc_ids),
         )
-        searching = []
-        for state, completion in zip(live, completions):
-            text = decode_completion(tokenizer, completion)
-            state.pieces.append((completion, True))
-            state.trajectory += text
-            parsed = parse_turn(text)
-            if parsed.action == "answer":
-                state.answer, state.done = parsed.answer, True
-            elif parsed.action == "search" and turn < max_turns - 1:
-                searching.append((state, parsed.think, parsed.query[:max_query_chars].strip()))
-            else:
-                state.done = True  # no action, or a search with no turn left to use it
-        if not searching:
-            continue
+        for state, _, query in searching
+    ]
+    results = run_async(retrieval.score(items, top_k, include_text=True))
+    if len(results) != len(items):
+        raise RuntimeError(f"the retrieval client returned {len(results)} scores for {len(items)} searches")
+    for (state, think, query), result in zip(searching, results):
+        ids, text = observation_tokens(tokenizer, result.hits, max_obs_tokens)
+        state.pieces.append((ids, False))
+        state.trajectory += text
+        state.steps.append(SearchStepRecord(think=think, query=query, result=result))
+        for doc_id in result.doc_ids:
+            if doc_id not in state.seen_doc_ids:
+                state.seen_doc_ids.append(doc_id)
 
-        items = [
-            ScoreItem(
-                query=query,
-                gold_doc_ids=tuple(state.task.gold_doc_ids),
-                gold_answers=tuple(state.task.answers),
-                seen_doc_ids=tuple(state.seen_doc_ids),
-            )
-            for state, _, query in searching
-        ]
-        results = run_async(retrieval.score(items, top_k, include_text=True))
-        if len(results) != len(items):
-            raise RuntimeError(f"the retrieval client returned {len(results)} scores for {len(items)} searches")
-        for (state, think, query), result in zip(searching, results):
-            ids, text = observation_tokens(tokenizer, result.hits, max_obs_tokens)
-            state.pieces.append((ids, False))
-            state.trajectory += text
-            state.steps.append(SearchStepRecord(think=think, query=query, result=result))
-            for doc_id in result.doc_ids:
-                if doc_id not in state.seen_doc_ids:
-                    state.seen_doc_ids.append(doc_id)
 
-    tensors = assemble_rows([state.pieces for state in states], _pad_id(tokenizer))
+def _search_batch(tokenizer: "PreTrainedTokenizerBase", states: list[_SearchState], num_tasks: int,
+                  group_size: int) -> RolloutBatch:
+    """The finished search rollouts as one RolloutBatch."""
+    from trainer.rewards import SearchRollout
+
+    tensors = assemble_rows([state.pieces for state in states], pad_token_id(tokenizer))
     rollouts = [
         SearchRollout(
             task=state.task,
@@ -407,14 +419,14 @@ def rollout_search(
     ]
     return RolloutBatch(
         **tensors,
-        group_index=_group_index(len(tasks), group_size),
+        group_index=_group_index(num_tasks, group_size),
         completion_texts=[state.trajectory for state in states],
         rollouts=rollouts,
         prompt_lengths=[len(state.pieces[0][0]) for state in states],
     )
 
 
-def _check_context_budget(engine: Any, tokenizer: Any, longest_prompt: int, *, max_turns: int,
+def _check_context_budget(engine: Any, tokenizer: "PreTrainedTokenizerBase", longest_prompt: int, *, max_turns: int,
                           max_new_tokens_per_turn: int, max_obs_tokens: int) -> None:
     """Fail before sampling when the longest possible trajectory cannot fit the
     engine's context (engines that do not know their context skip this)."""

@@ -2,7 +2,7 @@
 
 Rewriter: one generated line, the rewritten search query.
 
-Search agent (the Search-R1 convention, DESIGN.md "Multi-step search agent format")::
+Search agent (the Search-R1 convention, docs/design.md "Search-agent format")::
 
     <prompt ... Question: q>  <think> reasoning </think> <search> query </search>
     <information>Doc 1(Title: ...) text ...</information> <think> reasoning </think>

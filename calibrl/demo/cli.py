@@ -19,8 +19,9 @@ Stages, in order (each prints what it did; the report lists their times):
    reward (0.7 MRR@10 + 0.3 rubric), and the search agent twice, GRPO vs CalibAdv;
 9. evaluate every checkpoint on held-out tasks; write the table, plots and report.
 
-Stages 2-4 and 6-9 call the same functions the CLI commands call, in this process
-(it saves a Python start-up per stage); the services are the real servers, in
+Stages 2-4 and 6-9 call the library in this process (the functions behind the CLI
+commands: ``judge_server.distill``, ``judge_server.validation``, ``retrieval_server.index``,
+``trainer.loop.train``, ``trainer.eval``); the services are the real servers, in
 their own processes, reached over gRPC exactly as ``calibrl train`` reaches them.
 """
 
@@ -28,7 +29,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import math
 import os
 import pathlib
@@ -37,13 +37,14 @@ import shutil
 import sys
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Iterator, Sequence
 
 from calibrl.errors import CalibrlError
 
 RUBRIC_ID = "demo-rewriter"
 MARKER = ".calibrl-demo"  # marks a folder as a demo run's output, which a later run may replace
 RETRIEVAL_MODE = "bm25"
+PASS_THRESHOLD = 0.8  # the judge passes a golden item when its rubric total is at least this
 
 
 @dataclass(frozen=True)
@@ -106,31 +107,6 @@ class Stages:
         print(f"    done in {seconds:.1f}s", file=self.stream, flush=True)
 
 
-@contextlib.contextmanager
-def captured(log_path: pathlib.Path) -> Iterator[None]:
-    """Send stdout and stderr of an in-process CLI call to a log file."""
-    log_path.parent.mkdir(parents=True, exist_ok=True)
-    with open(log_path, "w", encoding="utf-8") as log, contextlib.redirect_stdout(log), contextlib.redirect_stderr(log):
-        yield
-
-
-def _tail(path: pathlib.Path, lines: int = 30) -> str:
-    try:
-        return "\n".join(path.read_text(encoding="utf-8", errors="replace").splitlines()[-lines:])
-    except OSError:
-        return "(no log)"
-
-
-def run_cli(function: Callable[[list[str]], int], argv: list[str], log_path: pathlib.Path, what: str,
-            ok_codes: Sequence[int] = (0,)) -> int:
-    """Call a CLI entry point in-process with its output logged; a bad exit code stops the demo."""
-    with captured(log_path):
-        code = int(function(argv) or 0)
-    if code not in ok_codes:
-        raise DemoError(f"{what} failed (exit code {code}); its output ({log_path}):\n{_tail(log_path)}")
-    return code
-
-
 class DemoError(CalibrlError):
     """A demo stage failed; the message says which and shows its log."""
 
@@ -190,25 +166,14 @@ def run_demo(settings: DemoSettings, out: pathlib.Path, *, seed: int = 0, thread
         rubric_path = rubrics / f"{RUBRIC_ID}.yaml"
         golden = out / "golden.jsonl"
         with stages.stage("calibrl rubric distill: SME feedback -> rubric + golden set"):
-            from judge_server import cli as judge_cli
-
-            rubrics.mkdir(parents=True, exist_ok=True)
-            run_cli(judge_cli.distill, [
-                "--feedback", str(files.sme_feedback), "--out", str(rubric_path), "--golden-out", str(golden),
-                "--id", RUBRIC_ID, "--criteria", "programmatic", "--glossary", str(glossary),
-            ], logs / "distill.log", "calibrl rubric distill")
-            print("    " + "\n    ".join(_tail(logs / "distill.log", 12).splitlines()))
+            rubric, golden_records = distill_rubric(files.sme_feedback, domain.glossary_terms(), rubric_path, golden)
 
         # 3 ---------------------------------------------------------------- validate
         with stages.stage("calibrl rubric validate: programmatic judge vs the SME golden set"):
-            code = run_cli(judge_cli.validate, [
-                "--rubric", str(rubric_path), "--golden", str(golden), "--judge", "programmatic",
-                "--pass-threshold", "0.8",
-            ], logs / "validate.log", "calibrl rubric validate", ok_codes=(0, 1))
-            validation = _validation_summary(rubric_path)
-            print(f"    gate {'PASSED' if code == 0 else 'FAILED'}: Cohen's kappa {validation.get('kappa', math.nan):.3f} "
-                  f"on {validation.get('n_items', '?')} golden items (judge pass = total >= 0.8)")
-            allow_unvalidated = code != 0
+            validation = validate_rubric(rubric, golden_records, rubric_path)
+            print(f"    gate {'PASSED' if validation.passed else 'FAILED'}: Cohen's kappa {validation.kappa:.3f} "
+                  f"on {validation.n_items} golden items (judge pass = total >= {PASS_THRESHOLD})")
+            allow_unvalidated = not validation.passed
             if allow_unvalidated:
                 notes.append("The rubric FAILED its validation gate in this run; the judge was started with "
                              "--allow-unvalidated so the demo could go on. Do not trust its rewards.")
@@ -216,13 +181,7 @@ def run_demo(settings: DemoSettings, out: pathlib.Path, *, seed: int = 0, thread
         # 4 ---------------------------------------------------------------- index
         index_dir = out / "index"
         with stages.stage("calibrl index build: corpus -> dense (MiniLM) + BM25 index"):
-            from retrieval_server import cli as retrieval_cli
-
-            run_cli(retrieval_cli.index_build, [
-                "--corpus", str(files.corpus), "--out", str(index_dir), "--device", "cpu", "--overwrite",
-                "--no-progress",
-            ], logs / "index_build.log", "calibrl index build")
-            print("    " + _tail(logs / "index_build.log", 1))
+            build_demo_index(files.corpus, index_dir)
 
         # 5 ---------------------------------------------------------------- services
         with stages.stage("start calibrl serve retrieval + calibrl serve judge (loopback), wait for health"):
@@ -264,8 +223,8 @@ def run_demo(settings: DemoSettings, out: pathlib.Path, *, seed: int = 0, thread
         report.command = command
         report.machine = machine
         report.notes = notes + report.notes
-        report.settings = {**report.settings, "validation kappa (judge pass = total >= 0.8)":
-                           f"{validation.get('kappa', math.nan):.3f} on {validation.get('n_items', '?')} items"}
+        report.settings = {**report.settings, f"validation kappa (judge pass = total >= {PASS_THRESHOLD})":
+                           f"{validation.kappa:.3f} on {validation.n_items} items"}
     finally:
         for service in services:
             service.stop()
@@ -295,14 +254,61 @@ def _log_to_file(path: pathlib.Path) -> None:
     root.setLevel(logging.INFO)
 
 
-def _validation_summary(rubric_path: pathlib.Path) -> dict[str, Any]:
-    path = rubric_path.with_name(rubric_path.name + ".validation.json")
-    try:
-        records = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return {}
-    records = records if isinstance(records, list) else records.get("records", [records])
-    return records[-1] if records else {}
+def distill_rubric(feedback: pathlib.Path, glossary: Sequence[str], rubric_path: pathlib.Path,
+                   golden_path: pathlib.Path) -> tuple[Any, list[Any]]:
+    """Stage 2: distil the SME feedback into the demo's rubric (programmatic criteria) and a
+    golden hold-out set; write both. Returns (rubric, golden records)."""
+    from judge_server.distill import DistillOptions, distill
+    from judge_server.feedback import read_feedback, write_feedback
+    from judge_server.rubric import dump_rubric
+
+    records = read_feedback(feedback)
+    options = DistillOptions(rubric_id=RUBRIC_ID, criteria_mode="programmatic", glossary=tuple(glossary))
+    result = distill(records, options)
+    rubric_path.parent.mkdir(parents=True, exist_ok=True)
+    rubric_path.write_text(dump_rubric(result.rubric), encoding="utf-8")
+    write_feedback(golden_path, result.golden)
+    print(f"    rubric {result.rubric.id} v{result.rubric.version} hash {result.rubric.hash}\n"
+          f"    {len(records)} records: {len(result.train)} distilled, {len(result.golden)} golden -> {golden_path}\n"
+          f"    criteria: " + ", ".join(f"{c.name}={c.weight:g}{'(penalty)' if c.penalty else ''}"
+                                       for c in result.rubric.criteria))
+    return result.rubric, list(result.golden)
+
+
+def validate_rubric(rubric: Any, golden: Sequence[Any], rubric_path: pathlib.Path) -> Any:
+    """Stage 3: the programmatic judge against the golden set; the validation record is
+    written beside the rubric (the judge server reads it) and returned."""
+    from calibrl.config import load_config
+    from judge_server.config import JudgeConfig
+    from judge_server.validation import (
+        ValidationOptions,
+        find_record,
+        read_records,
+        validate_judge,
+        validation_path,
+        write_record,
+    )
+
+    config = load_config(JudgeConfig, None, ["backend=programmatic", "allow_unvalidated=true", "cache_size=0"])
+    record = validate_judge(rubric, golden, config, ValidationOptions(pass_threshold=PASS_THRESHOLD))
+    path = validation_path(rubric_path)
+    write_record(path, record)
+    stored = find_record(read_records(path), record.rubric_hash, record.model_id)
+    if stored is None:  # the judge server would refuse the rubric
+        raise DemoError(f"{path} holds no validation record for rubric {rubric.id} and judge {record.model_id}")
+    return stored
+
+
+def build_demo_index(corpus: pathlib.Path, index_dir: pathlib.Path) -> None:
+    """Stage 4: the dense (MiniLM) + BM25 index of the corpus, on the CPU."""
+    from retrieval_server.corpus import file_sha256, read_corpus
+    from retrieval_server.index import build_index
+
+    passages = read_corpus(corpus, "beir")
+    manifest = build_index(passages, index_dir, corpus_sha256=file_sha256(corpus), corpus_format="beir",
+                           device="cpu", overwrite=True, show_progress=False)
+    print(f"    built {index_dir}: {manifest.doc_count} passages, {manifest.dimension}-d {manifest.index_type} "
+          f"dense index ({manifest.embedder}) + BM25")
 
 
 class _Clients:
@@ -337,6 +343,7 @@ def _train_and_evaluate(settings: DemoSettings, out: pathlib.Path, domain: Any, 
                         stages: Stages, seed: int, progress: bool, report_to: Sequence[str] = ("tensorboard",)) -> Any:
     from calibrl.demo import report as rep
     from calibrl.demo.policy import PolicySpec, RewriteMix, build_base_policies
+    from trainer.diagnostics import read_log
     from trainer.tasks import load_tasks
 
     # 6 -------------------------------------------------------------------- policies
@@ -419,7 +426,7 @@ def _train_and_evaluate(settings: DemoSettings, out: pathlib.Path, domain: Any, 
     base_f1 = agent_rows[0].metrics["f1"]
     for name in runs:
         _, seconds = trained[name]
-        history = rep.read_metrics(out / "runs" / name / "metrics.jsonl")
+        history = read_log(out / "runs" / name / "metrics.jsonl")
         is_rewrite = name in ("binary", "dense")
         final = curves[name][-1][1]
         curve = [(0, base_hit if is_rewrite else base_f1)] + [

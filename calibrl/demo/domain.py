@@ -39,7 +39,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Iterable
 
-# Error tags of the SME taxonomy (DESIGN.md: missed intent, missing key entities,
+# Error tags of the SME taxonomy (docs/design.md, "Rewards": missed intent, missing key entities,
 # under-specification, plus the critical penalty for invented entities), spelled as
 # the judge's distiller knows them (judge_server.distill.RECIPES).
 MISSED_INTENT = "missed_intent"

@@ -45,6 +45,7 @@ from calibrl.demo.domain import (
     candidate_rewrite,
     user_query,
 )
+from calibrl.tiny_lm import TinyLMSpec
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
@@ -71,6 +72,13 @@ class PolicySpec:
     num_heads: int = 4
     intermediate_size: int = 256
     max_positions: int = 1024  # a three-turn search trajectory is under 700 tokens
+
+    def lm_spec(self) -> TinyLMSpec:
+        """The model's shape (full multi-head attention, tied embeddings, default init)."""
+        return TinyLMSpec(arch="llama", hidden_size=self.hidden_size, num_layers=self.num_layers,
+                          num_heads=self.num_heads, num_kv_heads=self.num_heads,
+                          intermediate_size=self.intermediate_size, max_positions=self.max_positions,
+                          tie_word_embeddings=True)
 
 
 @dataclass(frozen=True)
@@ -142,25 +150,11 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int = 2048) -> Any:
 
 
 def build_model(tokenizer: Any, spec: PolicySpec = PolicySpec(), seed: int = 0) -> Any:
-    """A randomly initialised Llama-architecture causal LM sized by ``spec``."""
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+    """A randomly initialised Llama-architecture causal LM sized by ``spec``
+    (:func:`calibrl.tiny_lm.build_tiny_lm`)."""
+    from calibrl.tiny_lm import build_tiny_lm
 
-    torch.manual_seed(seed)
-    config = LlamaConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=spec.hidden_size,
-        intermediate_size=spec.intermediate_size,
-        num_hidden_layers=spec.num_layers,
-        num_attention_heads=spec.num_heads,
-        num_key_value_heads=spec.num_heads,
-        max_position_embeddings=spec.max_positions,
-        tie_word_embeddings=True,
-        pad_token_id=tokenizer.pad_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        bos_token_id=None,
-    )
-    return LlamaForCausalLM(config)
+    return build_tiny_lm(tokenizer, spec.lm_spec(), seed)
 
 
 # --- warm-start data ------------------------------------------------------------------------------------------------

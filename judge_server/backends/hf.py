@@ -27,6 +27,7 @@ import logging
 import pathlib
 from typing import Any, Sequence
 
+from calibrl.devices import resolve_device
 from calibrl.errors import ConfigError, RewardError
 from judge_server import prompts
 from judge_server.backends import model_id_for
@@ -37,16 +38,6 @@ from judge_server.types import JudgeItem
 log = logging.getLogger(__name__)
 
 PROMPT_MODES = ("prefix_cache", "flat", "generate")
-
-
-def resolve_device(device: str) -> str:
-    import torch
-
-    if device == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    if device.startswith("cuda") and not torch.cuda.is_available():
-        raise ConfigError(f"device={device!r} but CUDA is not available; use device=cpu or auto")
-    return device
 
 
 def resolve_dtype(dtype: str, device: str) -> Any:

@@ -1,7 +1,7 @@
-"""Helpers for tests (this project's and other components'): a tiny corpus, an index
-built from dicts, and a retrieval server on a free loopback port.
+"""A tiny corpus, an index built from dicts, and a retrieval server on a free loopback
+port, for tests and benchmarks.
 
-    from retrieval_server.testing import TINY_CORPUS, build_test_index, start_test_server
+    from calibrl.testing import TINY_CORPUS, build_test_index, start_test_server
 
     index_dir = build_test_index(tmp_path / "index")            # real MiniLM, FAISS, BM25
     running = await start_test_server(index_dir)                  # real grpc.aio on port 0

@@ -1,0 +1,116 @@
+"""Stage 1 of a step: tasks -> rollouts, with their scoring already under way.
+
+:class:`RolloutSampler` takes a step's tasks from the :class:`~trainer.distributed.TaskOrder`
+(this rank's shard), generates their rollouts in chunks with the task kind's rollout
+function, and submits each chunk's reward coroutine to the background event loop as
+soon as the chunk exists, so scoring overlaps the next chunk's generation. The result
+is a :class:`~trainer.scoring.PendingBatch`: one right-padded
+:class:`~trainer.rollout.RolloutBatch` on the training device plus its reward futures.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING, Sequence
+
+from trainer import distributed as dist_util
+from trainer.policy import pad_token_id
+from trainer.scoring import PendingBatch, ScoreFn
+from trainer.task_kinds import RolloutSettings, TaskKind
+
+if TYPE_CHECKING:  # pragma: no cover
+    import torch
+    from transformers import PreTrainedTokenizerBase
+    from trainer.aio import BackgroundLoop
+    from trainer.clients import RetrievalClient
+    from trainer.config import TrainConfig
+    from trainer.engines import GenerationEngine
+    from trainer.rollout import RolloutBatch
+    from trainer.tasks import Task
+
+
+class RolloutSampler:
+    """Samples the rollouts of one step and starts their scoring (one job: generation)."""
+
+    def __init__(self, config: "TrainConfig", kind: TaskKind, engine: "GenerationEngine",
+                 tokenizer: "PreTrainedTokenizerBase",
+                 tasks: Sequence["Task"], order: dist_util.TaskOrder, ctx: dist_util.DistContext,
+                 retrieval: "RetrievalClient", background: "BackgroundLoop", score: ScoreFn, device: str) -> None:
+        self.config, self.kind, self.engine, self.tokenizer = config, kind, engine, tokenizer
+        self.tasks, self.order, self.ctx = tasks, order, ctx
+        self.retrieval, self.background, self.score, self.device = retrieval, background, score, device
+
+    def sample(self, for_step: int) -> PendingBatch:
+        """Take ``for_step``'s tasks and generate their rollouts in chunks, submitting
+        each chunk's reward coroutine at once so scoring overlaps the next chunk."""
+        started = time.perf_counter()
+        config = self.config
+        taken = self.order.take(config.rollout.prompts_per_step)
+        step_tasks = [self.tasks[i] for i in dist_util.shard(taken, self.ctx)]
+        taken_to = self.order.state()
+        chunk = config.rollout.chunk_size(len(step_tasks))
+        chunks, futures = [], []
+        for n, start in enumerate(range(0, len(step_tasks), chunk)):
+            settings = rollout_settings(config, self.kind, sampling_seed(config.seed, for_step, self.ctx.rank, n))
+            part = self.kind.rollout(self.engine, self.tokenizer, step_tasks[start : start + chunk], settings,
+                                     self.retrieval, self.background.run)
+            chunks.append(part)
+            futures.append(self.background.submit(self.score(part)))
+        batch = concat_batches(chunks, pad_token_id(self.tokenizer)).to(self.device)
+        return PendingBatch(for_step, batch, futures, taken_to, generation_s=time.perf_counter() - started)
+
+
+def rollout_settings(config: "TrainConfig", kind: TaskKind, seed: int) -> RolloutSettings:
+    """The training rollouts' sampling options (``rollout.*``) for task kind ``kind``."""
+    r = config.rollout
+    return RolloutSettings(
+        group_size=r.group_size, max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_p=r.top_p,
+        prompt_template=r.template_for(kind.name), chat_template=r.chat_template_flag(), seed=seed,
+        max_turns=r.max_turns, search_top_k=r.search_top_k, max_obs_tokens=r.max_obs_tokens,
+    )
+
+
+def sampling_seed(seed: int, step: int, rank: int, chunk: int) -> int:
+    """A generation seed unique to (run seed, step, rank, chunk), so sampling does not
+    depend on how much of the global RNG other code consumed."""
+    import numpy as np
+
+    return int(np.random.SeedSequence([seed, step, rank, chunk]).generate_state(1)[0])
+
+
+def concat_batches(batches: Sequence["RolloutBatch"], pad_id: int) -> "RolloutBatch":
+    """One RolloutBatch from several (right-padded to the longest row; group ids
+    offset so groups of different chunks never merge)."""
+    import torch
+
+    from trainer.rollout import RolloutBatch
+
+    if len(batches) == 1:
+        return batches[0]
+    width = max(b.input_ids.shape[1] for b in batches)
+
+    def pad(tensor: torch.Tensor, value: int | bool) -> torch.Tensor:
+        extra = width - tensor.shape[1]
+        if extra == 0:
+            return tensor
+        filler = torch.full((tensor.shape[0], extra), value, dtype=tensor.dtype, device=tensor.device)
+        return torch.cat([tensor, filler], dim=1)
+
+    group_index, offset = [], 0
+    for b in batches:
+        group_index.append(b.group_index + offset)
+        offset += int(b.group_index.max()) + 1
+    return RolloutBatch(
+        input_ids=torch.cat([pad(b.input_ids, pad_id) for b in batches]),
+        attention_mask=torch.cat([pad(b.attention_mask, 0) for b in batches]),
+        completion_mask=torch.cat([pad(b.completion_mask, False) for b in batches]),
+        segment_index=torch.cat([pad(b.segment_index, -1) for b in batches]),
+        answer_mask=torch.cat([pad(b.answer_mask, False) for b in batches]),
+        group_index=torch.cat(group_index),
+        completion_texts=[t for b in batches for t in b.completion_texts],
+        rollouts=[r for b in batches for r in b.rollouts],
+        prompt_lengths=[n for b in batches for n in b.prompt_lengths],
+    )
+
+
+__all__ = ["RolloutSampler", "concat_batches", "rollout_settings", "sampling_seed"]
