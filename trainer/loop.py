@@ -553,9 +553,13 @@ def search_step_scores(rollouts: Sequence[Any], group_index: Any, segment_index:
         groups.setdefault(int(group), []).append(row)
     for rows in groups.values():
         steps = [[SearchStep(s.think, tuple(s.result.doc_ids)) for s in rollouts[r].steps] for r in rows]
-        f1 = [token_f1(rollouts[r].answer, rollouts[r].task.answers) if rollouts[r].answer else 0.0 for r in rows]
+        well_formed = [rollouts[r].well_formed for r in rows]
+        # CalibAdv rule 1: silver docs rank rollouts by F1 x format, whatever the training reward blends.
+        rewards = [token_f1(rollouts[r].answer, rollouts[r].task.answers) if ok and rollouts[r].answer else 0.0
+                   for r, ok in zip(rows, well_formed)]
         task = rollouts[rows[0]].task
-        silver = select_silver_docs(f1, steps, task.gold_doc_ids, settings.f1_threshold, settings.use_gold)
+        silver = select_silver_docs(rewards, steps, task.gold_doc_ids, settings.f1_threshold, settings.use_gold,
+                                    well_formed=well_formed)
         for r, rollout_steps in zip(rows, steps):
             values = step_scores(rollout_steps, silver, rollouts[r].well_formed, settings.similarity_threshold)
             for k, value in enumerate(values[:slots]):
