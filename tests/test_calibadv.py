@@ -85,10 +85,10 @@ def test_gold_docs_serve_instead_when_asked_and_given() -> None:
 @pytest.mark.parametrize(
     ("kwargs", "field"),
     [
-        (dict(answer_f1=[0.5, 0.5], steps=STEPS), "steps"),
-        (dict(answer_f1=[0.5, 1.2, 0.1], steps=STEPS), "answer_f1"),
-        (dict(answer_f1=[0.5, float("nan"), 0.1], steps=STEPS), "answer_f1"),
-        (dict(answer_f1=[0.5, 0.5, 0.1], steps=STEPS, f1_threshold=1.5), "f1_threshold"),
+        (dict(rewards=[0.5, 0.5], steps=STEPS), "steps"),
+        (dict(rewards=[0.5, 1.2, 0.1], steps=STEPS), "rewards"),
+        (dict(rewards=[0.5, float("nan"), 0.1], steps=STEPS), "rewards"),
+        (dict(rewards=[0.5, 0.5, 0.1], steps=STEPS, f1_threshold=1.5), "f1_threshold"),
     ],
 )
 def test_silver_doc_errors_name_the_field(kwargs: dict, field: str) -> None:
@@ -119,7 +119,7 @@ def test_step_repeating_more_than_one_earlier_doc_scores_zero() -> None:
     ]
     assert step_scores(steps, {"s1", "s2", "s3", "s4"}, well_formed=True) == pytest.approx([2 / 3, 0.0, 0.5])
     # The limit is a parameter.
-    assert step_scores(steps, {"s1", "s2", "s3", "s4"}, True, max_repeated_docs=2)[1] == pytest.approx(1 / 3)
+    assert step_scores(steps, {"s1", "s2", "s3", "s4"}, True, max_shared_docs=2)[1] == pytest.approx(1 / 3)
 
 
 def test_step_repeating_an_earlier_think_scores_zero() -> None:
@@ -158,8 +158,8 @@ def test_step_score_parameter_errors_name_the_field() -> None:
         step_scores([], set(), True, similarity_threshold=1.5)
     assert caught.value.field == "similarity_threshold"
     with pytest.raises(InvalidArgument) as caught:
-        step_scores([], set(), True, max_repeated_docs=-1)
-    assert caught.value.field == "max_repeated_docs"
+        step_scores([], set(), True, max_shared_docs=-1)
+    assert caught.value.field == "max_shared_docs"
 
 
 # ---------------------------------------------------------------------------

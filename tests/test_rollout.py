@@ -432,7 +432,8 @@ def test_search_rollout_masks_segments_and_observations(tokenizer, retriever, ba
     assert [s.think for s in searcher.steps] == ["I should look it up.", "The tower is in Paris. Check the museum too."]
     assert searcher.steps[0].result.hits[0].doc_id == "eiffel" and searcher.steps[0].result.hit
     assert searcher.steps[0].result.hits[0].text.startswith("The Eiffel Tower")
-    assert knower.answer == "Paris" and knower.well_formed and knower.steps == ()
+    # Answering without a search breaks the format (CalibAdv rule 1: at least one search).
+    assert knower.answer == "Paris" and not knower.well_formed and knower.steps == ()
     assert rambler.answer is None and not rambler.well_formed and rambler.steps == ()
     assert int(batch.segment_index[2].max()) == 0
     # The last turn's search is not executed: there is no turn left to read its result.

@@ -17,6 +17,8 @@ from trainer.search_format import (
     fill_template,
     format_documents,
     format_observation,
+    FormatCheck,
+    check_format,
     is_well_formed,
     parse_turn,
     search_prompt_suffix,
@@ -111,8 +113,9 @@ _GOOD = (
     "trajectory, expected",
     [
         (_GOOD, True),
-        ("<think> know it </think><answer> Paris </answer>", True),
-        ("<think> know it </think><answer></answer>", True),
+        # CalibAdv rule 1: at least one search before the answer
+        ("<think> know it </think><answer> Paris </answer>", False),
+        ("<think> know it </think><answer></answer>", False),
         # no answer
         ("<think> need author </think> <search> Dune author </search>", False),
         # text outside any block
@@ -136,6 +139,17 @@ _GOOD = (
 )
 def test_is_well_formed(trajectory, expected):
     assert is_well_formed(trajectory) is expected
+
+
+def test_min_searches_and_reasons():
+    direct = "<think> know it </think><answer> Paris </answer>"
+    assert is_well_formed(direct, min_searches=0)
+    assert check_format(direct) == FormatCheck(False, 0, "0 searches before the answer, fewer than 1")
+    assert check_format(_GOOD) == FormatCheck(True, 1, "")
+    assert not check_format(_GOOD, min_searches=2).well_formed
+    assert check_format("<think> a </think> so <answer> b </answer>").reason == "text outside any block"
+    assert check_format("<think> a </think><answer> c").reason == "<answer> is never closed"
+    assert check_format("<think> a </think><search> q </search>").reason == "no answer"
 
 
 def test_in_progress_trajectories():

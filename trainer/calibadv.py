@@ -5,25 +5,29 @@ scores into the ``(B, S)`` ``step_scores`` tensor of
 :class:`trainer.advantages.AdvantageInputs` (the ``calibadv`` estimator's batch
 inputs, registered with it), and the estimator does the rest.
 
-Semantics follow the authors' release (Wu et al., arXiv 2604.18235, verl fork):
+The rules are those of the authors' code (Wu et al., arXiv 2604.18235, verl
+fork; docs/design.md, "CalibAdv", rules 1-3), checked rule by rule:
 
-1. **Silver documents** of a group are the documents retrieved by the group's
-   best rollouts: those at the group's maximum answer F1, provided it is at
-   least ``f1_threshold`` (0.7). Every rollout tied at the maximum counts. When
-   gold document ids are known and ``use_gold`` is set, they serve instead.
-2. **Step score** ``s_k = (#silver docs first seen in step k) / (#docs in step k)``.
-   A step that repeats an earlier one scores 0: its ``<think>`` text is more
-   than 0.5 word-level edit similarity to an earlier step's, or more than one
-   of its documents was already retrieved by an earlier step. A step with no
-   documents scores 0. A rollout whose trajectory is not well formed gets 0 for
-   every step, i.e. the full negative advantage on every segment (the authors
-   score only well-formed trajectories).
+1. **Reward** of a search rollout is ``F1 x format``: answer token F1 times 1
+   when the trajectory is well formed (:func:`trainer.search_format.check_format`),
+   else 0.
+2. **Silver documents** of a group: among the *well-formed* rollouts whose
+   reward is at least ``f1_threshold`` (0.7), those with the highest reward;
+   tied rollouts pool their documents. Malformed rollouts never contribute. No
+   such rollout: no silver documents (every step then keeps its advantage).
+   With ``use_gold`` and known gold ids, the gold documents serve instead (our
+   option).
+3. **Step score** ``s_k = (#silver docs of step k not retrieved by any earlier
+   step of the rollout) / (#docs listed in step k)``, and 0 when step k
+   repeats: its ``<think>`` text has word-level edit similarity above 0.5
+   with some earlier step's, or it shares more than one document with some
+   *single* earlier step (compared step by step, not with the union). A step
+   without documents scores 0; a malformed rollout gets 0 for every step.
 
 Choices the release leaves open, made here and tested:
 
-* "First seen" is per rollout: a silver document counts for the first step of
-  that rollout that retrieves it; a document listed twice within one step
-  counts once in the numerator (the denominator is the step's list length).
+* A silver document listed twice within one step counts once in the
+  numerator (the denominator is the step's list length).
 * Two steps whose ``<think>`` texts are both empty are not a repetition by
   think text (there is no text to compare); their documents are still compared.
 * ``use_gold`` without gold ids (``None`` or empty) falls back to the rollouts'
@@ -81,51 +85,57 @@ def word_edit_similarity(a: str, b: str) -> float:
 
 
 def select_silver_docs(
-    answer_f1: Sequence[float],
+    rewards: Sequence[float],
     steps: Sequence[Sequence[SearchStep]],
     gold_doc_ids: Sequence[str] | None = None,
     f1_threshold: float = 0.7,
     use_gold: bool = False,
+    well_formed: Sequence[bool] | None = None,
 ) -> set[str]:
-    """Silver documents of one group of rollouts.
+    """Silver documents of one group of rollouts (rule 2 of the module docstring).
 
-    ``answer_f1[i]`` is rollout i's answer F1 in [0, 1] and ``steps[i]`` its
-    search steps. Returns the union of the documents retrieved by every rollout
-    at the group's maximum F1 when that maximum is >= ``f1_threshold``, else the
-    empty set; with ``use_gold`` and non-empty ``gold_doc_ids``, returns those.
+    ``rewards[i]`` is rollout i's reward ``F1 x format`` in [0, 1], ``steps[i]``
+    its search steps and ``well_formed[i]`` whether it follows the format (None:
+    all do). Returns the union of the documents retrieved by every well-formed
+    rollout at the highest reward among the well-formed rollouts, when that
+    reward is >= ``f1_threshold``, else the empty set; with ``use_gold`` and
+    non-empty ``gold_doc_ids``, returns those.
     """
-    if len(answer_f1) != len(steps):
-        raise InvalidArgument("steps", f"has {len(steps)} rollouts but answer_f1 has {len(answer_f1)}")
+    if len(rewards) != len(steps):
+        raise InvalidArgument("steps", f"has {len(steps)} rollouts but rewards has {len(rewards)}")
+    if well_formed is None:
+        well_formed = [True] * len(rewards)
+    if len(well_formed) != len(rewards):
+        raise InvalidArgument("well_formed", f"has {len(well_formed)} flags but rewards has {len(rewards)}")
     if not 0.0 <= f1_threshold <= 1.0:
         raise InvalidArgument("f1_threshold", f"must be in [0, 1], got {f1_threshold}")
-    for i, f1 in enumerate(answer_f1):
-        if not (isinstance(f1, (int, float)) and math.isfinite(f1) and 0.0 <= f1 <= 1.0):
-            raise InvalidArgument("answer_f1", f"rollout {i}: F1 must be a number in [0, 1], got {f1!r}")
+    for i, reward in enumerate(rewards):
+        if not (isinstance(reward, (int, float)) and math.isfinite(reward) and 0.0 <= reward <= 1.0):
+            raise InvalidArgument("rewards", f"rollout {i}: reward must be a number in [0, 1], got {reward!r}")
     if use_gold and gold_doc_ids:
         return set(gold_doc_ids)
-    if not answer_f1:
+    candidates = [i for i, ok in enumerate(well_formed) if ok and rewards[i] >= f1_threshold]
+    if not candidates:
         return set()
-    best = max(answer_f1)
-    if best < f1_threshold:
-        return set()
+    best = max(rewards[i] for i in candidates)
     silver: set[str] = set()
-    for f1, rollout_steps in zip(answer_f1, steps):
-        if f1 == best:
-            for step in rollout_steps:
+    for i in candidates:
+        if rewards[i] == best:
+            for step in steps[i]:
                 silver.update(step.doc_ids)
     return silver
 
 
-def _repeats_earlier(step: SearchStep, earlier: Sequence[SearchStep], seen: set[str], similarity_threshold: float,
-                     max_repeated_docs: int) -> bool:
-    if len(set(step.doc_ids) & seen) > max_repeated_docs:
-        return True
+def _repeats_earlier(step: SearchStep, earlier: Sequence[SearchStep], similarity_threshold: float,
+                     max_shared_docs: int) -> bool:
+    """Rule 3's repeat test, against each earlier step separately."""
+    docs = set(step.doc_ids)
     think = step.think.strip()
     for previous in earlier:
+        if len(docs & set(previous.doc_ids)) > max_shared_docs:
+            return True
         other = previous.think.strip()
-        if not think and not other:
-            continue
-        if word_edit_similarity(think, other) > similarity_threshold:
+        if (think or other) and word_edit_similarity(think, other) > similarity_threshold:
             return True
     return False
 
@@ -135,26 +145,27 @@ def step_scores(
     silver_docs: set[str],
     well_formed: bool,
     similarity_threshold: float = 0.5,
-    max_repeated_docs: int = 1,
+    max_shared_docs: int = 1,
 ) -> list[float]:
-    """Step score ``s_k`` in [0, 1] of each search step of one rollout.
+    """Step score ``s_k`` in [0, 1] of each search step of one rollout (rule 3).
 
-    ``s_k = (#silver docs first seen in step k) / (#docs in step k)``; 0 for a
-    step that repeats an earlier one (think text similarity above
-    ``similarity_threshold``, or more than ``max_repeated_docs`` of its
-    documents already retrieved), for a step without documents, and for every
-    step of a trajectory that is not ``well_formed``.
+    ``s_k = (#silver docs of step k not retrieved by an earlier step) / (#docs
+    in step k)``; 0 for a step that repeats an earlier one (think text
+    similarity above ``similarity_threshold`` with some earlier step, or more
+    than ``max_shared_docs`` documents shared with some single earlier step),
+    for a step without documents, and for every step of a trajectory that is
+    not ``well_formed``.
     """
     if not 0.0 <= similarity_threshold <= 1.0:
         raise InvalidArgument("similarity_threshold", f"must be in [0, 1], got {similarity_threshold}")
-    if max_repeated_docs < 0:
-        raise InvalidArgument("max_repeated_docs", f"must be >= 0, got {max_repeated_docs}")
+    if max_shared_docs < 0:
+        raise InvalidArgument("max_shared_docs", f"must be >= 0, got {max_shared_docs}")
     if not well_formed:
         return [0.0] * len(steps)
     scores: list[float] = []
     seen: set[str] = set()
     for k, step in enumerate(steps):
-        if not step.doc_ids or _repeats_earlier(step, steps[:k], seen, similarity_threshold, max_repeated_docs):
+        if not step.doc_ids or _repeats_earlier(step, steps[:k], similarity_threshold, max_shared_docs):
             scores.append(0.0)
         else:
             first_seen_silver = {doc for doc in step.doc_ids if doc in silver_docs and doc not in seen}
@@ -171,8 +182,8 @@ def search_step_scores(rollouts: Sequence["SearchRollout"], group_index: "torch.
     """CalibAdv step scores ``(B, S)`` of a batch of search rollouts.
 
     rollouts: B SearchRollouts; group_index: (B,) their groups; segment_index:
-    (B, T). Silver documents are chosen per group (``settings.f1_threshold``,
-    ``settings.use_gold``); step k of a rollout is its generated segment k. Slots
+    (B, T). Silver documents are chosen per group from the well-formed rollouts
+    ranked by F1 x format (``settings.f1_threshold``, ``settings.use_gold``); step k of a rollout is its generated segment k. Slots
     without a search step (the answer segment, unused turns) are NaN: the
     estimator reads only intermediate segments."""
     import torch
@@ -186,9 +197,13 @@ def search_step_scores(rollouts: Sequence["SearchRollout"], group_index: "torch.
         groups.setdefault(int(group), []).append(row)
     for rows in groups.values():
         steps = [[SearchStep(s.think, tuple(s.result.doc_ids)) for s in rollouts[r].steps] for r in rows]
-        f1 = [token_f1(rollouts[r].answer, rollouts[r].task.answers) if rollouts[r].answer else 0.0 for r in rows]
+        well_formed = [rollouts[r].well_formed for r in rows]
+        # Rule 1: silver docs rank rollouts by F1 x format, whatever the training reward blends.
+        rewards = [token_f1(rollouts[r].answer, rollouts[r].task.answers) if ok and rollouts[r].answer else 0.0
+                   for r, ok in zip(rows, well_formed)]
         task = rollouts[rows[0]].task
-        silver = select_silver_docs(f1, steps, task.gold_doc_ids, settings.f1_threshold, settings.use_gold)
+        silver = select_silver_docs(rewards, steps, task.gold_doc_ids, settings.f1_threshold, settings.use_gold,
+                                    well_formed=well_formed)
         for r, rollout_steps in zip(rows, steps):
             values = step_scores(rollout_steps, silver, rollouts[r].well_formed, settings.similarity_threshold)
             for k, value in enumerate(values[:slots]):

@@ -307,7 +307,9 @@ class CalibAdvAdvantage:
 
     type: Literal["calibadv"] = option("calibadv", "Estimator name (registered in trainer.advantages).")
     lambda_: float = option(1.0, "Answer rebalancing: positives scaled by N / (lambda * P); < 1 collapsed.")
-    f1_threshold: float = option(0.7, "Silver documents come from a group's best rollouts when their F1 >= this.")
+    f1_threshold: float = option(
+        0.7, "Silver documents come from a group's best well-formed rollouts when their F1 x format >= this."
+    )
     use_gold: bool = option(False, "Use the tasks' gold document ids as the silver documents when present.")
     similarity_threshold: float = option(0.5, "A step whose think text is this similar to an earlier one scores 0.")
 

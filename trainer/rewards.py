@@ -14,8 +14,10 @@ Search tasks (a multi-step Search-R1 trajectory per rollout)::
     R = w_answer * r_ans + search_w_retrieval * mean_k r_ret(k) + search_w_rubric * r_rub
                                                       (defaults 1.0 / 0.0 / 0.0)
 
-``r_ans`` is the answer's token F1 (or exact match) against the gold answers, 0
-when the trajectory gave no answer; ``r_ret(k)`` is step k's retrieval signal
+``r_ans`` is the answer's token F1 (or exact match) against the gold answers
+times the format (1 when the trajectory follows the format grammar of
+:func:`trainer.search_format.check_format`, else 0; ``answer_times_format``,
+the reward of CalibAdv's authors), 0 when the trajectory gave no answer; ``r_ret(k)`` is step k's retrieval signal
 (computed during the rollout), the mean is 0 without steps; ``r_rub`` judges the
 final answer. The defaults make R the answer F1 alone, the outcome reward of
 Search-R1 and CalibAdv: per-step retrieval quality enters through CalibAdv's
@@ -90,6 +92,11 @@ class RewardConfig:
     rubric_id: str = option("", "Judge rubric to score with; required when a rubric weight is > 0.")
     answer_metric: Literal["f1", "em"] = option("f1", "Search tasks: answer score, token F1 or exact match.")
     w_answer: float = option(1.0, "Search tasks: weight of the answer score.")
+    answer_times_format: bool = option(
+        True,
+        "Search tasks: the answer score is F1 (or EM) x format, 0 for a trajectory that breaks the format grammar "
+        "(CalibAdv's authors' reward); false scores the raw answer.",
+    )
     search_w_retrieval: float = option(0.0, "Search tasks: weight of the mean per-step retrieval signal.")
     search_w_rubric: float = option(0.0, "Search tasks: weight of the rubric total of the final answer.")
     rubric_sees_retrieval: bool = option(
@@ -288,7 +295,9 @@ class RewardModel:
         results = []
         for i, rollout in enumerate(rollouts):
             golds = rollout.task.answers
-            if cfg.binary_only or cfg.answer_metric == "em":
+            if cfg.answer_times_format and not rollout.well_formed:
+                answer = 0.0
+            elif cfg.binary_only or cfg.answer_metric == "em":
                 answer = exact_match(answers[i], golds) if answers[i] else 0.0
             else:
                 answer = token_f1(answers[i], golds) if answers[i] else 0.0

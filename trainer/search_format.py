@@ -152,51 +152,84 @@ def parse_turn(text: str) -> ParsedTurn:
 def _turn_well_formed(text: str) -> bool:
     """``thought </think> ws <search>q</search>`` or ``... <answer>a</answer>``, with
     no stray tags and nothing after the action but white space."""
-    return is_well_formed(THINK_OPEN + text, require_answer=False) and _ACTION.search(text) is not None
+    return is_well_formed(THINK_OPEN + text, require_answer=False, min_searches=0) and _ACTION.search(text) is not None
 
 
-def is_well_formed(trajectory: str, *, require_answer: bool = True) -> bool:
-    """Whether a whole search-agent trajectory follows the format.
+@dataclass(frozen=True)
+class FormatCheck:
+    """Result of :func:`check_format`: whether a trajectory follows the grammar, and if not, why."""
 
-    ``trajectory`` starts with the prompt's opening ``<think>`` and holds every
-    generated turn and observation in order. Grammar (white space only between
-    blocks; information blocks are opaque)::
+    well_formed: bool
+    searches: int  # closed <search> blocks read before the check stopped
+    reason: str  # "" when well formed, else the first violation, e.g. "text outside any block"
 
-        (think search information)* think answer
 
-    With ``require_answer=False`` the trajectory may also end after a search or
-    information block (a trajectory in progress)."""
+def check_format(trajectory: str, *, require_answer: bool = True, min_searches: int = 1) -> FormatCheck:
+    """Check a whole search-agent trajectory against the format grammar.
+
+    This is the one validator that the reward (``F1 x format``), CalibAdv's
+    silver-document rule and the diagnostics share (docs/design.md, CalibAdv
+    rule 1). ``trajectory`` starts with the prompt's opening ``<think>`` and
+    holds every generated turn and observation in order. Grammar (white space
+    only between blocks; information blocks are opaque)::
+
+        think (search information think)* answer
+
+    with balanced tags, no tag nested inside think/search/answer, a non-empty
+    search query, nothing after the answer, and at least ``min_searches``
+    searches (the authors' format requires one). With ``require_answer=False``
+    the trajectory may also end after a search or information block (a
+    trajectory in progress). The environment never writes an invalid-action
+    notice (a turn without an action ends the trajectory), so no such notice
+    can appear.
+    """
     position = 0
+    searches = 0
     expected = "think"  # the next block the grammar allows
     ended_with = None
+
+    def bad(reason: str) -> FormatCheck:
+        return FormatCheck(False, searches, reason)
+
     while True:
         match = _ANY_TAG.search(trajectory, position)
         if match is None:
             break
         if trajectory[position : match.start()].strip():
-            return False  # text outside any block
+            return bad("text outside any block")
         tag = match.group(0)
         name = tag.strip("</>")
         if tag.startswith("</"):
-            return False  # a closing tag with no open block
+            return bad(f"closing tag {tag} with no open block")
         if ended_with == "answer":
-            return False  # nothing may follow the answer
+            return bad("a block after the answer")
         allowed = {"think": ("think",), "action": ("search", "answer"), "information": ("information",)}[expected]
         if name not in allowed:
-            return False
+            return bad(f"<{name}> where {' or '.join(f'<{a}>' for a in allowed)} was expected")
         close_tag = f"</{name}>"
         end = trajectory.find(close_tag, match.end())
         if end < 0:
-            return False
+            return bad(f"<{name}> is never closed")
         if name != "information" and _ANY_TAG.search(trajectory, match.end(), end):
-            return False  # nested or stray tags inside a block
-        if name in ("search",) and not trajectory[match.end() : end].strip():
-            return False
+            return bad(f"a tag inside <{name}>")
+        if name == "search":
+            if not trajectory[match.end() : end].strip():
+                return bad("an empty search query")
+            searches += 1
         position = end + len(close_tag)
         ended_with = name
         expected = {"think": "action", "search": "information", "answer": "think", "information": "think"}[name]
     if trajectory[position:].strip():
-        return False
-    if require_answer:
-        return ended_with == "answer"
-    return ended_with in ("search", "information", "answer")
+        return bad("text outside any block")
+    if require_answer and ended_with != "answer":
+        return bad("no answer")
+    if not require_answer and ended_with not in ("search", "information", "answer"):
+        return bad("no action")
+    if ended_with == "answer" and searches < min_searches:
+        return bad(f"{searches} searches before the answer, fewer than {min_searches}")
+    return FormatCheck(True, searches, "")
+
+
+def is_well_formed(trajectory: str, *, require_answer: bool = True, min_searches: int = 1) -> bool:
+    """Whether a whole search-agent trajectory follows the format (see :func:`check_format`)."""
+    return check_format(trajectory, require_answer=require_answer, min_searches=min_searches).well_formed
