@@ -66,6 +66,7 @@ def resolve_embedder(name_or_path: str | None) -> tuple[str, pathlib.Path]:
     return str(path), path
 
 
+@dataclass(frozen=True)
 class _Layout:
     """What a sentence-transformers folder does after the encoder, when we can run it directly."""
 
