@@ -232,7 +232,7 @@ def main() -> None:
     args = parser.parse_args()
 
     from calibrl.demo.domain import generate_domain
-    from retrieval_server.index import build_index_from_dicts
+    from calibrl.retrieval_server.index import build_index_from_dicts
 
     work = pathlib.Path(args.workdir or tempfile.mkdtemp(prefix="bench-abuse-"))
     work.mkdir(parents=True, exist_ok=True)

@@ -2,7 +2,7 @@
 
 A random Llama-architecture model (no download; size set by --hidden/--layers) and
 a byte-level BPE tokenizer trained on the spot sample ``--new-tokens`` tokens for
-``--prompts`` prompts with :class:`trainer.engines.TransformersEngine`:
+``--prompts`` prompts with :class:`calibrl.trainer.engines.TransformersEngine`:
 
 1. one left-padded batch (what the rollouts do);
 2. the same prompts one at a time;
@@ -43,10 +43,10 @@ def main() -> None:
     import torch
 
     from calibrl.testing import build_model, build_tokenizer
-    from trainer.engines import TransformersEngine
-    from trainer.policy import Policy, token_logprobs
-    from trainer.rollout import assemble_rows
-    from trainer.search_format import TURN_STOP_STRINGS
+    from calibrl.trainer.engines import TransformersEngine
+    from calibrl.trainer.policy import Policy, token_logprobs
+    from calibrl.trainer.rollout import assemble_rows
+    from calibrl.trainer.search_format import TURN_STOP_STRINGS
 
     torch.set_num_threads(max(1, torch.get_num_threads()))
     tokenizer = build_tokenizer()

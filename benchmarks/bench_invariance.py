@@ -139,7 +139,7 @@ def bench_dense(args, rows: list, probe: list) -> None:
     import numpy as np
     import torch
 
-    from retrieval_server.dense import FaissSearcher, TorchSearcher, build_faiss_index
+    from calibrl.retrieval_server.dense import FaissSearcher, TorchSearcher, build_faiss_index
 
     rng = np.random.default_rng(0)
     docs = rng.standard_normal((args.docs, 384)).astype(np.float32)
@@ -190,11 +190,11 @@ def bench_dense(args, rows: list, probe: list) -> None:
 
 
 def bench_transformers_judge(args, rows: list, probe: list) -> None:
-    from judge_server.backends.encoding import EncodedBatch
-    from judge_server.backends.hf import TransformersJudge
-    from judge_server.rubric import Criterion
+    from calibrl.judge_server.backends.encoding import EncodedBatch
+    from calibrl.judge_server.backends.hf import TransformersJudge
+    from calibrl.judge_server.rubric import Criterion
     from calibrl.testing import build_tiny_causal_lm
-    from judge_server.types import JudgeItem
+    from calibrl.judge_server.types import JudgeItem
 
     criteria = [
         Criterion("intent", "llm", 1.0, question="Does the output keep the intent of the user's query?"),

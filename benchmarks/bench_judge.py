@@ -114,9 +114,9 @@ def main() -> int:
 
     import torch
 
-    from judge_server.config import JudgeConfig
-    from judge_server.judge import Judge, load_llm
-    from judge_server.rubric import parse_rubric
+    from calibrl.judge_server.config import JudgeConfig
+    from calibrl.judge_server.judge import Judge, load_llm
+    from calibrl.judge_server.rubric import parse_rubric
     from calibrl.testing import build_tiny_causal_lm, synthetic_feedback
 
     if args.threads:
@@ -221,11 +221,11 @@ def main() -> int:
 def _train_judge(base, workdir: str, args) -> tuple:
     """Distil LLM criteria from synthetic SME feedback, add a 1-5 question learnt from the
     grades, and train the judge on the training part: (rubric, model folder, summary)."""
-    from judge_server.distill import DistillOptions, distill
-    from judge_server.feedback import write_feedback
-    from judge_server.rubric import Criterion, dump_rubric, load_rubric, with_fields
+    from calibrl.judge_server.distill import DistillOptions, distill
+    from calibrl.judge_server.feedback import write_feedback
+    from calibrl.judge_server.rubric import Criterion, dump_rubric, load_rubric, with_fields
     from calibrl.testing import synthetic_feedback
-    from judge_server.train_judge import TrainJudgeOptions, train_judge
+    from calibrl.judge_server.train_judge import TrainJudgeOptions, train_judge
 
     records = synthetic_feedback(args.train_records, seed=7)
     write_feedback(f"{workdir}/feedback.jsonl", records)
@@ -247,7 +247,7 @@ def _agreement_with_experts(criteria, records, scores) -> dict[str, float]:
     """Per criterion, the share of items whose logprob answer is the one training would
     target for that record (``train_judge.criterion_target``: from the SME tags, verdict or
     grade; a 1-5 answer agrees when it rounds to the target grade)."""
-    from judge_server.train_judge import answer_agrees, criterion_target
+    from calibrl.judge_server.train_judge import answer_agrees, criterion_target
 
     out = {}
     for column, criterion in enumerate(criteria):
@@ -262,9 +262,9 @@ async def _grpc_cache_hits(judge, rubric_id, items, n_scores, repeats) -> dict:
 
     from calibrl.v1 import judge_pb2 as pb
     from calibrl.v1 import judge_pb2_grpc
-    from judge_server import wire
-    from judge_server.config import JudgeServerConfig
-    from judge_server.server import start
+    from calibrl.judge_server import wire
+    from calibrl.judge_server.config import JudgeServerConfig
+    from calibrl.judge_server.server import start
 
     config = JudgeServerConfig(rubrics="(in memory)")
     config.serving.port = 0

@@ -126,8 +126,8 @@ class ChildServer:
 def choose_index(index: str, data: pathlib.Path, work: pathlib.Path) -> tuple[pathlib.Path, str]:
     """The index folder to serve and what it is."""
     from calibrl.errors import CalibrlError
-    from retrieval_server.corpus import file_sha256
-    from retrieval_server.manifest import read_manifest, verify_files
+    from calibrl.retrieval_server.corpus import file_sha256
+    from calibrl.retrieval_server.manifest import read_manifest, verify_files
 
     if index != "auto":
         manifest = read_manifest(index)
@@ -157,7 +157,7 @@ def retrieval_requests(batch: int, data: pathlib.Path, hotpotqa: bool, mode: str
     from calibrl.v1 import retrieval_pb2 as pb
 
     if hotpotqa:
-        from retrieval_server.corpus import read_hotpotqa_questions
+        from calibrl.retrieval_server.corpus import read_hotpotqa_questions
 
         items = [pb.ScoreItem(query=q.question, gold_doc_ids=list(q.gold_titles), gold_answers=list(q.answers))
                  for q in read_hotpotqa_questions(data)]

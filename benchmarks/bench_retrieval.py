@@ -43,9 +43,9 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from calibrl.errors import CalibrlError  # noqa: E402
-from retrieval_server import metrics  # noqa: E402
-from retrieval_server.corpus import file_sha256, read_hotpotqa_corpus, read_hotpotqa_questions  # noqa: E402
-from retrieval_server.types import ScoreItem, SearchMode  # noqa: E402
+from calibrl.retrieval_server import metrics  # noqa: E402
+from calibrl.retrieval_server.corpus import file_sha256, read_hotpotqa_corpus, read_hotpotqa_questions  # noqa: E402
+from calibrl.retrieval_server.types import ScoreItem, SearchMode  # noqa: E402
 
 DEFAULT_DATA = ROOT.parent / "shared" / "data" / "hotpotqa" / "dev_400.jsonl"
 DEFAULT_INDEX = pathlib.Path("/tmp/calibrl-bench/hotpotqa-flat")
@@ -65,8 +65,8 @@ class Cell:
 
 
 def ensure_index(data: pathlib.Path, index_dir: pathlib.Path, device: str) -> None:
-    from retrieval_server.index import build_index
-    from retrieval_server.manifest import read_manifest, verify_files
+    from calibrl.retrieval_server.index import build_index
+    from calibrl.retrieval_server.manifest import read_manifest, verify_files
 
     sha = file_sha256(data)
     try:
@@ -138,7 +138,7 @@ async def run_grpc(address: str, rpc: str, batches: list[list[str]], concurrency
 
     from calibrl.v1 import retrieval_pb2 as pb
     from calibrl.v1 import retrieval_pb2_grpc as pb_grpc
-    from retrieval_server import wire
+    from calibrl.retrieval_server import wire
 
     mode_pb = wire.mode_to_proto(mode)
     options = [("grpc.max_receive_message_length", 64 << 20), ("grpc.max_send_message_length", 64 << 20)]
@@ -236,7 +236,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"HotpotQA data not found at {args.data}", file=sys.stderr)
         return 2
 
-    from retrieval_server.retriever import Retriever
+    from calibrl.retrieval_server.retriever import Retriever
 
     if args.torch_threads:
         import torch

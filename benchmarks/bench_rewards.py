@@ -40,16 +40,16 @@ criteria:
 
 async def run(batch: int, repeats: int, workdir: pathlib.Path) -> dict[str, float]:
     from calibrl.serving import ServingConfig
-    from judge_server import server as judge_server
-    from judge_server.config import JudgeConfig, JudgeServerConfig
-    from judge_server.judge import Judge
-    from judge_server.rubric import load_rubric_dir
-    from retrieval_server.retriever import Retriever
+    from calibrl.judge_server import server as judge_server
+    from calibrl.judge_server.config import JudgeConfig, JudgeServerConfig
+    from calibrl.judge_server.judge import Judge
+    from calibrl.judge_server.rubric import load_rubric_dir
+    from calibrl.retrieval_server.retriever import Retriever
     from calibrl.testing import TINY_CORPUS, build_test_index, start_test_server
-    from trainer.grpc_clients import GrpcJudgeClient, GrpcRetrievalClient
-    from trainer.inprocess import InProcessJudgeClient, InProcessRetrievalClient
-    from trainer.rewards import RewardConfig, RewardModel, RewriteRollout
-    from trainer.tasks import Task
+    from calibrl.trainer.grpc_clients import GrpcJudgeClient, GrpcRetrievalClient
+    from calibrl.trainer.inprocess import InProcessJudgeClient, InProcessRetrievalClient
+    from calibrl.trainer.rewards import RewardConfig, RewardModel, RewriteRollout
+    from calibrl.trainer.tasks import Task
 
     index_dir = build_test_index(workdir / "index")
     (workdir / "rubrics").mkdir()

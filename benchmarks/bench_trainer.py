@@ -59,7 +59,7 @@ def build_world(root: pathlib.Path, hidden: int, layers: int) -> dict:
     import torch
 
     from calibrl.embedding import SentenceEmbedder
-    from retrieval_server.retriever import Retriever
+    from calibrl.retrieval_server.retriever import Retriever
     from calibrl.testing import TINY_CORPUS, build_test_index
     from calibrl.testing import build_model, build_tokenizer
 
@@ -91,9 +91,9 @@ def build_world(root: pathlib.Path, hidden: int, layers: int) -> dict:
 
 
 def run_calibrl(world: dict, out: pathlib.Path, steps: int) -> dict:
-    from trainer.config import load_train_config
-    from trainer.inprocess import InProcessRetrievalClient
-    from trainer.loop import train
+    from calibrl.trainer.config import load_train_config
+    from calibrl.trainer.inprocess import InProcessRetrievalClient
+    from calibrl.trainer.loop import train
 
     config = load_train_config(None, [
         f"policy.path={world['policy']}", "policy.device=cpu", f"tasks.path={world['tasks']}",
@@ -127,10 +127,10 @@ def run_trl(world: dict, out: pathlib.Path, steps: int) -> dict:
     from datasets import Dataset
     from transformers import AutoTokenizer, TrainerCallback
 
-    from retrieval_server.types import ScoreItem
-    from trainer.rollout import parse_rewrite
-    from trainer.search_format import REWRITE_TEMPLATE, fill_template
-    from trainer.tasks import load_tasks
+    from calibrl.retrieval_server.types import ScoreItem
+    from calibrl.trainer.rollout import parse_rewrite
+    from calibrl.trainer.search_format import REWRITE_TEMPLATE, fill_template
+    from calibrl.trainer.tasks import load_tasks
 
     tasks = load_tasks(world["tasks"])
     retriever = world["retriever"]
@@ -221,13 +221,13 @@ def part_trl(world: dict, root: pathlib.Path, steps: int, rounds: int) -> dict:
 
 def part_services(world: dict, root: pathlib.Path, steps: int, chunks: list[int], off_policy: list[int]) -> dict:
     from calibrl.config import load_config
-    from judge_server.config import JudgeServerConfig
-    from judge_server.server import start as start_judge
+    from calibrl.judge_server.config import JudgeServerConfig
+    from calibrl.judge_server.server import start as start_judge
     from calibrl.testing import start_test_server
-    from trainer.aio import BackgroundLoop
-    from trainer.cli import make_clients
-    from trainer.config import load_train_config
-    from trainer.loop import train
+    from calibrl.trainer.aio import BackgroundLoop
+    from calibrl.trainer.cli import make_clients
+    from calibrl.trainer.config import load_train_config
+    from calibrl.trainer.loop import train
 
     judge_config = load_config(JudgeServerConfig, None, [
         f"rubrics={world['rubrics']}", "serving.port=0", "judge.allow_unvalidated=true", "judge.embedder=minilm",

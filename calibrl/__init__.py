@@ -31,22 +31,22 @@ __version__ = "0.1.0"
 
 # public name -> the module that defines it
 _EXPORTS = {
-    "Retriever": "retrieval_server.retriever",
-    "RetrievalServerConfig": "retrieval_server.config",
-    "Judge": "judge_server.judge",
-    "JudgeConfig": "judge_server.config",
-    "JudgeServerConfig": "judge_server.config",
-    "RetrievalClient": "trainer.clients",
-    "JudgeClient": "trainer.clients",
-    "GrpcRetrievalClient": "trainer.grpc_clients",
-    "GrpcJudgeClient": "trainer.grpc_clients",
-    "InProcessRetrievalClient": "trainer.inprocess",
-    "InProcessJudgeClient": "trainer.inprocess",
-    "RewardModel": "trainer.rewards",
-    "TrainConfig": "trainer.config",
-    "load_train_config": "trainer.config",
-    "train": "trainer.loop",
-    "TrainResult": "trainer.loop",
+    "Retriever": "calibrl.retrieval_server.retriever",
+    "RetrievalServerConfig": "calibrl.retrieval_server.config",
+    "Judge": "calibrl.judge_server.judge",
+    "JudgeConfig": "calibrl.judge_server.config",
+    "JudgeServerConfig": "calibrl.judge_server.config",
+    "RetrievalClient": "calibrl.trainer.clients",
+    "JudgeClient": "calibrl.trainer.clients",
+    "GrpcRetrievalClient": "calibrl.trainer.grpc_clients",
+    "GrpcJudgeClient": "calibrl.trainer.grpc_clients",
+    "InProcessRetrievalClient": "calibrl.trainer.inprocess",
+    "InProcessJudgeClient": "calibrl.trainer.inprocess",
+    "RewardModel": "calibrl.trainer.rewards",
+    "TrainConfig": "calibrl.trainer.config",
+    "load_train_config": "calibrl.trainer.config",
+    "train": "calibrl.trainer.loop",
+    "TrainResult": "calibrl.trainer.loop",
     "CalibrlError": "calibrl.errors",
     "ConfigError": "calibrl.errors",
     "InvalidArgument": "calibrl.errors",
@@ -57,16 +57,16 @@ __all__ = ["__version__", *sorted(_EXPORTS)]
 
 if TYPE_CHECKING:  # pragma: no cover
     from calibrl.errors import CalibrlError, ConfigError, InvalidArgument, RewardError
-    from judge_server.config import JudgeConfig, JudgeServerConfig
-    from judge_server.judge import Judge
-    from retrieval_server.config import RetrievalServerConfig
-    from retrieval_server.retriever import Retriever
-    from trainer.clients import JudgeClient, RetrievalClient
-    from trainer.config import TrainConfig, load_train_config
-    from trainer.grpc_clients import GrpcJudgeClient, GrpcRetrievalClient
-    from trainer.inprocess import InProcessJudgeClient, InProcessRetrievalClient
-    from trainer.loop import TrainResult, train
-    from trainer.rewards import RewardModel
+    from calibrl.judge_server.config import JudgeConfig, JudgeServerConfig
+    from calibrl.judge_server.judge import Judge
+    from calibrl.retrieval_server.config import RetrievalServerConfig
+    from calibrl.retrieval_server.retriever import Retriever
+    from calibrl.trainer.clients import JudgeClient, RetrievalClient
+    from calibrl.trainer.config import TrainConfig, load_train_config
+    from calibrl.trainer.grpc_clients import GrpcJudgeClient, GrpcRetrievalClient
+    from calibrl.trainer.inprocess import InProcessJudgeClient, InProcessRetrievalClient
+    from calibrl.trainer.loop import TrainResult, train
+    from calibrl.trainer.rewards import RewardModel
 
 
 def __getattr__(name: str) -> Any:

@@ -50,12 +50,12 @@ class LocalServices:
 
     def __init__(self, workdir: pathlib.Path) -> None:
         from calibrl.config import load_config
-        from judge_server import server as judge_server
-        from judge_server.config import JudgeServerConfig
-        from retrieval_server import server as retrieval_server
-        from retrieval_server.config import RetrievalServerConfig
+        from calibrl.judge_server import server as judge_server
+        from calibrl.judge_server.config import JudgeServerConfig
+        from calibrl.retrieval_server import server as retrieval_server
+        from calibrl.retrieval_server.config import RetrievalServerConfig
         from calibrl.testing import TINY_CORPUS, build_test_index
-        from trainer.aio import BackgroundLoop
+        from calibrl.trainer.aio import BackgroundLoop
 
         index_dir = workdir / "index"
         if not (index_dir / "manifest.json").exists():
@@ -84,7 +84,7 @@ class LocalServices:
 def build_tiny_policy(workdir: pathlib.Path) -> str:
     """A tiny random Llama and a BPE tokenizer trained on the task prompts (no download)."""
     from calibrl.testing import build_tiny_causal_lm
-    from trainer.search_format import REWRITE_TEMPLATE, fill_template
+    from calibrl.trainer.search_format import REWRITE_TEMPLATE, fill_template
 
     folder = workdir / "policy"
     if not (folder / "config.json").exists():
@@ -131,9 +131,9 @@ def main(argv: list[str] | None = None) -> list[dict[str, float]]:
     parser.add_argument("--model", default="", help="policy model folder (default: a tiny random Llama)")
     args = parser.parse_args(argv)
 
-    from trainer.rewards import RewardConfig
-    from trainer.tasks import Task, load_tasks
-    from trainer.trl_adapter import make_reward_funcs, tasks_to_dataset
+    from calibrl.trainer.rewards import RewardConfig
+    from calibrl.trainer.tasks import Task, load_tasks
+    from calibrl.trainer.trl_adapter import make_reward_funcs, tasks_to_dataset
 
     with tempfile.TemporaryDirectory(prefix="calibrl-trl-") as scratch:
         workdir = args.out_dir or pathlib.Path(scratch)

@@ -3,15 +3,15 @@ golden set, executed by programmatic, transformers or vLLM judges, served over g
 
 Public surface (everything else is an implementation detail):
 
-- ``judge_server.judge.Judge``: the core, ``score(rubric_id, items, tenant=None)``;
+- ``calibrl.judge_server.judge.Judge``: the core, ``score(rubric_id, items, tenant=None)``;
   ``Judge.from_config(JudgeConfig, rubrics_dir)``.
-- ``judge_server.config``: ``JudgeConfig`` (in process) and ``JudgeServerConfig``.
-- ``judge_server.server.start(config) -> RunningServer``: the gRPC server on the
+- ``calibrl.judge_server.config``: ``JudgeConfig`` (in process) and ``JudgeServerConfig``.
+- ``calibrl.judge_server.server.start(config) -> RunningServer``: the gRPC server on the
   current event loop.
-- ``judge_server.rubric``: the rubric file format, ``load_rubric``, ``Rubric.hash``.
-- ``judge_server.feedback``, ``judge_server.distill``, ``judge_server.validation``:
+- ``calibrl.judge_server.rubric``: the rubric file format, ``load_rubric``, ``Rubric.hash``.
+- ``calibrl.judge_server.feedback``, ``calibrl.judge_server.distill``, ``calibrl.judge_server.validation``:
   SME feedback records, distillation, validation records and the gate.
-- ``judge_server.cli``: ``calibrl serve judge``, ``calibrl rubric distill|validate``.
+- ``calibrl.judge_server.cli``: ``calibrl serve judge``, ``calibrl rubric distill|validate``.
 
 Test helpers (a tiny causal LM, synthetic SME feedback) live in ``calibrl.testing``.
 

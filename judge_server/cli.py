@@ -73,7 +73,7 @@ def serve(argv: list[str]) -> int:
     import asyncio
 
     from calibrl.serving import serve_until_signal, stop_on_signals
-    from judge_server.server import start
+    from calibrl.judge_server.server import start
 
     async def run() -> None:
         stop_requested = stop_on_signals()  # before the port is announced: a SIGTERM from then on drains
@@ -92,7 +92,7 @@ def serve(argv: list[str]) -> int:
 
 
 def _server_config_cls() -> type:
-    from judge_server.config import JudgeServerConfig
+    from calibrl.judge_server.config import JudgeServerConfig
 
     return JudgeServerConfig
 
@@ -124,10 +124,10 @@ def distill(argv: list[str]) -> int:
                         "error_tags=issues (see README, feedback fields)")
     args = parser.parse_args(argv)
 
-    from judge_server.distill import DistillOptions
-    from judge_server.distill import distill as run_distill
-    from judge_server.feedback import normalize_tag, parse_field_map, read_feedback, write_feedback
-    from judge_server.rubric import dump_rubric, parse_rubric
+    from calibrl.judge_server.distill import DistillOptions
+    from calibrl.judge_server.distill import distill as run_distill
+    from calibrl.judge_server.feedback import normalize_tag, parse_field_map, read_feedback, write_feedback
+    from calibrl.judge_server.rubric import dump_rubric, parse_rubric
 
     try:
         records = read_feedback(args.feedback, parse_field_map(args.field_map))
@@ -205,11 +205,11 @@ def validate(argv: list[str]) -> int:
     args = parser.parse_args(argv)
 
     from calibrl.config import load_config
-    from judge_server.config import JudgeConfig
-    from judge_server.feedback import read_feedback
-    from judge_server.rubric import load_rubric
-    from judge_server.feedback import parse_field_map
-    from judge_server.validation import ValidationOptions, validate_judge, validation_path, write_record
+    from calibrl.judge_server.config import JudgeConfig
+    from calibrl.judge_server.feedback import read_feedback
+    from calibrl.judge_server.rubric import load_rubric
+    from calibrl.judge_server.feedback import parse_field_map
+    from calibrl.judge_server.validation import ValidationOptions, validate_judge, validation_path, write_record
 
     try:
         config = load_config(JudgeConfig, args.config,
@@ -310,8 +310,8 @@ def train_judge(argv: list[str]) -> int:
 
     from tqdm.auto import tqdm
 
-    from judge_server.train_judge import TrainJudgeOptions
-    from judge_server.train_judge import train_judge as run_training
+    from calibrl.judge_server.train_judge import TrainJudgeOptions
+    from calibrl.judge_server.train_judge import train_judge as run_training
 
     options = TrainJudgeOptions(
         epochs=args.epochs, lr=args.lr, batch_size=args.batch_size, seed=args.seed, lora=args.lora,

@@ -17,7 +17,7 @@ from calibrl.serving import ServingConfig
 
 @dataclass
 class JudgeConfig:
-    """What a :class:`judge_server.judge.Judge` needs, with or without gRPC."""
+    """What a :class:`calibrl.judge_server.judge.Judge` needs, with or without gRPC."""
 
     backend: str = option("programmatic", "Judge SPEC: programmatic | transformers:<model folder> | vllm:<model folder>.")
     allow_unvalidated: bool = option(
@@ -52,7 +52,7 @@ class JudgeConfig:
         2_000_000, "Most characters in one Score request, every text, id and context entry of every item together.")
 
     def validate(self) -> None:
-        from judge_server.backends import parse_spec
+        from calibrl.judge_server.backends import parse_spec
 
         parse_spec(self.backend)
         for name in ("max_items_per_forward", "max_docs", "max_doc_chars", "max_new_tokens", "max_batch_size",

@@ -31,9 +31,9 @@ from dataclasses import dataclass, field
 from typing import Literal, Sequence
 
 from calibrl.errors import ConfigError
-from judge_server.feedback import FeedbackRecord
-from judge_server.prompts import DEFAULT_INSTRUCTIONS
-from judge_server.rubric import Criterion, Rubric
+from calibrl.judge_server.feedback import FeedbackRecord
+from calibrl.judge_server.prompts import DEFAULT_INSTRUCTIONS
+from calibrl.judge_server.rubric import Criterion, Rubric
 
 CriteriaMode = Literal["both", "programmatic", "llm"]
 

@@ -26,8 +26,8 @@ from dataclasses import dataclass
 from typing import Any, Iterable
 
 from calibrl.errors import ConfigError
-from judge_server.rubric import content_hash
-from judge_server.types import JudgeItem
+from calibrl.judge_server.rubric import content_hash
+from calibrl.judge_server.types import JudgeItem
 
 _FIELDS = {
     "id", "query", "output", "retrieved_doc_ids", "retrieved_texts", "gold_doc_ids", "grade", "verdict",

@@ -2,7 +2,7 @@
 
 ``Judge.score(rubric_id, items)`` is what the servicer and the trainer's in-process
 client call. Per item it returns every criterion's score in [0, 1] (rubric order),
-the weighted total (:func:`judge_server.types.aggregate`), the rubric hash and the
+the weighted total (:func:`calibrl.judge_server.types.aggregate`), the rubric hash and the
 model id. Programmatic criteria are scored here with every backend; LLM criteria go
 to the LLM backend, so a ``programmatic`` judge refuses rubrics that have any.
 
@@ -23,14 +23,14 @@ from typing import Sequence
 
 from calibrl import telemetry
 from calibrl.errors import ConfigError, FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted, RewardError
-from judge_server import programmatic
-from judge_server.backends import LLMBackend, parse_spec
-from judge_server.cache import ResultCache, cache_key
-from judge_server.config import JudgeConfig
-from judge_server.prompts import PromptOptions
-from judge_server.rubric import Rubric, load_rubric_dir
-from judge_server.types import CriterionScore, ItemScore, JudgeItem, aggregate
-from judge_server.validation import ValidationRecord, find_record, read_records, validation_path
+from calibrl.judge_server import programmatic
+from calibrl.judge_server.backends import LLMBackend, parse_spec
+from calibrl.judge_server.cache import ResultCache, cache_key
+from calibrl.judge_server.config import JudgeConfig
+from calibrl.judge_server.prompts import PromptOptions
+from calibrl.judge_server.rubric import Rubric, load_rubric_dir
+from calibrl.judge_server.types import CriterionScore, ItemScore, JudgeItem, aggregate
+from calibrl.judge_server.validation import ValidationRecord, find_record, read_records, validation_path
 
 log = logging.getLogger(__name__)
 
@@ -66,14 +66,14 @@ def load_llm(config: JudgeConfig) -> LLMBackend | None:
     if spec.backend == "programmatic":
         return None
     if spec.backend == "transformers":
-        from judge_server.backends.hf import TransformersJudge
+        from calibrl.judge_server.backends.hf import TransformersJudge
 
         return TransformersJudge(
             spec.model_path, device=config.device, dtype=config.dtype, mode=config.llm_mode,
             max_items_per_forward=config.max_items_per_forward, prompt_options=options,
             use_chat_template=config.use_chat_template, max_new_tokens=config.max_new_tokens,
         )
-    from judge_server.backends.vllm_backend import VLLMJudge
+    from calibrl.judge_server.backends.vllm_backend import VLLMJudge
 
     return VLLMJudge(
         spec.model_path, prompt_options=options, use_chat_template=config.use_chat_template,

@@ -4,7 +4,7 @@ Each scorer takes a batch of items and returns one score in [0, 1] per item,
 1 = criterion met; an item's score depends on that item only (batch-invariant: the
 embedder encodes each text alone and the cosine is summed exactly). Scorers are
 registered by name with their parameters and defaults; a rubric names a scorer
-and overrides parameters (checked at rubric load, see ``judge_server.rubric``).
+and overrides parameters (checked at rubric load, see ``calibrl.judge_server.rubric``).
 
 =================== =====================================================================
 scorer              score
@@ -34,8 +34,8 @@ import re
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Sequence
 
-from judge_server import entities
-from judge_server.types import JudgeItem
+from calibrl.judge_server import entities
+from calibrl.judge_server.types import JudgeItem
 
 # Default compliance patterns: identifiers that must never reach the index.
 DEFAULT_COMPLIANCE_PATTERNS: dict[str, str] = {

@@ -35,8 +35,8 @@ from dataclasses import dataclass
 from typing import Callable, Mapping, Sequence
 
 from calibrl.errors import ConfigError
-from judge_server.rubric import Criterion
-from judge_server.types import JudgeItem
+from calibrl.judge_server.rubric import Criterion
+from calibrl.judge_server.types import JudgeItem
 
 DEFAULT_INSTRUCTIONS = (
     "You are a strict reviewer of a retrieval agent. The agent rewrote a user's query into a search query "

@@ -12,7 +12,7 @@ A rubric file::
     criteria:
       - name: intent
         kind: programmatic        # or llm
-        scorer: intent_similarity # programmatic: a scorer of judge_server.programmatic
+        scorer: intent_similarity # programmatic: a scorer of calibrl.judge_server.programmatic
         params: {floor: 0.3}      # its parameters (defaults filled in)
         weight: 0.4
         severity: 1.6             # SME grade cost the weight came from
@@ -48,7 +48,7 @@ from typing import Any, Literal
 import yaml
 
 from calibrl.errors import ConfigError
-from judge_server import programmatic
+from calibrl.judge_server import programmatic
 
 CriterionKind = Literal["llm", "programmatic"]
 Scale = Literal["yes_no", "likert_1_5"]

@@ -1,4 +1,4 @@
-"""JudgeService over grpc.aio: a thin adapter over :class:`judge_server.judge.Judge`.
+"""JudgeService over grpc.aio: a thin adapter over :class:`calibrl.judge_server.judge.Judge`.
 
 Score checks the request, answers cached items at once, and sends the rest through
 a :class:`calibrl.batching.MicroBatcher` keyed by rubric hash, so concurrent callers
@@ -18,11 +18,11 @@ from calibrl.batching import MicroBatcher
 from calibrl.serving import RunningServer, rpc_errors, start_server, time_remaining
 from calibrl.v1 import judge_pb2 as pb
 from calibrl.v1 import judge_pb2_grpc
-from judge_server import wire
-from judge_server.config import JudgeServerConfig
-from judge_server.judge import Judge, RubricStatus
-from judge_server.rubric import Rubric
-from judge_server.types import ItemScore, JudgeItem
+from calibrl.judge_server import wire
+from calibrl.judge_server.config import JudgeServerConfig
+from calibrl.judge_server.judge import Judge, RubricStatus
+from calibrl.judge_server.rubric import Rubric
+from calibrl.judge_server.types import ItemScore, JudgeItem
 
 log = logging.getLogger(__name__)
 

@@ -30,10 +30,10 @@ from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Sequence
 
 from calibrl.errors import ConfigError
-from judge_server import metrics
-from judge_server.feedback import FeedbackRecord
-from judge_server.rubric import Rubric
-from judge_server.types import ItemScore
+from calibrl.judge_server import metrics
+from calibrl.judge_server.feedback import FeedbackRecord
+from calibrl.judge_server.rubric import Rubric
+from calibrl.judge_server.types import ItemScore
 
 VALIDATION_SUFFIX = ".validation.json"
 
@@ -249,7 +249,7 @@ def _fmt(value: float | None) -> str:
 
 
 def _canonical_tags(record: FeedbackRecord) -> list[str]:
-    from judge_server.distill import canonical_tag
+    from calibrl.judge_server.distill import canonical_tag
 
     return [canonical_tag(t) for t in record.error_tags]
 
@@ -265,7 +265,7 @@ def validate_judge(rubric: Rubric, golden: Sequence[FeedbackRecord], config: Any
     threshold is then picked on them by :func:`pick_pass_threshold` and recorded, and
     ``options.pass_threshold`` is ignored. Records that are also in ``golden`` are left
     out, so the golden set never decides its own threshold."""
-    from judge_server.judge import Judge, load_llm
+    from calibrl.judge_server.judge import Judge, load_llm
 
     options.validate()
     judge = Judge([rubric], config, llm=load_llm(config))

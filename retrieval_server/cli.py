@@ -22,8 +22,8 @@ def _fail(error: Exception) -> int:
 
 
 def index_build(argv: Sequence[str]) -> int:
-    from retrieval_server.corpus import CORPUS_FORMATS
-    from retrieval_server.dense import INDEX_TYPES
+    from calibrl.retrieval_server.corpus import CORPUS_FORMATS
+    from calibrl.retrieval_server.dense import INDEX_TYPES
 
     parser = argparse.ArgumentParser(
         prog="calibrl index build",
@@ -51,8 +51,8 @@ def index_build(argv: Sequence[str]) -> int:
     if args.no_progress:
         hide_library_progress_bars()
 
-    from retrieval_server.corpus import file_sha256, read_corpus, resolve_corpus_path
-    from retrieval_server.index import build_index
+    from calibrl.retrieval_server.corpus import file_sha256, read_corpus, resolve_corpus_path
+    from calibrl.retrieval_server.index import build_index
 
     try:
         corpus_path = resolve_corpus_path(args.corpus, args.format)
@@ -89,7 +89,7 @@ def index_info(argv: Sequence[str]) -> int:
     parser.add_argument("--json", action="store_true", help="print the manifest as JSON only")
     args = parser.parse_args(argv)
 
-    from retrieval_server.manifest import read_manifest, verify_files
+    from calibrl.retrieval_server.manifest import read_manifest, verify_files
 
     try:
         manifest = read_manifest(args.index_dir)
@@ -127,7 +127,7 @@ def serve(argv: Sequence[str]) -> int:
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     from calibrl.config import describe
 
-    from retrieval_server.config import RetrievalServerConfig
+    from calibrl.retrieval_server.config import RetrievalServerConfig
 
     parser = argparse.ArgumentParser(
         prog="calibrl serve retrieval",
@@ -147,7 +147,7 @@ def serve(argv: Sequence[str]) -> int:
     import asyncio
 
     from calibrl.config import load_config
-    from retrieval_server.server import serve as serve_forever
+    from calibrl.retrieval_server.server import serve as serve_forever
 
     overrides = list(args.overrides)
     if args.index is not None:

@@ -8,8 +8,8 @@ from typing import Literal
 from calibrl.config import option
 from calibrl.errors import ConfigError
 from calibrl.serving import ServingConfig
-from retrieval_server.limits import RetrievalLimits
-from retrieval_server.types import SearchMode
+from calibrl.retrieval_server.limits import RetrievalLimits
+from calibrl.retrieval_server.types import SearchMode
 
 
 @dataclass

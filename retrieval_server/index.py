@@ -24,10 +24,10 @@ import tempfile
 from typing import Any, Iterable, Sequence
 
 from calibrl.errors import FailedPrecondition, InvalidArgument
-from retrieval_server.corpus import Passage, passages_from_dicts, records_sha256
-from retrieval_server.dense import EMBEDDINGS_FILE, FAISS_FILE, INDEX_TYPES, build_faiss_index
-from retrieval_server.manifest import Manifest, library_versions, write_manifest
-from retrieval_server.sparse import BM25_DIR, STEMMER_LANGUAGE, STOPWORDS, build_bm25
+from calibrl.retrieval_server.corpus import Passage, passages_from_dicts, records_sha256
+from calibrl.retrieval_server.dense import EMBEDDINGS_FILE, FAISS_FILE, INDEX_TYPES, build_faiss_index
+from calibrl.retrieval_server.manifest import Manifest, library_versions, write_manifest
+from calibrl.retrieval_server.sparse import BM25_DIR, STEMMER_LANGUAGE, STOPWORDS, build_bm25
 
 log = logging.getLogger(__name__)
 

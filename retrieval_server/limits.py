@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from calibrl.errors import InvalidArgument, ResourceExhausted
-from retrieval_server.types import ScoreItem, SearchMode
+from calibrl.retrieval_server.types import ScoreItem, SearchMode
 
 MODES = tuple(SearchMode)
 

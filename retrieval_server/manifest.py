@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from calibrl.errors import FailedPrecondition
-from retrieval_server.corpus import file_sha256
+from calibrl.retrieval_server.corpus import file_sha256
 
 MANIFEST_FILE = "manifest.json"
 FORMAT_VERSION = 1

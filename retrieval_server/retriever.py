@@ -13,7 +13,7 @@ Rankings per mode: ``dense`` (inner product of unit embeddings), ``bm25``, and
 of max(hybrid_depth, max_top_k) candidates, so a query's fused order never
 depends on the k it was asked with). Dense search also runs at that depth, with ties
 ordered by passage index; with batch-invariant encoding and search
-(``calibrl.embedding``, ``retrieval_server.dense``), a query's hits and scores are a
+(``calibrl.embedding``, ``calibrl.retrieval_server.dense``), a query's hits and scores are a
 pure function of (index, query, parameters), whatever it was batched with.
 """
 
@@ -23,16 +23,16 @@ import logging
 import pathlib
 from typing import TYPE_CHECKING, Any, Sequence
 
-from retrieval_server import limits as rules
-from retrieval_server.corpus import Passage
-from retrieval_server.fusion import RRF_K, reciprocal_rank_fusion
-from retrieval_server.limits import RetrievalLimits
-from retrieval_server.manifest import Manifest, read_manifest, verify_files
-from retrieval_server.signals import score_hits
-from retrieval_server.types import Hit, RetrievalScore, ScoreItem, SearchMode
+from calibrl.retrieval_server import limits as rules
+from calibrl.retrieval_server.corpus import Passage
+from calibrl.retrieval_server.fusion import RRF_K, reciprocal_rank_fusion
+from calibrl.retrieval_server.limits import RetrievalLimits
+from calibrl.retrieval_server.manifest import Manifest, read_manifest, verify_files
+from calibrl.retrieval_server.signals import score_hits
+from calibrl.retrieval_server.types import Hit, RetrievalScore, ScoreItem, SearchMode
 
 if TYPE_CHECKING:
-    from retrieval_server.config import RetrievalServerConfig
+    from calibrl.retrieval_server.config import RetrievalServerConfig
 
 log = logging.getLogger(__name__)
 
@@ -94,10 +94,10 @@ class Retriever:
         Raises FailedPrecondition when the folder does not match its manifest.
         """
         from calibrl.errors import FailedPrecondition
-        from retrieval_server.dense import load_searcher
+        from calibrl.retrieval_server.dense import load_searcher
         from calibrl.embedding import SentenceEmbedder, resolve_device
-        from retrieval_server.index import read_docs
-        from retrieval_server.sparse import BM25_DIR, BM25Searcher
+        from calibrl.retrieval_server.index import read_docs
+        from calibrl.retrieval_server.sparse import BM25_DIR, BM25Searcher
 
         index_dir = pathlib.Path(index_dir)
         manifest = read_manifest(index_dir)
@@ -165,7 +165,7 @@ class Retriever:
     @property
     def dense_index_type(self) -> str:
         """What serves dense search: the manifest's type, or ``torch`` when that backend was chosen."""
-        from retrieval_server.dense import TorchSearcher
+        from calibrl.retrieval_server.dense import TorchSearcher
 
         return "torch" if isinstance(self.dense, TorchSearcher) else self.manifest.index_type
 

@@ -3,7 +3,7 @@ from calibrl.serving).
 
 In tests and in other components' tests::
 
-    running = await retrieval_server.server.start(config)        # port 0 -> running.port
+    running = await calibrl.retrieval_server.server.start(config)        # port 0 -> running.port
     channel = grpc.aio.insecure_channel(running.address)
     ...
     await running.stop(grace=1.0)
@@ -21,9 +21,9 @@ from calibrl.batching import MicroBatcher
 from calibrl.config import validate
 from calibrl.serving import RunningServer, serve_until_signal, start_server, stop_on_signals
 from calibrl.v1 import retrieval_pb2_grpc as pb_grpc
-from retrieval_server.config import RetrievalServerConfig
-from retrieval_server.retriever import Retriever
-from retrieval_server.servicer import SERVICE_NAME, RetrievalServicer, answer_batch
+from calibrl.retrieval_server.config import RetrievalServerConfig
+from calibrl.retrieval_server.retriever import Retriever
+from calibrl.retrieval_server.servicer import SERVICE_NAME, RetrievalServicer, answer_batch
 
 log = logging.getLogger(__name__)
 

@@ -16,11 +16,11 @@ from calibrl.batching import MicroBatcher
 from calibrl.serving import rpc_errors, time_remaining
 from calibrl.v1 import retrieval_pb2 as pb
 from calibrl.v1 import retrieval_pb2_grpc as pb_grpc
-from retrieval_server import limits as rules
-from retrieval_server import wire
-from retrieval_server.retriever import Retriever
-from retrieval_server.signals import score_hits
-from retrieval_server.types import Hit, RetrievalScore, ScoreItem, SearchMode
+from calibrl.retrieval_server import limits as rules
+from calibrl.retrieval_server import wire
+from calibrl.retrieval_server.retriever import Retriever
+from calibrl.retrieval_server.signals import score_hits
+from calibrl.retrieval_server.types import Hit, RetrievalScore, ScoreItem, SearchMode
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["RetrievalService"].full_name
 

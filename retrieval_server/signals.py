@@ -6,8 +6,8 @@ import dataclasses
 from typing import Sequence
 
 from calibrl.text import normalize_answer
-from retrieval_server import metrics
-from retrieval_server.types import Hit, RetrievalScore, ScoreItem
+from calibrl.retrieval_server import metrics
+from calibrl.retrieval_server.types import Hit, RetrievalScore, ScoreItem
 
 
 def score_hits(item: ScoreItem, hits: Sequence[Hit], top_k: int, include_text: bool = False) -> RetrievalScore:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from retrieval_server.retriever import Retriever
+from calibrl.retrieval_server.retriever import Retriever
 from calibrl.testing import build_test_index
 
 RUBRIC_YAML = """\

@@ -14,7 +14,7 @@ from calibrl.batching import MicroBatcher
 from calibrl.errors import DeadlineExceeded, Unavailable
 from calibrl.v1 import retrieval_pb2 as pb
 from calibrl.v1 import retrieval_pb2_grpc as pb_grpc
-from retrieval_server.retriever import Retriever
+from calibrl.retrieval_server.retriever import Retriever
 from calibrl.testing import build_test_index, start_test_server
 
 

@@ -15,7 +15,7 @@ from google.protobuf import descriptor_pb2, descriptor_pool
 from google.protobuf.message_factory import GetMessageClass
 
 from calibrl import healthcheck
-from retrieval_server.retriever import Retriever
+from calibrl.retrieval_server.retriever import Retriever
 from calibrl.testing import TINY_CORPUS, build_test_index, start_test_server
 from tests.tls_helpers import make_pki
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from calibrl.errors import InvalidArgument
-from trainer.advantages import (
+from calibrl.trainer.advantages import (
     ADVANTAGE_ESTIMATORS,
     AdvantageInputs,
     compute_advantages,

@@ -2,7 +2,7 @@ import asyncio
 
 import pytest
 
-from trainer.aio import BackgroundLoop, gather_all
+from calibrl.trainer.aio import BackgroundLoop, gather_all
 
 
 def test_background_loop_overlaps_and_returns():

@@ -26,17 +26,17 @@ from calibrl.embedding import HashedNgramEmbedder, SentenceEmbedder
 from calibrl.v1 import judge_pb2, judge_pb2_grpc
 from calibrl.v1 import retrieval_pb2 as rpb
 from calibrl.v1 import retrieval_pb2_grpc as rpb_grpc
-from judge_server import wire as judge_wire
-from judge_server.config import JudgeConfig, JudgeServerConfig
-from judge_server.judge import Judge
-from judge_server.rubric import load_rubric_dir
-from judge_server.server import start as start_judge
+from calibrl.judge_server import wire as judge_wire
+from calibrl.judge_server.config import JudgeConfig, JudgeServerConfig
+from calibrl.judge_server.judge import Judge
+from calibrl.judge_server.rubric import load_rubric_dir
+from calibrl.judge_server.server import start as start_judge
 from calibrl.testing import build_tiny_causal_lm
-from judge_server.types import JudgeItem
-from retrieval_server import wire as retrieval_wire
-from retrieval_server.dense import FaissSearcher, TorchSearcher, build_faiss_index
+from calibrl.judge_server.types import JudgeItem
+from calibrl.retrieval_server import wire as retrieval_wire
+from calibrl.retrieval_server.dense import FaissSearcher, TorchSearcher, build_faiss_index
 from calibrl.testing import build_test_index, start_test_server
-from retrieval_server.types import ScoreItem, SearchMode
+from calibrl.retrieval_server.types import ScoreItem, SearchMode
 
 torch = pytest.importorskip("torch")
 
@@ -182,7 +182,7 @@ def _criteria_total(score):
 def test_dense_ties_keep_one_order_whatever_k_or_batch(tmp_path):
     """Duplicate passages score the same: their order must not depend on the k the server
     searched with (it batches calls at their largest k) nor on the queries beside them."""
-    from retrieval_server.retriever import Retriever
+    from calibrl.retrieval_server.retriever import Retriever
     from calibrl.testing import TINY_CORPUS
 
     mozart = next(p for p in TINY_CORPUS if p["_id"] == "mozart")
@@ -349,7 +349,7 @@ def test_vllm_judge_asks_for_batch_invariant_kernels_before_vllm_is_imported(mon
     this checks our side: the variable is set before the import, and a process that
     imported vLLM without it is refused rather than served batch-dependent scores."""
     from calibrl.errors import ConfigError
-    from judge_server.backends import vllm_backend
+    from calibrl.judge_server.backends import vllm_backend
 
     monkeypatch.delenv(vllm_backend.BATCH_INVARIANT_ENV, raising=False)
     monkeypatch.delitem(sys.modules, "vllm", raising=False)

@@ -13,8 +13,8 @@ from hypothesis import strategies as st
 
 from calibrl.errors import InvalidArgument
 from tests.test_advantages import group_stats, random_batch
-from trainer.advantages import AdvantageInputs, compute_advantages
-from trainer.calibadv import SearchStep, select_silver_docs, step_scores, word_edit_similarity
+from calibrl.trainer.advantages import AdvantageInputs, compute_advantages
+from calibrl.trainer.calibadv import SearchStep, select_silver_docs, step_scores, word_edit_similarity
 
 # ---------------------------------------------------------------------------
 # word_edit_similarity

@@ -3,8 +3,8 @@
 The reference below is a plain-loop port of the rules as the authors' code
 computes them: reward ``F1 x format``; silver documents from the best
 well-formed rollouts; step scores with the pairwise repeat rule; soft penalty;
-answer rebalance. It shares no code with ``trainer.calibadv`` or
-``trainer.advantages`` (only the answer metric ``token_f1``, which is the
+answer rebalance. It shares no code with ``calibrl.trainer.calibadv`` or
+``calibrl.trainer.advantages`` (only the answer metric ``token_f1``, which is the
 reward's definition, not CalibAdv's). Hand-made groups pin each rule,
 including the three on which an earlier version disagreed with the authors;
 a few hundred seeded random groups compare the whole pipeline
@@ -22,12 +22,12 @@ import pytest
 import torch
 
 from calibrl.text import token_f1
-from retrieval_server.types import Hit, RetrievalScore
-from trainer.advantages import AdvantageInputs, compute_advantages
-from trainer.calibadv import SearchStep, search_step_scores, select_silver_docs, step_scores
-from trainer.config import CalibAdvAdvantage
-from trainer.rewards import SearchRollout, SearchStepRecord
-from trainer.tasks import Task
+from calibrl.retrieval_server.types import Hit, RetrievalScore
+from calibrl.trainer.advantages import AdvantageInputs, compute_advantages
+from calibrl.trainer.calibadv import SearchStep, search_step_scores, select_silver_docs, step_scores
+from calibrl.trainer.config import CalibAdvAdvantage
+from calibrl.trainer.rewards import SearchRollout, SearchStepRecord
+from calibrl.trainer.tasks import Task
 
 GOLD_ANSWERS = ("paris france",)
 
@@ -190,7 +190,7 @@ def _assert_rows_close(library: list[list[float]], reference: list[list[float]])
 def test_rule1_a_malformed_trajectory_scores_zero_even_with_the_right_answer():
     right_but_malformed = RefRollout([("find city", ("a",))], "paris france", False, [2, 1])
     assert ref_reward(right_but_malformed) == 0.0
-    from trainer.rewards import RewardConfig, RewardModel
+    from calibrl.trainer.rewards import RewardConfig, RewardModel
 
     class NoRetrieval:
         async def score(self, *args, **kwargs):

@@ -11,17 +11,17 @@ import pytest
 
 from calibrl.errors import ConfigError, InvalidArgument, NotFound, Unavailable
 from calibrl.serving import ServingConfig
-from judge_server import server as judge_server
-from judge_server.config import JudgeConfig, JudgeServerConfig
-from judge_server.judge import Judge
-from judge_server.rubric import load_rubric_dir
-from judge_server.types import JudgeItem
-from retrieval_server.limits import RetrievalLimits
-from retrieval_server.retriever import Retriever
+from calibrl.judge_server import server as judge_server
+from calibrl.judge_server.config import JudgeConfig, JudgeServerConfig
+from calibrl.judge_server.judge import Judge
+from calibrl.judge_server.rubric import load_rubric_dir
+from calibrl.judge_server.types import JudgeItem
+from calibrl.retrieval_server.limits import RetrievalLimits
+from calibrl.retrieval_server.retriever import Retriever
 from calibrl.testing import start_test_server
-from retrieval_server.types import ScoreItem, SearchMode
-from trainer.grpc_clients import GrpcJudgeClient, GrpcRetrievalClient
-from trainer.inprocess import InProcessJudgeClient, InProcessRetrievalClient
+from calibrl.retrieval_server.types import ScoreItem, SearchMode
+from calibrl.trainer.grpc_clients import GrpcJudgeClient, GrpcRetrievalClient
+from calibrl.trainer.inprocess import InProcessJudgeClient, InProcessRetrievalClient
 from tests.reward_fixtures import retriever, rubric_dir, tiny_index  # noqa: F401 (fixtures)
 
 # Tolerances: an explicit one says the error it allows and why (tests/tolerances.py). A bare

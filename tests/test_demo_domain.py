@@ -57,7 +57,7 @@ def test_heldout_pairs_never_train_but_their_parts_do(domain: dm.Domain) -> None
 def test_aliases_and_colloquial_phrasings_share_no_indexed_word_with_the_corpus(domain: dm.Domain) -> None:
     """Copying such a query cannot retrieve by its nickname or slang: the BM25 tokeniser
     (stop words removed, stemmed) finds none of their words in any passage."""
-    from retrieval_server.sparse import tokenize
+    from calibrl.retrieval_server.sparse import tokenize
 
     corpus_words = {w for tokens in tokenize([f"{p.title} {p.text}" for p in domain.passages]) for w in tokens}
     phrases = [alias for e in domain.entities for alias in e.aliases]
@@ -67,7 +67,7 @@ def test_aliases_and_colloquial_phrasings_share_no_indexed_word_with_the_corpus(
 
 
 def test_bm25_copying_fails_and_the_expert_rewrite_succeeds(domain: dm.Domain, tmp_path: pathlib.Path) -> None:
-    from retrieval_server.sparse import BM25Searcher, build_bm25
+    from calibrl.retrieval_server.sparse import BM25Searcher, build_bm25
 
     build_bm25([f"{p.title} {p.text}" for p in domain.passages], tmp_path, show_progress=False)
     searcher = BM25Searcher(tmp_path)
@@ -114,9 +114,9 @@ def test_sme_grades_follow_severity() -> None:
 
 
 def test_written_files_load_in_every_component(domain: dm.Domain, tmp_path: pathlib.Path) -> None:
-    from judge_server.feedback import read_feedback
-    from retrieval_server.corpus import read_beir_corpus
-    from trainer.tasks import load_tasks
+    from calibrl.judge_server.feedback import read_feedback
+    from calibrl.retrieval_server.corpus import read_beir_corpus
+    from calibrl.trainer.tasks import load_tasks
 
     files = write_domain(domain, tmp_path)
     assert len(read_beir_corpus(files.corpus)) == len(domain.passages)
@@ -140,11 +140,11 @@ def test_distilled_rubric_passes_validation_against_the_sme_golden_set(domain: d
     """The demo's rubric, distilled from the simulated SMEs, agrees with their held-out
     grades at the threshold the demo validates with (and the gate means something:
     the same judge with the criteria's weights scrambled agrees less)."""
-    from judge_server.config import JudgeConfig
-    from judge_server.distill import DistillOptions, distill
-    from judge_server.feedback import parse_record
-    from judge_server.judge import Judge
-    from judge_server.validation import ValidationOptions, agreement
+    from calibrl.judge_server.config import JudgeConfig
+    from calibrl.judge_server.distill import DistillOptions, distill
+    from calibrl.judge_server.feedback import parse_record
+    from calibrl.judge_server.judge import Judge
+    from calibrl.judge_server.validation import ValidationOptions, agreement
 
     records = [parse_record(r.record()) for r in domain.sme_feedback]
     result = distill(records, DistillOptions(rubric_id="demo", criteria_mode="programmatic",

@@ -9,7 +9,7 @@ import pytest
 
 from calibrl.demo import policy as pol
 from calibrl.demo.domain import Domain, generate_domain
-from retrieval_server.types import Hit
+from calibrl.retrieval_server.types import Hit
 
 
 @pytest.fixture(scope="module")
@@ -78,7 +78,7 @@ def test_rewrite_targets_mostly_copy_and_never_use_heldout_pairs(domain: Domain,
 
 
 def test_search_trajectories_follow_the_search_r1_format(examples) -> None:
-    from trainer.search_format import is_well_formed, parse_turn
+    from calibrl.trainer.search_format import is_well_formed, parse_turn
 
     _, trajectories = examples
     two_search = [e for e in trajectories if sum(trained for _, trained in e.pieces) == 3]
@@ -106,8 +106,8 @@ def test_tokenizer_keeps_tags_and_prompt_constants_whole(tokenizer) -> None:
 
 
 def test_encoding_matches_the_rollout_prompt_and_masks_only_generated_tokens(tokenizer, examples) -> None:
-    from trainer.rollout import encode_prompt
-    from trainer.search_format import REWRITE_TEMPLATE, fill_template
+    from calibrl.trainer.rollout import encode_prompt
+    from calibrl.trainer.search_format import REWRITE_TEMPLATE, fill_template
 
     rewrites, _ = examples
     example = rewrites[0]
@@ -123,10 +123,10 @@ def test_warm_start_learns_and_saves_a_folder_the_trainer_loads(tokenizer, examp
                                                                  one_thread) -> None:
     import torch
 
-    from trainer.engines import make_engine
-    from trainer.policy import load_policy
-    from trainer.rollout import rollout_rewrites
-    from trainer.tasks import Task
+    from calibrl.trainer.engines import make_engine
+    from calibrl.trainer.policy import load_policy
+    from calibrl.trainer.rollout import rollout_rewrites
+    from calibrl.trainer.tasks import Task
 
     rewrites, _ = examples
     spec = pol.PolicySpec(hidden_size=48, num_layers=2, num_heads=4, intermediate_size=96, max_positions=512)

@@ -82,7 +82,7 @@ def test_missing_metrics_print_as_dashes_and_text_table_aligns() -> None:
 
 
 def test_read_log_missing_file_is_empty(tmp_path: pathlib.Path) -> None:
-    from trainer.diagnostics import read_log
+    from calibrl.trainer.diagnostics import read_log
 
     assert read_log(tmp_path / "nope.jsonl") == []
     (tmp_path / "m.jsonl").write_text('{"step": 1, "reward": 0.5}\n\n{"step": 2, "reward": 0.7}\n')

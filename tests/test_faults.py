@@ -40,9 +40,9 @@ from calibrl.v1 import judge_pb2 as jpb
 from calibrl.v1 import judge_pb2_grpc as jpb_grpc
 from calibrl.v1 import retrieval_pb2 as rpb
 from calibrl.v1 import retrieval_pb2_grpc as rpb_grpc
-from retrieval_server import wire as retrieval_wire
+from calibrl.retrieval_server import wire as retrieval_wire
 from calibrl.testing import TINY_CORPUS, build_test_index, start_test_server
-from retrieval_server.types import ScoreItem
+from calibrl.retrieval_server.types import ScoreItem
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 RUBRIC_ID = "faults-rewriter"
@@ -95,7 +95,7 @@ def world(tmp_path_factory) -> World:
 
 def _judge_server_config(rubric_dir, port: int, **overrides):
     from calibrl.serving import ServingConfig
-    from judge_server.config import JudgeConfig, JudgeServerConfig
+    from calibrl.judge_server.config import JudgeConfig, JudgeServerConfig
 
     return JudgeServerConfig(
         rubrics=str(rubric_dir),
@@ -110,7 +110,7 @@ class Services:
     can be taken down and brought back at the same address."""
 
     def __init__(self, world: World) -> None:
-        from trainer.aio import BackgroundLoop
+        from calibrl.trainer.aio import BackgroundLoop
 
         self.world = world
         self.loop = BackgroundLoop(name="fault-servers")
@@ -127,7 +127,7 @@ class Services:
         return f"127.0.0.1:{self.judge_port}"
 
     async def _start_judge(self):
-        from judge_server import server as judge_server
+        from calibrl.judge_server import server as judge_server
 
         return await judge_server.start(_judge_server_config(self.world.rubric_dir, self.judge_port))
 
@@ -199,10 +199,10 @@ class StatusRecorder(grpc.aio.UnaryUnaryClientInterceptor):
 
 
 def _train(config, services: Services, on_step=None, judge_knobs=None, recorder=None):
-    """Run trainer.loop.train with real gRPC clients; closes their channels after."""
-    from trainer.aio import BackgroundLoop
-    from trainer.grpc_clients import GrpcJudgeClient, GrpcRetrievalClient
-    from trainer.loop import train
+    """Run calibrl.trainer.loop.train with real gRPC clients; closes their channels after."""
+    from calibrl.trainer.aio import BackgroundLoop
+    from calibrl.trainer.grpc_clients import GrpcJudgeClient, GrpcRetrievalClient
+    from calibrl.trainer.loop import train
 
     knobs = dict(judge_knobs or {})
     if recorder is not None:
@@ -220,8 +220,8 @@ def _train(config, services: Services, on_step=None, judge_knobs=None, recorder=
 @pytest.fixture(scope="module")
 def uninterrupted(world, services, tmp_path_factory) -> list[dict]:
     """The metrics of an uninterrupted run: what every faulted run must reproduce."""
-    from trainer.config import load_train_config
-    from trainer.diagnostics import read_log
+    from calibrl.trainer.config import load_train_config
+    from calibrl.trainer.diagnostics import read_log
 
     out = tmp_path_factory.mktemp("uninterrupted")
     result = _train(load_train_config(None, _overrides(world, services, out)), services)
@@ -244,8 +244,8 @@ def _same_steps(expected: list[dict], got: list[dict], names=("reward", "rewards
 
 @pytest.mark.slow
 def test_judge_outage_mid_training_is_retried_and_the_run_continues(world, services, uninterrupted, tmp_path):
-    from trainer.config import load_train_config
-    from trainer.diagnostics import read_log
+    from calibrl.trainer.config import load_train_config
+    from calibrl.trainer.diagnostics import read_log
 
     recorder = StatusRecorder()
     outage: dict[str, float] = {}
@@ -296,9 +296,9 @@ def test_judge_outage_mid_training_is_retried_and_the_run_continues(world, servi
 
 @pytest.mark.slow
 def test_judge_that_stays_down_stops_the_run_with_a_checkpoint_and_nothing_half_scored(world, services, tmp_path):
-    from trainer.checkpoint import find_checkpoint, load_train_state
-    from trainer.config import load_train_config
-    from trainer.diagnostics import read_log
+    from calibrl.trainer.checkpoint import find_checkpoint, load_train_state
+    from calibrl.trainer.config import load_train_config
+    from calibrl.trainer.diagnostics import read_log
 
     def take_judge_down_after_step_one(step: int, metrics: dict) -> None:
         if step == 1:
@@ -323,7 +323,7 @@ def test_judge_that_stays_down_stops_the_run_with_a_checkpoint_and_nothing_half_
 
 def _wait_for_checkpoint(run_dir: pathlib.Path, process: subprocess.Popen, timeout: float) -> None:
     from calibrl.errors import NotFound
-    from trainer.checkpoint import find_checkpoint
+    from calibrl.trainer.checkpoint import find_checkpoint
 
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -341,9 +341,9 @@ def _wait_for_checkpoint(run_dir: pathlib.Path, process: subprocess.Popen, timeo
 @pytest.mark.slow
 def test_killed_trainer_resumes_from_its_checkpoint_and_ends_like_an_uninterrupted_run(
         world, services, uninterrupted, tmp_path):
-    from trainer.checkpoint import find_checkpoint, load_train_state
-    from trainer.config import load_train_config
-    from trainer.diagnostics import read_log
+    from calibrl.trainer.checkpoint import find_checkpoint, load_train_state
+    from calibrl.trainer.config import load_train_config
+    from calibrl.trainer.diagnostics import read_log
 
     run_dir = tmp_path / "run"
     config_file = tmp_path / "train.yaml"
@@ -442,8 +442,8 @@ def _judge_items(call: int) -> list[jpb.JudgeItem]:
 
 
 def _judge_totals(rubric_dir, requests: list[list[jpb.JudgeItem]]) -> list[list[float]]:
-    from judge_server import wire as judge_wire
-    from judge_server.judge import Judge
+    from calibrl.judge_server import wire as judge_wire
+    from calibrl.judge_server.judge import Judge
 
     judge = Judge.from_config(_judge_server_config(rubric_dir, 0).judge, rubric_dir)
     try:
@@ -454,7 +454,7 @@ def _judge_totals(rubric_dir, requests: list[list[jpb.JudgeItem]]) -> list[list[
 
 
 async def test_judge_stop_finishes_every_call_in_flight_and_refuses_new_ones(world):
-    from judge_server import server as judge_server
+    from calibrl.judge_server import server as judge_server
 
     config = _judge_server_config(world.rubric_dir, 0, max_wait_ms=2000.0, max_batch_items=64)
     running = await judge_server.start(config)

@@ -99,7 +99,7 @@ class Served:
     """Both servers on one background event loop; synchronous stubs for hypothesis."""
 
     def __init__(self, root) -> None:
-        from trainer.aio import BackgroundLoop
+        from calibrl.trainer.aio import BackgroundLoop
 
         from calibrl.testing import build_test_index
 
@@ -127,8 +127,8 @@ class Served:
 
     async def _start_judge(self):
         from calibrl.serving import ServingConfig
-        from judge_server import server as judge_server
-        from judge_server.config import JudgeConfig, JudgeServerConfig
+        from calibrl.judge_server import server as judge_server
+        from calibrl.judge_server.config import JudgeConfig, JudgeServerConfig
 
         config = JudgeServerConfig(
             rubrics=str(self.rubric_dir),

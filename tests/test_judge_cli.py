@@ -10,14 +10,14 @@ import pytest
 
 from calibrl.v1 import judge_pb2 as pb
 from calibrl.v1 import judge_pb2_grpc
-from judge_server import cli, wire
-from judge_server.config import JudgeConfig, JudgeServerConfig
-from judge_server.feedback import read_feedback, write_feedback
-from judge_server.rubric import load_rubric
-from judge_server.server import start
+from calibrl.judge_server import cli, wire
+from calibrl.judge_server.config import JudgeConfig, JudgeServerConfig
+from calibrl.judge_server.feedback import read_feedback, write_feedback
+from calibrl.judge_server.rubric import load_rubric
+from calibrl.judge_server.server import start
 from calibrl.testing import SYNTHETIC_GLOSSARY, build_tiny_causal_lm, synthetic_feedback
-from judge_server.types import JudgeItem
-from judge_server.validation import read_records
+from calibrl.judge_server.types import JudgeItem
+from calibrl.judge_server.validation import read_records
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -8,9 +8,9 @@ import sys
 import pytest
 
 from calibrl.errors import ConfigError
-from judge_server.distill import DistillOptions, distill, is_golden, split_golden
-from judge_server.feedback import FeedbackError, FeedbackRecord, read_feedback, write_feedback
-from judge_server.rubric import dump_rubric, load_rubric, parse_rubric
+from calibrl.judge_server.distill import DistillOptions, distill, is_golden, split_golden
+from calibrl.judge_server.feedback import FeedbackError, FeedbackRecord, read_feedback, write_feedback
+from calibrl.judge_server.rubric import dump_rubric, load_rubric, parse_rubric
 from calibrl.testing import synthetic_feedback
 
 

@@ -7,13 +7,13 @@ import math
 import pytest
 
 from calibrl.errors import ConfigError, InvalidArgument, RewardError
-from judge_server import prompts
-from judge_server.backends import model_fingerprint, parse_spec
-from judge_server.config import JudgeConfig
-from judge_server.judge import load_llm
-from judge_server.rubric import Criterion
+from calibrl.judge_server import prompts
+from calibrl.judge_server.backends import model_fingerprint, parse_spec
+from calibrl.judge_server.config import JudgeConfig
+from calibrl.judge_server.judge import load_llm
+from calibrl.judge_server.rubric import Criterion
 from calibrl.testing import SIMPLE_CHAT_TEMPLATE, build_tiny_causal_lm, synthetic_feedback
-from judge_server.types import JudgeItem
+from calibrl.judge_server.types import JudgeItem
 from tests.tolerances import forward_error
 
 torch = pytest.importorskip("torch")

@@ -4,7 +4,7 @@ import random
 
 import pytest
 
-from judge_server import metrics
+from calibrl.judge_server import metrics
 
 sklearn_metrics = pytest.importorskip("sklearn.metrics")
 stats = pytest.importorskip("scipy.stats")

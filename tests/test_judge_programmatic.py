@@ -3,10 +3,10 @@
 import numpy as np
 import pytest
 
-from judge_server import entities
-from judge_server import programmatic as P
+from calibrl.judge_server import entities
+from calibrl.judge_server import programmatic as P
 from calibrl.embedding import HashedNgramEmbedder, load_embedder
-from judge_server.types import JudgeItem
+from calibrl.judge_server.types import JudgeItem
 from tests.tolerances import float32_sum_error
 
 # Tolerances: an explicit one says the error it allows and why (tests/tolerances.py). A bare

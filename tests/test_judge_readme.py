@@ -12,10 +12,10 @@ import sys
 import pytest
 
 from calibrl.cli import main as calibrl_main
-from judge_server.feedback import parse_record, write_feedback
-from judge_server.rubric import parse_rubric
+from calibrl.judge_server.feedback import parse_record, write_feedback
+from calibrl.judge_server.rubric import parse_rubric
 from calibrl.testing import SYNTHETIC_GLOSSARY, build_tiny_causal_lm, synthetic_feedback
-from judge_server.validation import read_records
+from calibrl.judge_server.validation import read_records
 
 README = pathlib.Path(__file__).resolve().parent.parent / "README.md"
 

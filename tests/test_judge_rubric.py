@@ -5,7 +5,7 @@ import textwrap
 import pytest
 
 from calibrl.errors import ConfigError
-from judge_server.rubric import RubricError, dump_rubric, load_rubric, load_rubric_dir, parse_rubric
+from calibrl.judge_server.rubric import RubricError, dump_rubric, load_rubric, load_rubric_dir, parse_rubric
 
 RUBRIC = textwrap.dedent(
     """\

@@ -10,14 +10,14 @@ import pytest
 from calibrl.errors import ConfigError
 from calibrl.v1 import judge_pb2 as pb
 from calibrl.v1 import judge_pb2_grpc
-from judge_server import cli, validation, wire
-from judge_server.config import JudgeServerConfig
-from judge_server.feedback import FeedbackRecord, parse_field_map, read_feedback, write_feedback
-from judge_server.rubric import load_rubric
-from judge_server.server import start
+from calibrl.judge_server import cli, validation, wire
+from calibrl.judge_server.config import JudgeServerConfig
+from calibrl.judge_server.feedback import FeedbackRecord, parse_field_map, read_feedback, write_feedback
+from calibrl.judge_server.rubric import load_rubric
+from calibrl.judge_server.server import start
 from calibrl.testing import SYNTHETIC_GLOSSARY, synthetic_feedback
-from judge_server.types import CriterionScore, ItemScore, JudgeItem
-from judge_server.validation import ValidationOptions, agreement, pick_pass_threshold, read_records
+from calibrl.judge_server.types import CriterionScore, ItemScore, JudgeItem
+from calibrl.judge_server.validation import ValidationOptions, agreement, pick_pass_threshold, read_records
 
 # Another team's names for the documented fields (documented=theirs).
 # Tolerances: an explicit one says the error it allows and why (tests/tolerances.py). A bare
@@ -53,7 +53,7 @@ def test_auto_threshold_picks_the_best_kappa_split_and_prefers_the_default_on_ti
 
 
 def test_a_failed_gate_says_the_kappa_the_gate_the_threshold_and_what_to_look_at():
-    from judge_server.rubric import parse_rubric
+    from calibrl.judge_server.rubric import parse_rubric
 
     rubric = parse_rubric(
         "id: r\nversion: '1'\ncriteria:\n  - name: entities\n    kind: programmatic\n    scorer: entity_coverage\n"

@@ -13,12 +13,12 @@ import pytest
 
 from calibrl.cli import main as calibrl_main
 from calibrl.errors import ConfigError
-from judge_server.distill import split_golden
-from judge_server.feedback import FeedbackRecord, read_feedback, write_feedback
-from judge_server.rubric import Criterion, load_rubric
+from calibrl.judge_server.distill import split_golden
+from calibrl.judge_server.feedback import FeedbackRecord, read_feedback, write_feedback
+from calibrl.judge_server.rubric import Criterion, load_rubric
 from calibrl.testing import build_tiny_causal_lm
-from judge_server.train_judge import TrainJudgeOptions, criterion_target, read_training_record, train_judge
-from judge_server.validation import golden_digest, read_records
+from calibrl.judge_server.train_judge import TrainJudgeOptions, criterion_target, read_training_record, train_judge
+from calibrl.judge_server.validation import golden_digest, read_records
 
 torch = pytest.importorskip("torch")
 
@@ -105,7 +105,7 @@ def balanced_accuracy(flagged: list[bool], tagged: list[bool]) -> float:
 
 def golden_balanced_accuracy(model_folder, rubric, golden) -> dict[str, float]:
     """Per LLM criterion, as the transformers judge backend scores the golden records."""
-    from judge_server.backends.hf import TransformersJudge
+    from calibrl.judge_server.backends.hf import TransformersJudge
 
     backend = TransformersJudge(model_folder, device="cpu")
     scores = backend.score([r.to_item() for r in golden], rubric.llm_criteria, rubric.instructions)
@@ -175,7 +175,7 @@ def test_record_and_printed_figures(workspace, trained):
 def test_golden_records_are_never_trained_on(workspace, tmp_path, monkeypatch):
     """Spy on every prompt prefix built for training: none is a golden record's, also
     for records that only an extra --golden file holds out."""
-    from judge_server.backends.encoding import PromptEncoder
+    from calibrl.judge_server.backends.encoding import PromptEncoder
 
     folder, base = workspace
     records = read_feedback(folder / "feedback.jsonl")

@@ -204,8 +204,8 @@ def _under(path: str, mounts: dict, read_only: bool | None = None) -> tuple[dict
 
 SERVERS = {
     # deployment name -> (Dockerfile, CLI module, config class path, gRPC service constant)
-    "retrieval": ("retrieval", "retrieval_server.cli", "retrieval_server.servicer:SERVICE_NAME"),
-    "judge": ("judge", "judge_server.cli", "judge_server.server:SERVICE_NAME"),
+    "retrieval": ("retrieval", "calibrl.retrieval_server.cli", "calibrl.retrieval_server.servicer:SERVICE_NAME"),
+    "judge": ("judge", "calibrl.judge_server.cli", "calibrl.judge_server.server:SERVICE_NAME"),
 }
 
 
@@ -335,9 +335,9 @@ def _trainer_pods() -> list[tuple[str, dict, dict]]:
 
 @pytest.mark.parametrize("which", ["job", "pytorchjob-Master", "pytorchjob-Worker"])
 def test_trainer_manifests_match_the_train_cli_the_dockerfile_and_the_services(which, monkeypatch):
-    import trainer.config
-    from trainer import cli as trainer_cli
-    from trainer.config import TrainConfig
+    import calibrl.trainer.config
+    from calibrl.trainer import cli as trainer_cli
+    from calibrl.trainer.config import TrainConfig
 
     kind, pod, owner = next(p for p in _trainer_pods() if p[0] == which)
     (container,) = pod["containers"]
@@ -351,7 +351,7 @@ def test_trainer_manifests_match_the_train_cli_the_dockerfile_and_the_services(w
         done = subprocess.run([sys.executable, "-m", "calibrl.cli", "train", "--help"], capture_output=True,
                               text=True, timeout=120)
         assert done.returncode == 0 and "usage: calibrl train" in done.stdout
-    config_file, overrides = _cli_config(monkeypatch, trainer.config, "load_train_config",
+    config_file, overrides = _cli_config(monkeypatch, calibrl.trainer.config, "load_train_config",
                                          lambda: trainer_cli.train(list(container["args"])))
     config = _config_from_overrides(TrainConfig, list(overrides))
     mounts = _mounts(container, pod)

@@ -8,9 +8,9 @@ import math
 import pytest
 import torch
 
-import trainer.losses as losses
+import calibrl.trainer.losses as losses
 from calibrl.errors import InvalidArgument
-from trainer.losses import (
+from calibrl.trainer.losses import (
     LOSS_AGGREGATIONS,
     masked_entropy_from_logits,
     policy_loss,

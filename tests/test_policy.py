@@ -9,8 +9,8 @@ torch = pytest.importorskip("torch")
 from calibrl.errors import ConfigError, InvalidArgument, NotFound  # noqa: E402
 from calibrl.testing import build_model, build_tokenizer, save_tiny_policy  # noqa: E402
 from tests.tolerances import forward_error  # noqa: E402
-from trainer.engines import inference_weights  # noqa: E402
-from trainer.policy import (  # noqa: E402
+from calibrl.trainer.engines import inference_weights  # noqa: E402
+from calibrl.trainer.policy import (  # noqa: E402
     LoraSettings,
     Policy,
     load_policy,
@@ -248,7 +248,7 @@ def test_a_saved_adapter_folder_loads_trainable(policy_dir, tokenizer, tmp_path)
 
 def test_the_engine_samples_from_the_lora_policy(policy_dir, tokenizer):
     pytest.importorskip("peft")
-    from trainer.engines import TransformersEngine
+    from calibrl.trainer.engines import TransformersEngine
 
     policy = load_policy(str(policy_dir), device="cpu", dtype="float32", lora=LORA)
     _randomise_lora(policy.model)

@@ -13,14 +13,14 @@ import pytest
 
 from calibrl.cli import main as calibrl_main
 from calibrl.errors import FailedPrecondition, InvalidArgument, ResourceExhausted
-from retrieval_server.corpus import file_sha256, passages_from_dicts, records_sha256
-from retrieval_server.fusion import reciprocal_rank_fusion
-from retrieval_server.limits import RetrievalLimits
-from retrieval_server.manifest import read_manifest
-from retrieval_server.retriever import Retriever
+from calibrl.retrieval_server.corpus import file_sha256, passages_from_dicts, records_sha256
+from calibrl.retrieval_server.fusion import reciprocal_rank_fusion
+from calibrl.retrieval_server.limits import RetrievalLimits
+from calibrl.retrieval_server.manifest import read_manifest
+from calibrl.retrieval_server.retriever import Retriever
 from tests.tolerances import float32_sum_error
 from calibrl.testing import TINY_CORPUS, build_test_index
-from retrieval_server.types import ScoreItem, SearchMode
+from calibrl.retrieval_server.types import ScoreItem, SearchMode
 
 QUERIES = {
     "Which iron tower was built in Paris for the 1889 World's Fair?": "eiffel",
@@ -272,7 +272,7 @@ def test_cli_build_for_the_hotpotqa_layout_and_bad_corpora(tmp_path, capsys):
 
 def test_importing_the_service_modules_stays_light():
     code = (
-        "import sys, retrieval_server.cli, retrieval_server.server, retrieval_server.retriever\n"
+        "import sys, calibrl.retrieval_server.cli, calibrl.retrieval_server.server, calibrl.retrieval_server.retriever\n"
         "heavy = [m for m in ('torch', 'faiss', 'sentence_transformers', 'transformers', 'bm25s') "
         "if m in sys.modules]\n"
         "assert not heavy, heavy\n"

@@ -12,13 +12,13 @@ from hypothesis import strategies as st
 
 from calibrl.config import load_config
 from calibrl.errors import ConfigError, InvalidArgument, ResourceExhausted
-from retrieval_server import metrics
-from retrieval_server.config import RetrievalServerConfig
-from retrieval_server.fusion import reciprocal_rank_fusion
-from retrieval_server.limits import RetrievalLimits, check_score, check_search, parse_mode
-from retrieval_server.signals import score_hits
-from retrieval_server.sparse import top_positive
-from retrieval_server.types import Hit, ScoreItem, SearchMode
+from calibrl.retrieval_server import metrics
+from calibrl.retrieval_server.config import RetrievalServerConfig
+from calibrl.retrieval_server.fusion import reciprocal_rank_fusion
+from calibrl.retrieval_server.limits import RetrievalLimits, check_score, check_search, parse_mode
+from calibrl.retrieval_server.signals import score_hits
+from calibrl.retrieval_server.sparse import top_positive
+from calibrl.retrieval_server.types import Hit, ScoreItem, SearchMode
 
 # Tolerances: an explicit one says the error it allows and why (tests/tolerances.py). A bare
 # pytest.approx(x) (rel 1e-6, ~17 float32 roundings) compares values a few float operations

@@ -20,10 +20,10 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from calibrl.v1 import retrieval_pb2 as pb
 from calibrl.v1 import retrieval_pb2_grpc as pb_grpc
-from retrieval_server import wire
-from retrieval_server.retriever import Retriever
+from calibrl.retrieval_server import wire
+from calibrl.retrieval_server.retriever import Retriever
 from calibrl.testing import TINY_CORPUS, build_test_index, start_test_server
-from retrieval_server.types import ScoreItem, SearchMode
+from calibrl.retrieval_server.types import ScoreItem, SearchMode
 
 # Tolerances: an explicit one says the error it allows and why (tests/tolerances.py). A bare
 # pytest.approx(x) (rel 1e-6, ~17 float32 roundings) compares values a few float operations
@@ -331,7 +331,7 @@ async def test_readme_python_example_runs_against_a_real_server(tiny_index, retr
 def test_readme_documents_every_config_field():
     import dataclasses
 
-    from retrieval_server.config import RetrievalServerConfig
+    from calibrl.retrieval_server.config import RetrievalServerConfig
 
     section = _readme_retrieval_section()
     missing = [f.name for f in dataclasses.fields(RetrievalServerConfig)

@@ -12,24 +12,24 @@ from calibrl.config import load_config
 from calibrl.errors import ConfigError, NotFound, RewardError, Unavailable
 from calibrl.serving import ServingConfig
 from calibrl.text import exact_match, token_f1
-from judge_server import server as judge_server
-from judge_server.config import JudgeConfig, JudgeServerConfig
-from judge_server.judge import Judge
-from judge_server.rubric import load_rubric_dir
-from judge_server.types import JudgeItem
+from calibrl.judge_server import server as judge_server
+from calibrl.judge_server.config import JudgeConfig, JudgeServerConfig
+from calibrl.judge_server.judge import Judge
+from calibrl.judge_server.rubric import load_rubric_dir
+from calibrl.judge_server.types import JudgeItem
 from calibrl.testing import start_test_server
-from retrieval_server.types import ScoreItem
-from trainer.grpc_clients import GrpcJudgeClient, GrpcRetrievalClient
-from trainer.inprocess import InProcessJudgeClient, InProcessRetrievalClient
+from calibrl.retrieval_server.types import ScoreItem
+from calibrl.trainer.grpc_clients import GrpcJudgeClient, GrpcRetrievalClient
+from calibrl.trainer.inprocess import InProcessJudgeClient, InProcessRetrievalClient
 from tests.reward_fixtures import retriever, rubric_dir, tiny_index  # noqa: F401 (fixtures)
-from trainer.rewards import (
+from calibrl.trainer.rewards import (
     RewardConfig,
     RewardModel,
     RewriteRollout,
     SearchRollout,
     SearchStepRecord,
 )
-from trainer.tasks import Task
+from calibrl.trainer.tasks import Task
 
 # Tolerances: an explicit one says the error it allows and why (tests/tolerances.py). A bare
 # pytest.approx(x) (rel 1e-6, ~17 float32 roundings) compares values a few float operations

@@ -8,8 +8,8 @@ torch = pytest.importorskip("torch")
 
 from calibrl.errors import ConfigError, InvalidArgument  # noqa: E402
 from calibrl.testing import build_model, build_tokenizer  # noqa: E402
-from trainer.aio import BackgroundLoop  # noqa: E402
-from trainer.engines import (  # noqa: E402
+from calibrl.trainer.aio import BackgroundLoop  # noqa: E402
+from calibrl.trainer.engines import (  # noqa: E402
     TransformersEngine,
     VLLMEngine,
     make_engine,
@@ -17,17 +17,17 @@ from trainer.engines import (  # noqa: E402
     top_p_filter,
     truncate_completion,
 )
-from trainer.policy import Policy, token_logprobs  # noqa: E402
-from trainer.rewards import RewriteRollout, SearchRollout  # noqa: E402
-from trainer.rollout import (  # noqa: E402
+from calibrl.trainer.policy import Policy, token_logprobs  # noqa: E402
+from calibrl.trainer.rewards import RewriteRollout, SearchRollout  # noqa: E402
+from calibrl.trainer.rollout import (  # noqa: E402
     assemble_rows,
     decode_completion,
     rollout_rewrites,
     rollout_search,
     search_prompt,
 )
-from trainer.search_format import OBSERVATION_PREFIX, THINK_OPEN, parse_turn  # noqa: E402
-from trainer.tasks import Task  # noqa: E402
+from calibrl.trainer.search_format import OBSERVATION_PREFIX, THINK_OPEN, parse_turn  # noqa: E402
+from calibrl.trainer.tasks import Task  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -337,7 +337,7 @@ class RecordingRetrieval:
 
 @pytest.fixture(scope="module")
 def retriever(tmp_path_factory):
-    from retrieval_server.retriever import Retriever
+    from calibrl.retrieval_server.retriever import Retriever
     from calibrl.testing import build_test_index
 
     index_dir = build_test_index(tmp_path_factory.mktemp("index"))

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import pytest
 
 from calibrl.errors import InvalidArgument
-from trainer.search_format import (
+from calibrl.trainer.search_format import (
     OBSERVATION_PREFIX,
     OBSERVATION_SUFFIX,
     REWRITE_TEMPLATE,

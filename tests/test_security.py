@@ -15,7 +15,7 @@ from calibrl.security import channel_credentials, load_tenants
 from calibrl.telemetry import TelemetryConfig
 from calibrl.v1 import retrieval_pb2 as pb
 from calibrl.v1 import retrieval_pb2_grpc as pb_grpc
-from retrieval_server.retriever import Retriever
+from calibrl.retrieval_server.retriever import Retriever
 from calibrl.testing import build_test_index, start_test_server
 from tests.tls_helpers import make_pki
 

@@ -9,8 +9,8 @@ from calibrl.sme.eval_items import eval_items
 from calibrl.sme.items import read_items
 from calibrl.sme.sample import SampleOptions, choose_sample
 from tests.test_trainer_support import one_torch_thread, trainer_world  # noqa: F401  (fixtures)
-from trainer.aio import BackgroundLoop
-from trainer.eval import EvalSettings, load_eval_tasks
+from calibrl.trainer.aio import BackgroundLoop
+from calibrl.trainer.eval import EvalSettings, load_eval_tasks
 
 
 def test_eval_writes_items_that_the_sampler_reads(trainer_world, tmp_path, capsys):

@@ -3,7 +3,7 @@ import json
 import pytest
 
 from calibrl.errors import ConfigError, InvalidArgument
-from trainer.tasks import Task, load_tasks, split_tasks, write_tasks
+from calibrl.trainer.tasks import Task, load_tasks, split_tasks, write_tasks
 
 
 def _write(path, records):

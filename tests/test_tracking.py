@@ -225,7 +225,7 @@ def test_bad_report_to_is_refused_with_the_choices(report_to, message):
 
 
 def test_a_missing_tracker_package_names_its_extra_at_config_load(monkeypatch):
-    from trainer.config import load_train_config
+    from calibrl.trainer.config import load_train_config
 
     real_find_spec = tracking.importlib.util.find_spec
     monkeypatch.setattr(tracking.importlib.util, "find_spec",
@@ -277,9 +277,9 @@ def test_a_failing_tracker_is_dropped_and_reported_while_the_others_go_on(caplog
 
 def test_training_logs_jsonl_names_to_several_trackers_and_a_resume_continues_their_runs(
         trainer_world, tmp_path, monkeypatch):
-    from trainer.config import load_train_config
-    from trainer.diagnostics import read_log
-    from trainer.loop import train
+    from calibrl.trainer.config import load_train_config
+    from calibrl.trainer.diagnostics import read_log
+    from calibrl.trainer.loop import train
 
     uri = (tmp_path / "mlruns").as_uri()
     monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)

@@ -12,7 +12,7 @@ import torch
 from calibrl.errors import NotFound
 from tests.test_trainer_support import one_torch_thread  # noqa: F401  (fixture)
 from calibrl.testing import build_model, build_tokenizer
-from trainer import checkpoint as ckpt
+from calibrl.trainer import checkpoint as ckpt
 
 
 def _trained_model_and_optimizer():

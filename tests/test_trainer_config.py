@@ -12,8 +12,8 @@ import pytest
 
 from calibrl.cli import main as calibrl_main
 from calibrl.errors import ConfigError
-from trainer.config import CalibAdvAdvantage, GrpoAdvantage, TrainConfig, load_train_config
-from trainer.run_setup import lr_lambda
+from calibrl.trainer.config import CalibAdvAdvantage, GrpoAdvantage, TrainConfig, load_train_config
+from calibrl.trainer.run_setup import lr_lambda
 
 # Tolerances: an explicit one says the error it allows and why (tests/tolerances.py). A bare
 # pytest.approx(x) (rel 1e-6, ~17 float32 roundings) compares values a few float operations
@@ -194,7 +194,7 @@ def test_prompt_template_files_that_cannot_be_used_are_named(tmp_path, monkeypat
 
 
 def test_prompt_template_file_is_read_at_load_and_saved_as_text(tmp_path, monkeypatch):
-    from trainer.search_format import REWRITE_TEMPLATE, SEARCH_TEMPLATE
+    from calibrl.trainer.search_format import REWRITE_TEMPLATE, SEARCH_TEMPLATE
 
     default = load_train_config(None, REQUIRED).rollout
     assert default.prompt_template == "" and default.chat_template == "auto" and default.chat_template_flag() is None

@@ -10,12 +10,12 @@ import random
 import pytest
 import torch
 
-from trainer import diagnostics as diag
-from trainer.distributed import DistContext, TaskOrder, reduce_metrics, shard
-from trainer.advantages import reward_metrics
-from trainer.sampling import concat_batches
-from trainer.update import micro_batch_weight as _micro_batch_weight
-from trainer.update import micro_batches as _micro_batches
+from calibrl.trainer import diagnostics as diag
+from calibrl.trainer.distributed import DistContext, TaskOrder, reduce_metrics, shard
+from calibrl.trainer.advantages import reward_metrics
+from calibrl.trainer.sampling import concat_batches
+from calibrl.trainer.update import micro_batch_weight as _micro_batch_weight
+from calibrl.trainer.update import micro_batches as _micro_batches
 
 
 # Tolerances: an explicit one says the error it allows and why (tests/tolerances.py). A bare
@@ -115,7 +115,7 @@ def test_micro_batches_partition_the_rows():
 def test_micro_batch_weights_recover_the_full_batch_loss(aggregation):
     """Weighted micro-batch losses add up to the loss of the whole batch, for every
     aggregation (and for a world of several ranks, whose mean is taken)."""
-    from trainer.losses import policy_loss
+    from calibrl.trainer.losses import policy_loss
 
     torch.manual_seed(0)
     rows, width = 12, 9
@@ -141,7 +141,7 @@ def test_micro_batch_weights_recover_the_full_batch_loss(aggregation):
 
 
 def test_concat_batches_pads_and_keeps_groups_apart():
-    from trainer.rollout import RolloutBatch, assemble_rows
+    from calibrl.trainer.rollout import RolloutBatch, assemble_rows
 
     def batch(rows, groups):
         tensors = assemble_rows(rows, pad_id=0)
@@ -161,7 +161,7 @@ def test_concat_batches_pads_and_keeps_groups_apart():
 
 
 def test_a_non_finite_gradient_norm_skips_the_update():
-    from trainer.update import apply_update
+    from calibrl.trainer.update import apply_update
 
     weight = torch.nn.Parameter(torch.ones(3))
     optimizer = torch.optim.AdamW([weight], lr=0.1)

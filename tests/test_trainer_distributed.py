@@ -22,7 +22,7 @@ def _all_reduce_worker(rank: int, world_size: int, port: int, results) -> None:
     import torch
     import torch.distributed as dist
 
-    from trainer.distributed import DistContext, all_reduce_gradients, check_in_sync, reduce_metrics
+    from calibrl.trainer.distributed import DistContext, all_reduce_gradients, check_in_sync, reduce_metrics
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
     ctx = DistContext(rank=rank, world_size=world_size, backend="gloo")

@@ -12,9 +12,9 @@ import pytest
 from calibrl.cli import main as calibrl_main
 from calibrl.errors import ConfigError
 from tests.test_trainer_support import one_torch_thread, trainer_world  # noqa: F401  (fixtures)
-from trainer.aio import BackgroundLoop
-from trainer.config import load_train_config
-from trainer.eval import (
+from calibrl.trainer.aio import BackgroundLoop
+from calibrl.trainer.config import load_train_config
+from calibrl.trainer.eval import (
     EvalSettings,
     PromptChoice,
     evaluate_models,
@@ -22,7 +22,7 @@ from trainer.eval import (
     load_eval_tasks,
     resolve_model_path,
 )
-from trainer.loop import train
+from calibrl.trainer.loop import train
 
 
 @pytest.fixture(scope="module")
@@ -86,7 +86,7 @@ def test_model_paths_resolve_and_held_out_split_matches_training(trainer_world, 
     assert resolve_model_path(lora_run / "checkpoints" / "step_000001") == checkpoint_model
     with pytest.raises(ConfigError, match="not a model folder"):
         resolve_model_path(tmp_path)
-    from trainer.tasks import load_tasks, split_tasks
+    from calibrl.trainer.tasks import load_tasks, split_tasks
 
     train_part, heldout = split_tasks(load_tasks(trainer_world.rewrite_tasks), 0.25, 7)
     evaluated = load_eval_tasks(str(trainer_world.rewrite_tasks), heldout_fraction=0.25, seed=7)
@@ -103,11 +103,11 @@ CHAT_TEMPLATE = ("{% for m in messages %}<|user|>{{ m['content'] }}\n{% endfor %
 
 
 class RecordingEngines:
-    """Stands in for ``trainer.engines.make_engine``: makes the real engine and records
+    """Stands in for ``calibrl.trainer.engines.make_engine``: makes the real engine and records
     the decoded prompts of every ``generate`` call, one list per engine made."""
 
     def __init__(self) -> None:
-        from trainer.engines import make_engine
+        from calibrl.trainer.engines import make_engine
 
         self.make = make_engine
         self.prompts: list[list[str]] = []
@@ -142,19 +142,19 @@ def templated_run(trainer_world, tmp_path_factory):
         out / "run", "steps=1", f"rollout.prompt_template=@{template_file}", judge=False))
     engines = RecordingEngines()
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr("trainer.engines.make_engine", engines)
+        patch.setattr("calibrl.trainer.engines.make_engine", engines)
         train(config, retrieval=retrieval, judge=None)
     template_file.unlink()  # the run must not need the file any more
     return out / "run", engines.prompts
 
 
 def test_training_rollouts_use_the_configured_template_and_chat_choice(trainer_world, tmp_path):
-    from trainer.engines import make_engine
-    from trainer.sampling import rollout_settings
-    from trainer.task_kinds import task_kind
-    from trainer.policy import load_policy
-    from trainer.search_format import REWRITE_TEMPLATE, SEARCH_TEMPLATE
-    from trainer.tasks import load_tasks
+    from calibrl.trainer.engines import make_engine
+    from calibrl.trainer.sampling import rollout_settings
+    from calibrl.trainer.task_kinds import task_kind
+    from calibrl.trainer.policy import load_policy
+    from calibrl.trainer.search_format import REWRITE_TEMPLATE, SEARCH_TEMPLATE
+    from calibrl.trainer.tasks import load_tasks
 
     policy = load_policy(str(trainer_world.policy_dir), device="cpu")
     policy.tokenizer.chat_template = CHAT_TEMPLATE  # an instruction-tuned tokenizer
@@ -188,7 +188,7 @@ def test_a_custom_template_is_saved_in_the_checkpoint_and_eval_uses_it(trainer_w
 
     import yaml
 
-    from trainer.search_format import REWRITE_TEMPLATE
+    from calibrl.trainer.search_format import REWRITE_TEMPLATE
 
     run, train_prompts = templated_run
     assert train_prompts and train_prompts[0]
@@ -197,7 +197,7 @@ def test_a_custom_template_is_saved_in_the_checkpoint_and_eval_uses_it(trainer_w
     assert saved["rollout"]["prompt_template"] == TRAINED_TEMPLATE  # the text, not the @path
 
     engines = RecordingEngines()
-    monkeypatch.setattr("trainer.engines.make_engine", engines)
+    monkeypatch.setattr("calibrl.trainer.engines.make_engine", engines)
     out = tmp_path / "eval.json"
     common = ["eval", "--tasks", str(trainer_world.rewrite_tasks), "--limit", "3", "--index",
               str(trainer_world.index_dir), "--max-new-tokens", "4", "--device", "cpu", "--out", str(out)]
@@ -229,7 +229,7 @@ def test_a_custom_template_is_saved_in_the_checkpoint_and_eval_uses_it(trainer_w
 
 
 def test_eval_prompt_overrides_and_their_errors(trainer_world, templated_run, capsys):
-    from trainer.search_format import REWRITE_TEMPLATE
+    from calibrl.trainer.search_format import REWRITE_TEMPLATE
 
     run, _ = templated_run
     retrieval, _ = trainer_world.clients(judge=False)
@@ -255,7 +255,7 @@ def test_eval_prompt_overrides_and_their_errors(trainer_world, templated_run, ca
 
 
 def test_prompt_choice_follows_the_checkpoint_config(trainer_world, tmp_path):
-    from trainer.eval import checkpoint_config_path, choose_prompt
+    from calibrl.trainer.eval import checkpoint_config_path, choose_prompt
 
     assert checkpoint_config_path(trainer_world.policy_dir) is None  # a base model
     checkpoint = tmp_path / "run" / "checkpoints" / "step_000004"

@@ -17,10 +17,10 @@ import torch
 from calibrl.errors import RewardError, Unavailable
 from tests.test_trainer_support import TrainerWorld, one_torch_thread, trainer_world  # noqa: F401  (fixtures)
 from tests.tolerances import entropy_error, log_softmax_error
-from trainer.checkpoint import find_checkpoint, load_train_state
-from trainer.config import load_train_config
-from trainer.diagnostics import read_log
-from trainer.loop import train
+from calibrl.trainer.checkpoint import find_checkpoint, load_train_state
+from calibrl.trainer.config import load_train_config
+from calibrl.trainer.diagnostics import read_log
+from calibrl.trainer.loop import train
 
 TRL_NAMES = (
     "reward", "reward_std", "frac_reward_zero_std", "kl", "entropy", "clip_ratio/low_mean", "clip_ratio/high_mean",
@@ -225,11 +225,11 @@ def test_search_agent_with_calibadv_trains_and_logs_its_metrics(trainer_world, t
 
 
 def test_search_step_scores_follow_calibadv_per_group():
-    from retrieval_server.types import Hit, RetrievalScore
-    from trainer.config import CalibAdvAdvantage
-    from trainer.calibadv import search_step_scores
-    from trainer.rewards import SearchRollout, SearchStepRecord
-    from trainer.tasks import Task
+    from calibrl.retrieval_server.types import Hit, RetrievalScore
+    from calibrl.trainer.config import CalibAdvAdvantage
+    from calibrl.trainer.calibadv import search_step_scores
+    from calibrl.trainer.rewards import SearchRollout, SearchStepRecord
+    from calibrl.trainer.tasks import Task
 
     def step(think, *doc_ids):
         hits = tuple(Hit(d, d, 1.0, i + 1) for i, d in enumerate(doc_ids))
@@ -288,12 +288,12 @@ def test_training_runs_off_the_main_thread_without_signal_handling(trainer_world
 
 def test_completion_logprobs_equal_the_policy_logprobs_on_generated_tokens():
     """The loop projects only the completion columns to the vocabulary; the values
-    must be those of trainer.policy.token_logprobs, for full and LoRA models."""
+    must be those of calibrl.trainer.policy.token_logprobs, for full and LoRA models."""
     from calibrl.testing import build_model, build_tokenizer
-    from trainer.policy import LoraSettings, Policy, _accepts_logits_to_keep, make_reference, token_logprobs, wrap_lora
-    from trainer.update import micro_batch
-    from trainer.update import micro_logprobs as completion_logprobs
-    from trainer.rollout import RolloutBatch, assemble_rows
+    from calibrl.trainer.policy import LoraSettings, Policy, _accepts_logits_to_keep, make_reference, token_logprobs, wrap_lora
+    from calibrl.trainer.update import micro_batch
+    from calibrl.trainer.update import micro_logprobs as completion_logprobs
+    from calibrl.trainer.rollout import RolloutBatch, assemble_rows
 
     tokenizer = build_tokenizer()
     model = build_model(tokenizer).train()
@@ -392,7 +392,7 @@ def test_off_policy_behaviour_logprobs_are_those_of_the_weights_that_sampled(tra
     """The rollouts of step k + 1 were sampled by the weights after step k - 1
     (before step k's update): their stored behaviour log-probs are those weights',
     not the ones that train on them."""
-    from trainer.policy import load_policy, token_logprobs
+    from calibrl.trainer.policy import load_policy, token_logprobs
 
     out, result = straight_off_policy_run
     checkpoints = out / "checkpoints"
@@ -500,7 +500,7 @@ def test_off_policy_behaviour_logprobs_ignore_lora_dropout(trainer_world, tmp_pa
     """The sampler draws in eval mode, so the behaviour log-probs must be eval-mode
     ones: with LoRA dropout 0.5 they still equal the sampling adapter's exactly."""
     pytest.importorskip("peft")
-    from trainer.policy import load_policy, token_logprobs
+    from calibrl.trainer.policy import load_policy, token_logprobs
 
     retrieval, _ = trainer_world.clients(judge=False)
     config = load_train_config(None, trainer_world.overrides(

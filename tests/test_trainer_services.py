@@ -10,16 +10,16 @@ import pytest
 
 from calibrl.cli import main as calibrl_main
 from tests.test_trainer_support import RUBRIC_ID, one_torch_thread, trainer_world  # noqa: F401  (fixtures)
-from trainer.aio import BackgroundLoop
-from trainer.checkpoint import find_checkpoint, load_train_state
-from trainer.diagnostics import read_log
+from calibrl.trainer.aio import BackgroundLoop
+from calibrl.trainer.checkpoint import find_checkpoint, load_train_state
+from calibrl.trainer.diagnostics import read_log
 
 
 @pytest.mark.slow
 def test_calibrl_train_against_real_retrieval_and_judge_servers(trainer_world, tmp_path, capsys):
     from calibrl.config import load_config
-    from judge_server.config import JudgeServerConfig
-    from judge_server.server import start as start_judge
+    from calibrl.judge_server.config import JudgeServerConfig
+    from calibrl.judge_server.server import start as start_judge
     from calibrl.testing import start_test_server
 
     judge_config = load_config(JudgeServerConfig, None, [

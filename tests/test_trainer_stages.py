@@ -10,15 +10,15 @@ import pytest
 import torch
 
 from calibrl.errors import ConfigError, RewardError
-from retrieval_server.types import Hit, RetrievalScore
-from trainer.config import CalibAdvAdvantage, GrpoAdvantage
-from trainer.pipeline import RolloutPipeline
-from trainer.rewards import RewardBreakdown, SearchRollout, SearchStepRecord
-from trainer.rollout import RolloutBatch, assemble_rows
-from trainer.scoring import PendingBatch
-from trainer.task_kinds import TASK_KINDS, TaskKind, register_task_kind, task_kind
-from trainer.tasks import Task
-from trainer.training_batch import to_training_batch
+from calibrl.retrieval_server.types import Hit, RetrievalScore
+from calibrl.trainer.config import CalibAdvAdvantage, GrpoAdvantage
+from calibrl.trainer.pipeline import RolloutPipeline
+from calibrl.trainer.rewards import RewardBreakdown, SearchRollout, SearchStepRecord
+from calibrl.trainer.rollout import RolloutBatch, assemble_rows
+from calibrl.trainer.scoring import PendingBatch
+from calibrl.trainer.task_kinds import TASK_KINDS, TaskKind, register_task_kind, task_kind
+from calibrl.trainer.tasks import Task
+from calibrl.trainer.training_batch import to_training_batch
 
 
 def _done(value):
@@ -128,7 +128,7 @@ def test_task_kinds_are_a_registry():
     try:
         register_task_kind(third)
         assert task_kind("classify") is third
-        from trainer.config import RolloutConfig
+        from calibrl.trainer.config import RolloutConfig
 
         assert RolloutConfig().template_for("classify") == "Label: {query}"
         with pytest.raises(ConfigError, match="already registered"):

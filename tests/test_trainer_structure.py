@@ -42,8 +42,8 @@ def test_the_checker_sees_a_long_function(tmp_path):
 
 
 def test_the_loop_names_no_estimator_and_no_task_kind():
-    from trainer.advantages import ADVANTAGE_ESTIMATORS
-    from trainer.task_kinds import TASK_KINDS
+    from calibrl.trainer.advantages import ADVANTAGE_ESTIMATORS
+    from calibrl.trainer.task_kinds import TASK_KINDS
 
     for module in ("loop.py", "sampling.py", "scoring.py", "training_batch.py", "update.py", "pipeline.py"):
         named = _string_constants(TRAINER / module) & (set(ADVANTAGE_ESTIMATORS) | set(TASK_KINDS))

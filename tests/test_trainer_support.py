@@ -85,9 +85,9 @@ class TrainerWorld:
         return base + list(extra)
 
     def clients(self, judge: bool = True) -> tuple[Any, Any]:
-        from judge_server.config import JudgeConfig
-        from judge_server.judge import Judge
-        from trainer.inprocess import InProcessJudgeClient, InProcessRetrievalClient
+        from calibrl.judge_server.config import JudgeConfig
+        from calibrl.judge_server.judge import Judge
+        from calibrl.trainer.inprocess import InProcessJudgeClient, InProcessRetrievalClient
 
         judge_client = None
         if judge:
@@ -98,7 +98,7 @@ class TrainerWorld:
 
 def build_world(root: pathlib.Path) -> TrainerWorld:
     from calibrl.embedding import SentenceEmbedder
-    from retrieval_server.retriever import Retriever
+    from calibrl.retrieval_server.retriever import Retriever
     from calibrl.testing import TINY_CORPUS, build_test_index
     from calibrl.testing import save_tiny_policy
 
@@ -139,8 +139,8 @@ def trainer_world(tmp_path_factory: pytest.TempPathFactory) -> TrainerWorld:
 
 
 def test_world_is_real_and_consistent(trainer_world: TrainerWorld) -> None:
-    from retrieval_server.types import ScoreItem
-    from trainer.tasks import load_tasks
+    from calibrl.retrieval_server.types import ScoreItem
+    from calibrl.trainer.tasks import load_tasks
 
     tasks = load_tasks(trainer_world.rewrite_tasks)
     assert len(tasks) == 12 and all(t.kind == "rewrite" for t in tasks)

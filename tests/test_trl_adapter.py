@@ -15,16 +15,16 @@ import socket
 import pytest
 
 from calibrl.errors import InvalidArgument, RewardError, Unavailable
-from judge_server.config import JudgeConfig
-from judge_server.judge import Judge
-from judge_server.rubric import load_rubric_dir
-from retrieval_server.retriever import Retriever
+from calibrl.judge_server.config import JudgeConfig
+from calibrl.judge_server.judge import Judge
+from calibrl.judge_server.rubric import load_rubric_dir
+from calibrl.retrieval_server.retriever import Retriever
 from calibrl.testing import build_test_index
-from trainer.aio import BackgroundLoop
-from trainer.inprocess import InProcessJudgeClient, InProcessRetrievalClient
-from trainer.rewards import RewardConfig, RewardModel, RewriteRollout
-from trainer.tasks import Task
-from trainer.trl_adapter import (
+from calibrl.trainer.aio import BackgroundLoop
+from calibrl.trainer.inprocess import InProcessJudgeClient, InProcessRetrievalClient
+from calibrl.trainer.rewards import RewardConfig, RewardModel, RewriteRollout
+from calibrl.trainer.tasks import Task
+from calibrl.trainer.trl_adapter import (
     BLENDED_NAME,
     completion_text,
     make_reward_funcs,

@@ -45,8 +45,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 trl = pytest.importorskip("trl", reason="trl (a dev dependency) is needed for the equivalence test")
 
 from tests.tolerances import entropy_error, float32_sum_error, log_softmax_error  # noqa: E402
-from trainer.advantages import AdvantageInputs, compute_advantages  # noqa: E402
-from trainer.losses import (  # noqa: E402
+from calibrl.trainer.advantages import AdvantageInputs, compute_advantages  # noqa: E402
+from calibrl.trainer.losses import (  # noqa: E402
     masked_entropy_from_logits,
     policy_loss,
     token_logprobs,

@@ -3,10 +3,10 @@
 import pytest
 
 from calibrl.errors import InvalidArgument
-from judge_server.types import CriterionScore, ItemScore, JudgeItem, aggregate
-from judge_server.wire import item_from_proto, item_score_from_proto, item_score_to_proto, item_to_proto
-from retrieval_server.types import Hit, RetrievalScore, ScoreItem, SearchMode
-from retrieval_server.wire import (
+from calibrl.judge_server.types import CriterionScore, ItemScore, JudgeItem, aggregate
+from calibrl.judge_server.wire import item_from_proto, item_score_from_proto, item_score_to_proto, item_to_proto
+from calibrl.retrieval_server.types import Hit, RetrievalScore, ScoreItem, SearchMode
+from calibrl.retrieval_server.wire import (
     mode_from_proto,
     mode_to_proto,
     retrieval_score_from_proto,

@@ -21,7 +21,7 @@ Estimators
     CalibAdv (Wu et al., arXiv 2604.18235) as released in the authors' verl
     fork: base ``A = (R - mean_g) / (std_g + 1e-6)`` with the unbiased group
     std; for a rollout with ``A < 0`` every token of intermediate segment ``k``
-    gets ``A * (1 - s_k)`` (``s_k`` from :mod:`trainer.calibadv`), the answer
+    gets ``A * (1 - s_k)`` (``s_k`` from :mod:`calibrl.trainer.calibadv`), the answer
     segment keeps ``A``; positive rollouts are unchanged; then, per group, the
     positive answer-token advantages are scaled by ``N / (lambda_ * P)`` (``P``
     the sum of positive and ``N`` the sum of the absolute negative answer-token
@@ -218,7 +218,7 @@ def register_advantage(name: str, batch_inputs: BatchInputsFn | None = None) -> 
     """Register ``fn(inputs, **params) -> (token_adv, metrics)`` under ``name``.
 
     ``batch_inputs(batch, settings)``, when given, computes the estimator's extra
-    inputs from a :class:`~trainer.rollout.RolloutBatch` (CalibAdv's step scores),
+    inputs from a :class:`~calibrl.trainer.rollout.RolloutBatch` (CalibAdv's step scores),
     so the training loop never needs to know which estimator runs."""
 
     def decorator(fn: AdvantageFn) -> AdvantageFn:
@@ -346,7 +346,7 @@ def grpo_advantages(
 def _calibadv_batch_inputs(batch: Any, settings: Any) -> tuple[dict[str, Tensor], dict[str, float]]:
     """CalibAdv's step scores ``(B, S)`` of a batch of search rollouts (settings:
     ``f1_threshold``, ``use_gold``, ``similarity_threshold``) and their mean."""
-    from trainer.calibadv import search_step_scores
+    from calibrl.trainer.calibadv import search_step_scores
 
     step_scores = search_step_scores(batch.rollouts, batch.group_index, batch.segment_index, settings).to(
         batch.input_ids.device

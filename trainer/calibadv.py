@@ -2,14 +2,14 @@
 
 Plain Python per group of rollouts; :func:`search_step_scores` pads a batch's
 scores into the ``(B, S)`` ``step_scores`` tensor of
-:class:`trainer.advantages.AdvantageInputs` (the ``calibadv`` estimator's batch
+:class:`calibrl.trainer.advantages.AdvantageInputs` (the ``calibadv`` estimator's batch
 inputs, registered with it), and the estimator does the rest.
 
 The rules are those of the authors' code (Wu et al., arXiv 2604.18235, verl
 fork; docs/design.md, "CalibAdv", rules 1-3), checked rule by rule:
 
 1. **Reward** of a search rollout is ``F1 x format``: answer token F1 times 1
-   when the trajectory is well formed (:func:`trainer.search_format.check_format`),
+   when the trajectory is well formed (:func:`calibrl.trainer.search_format.check_format`),
    else 0.
 2. **Silver documents** of a group: among the *well-formed* rollouts whose
    reward is at least ``f1_threshold`` (0.7), those with the highest reward;
@@ -45,8 +45,8 @@ from calibrl.errors import InvalidArgument
 if TYPE_CHECKING:  # pragma: no cover
     import torch
 
-    from trainer.config import CalibAdvAdvantage
-    from trainer.rewards import SearchRollout
+    from calibrl.trainer.config import CalibAdvAdvantage
+    from calibrl.trainer.rewards import SearchRollout
 
 __all__ = ["SearchStep", "search_step_scores", "select_silver_docs", "step_scores", "word_edit_similarity"]
 

@@ -22,7 +22,7 @@ import typing
 from typing import Any, Sequence
 
 from calibrl.errors import CalibrlError, ConfigError
-from trainer.task_kinds import TASK_KINDS
+from calibrl.trainer.task_kinds import TASK_KINDS
 
 log = logging.getLogger(__name__)
 
@@ -31,13 +31,13 @@ log = logging.getLogger(__name__)
 
 
 def make_clients(services: Any, background: Any | None = None) -> tuple[Any, Any, Any]:
-    """``(retrieval, judge, close)`` for a :class:`~trainer.config.ServicesConfig`.
+    """``(retrieval, judge, close)`` for a :class:`~calibrl.trainer.config.ServicesConfig`.
 
-    gRPC targets become :mod:`trainer.grpc_clients` clients (deadline, retries,
+    gRPC targets become :mod:`calibrl.trainer.grpc_clients` clients (deadline, retries,
     API key, TLS); ``inprocess`` loads the index / rubric folder into this process.
     ``judge`` is None for ``services.judge=none``. ``close()`` is a coroutine
     function that closes the channels (run it on the loop that used them)."""
-    from trainer.config import INPROCESS, NO_JUDGE
+    from calibrl.trainer.config import INPROCESS, NO_JUDGE
 
     knobs: dict[str, Any] = {"timeout_s": services.timeout_s, "max_attempts": services.max_attempts}
     api_key = services.api_key or os.environ.get("CALIBRL_API_KEY", "")
@@ -50,24 +50,24 @@ def make_clients(services: Any, background: Any | None = None) -> tuple[Any, Any
 
     closers = []
     if services.retrieval == INPROCESS:
-        from retrieval_server.retriever import Retriever
-        from trainer.inprocess import InProcessRetrievalClient
+        from calibrl.retrieval_server.retriever import Retriever
+        from calibrl.trainer.inprocess import InProcessRetrievalClient
 
         retrieval = InProcessRetrievalClient(Retriever.load(services.index_dir, device=services.inprocess_device))
     else:
-        from trainer.grpc_clients import GrpcRetrievalClient
+        from calibrl.trainer.grpc_clients import GrpcRetrievalClient
 
         retrieval = GrpcRetrievalClient(services.retrieval, **knobs)
         closers.append(retrieval.close)
 
     judge = None
     if services.judge == INPROCESS:
-        from judge_server.judge import Judge
-        from trainer.inprocess import InProcessJudgeClient
+        from calibrl.judge_server.judge import Judge
+        from calibrl.trainer.inprocess import InProcessJudgeClient
 
         judge = InProcessJudgeClient(Judge.from_config(services.inprocess_judge, services.rubric_dir))
     elif services.judge != NO_JUDGE:
-        from trainer.grpc_clients import GrpcJudgeClient
+        from calibrl.trainer.grpc_clients import GrpcJudgeClient
 
         judge = GrpcJudgeClient(services.judge, **knobs)
         closers.append(judge.close)
@@ -87,7 +87,7 @@ def describe_config() -> str:
     import dataclasses
 
     from calibrl.config import describe
-    from trainer.config import TrainConfig
+    from calibrl.trainer.config import TrainConfig
 
     lines = []
     hints = typing.get_type_hints(TrainConfig)
@@ -127,7 +127,7 @@ def train(argv: Sequence[str]) -> int:
         print(describe_config())
         return 0
     _setup_logging(args.log_level)
-    from trainer.config import load_train_config
+    from calibrl.trainer.config import load_train_config
 
     try:
         config = load_train_config(args.config, args.overrides)
@@ -138,8 +138,8 @@ def train(argv: Sequence[str]) -> int:
         print(config.to_yaml(), end="")
         return 0
 
-    from trainer.aio import BackgroundLoop
-    from trainer.loop import train as run_training
+    from calibrl.trainer.aio import BackgroundLoop
+    from calibrl.trainer.loop import train as run_training
 
     try:
         retrieval, judge, close = make_clients(config.services)
@@ -216,9 +216,9 @@ def evaluate(argv: Sequence[str]) -> int:
     import json
     import pathlib
 
-    from trainer.aio import BackgroundLoop
-    from trainer.config import ServicesConfig, resolve_prompt_template
-    from trainer.eval import EvalSettings, evaluate_models, format_table, load_eval_tasks
+    from calibrl.trainer.aio import BackgroundLoop
+    from calibrl.trainer.config import ServicesConfig, resolve_prompt_template
+    from calibrl.trainer.eval import EvalSettings, evaluate_models, format_table, load_eval_tasks
 
     if args.name and len(args.name) != len(args.model):
         print(f"error: {len(args.name)} --name for {len(args.model)} --model; give one per model or none",

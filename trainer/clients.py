@@ -1,9 +1,9 @@
 """The two interfaces the trainer receives (it never builds them itself).
 
 Implementations:
-- ``trainer.grpc_clients``: async gRPC clients with deadlines, retries
+- ``calibrl.trainer.grpc_clients``: async gRPC clients with deadlines, retries
   (tenacity, on UNAVAILABLE / DEADLINE_EXCEEDED) and bounded concurrency;
-- ``trainer.inprocess``: the same interfaces over an in-process ``Retriever``
+- ``calibrl.trainer.inprocess``: the same interfaces over an in-process ``Retriever``
   and ``Judge``, so the loop runs with no network (tests, the demo's ablations).
 """
 
@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from typing import Protocol, Sequence
 
-from judge_server.types import ItemScore, JudgeItem
-from retrieval_server.types import Hit, RetrievalScore, ScoreItem, SearchMode
+from calibrl.judge_server.types import ItemScore, JudgeItem
+from calibrl.retrieval_server.types import Hit, RetrievalScore, ScoreItem, SearchMode
 
 
 class RetrievalClient(Protocol):

@@ -20,9 +20,9 @@ from typing import Any, Literal
 
 from calibrl.config import load_config, option, to_dict
 from calibrl.errors import ConfigError
-from judge_server.config import JudgeConfig
-from trainer.diagnostics import HealthConfig
-from trainer.rewards import RewardConfig
+from calibrl.judge_server.config import JudgeConfig
+from calibrl.trainer.diagnostics import HealthConfig
+from calibrl.trainer.rewards import RewardConfig
 
 INPROCESS = "inprocess"
 NO_JUDGE = "none"
@@ -53,10 +53,10 @@ class LoraConfig:
                 raise ConfigError("policy.lora.target_modules is empty: name modules or use ['all-linear']")
 
     def settings(self) -> Any:
-        """The ``trainer.policy.LoraSettings`` of this config, or None when disabled."""
+        """The ``calibrl.trainer.policy.LoraSettings`` of this config, or None when disabled."""
         if not self.enabled:
             return None
-        from trainer.policy import LoraSettings
+        from calibrl.trainer.policy import LoraSettings
 
         targets: Any = self.target_modules[0] if self.target_modules == ["all-linear"] else tuple(self.target_modules)
         return LoraSettings(r=self.r, alpha=self.alpha, dropout=self.dropout, target_modules=targets)
@@ -81,7 +81,7 @@ class PolicyConfig:
 
 @dataclass
 class TasksConfig:
-    """Training tasks (JSONL; see trainer.tasks for the formats)."""
+    """Training tasks (JSONL; see calibrl.trainer.tasks for the formats)."""
 
     path: str = option("", "JSONL file of tasks.")
     format: Literal["auto", "rewrite", "search", "hotpotqa"] = option("auto", "File format; auto looks at the keys.")
@@ -205,9 +205,9 @@ class RolloutConfig:
             raise ConfigError(f"rollout.generation_batch_size={self.generation_batch_size}: must be >= 0")
 
     def template_for(self, kind: str) -> str:
-        """The prompt template of a policy of task kind ``kind`` (``trainer.task_kinds``):
+        """The prompt template of a policy of task kind ``kind`` (``calibrl.trainer.task_kinds``):
         the configured one, or the kind's built-in template when none is set."""
-        from trainer.task_kinds import task_kind
+        from calibrl.trainer.task_kinds import task_kind
 
         return self.prompt_template or task_kind(kind).builtin_template
 
@@ -259,7 +259,7 @@ def resolve_prompt_template(value: str, where: str = "rollout.prompt_template") 
 
 
 def prompt_template_problem(template: str) -> str | None:
-    """Why ``trainer.search_format.fill_template`` could not fill ``template``, with
+    """Why ``calibrl.trainer.search_format.fill_template`` could not fill ``template``, with
     the fix (None when it can): no ``{query}``, a placeholder other than ``{query}``
     and ``{context}`` (conversions and format specs included), an unpaired brace."""
     placeholders = []  # each as written, e.g. "{query}", "{query!r}", "{0}"
@@ -289,7 +289,7 @@ def _shorten(value: str, limit: int = 60) -> str:
 class GrpoAdvantage:
     """Group-relative advantages (TRL GRPOTrainer's scale_rewards)."""
 
-    type: Literal["grpo"] = option("grpo", "Estimator name (registered in trainer.advantages).")
+    type: Literal["grpo"] = option("grpo", "Estimator name (registered in calibrl.trainer.advantages).")
     scale: Literal["none", "group", "batch"] = option("group", "Divide A = R - mean_g by the group or batch std.")
 
     def params(self) -> dict[str, Any]:
@@ -305,7 +305,7 @@ class GrpoAdvantage:
 class CalibAdvAdvantage:
     """CalibAdv (arXiv 2604.18235): calibrated negative advantages of intermediate search steps."""
 
-    type: Literal["calibadv"] = option("calibadv", "Estimator name (registered in trainer.advantages).")
+    type: Literal["calibadv"] = option("calibadv", "Estimator name (registered in calibrl.trainer.advantages).")
     lambda_: float = option(1.0, "Answer rebalancing: positives scaled by N / (lambda * P); < 1 collapsed.")
     f1_threshold: float = option(
         0.7, "Silver documents come from a group's best well-formed rollouts when their F1 x format >= this."
@@ -333,7 +333,7 @@ class CalibAdvAdvantage:
 
 @dataclass
 class LossConfig:
-    """The clipped policy loss (trainer.losses.policy_loss)."""
+    """The clipped policy loss (calibrl.trainer.losses.policy_loss)."""
 
     eps_low: float = option(0.2, "Lower clip: ratios below 1 - eps_low stop pushing negative advantages.")
     eps_high: float = option(0.2, "Upper clip: ratios above 1 + eps_high stop pushing positive ones (DAPO: 0.28).")
@@ -397,7 +397,7 @@ class TrainConfig:
     policy: PolicyConfig = option(factory=PolicyConfig, doc="The model being trained.")
     tasks: TasksConfig = option(factory=TasksConfig, doc="Training tasks.")
     services: ServicesConfig = option(factory=ServicesConfig, doc="Reward services.")
-    reward: RewardConfig = option(factory=RewardConfig, doc="Reward blend (trainer.rewards).")
+    reward: RewardConfig = option(factory=RewardConfig, doc="Reward blend (calibrl.trainer.rewards).")
     rollout: RolloutConfig = option(factory=RolloutConfig, doc="Sampling.")
     advantage: GrpoAdvantage | CalibAdvAdvantage = option(factory=GrpoAdvantage, doc="Advantage estimator.")
     loss: LossConfig = option(factory=LossConfig, doc="Policy loss.")

@@ -6,7 +6,7 @@ Metric names follow TRL's GRPOTrainer where TRL has one (``reward``,
 ``learning_rate``), so dashboards built for TRL read calibrl runs unchanged.
 ``reward``, ``reward_std`` and ``frac_reward_zero_std`` (the fraction of groups
 with all-equal rewards) come from the advantage estimator
-(``trainer.advantages.reward_metrics``).
+(``calibrl.trainer.advantages.reward_metrics``).
 Our own additions are namespaced: ``calibadv/*`` (from the advantage
 estimator), ``timing/*`` (seconds per phase), ``health/*`` (warnings).
 

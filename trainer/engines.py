@@ -1,7 +1,7 @@
 """Generation engines: token ids in, sampled token ids out.
 
 Every engine speaks token ids on both sides, so the rollout code builds prompts,
-observations and masks once (``trainer.rollout``) whatever samples the tokens:
+observations and masks once (``calibrl.trainer.rollout``) whatever samples the tokens:
 
 - :class:`TransformersEngine` samples from the policy's own model (CPU or GPU):
   a batched loop over a KV cache with left padding, temperature, nucleus
@@ -25,13 +25,13 @@ import inspect
 from typing import TYPE_CHECKING, Any, Iterator, Protocol, Sequence
 
 from calibrl.errors import ConfigError, FailedPrecondition, InvalidArgument
-from trainer.policy import pad_token_id
+from calibrl.trainer.policy import pad_token_id
 
 if TYPE_CHECKING:  # pragma: no cover
     from transformers import PreTrainedTokenizerBase
     import torch
 
-    from trainer.policy import Policy
+    from calibrl.trainer.policy import Policy
 
 ENGINE_KINDS = ("transformers", "vllm")
 

@@ -30,16 +30,16 @@ from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 from calibrl.errors import ConfigError, InvalidArgument
-from trainer.task_kinds import TASK_KINDS, task_kind
+from calibrl.trainer.task_kinds import TASK_KINDS, task_kind
 
 if TYPE_CHECKING:  # pragma: no cover
     from transformers import PreTrainedTokenizerBase
 
-    from trainer.clients import RetrievalClient
-    from trainer.config import RolloutConfig
-    from trainer.engines import GenerationEngine
-    from trainer.policy import Policy
-    from trainer.tasks import Task
+    from calibrl.trainer.clients import RetrievalClient
+    from calibrl.trainer.config import RolloutConfig
+    from calibrl.trainer.engines import GenerationEngine
+    from calibrl.trainer.policy import Policy
+    from calibrl.trainer.tasks import Task
 
 log = logging.getLogger(__name__)
 
@@ -96,9 +96,9 @@ class PromptChoice:
     chat_template_source: str = "default"
 
     def rollout_config(self) -> "RolloutConfig":
-        """A :class:`~trainer.config.RolloutConfig` holding this choice, so eval picks the
+        """A :class:`~calibrl.trainer.config.RolloutConfig` holding this choice, so eval picks the
         effective template exactly as training does."""
-        from trainer.config import RolloutConfig
+        from calibrl.trainer.config import RolloutConfig
 
         return RolloutConfig(prompt_template=self.template, chat_template=self.chat_template)  # type: ignore[arg-type]
 
@@ -123,7 +123,7 @@ class PromptChoice:
 def resolve_model_path(path: str | pathlib.Path) -> pathlib.Path:
     """A loadable model folder for ``path``: a checkpoint's ``model/``, a run dir's
     latest checkpoint's ``model/``, or ``path`` itself (a model or adapter folder)."""
-    from trainer.checkpoint import MODEL_DIR, STATE_FILE, find_checkpoint
+    from calibrl.trainer.checkpoint import MODEL_DIR, STATE_FILE, find_checkpoint
 
     path = pathlib.Path(path)
     if (path / "config.json").exists() or (path / "adapter_config.json").exists():
@@ -138,7 +138,7 @@ def resolve_model_path(path: str | pathlib.Path) -> pathlib.Path:
 def checkpoint_config_path(path: str | pathlib.Path) -> pathlib.Path | None:
     """The ``config.yaml`` of the checkpoint ``path`` is, holds (a run dir: its latest
     checkpoint) or is the ``model/`` folder of; None for a base model or adapter folder."""
-    from trainer.checkpoint import MODEL_DIR, STATE_FILE, find_checkpoint
+    from calibrl.trainer.checkpoint import MODEL_DIR, STATE_FILE, find_checkpoint
 
     path = pathlib.Path(path)
     if (path / "config.json").exists() or (path / "adapter_config.json").exists():
@@ -158,7 +158,7 @@ def choose_prompt(model: str | pathlib.Path, kind: str, *, prompt_template: str 
     import yaml
 
     from calibrl.config import from_dict
-    from trainer.config import RolloutConfig
+    from calibrl.trainer.config import RolloutConfig
 
     trained = RolloutConfig()
     source = "default"
@@ -198,7 +198,7 @@ def load_eval_tasks(path: str, *, fmt: str = "auto", kind: str = "auto", heldout
                     seed: int = 0, limit: int = 0) -> list["Task"]:
     """Tasks to evaluate: the file's tasks, or the held-out part of the split
     training made with the same ``heldout_fraction`` and ``seed``."""
-    from trainer.tasks import load_tasks, split_tasks
+    from calibrl.trainer.tasks import load_tasks, split_tasks
 
     tasks = load_tasks(path, kind=None if kind == "auto" else kind, fmt=fmt)
     if heldout_fraction > 0:
@@ -234,8 +234,8 @@ def evaluate_models(
     ``prompt_template`` (text or ``@file``; "" = the built-in one) and ``chat_template``
     (auto, on, off) override every model's prompt; None (default) prompts each model as
     it was trained (:func:`choose_prompt`)."""
-    from trainer.config import CHAT_TEMPLATE_CHOICES, resolve_prompt_template
-    from trainer.policy import load_policy
+    from calibrl.trainer.config import CHAT_TEMPLATE_CHOICES, resolve_prompt_template
+    from calibrl.trainer.policy import load_policy
 
     if prompt_template is not None:
         prompt_template = resolve_prompt_template(prompt_template, "prompt_template")
@@ -281,9 +281,9 @@ def _chat_template_applied(prompt: PromptChoice, tokenizer: "PreTrainedTokenizer
 
 def evaluate_policy(policy: "Policy", tasks: Sequence["Task"], retrieval: "RetrievalClient", settings: EvalSettings, *,
                     run_async: RunAsync, prompt: PromptChoice | None = None) -> dict[str, float]:
-    """Greedy metrics of one loaded :class:`~trainer.policy.Policy` on ``tasks``,
+    """Greedy metrics of one loaded :class:`~calibrl.trainer.policy.Policy` on ``tasks``,
     prompted with ``prompt`` (default: the built-in template, chat template auto)."""
-    from trainer.engines import make_engine
+    from calibrl.trainer.engines import make_engine
 
     rollout = (prompt or PromptChoice()).rollout_config()
     kind = tasks[0].kind
@@ -296,7 +296,7 @@ def evaluate_policy(policy: "Policy", tasks: Sequence["Task"], retrieval: "Retri
 def evaluate_rewrites(engine: "GenerationEngine", tokenizer: "PreTrainedTokenizerBase", tasks: Sequence["Task"],
                       retrieval: "RetrievalClient", settings: EvalSettings, run_async: RunAsync, template: str,
                       chat_template: bool | None) -> dict[str, float]:
-    from trainer.rollout import rollout_rewrites
+    from calibrl.trainer.rollout import rollout_rewrites
 
     rewrites: list[str] = []
     for start in range(0, len(tasks), settings.batch_size):
@@ -311,7 +311,7 @@ def _retrieval_metrics(queries: Sequence[str], tasks: Sequence["Task"], retrieva
                        settings: EvalSettings, run_async: RunAsync) -> dict[str, float]:
     """Mean retrieval metrics of one query per task; an empty query retrieves nothing
     (it scores 0 everywhere rather than being sent)."""
-    from retrieval_server.types import ScoreItem, SearchMode
+    from calibrl.retrieval_server.types import ScoreItem, SearchMode
 
     cleaned = [q.strip()[: settings.max_query_chars].strip() for q in queries]
     sent = [i for i, q in enumerate(cleaned) if q]
@@ -336,7 +336,7 @@ def evaluate_search(engine: "GenerationEngine", tokenizer: "PreTrainedTokenizerB
                     retrieval: "RetrievalClient", settings: EvalSettings, run_async: RunAsync, template: str,
                     chat_template: bool | None) -> dict[str, float]:
     from calibrl.text import exact_match, token_f1
-    from trainer.rollout import rollout_search
+    from calibrl.trainer.rollout import rollout_search
 
     totals = dict.fromkeys(task_kind("search").metric_names, 0.0)
     with_gold = 0

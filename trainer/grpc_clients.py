@@ -1,4 +1,4 @@
-"""Async gRPC clients of the two services (implement trainer.clients' interfaces).
+"""Async gRPC clients of the two services (implement calibrl.trainer.clients' interfaces).
 
 Every RPC gets a deadline (``timeout_s``) and is retried with exponential backoff
 and jitter (tenacity) when the status is transient: UNAVAILABLE (a replica down
@@ -20,7 +20,7 @@ a set of stateless replicas behind a headless Service, or a fixed list
 knob), so each replica gets its share and a replica that goes away is skipped.
 
 A client binds to the event loop of its first call; use it from that loop only
-(``trainer.aio.BackgroundLoop`` gives the synchronous trainer one).
+(``calibrl.trainer.aio.BackgroundLoop`` gives the synchronous trainer one).
 """
 
 from __future__ import annotations
@@ -31,11 +31,11 @@ from typing import Any, Awaitable, Callable, Iterable, Sequence, TypeVar
 
 from calibrl import telemetry
 from calibrl.errors import ConfigError, InvalidArgument, error_from_status
-from judge_server import wire as judge_wire
-from judge_server.types import ItemScore, JudgeItem
-from retrieval_server import wire as retrieval_wire
-from retrieval_server.types import Hit, RetrievalScore, ScoreItem, SearchMode
-from trainer.aio import gather_all
+from calibrl.judge_server import wire as judge_wire
+from calibrl.judge_server.types import ItemScore, JudgeItem
+from calibrl.retrieval_server import wire as retrieval_wire
+from calibrl.retrieval_server.types import Hit, RetrievalScore, ScoreItem, SearchMode
+from calibrl.trainer.aio import gather_all
 
 log = logging.getLogger(__name__)
 

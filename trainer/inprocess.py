@@ -1,7 +1,7 @@
 """The trainer's client interfaces over in-process cores: no network, no serialisation.
 
-:class:`InProcessRetrievalClient` wraps a :class:`retrieval_server.retriever.Retriever`
-and :class:`InProcessJudgeClient` a :class:`judge_server.judge.Judge`. Calls run in
+:class:`InProcessRetrievalClient` wraps a :class:`calibrl.retrieval_server.retriever.Retriever`
+and :class:`InProcessJudgeClient` a :class:`calibrl.judge_server.judge.Judge`. Calls run in
 a worker thread (``asyncio.to_thread``) so the event loop, and the other service's
 call, keep going while an index or a judge model computes. The cores check their
 inputs exactly as the servers do, so the same bad request raises the same
@@ -17,12 +17,12 @@ from __future__ import annotations
 import asyncio
 from typing import TYPE_CHECKING, Any, Sequence, TypeVar
 
-from judge_server.types import ItemScore, JudgeItem
-from retrieval_server.types import Hit, RetrievalScore, ScoreItem, SearchMode
+from calibrl.judge_server.types import ItemScore, JudgeItem
+from calibrl.retrieval_server.types import Hit, RetrievalScore, ScoreItem, SearchMode
 
 if TYPE_CHECKING:  # pragma: no cover
-    from judge_server.judge import Judge
-    from retrieval_server.retriever import Retriever
+    from calibrl.judge_server.judge import Judge
+    from calibrl.retrieval_server.retriever import Retriever
 
 T = TypeVar("T")
 

@@ -23,20 +23,20 @@
 
 Each phase is a stage with a typed hand-off, in its own module::
 
-    trainer.sampling        tasks -> PendingBatch (RolloutBatch + reward futures)
-    trainer.scoring         PendingBatch -> ScoredBatch (one RewardBreakdown per row)
-    trainer.training_batch  ScoredBatch -> TrainingBatch (token advantages)
-    trainer.update          TrainingBatch -> one optimizer update (PolicyUpdate)
+    calibrl.trainer.sampling        tasks -> PendingBatch (RolloutBatch + reward futures)
+    calibrl.trainer.scoring         PendingBatch -> ScoredBatch (one RewardBreakdown per row)
+    calibrl.trainer.training_batch  ScoredBatch -> TrainingBatch (token advantages)
+    calibrl.trainer.update          TrainingBatch -> one optimizer update (PolicyUpdate)
 
-and the run's other jobs are small objects: ``trainer.pipeline`` (on- or one
-step off-policy), ``trainer.run_checkpoints`` (checkpoints with pending
-rollouts), ``trainer.stop_signal`` (SIGTERM), ``trainer.step_log`` (metrics),
-``trainer.run_setup`` (building and resuming the run). The task kind
-(``trainer.task_kinds``) supplies the rollout function and the reward; the
+and the run's other jobs are small objects: ``calibrl.trainer.pipeline`` (on- or one
+step off-policy), ``calibrl.trainer.run_checkpoints`` (checkpoints with pending
+rollouts), ``calibrl.trainer.stop_signal`` (SIGTERM), ``calibrl.trainer.step_log`` (metrics),
+``calibrl.trainer.run_setup`` (building and resuming the run). The task kind
+(``calibrl.trainer.task_kinds``) supplies the rollout function and the reward; the
 advantage registry supplies the estimator and whatever it reads from the batch.
 
 The retrieval and judge clients are injected: :func:`train` never opens a
-network connection itself (``trainer.cli`` builds gRPC or in-process clients).
+network connection itself (``calibrl.trainer.cli`` builds gRPC or in-process clients).
 See docs/design.md for the data flow of a step.
 
 Departures from TRL's GRPOTrainer, on purpose:
@@ -67,23 +67,23 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Coroutine, NoReturn
 
 from calibrl.errors import CalibrlError, RewardError
-from trainer import checkpoint as ckpt
-from trainer import distributed as dist_util
-from trainer.aio import BackgroundLoop
-from trainer.clients import JudgeClient, RetrievalClient
-from trainer.config import TrainConfig
-from trainer.scoring import PendingBatch, settled
+from calibrl.trainer import checkpoint as ckpt
+from calibrl.trainer import distributed as dist_util
+from calibrl.trainer.aio import BackgroundLoop
+from calibrl.trainer.clients import JudgeClient, RetrievalClient
+from calibrl.trainer.config import TrainConfig
+from calibrl.trainer.scoring import PendingBatch, settled
 
 if TYPE_CHECKING:  # pragma: no cover
     from calibrl import tracking
-    from trainer.pipeline import RolloutPipeline
-    from trainer.rewards import RewardBreakdown
-    from trainer.rollout import RolloutBatch
-    from trainer.run_checkpoints import Checkpointer
-    from trainer.run_setup import TrainingRun
-    from trainer.step_log import StepLog
-    from trainer.stop_signal import StopSignal
-    from trainer.update import PolicyUpdate
+    from calibrl.trainer.pipeline import RolloutPipeline
+    from calibrl.trainer.rewards import RewardBreakdown
+    from calibrl.trainer.rollout import RolloutBatch
+    from calibrl.trainer.run_checkpoints import Checkpointer
+    from calibrl.trainer.run_setup import TrainingRun
+    from calibrl.trainer.step_log import StepLog
+    from calibrl.trainer.stop_signal import StopSignal
+    from calibrl.trainer.update import PolicyUpdate
 
 log = logging.getLogger(__name__)
 
@@ -121,15 +121,15 @@ def train(
     are opened and closed here.
     Raises RewardError (after writing a checkpoint) when a reward cannot be computed.
     """
-    from trainer.pipeline import RolloutPipeline
-    from trainer.rewards import RewardModel
-    from trainer.run_checkpoints import Checkpointer
-    from trainer.run_setup import build_run
-    from trainer.sampling import RolloutSampler
-    from trainer.scoring import restore_pending
-    from trainer.step_log import StepLog
-    from trainer.stop_signal import StopSignal
-    from trainer.update import PolicyUpdate, autocast_for
+    from calibrl.trainer.pipeline import RolloutPipeline
+    from calibrl.trainer.rewards import RewardModel
+    from calibrl.trainer.run_checkpoints import Checkpointer
+    from calibrl.trainer.run_setup import build_run
+    from calibrl.trainer.sampling import RolloutSampler
+    from calibrl.trainer.scoring import restore_pending
+    from calibrl.trainer.step_log import StepLog
+    from calibrl.trainer.stop_signal import StopSignal
+    from calibrl.trainer.update import PolicyUpdate, autocast_for
 
     run = build_run(config, resume)
     ctx, model, tokenizer = run.ctx, run.policy.model, run.policy.tokenizer
@@ -198,8 +198,8 @@ class _Loop:
 
     def step(self, step: int) -> None:
         """One step: rollout -> reference forward -> rewards -> advantages -> update -> log."""
-        from trainer.step_log import StepTimes, step_metrics
-        from trainer.training_batch import to_training_batch
+        from calibrl.trainer.step_log import StepTimes, step_metrics
+        from calibrl.trainer.training_batch import to_training_batch
 
         run, state, ctx, times = self.run, self.run.state, self.run.ctx, StepTimes()
         step_start = time.perf_counter()

@@ -12,8 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from calibrl.errors import CalibrlError
-from trainer.sampling import RolloutSampler
-from trainer.scoring import PendingBatch
+from calibrl.trainer.sampling import RolloutSampler
+from calibrl.trainer.scoring import PendingBatch
 
 
 @dataclass

@@ -272,7 +272,7 @@ def completion_logprobs(
     ``L - start + 1`` positions to the vocabulary (``logits_to_keep``, as TRL does):
     the prompt's hidden states are computed, its logits are not. Gradients flow
     into ``logp`` unless the caller disables them."""
-    from trainer.losses import masked_entropy_from_logits, token_logprobs as logprobs_from_logits
+    from calibrl.trainer.losses import masked_entropy_from_logits, token_logprobs as logprobs_from_logits
 
     if input_ids.dim() != 2 or input_ids.shape != attention_mask.shape:
         raise InvalidArgument(

@@ -16,7 +16,7 @@ Search tasks (a multi-step Search-R1 trajectory per rollout)::
 
 ``r_ans`` is the answer's token F1 (or exact match) against the gold answers
 times the format (1 when the trajectory follows the format grammar of
-:func:`trainer.search_format.check_format`, else 0; ``answer_times_format``,
+:func:`calibrl.trainer.search_format.check_format`, else 0; ``answer_times_format``,
 the reward of CalibAdv's authors), 0 when the trajectory gave no answer; ``r_ret(k)`` is step k's retrieval signal
 (computed during the rollout), the mean is 0 without steps; ``r_rub`` judges the
 final answer. The defaults make R the answer F1 alone, the outcome reward of
@@ -52,11 +52,11 @@ from calibrl.errors import (
     Unauthenticated,
 )
 from calibrl.text import exact_match, token_f1
-from judge_server.types import ItemScore, JudgeItem
-from retrieval_server.types import RetrievalScore, ScoreItem, SearchMode
-from trainer.aio import gather_all
-from trainer.clients import JudgeClient, RetrievalClient
-from trainer.tasks import Task
+from calibrl.judge_server.types import ItemScore, JudgeItem
+from calibrl.retrieval_server.types import RetrievalScore, ScoreItem, SearchMode
+from calibrl.trainer.aio import gather_all
+from calibrl.trainer.clients import JudgeClient, RetrievalClient
+from calibrl.trainer.tasks import Task
 
 log = logging.getLogger(__name__)
 

@@ -15,7 +15,7 @@ Every row of a :class:`RolloutBatch` is a sequence of pieces, each either traine
 - ``answer_mask`` marks the last sampled piece of each row (CalibAdv's answer
   segment).
 
-The engine only sees token ids (``trainer.engines``): the same code builds the
+The engine only sees token ids (``calibrl.trainer.engines``): the same code builds the
 batch whatever engine sampled it. Rows are ordered task by task, ``group_size``
 consecutive rows per task (``group_index``).
 
@@ -33,9 +33,9 @@ from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Callable, Coroutine, Sequence
 
 from calibrl.errors import InvalidArgument
-from retrieval_server.types import ScoreItem
-from trainer.policy import pad_token_id
-from trainer.search_format import (
+from calibrl.retrieval_server.types import ScoreItem
+from calibrl.trainer.policy import pad_token_id
+from calibrl.trainer.search_format import (
     OBSERVATION_PREFIX,
     OBSERVATION_SUFFIX,
     REWRITE_STOP_STRINGS,
@@ -55,9 +55,9 @@ if TYPE_CHECKING:  # pragma: no cover
     from transformers import PreTrainedTokenizerBase
     import torch
 
-    from trainer.clients import RetrievalClient
-    from trainer.engines import GenerationEngine
-    from trainer.tasks import Task
+    from calibrl.trainer.clients import RetrievalClient
+    from calibrl.trainer.engines import GenerationEngine
+    from calibrl.trainer.tasks import Task
 
 
 @dataclass
@@ -229,7 +229,7 @@ def rollout_rewrites(
 ) -> RolloutBatch:
     """``group_size`` one-step rewrites per task. The rewrite is the first line of
     the completion (it may be empty: the reward scores that, it is not an error)."""
-    from trainer.rewards import RewriteRollout
+    from calibrl.trainer.rewards import RewriteRollout
 
     _check_common(tasks, "rewrite", group_size, temperature, top_p)
     prompts = [
@@ -378,7 +378,7 @@ def _observe(retrieval: "RetrievalClient", run_async: Callable[[Coroutine[Any, A
              searching: list[tuple[_SearchState, str, str]], top_k: int, max_obs_tokens: int) -> None:
     """Send the turn's searches to the retrieval client in one batch and append each
     result as a non-trained observation and a step record."""
-    from trainer.rewards import SearchStepRecord
+    from calibrl.trainer.rewards import SearchStepRecord
 
     items = [
         ScoreItem(
@@ -405,7 +405,7 @@ def _observe(retrieval: "RetrievalClient", run_async: Callable[[Coroutine[Any, A
 def _search_batch(tokenizer: "PreTrainedTokenizerBase", states: list[_SearchState], num_tasks: int,
                   group_size: int) -> RolloutBatch:
     """The finished search rollouts as one RolloutBatch."""
-    from trainer.rewards import SearchRollout
+    from calibrl.trainer.rewards import SearchRollout
 
     tensors = assemble_rows([state.pieces for state in states], pad_token_id(tokenizer))
     rollouts = [

@@ -3,7 +3,7 @@
 :class:`Checkpointer` writes the state after ``state.step`` steps: model, optimizer,
 schedule, RNG, data position and, when the next step's rollouts were already taken
 from the data (one step off-policy, or a reward failure), those rollouts, so a
-resumed run trains on exactly them. ``trainer.checkpoint`` holds the file format.
+resumed run trains on exactly them. ``calibrl.trainer.checkpoint`` holds the file format.
 """
 
 from __future__ import annotations
@@ -11,15 +11,15 @@ from __future__ import annotations
 import pathlib
 from typing import TYPE_CHECKING, Any
 
-from trainer import checkpoint as ckpt
-from trainer import distributed as dist_util
+from calibrl.trainer import checkpoint as ckpt
+from calibrl.trainer import distributed as dist_util
 
 if TYPE_CHECKING:  # pragma: no cover
     from transformers import PreTrainedTokenizerBase
     import torch
 
-    from trainer.config import TrainConfig
-    from trainer.scoring import PendingBatch
+    from calibrl.trainer.config import TrainConfig
+    from calibrl.trainer.scoring import PendingBatch
 
 
 class Checkpointer:

@@ -16,17 +16,17 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable
 
 from calibrl.errors import ConfigError
-from trainer import checkpoint as ckpt
-from trainer import distributed as dist_util
-from trainer.task_kinds import TaskKind, task_kind
+from calibrl.trainer import checkpoint as ckpt
+from calibrl.trainer import distributed as dist_util
+from calibrl.trainer.task_kinds import TaskKind, task_kind
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
 
-    from trainer.config import TrainConfig
-    from trainer.engines import GenerationEngine
-    from trainer.policy import Policy
-    from trainer.tasks import Task
+    from calibrl.trainer.config import TrainConfig
+    from calibrl.trainer.engines import GenerationEngine
+    from calibrl.trainer.policy import Policy
+    from calibrl.trainer.tasks import Task
 
 log = logging.getLogger(__name__)
 
@@ -51,9 +51,9 @@ class TrainingRun:
 
 def build_run(config: "TrainConfig", resume: str | pathlib.Path | None) -> TrainingRun:
     """Load and (when ``resume`` is given) restore every part of the run."""
-    from trainer.engines import make_engine
-    from trainer.policy import load_policy, make_reference, resolve_device
-    from trainer.update import use_bf16
+    from calibrl.trainer.engines import make_engine
+    from calibrl.trainer.policy import load_policy, make_reference, resolve_device
+    from calibrl.trainer.update import use_bf16
 
     ctx = dist_util.init_distributed(config.policy.device)
     device = str(resolve_device(dist_util.rank_device(config.policy.device, ctx)))
@@ -123,7 +123,7 @@ def _optimizer_and_schedule(config: "TrainConfig", model: "torch.nn.Module") -> 
 
 def load_training_tasks(config: "TrainConfig") -> tuple[list["Task"], TaskKind]:
     """The training tasks (held-out part removed) and their registered kind; one kind per run."""
-    from trainer.tasks import load_tasks, split_tasks
+    from calibrl.trainer.tasks import load_tasks, split_tasks
 
     kind = None if config.tasks.kind == "auto" else config.tasks.kind
     tasks = load_tasks(config.tasks.path, kind=kind, fmt=config.tasks.format)

@@ -1,11 +1,11 @@
 """Stage 1 of a step: tasks -> rollouts, with their scoring already under way.
 
-:class:`RolloutSampler` takes a step's tasks from the :class:`~trainer.distributed.TaskOrder`
+:class:`RolloutSampler` takes a step's tasks from the :class:`~calibrl.trainer.distributed.TaskOrder`
 (this rank's shard), generates their rollouts in chunks with the task kind's rollout
 function, and submits each chunk's reward coroutine to the background event loop as
 soon as the chunk exists, so scoring overlaps the next chunk's generation. The result
-is a :class:`~trainer.scoring.PendingBatch`: one right-padded
-:class:`~trainer.rollout.RolloutBatch` on the training device plus its reward futures.
+is a :class:`~calibrl.trainer.scoring.PendingBatch`: one right-padded
+:class:`~calibrl.trainer.rollout.RolloutBatch` on the training device plus its reward futures.
 """
 
 from __future__ import annotations
@@ -13,20 +13,20 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING, Sequence
 
-from trainer import distributed as dist_util
-from trainer.policy import pad_token_id
-from trainer.scoring import PendingBatch, ScoreFn
-from trainer.task_kinds import RolloutSettings, TaskKind
+from calibrl.trainer import distributed as dist_util
+from calibrl.trainer.policy import pad_token_id
+from calibrl.trainer.scoring import PendingBatch, ScoreFn
+from calibrl.trainer.task_kinds import RolloutSettings, TaskKind
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
     from transformers import PreTrainedTokenizerBase
-    from trainer.aio import BackgroundLoop
-    from trainer.clients import RetrievalClient
-    from trainer.config import TrainConfig
-    from trainer.engines import GenerationEngine
-    from trainer.rollout import RolloutBatch
-    from trainer.tasks import Task
+    from calibrl.trainer.aio import BackgroundLoop
+    from calibrl.trainer.clients import RetrievalClient
+    from calibrl.trainer.config import TrainConfig
+    from calibrl.trainer.engines import GenerationEngine
+    from calibrl.trainer.rollout import RolloutBatch
+    from calibrl.trainer.tasks import Task
 
 
 class RolloutSampler:
@@ -83,7 +83,7 @@ def concat_batches(batches: Sequence["RolloutBatch"], pad_id: int) -> "RolloutBa
     offset so groups of different chunks never merge)."""
     import torch
 
-    from trainer.rollout import RolloutBatch
+    from calibrl.trainer.rollout import RolloutBatch
 
     if len(batches) == 1:
         return batches[0]

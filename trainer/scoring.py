@@ -1,7 +1,7 @@
 """Stage 2 of a step: rollouts whose rewards are being computed -> a scored batch.
 
 :class:`PendingBatch` is one step's rollouts from generation to update: the
-:class:`~trainer.rollout.RolloutBatch` and its reward futures (one per generation
+:class:`~calibrl.trainer.rollout.RolloutBatch` and its reward futures (one per generation
 chunk, running on the background event loop). :meth:`PendingBatch.scored` waits
 for them and hands on a :class:`ScoredBatch`. A pending batch can be written into
 a checkpoint (with its scores when they are in) and restored from one, so a run
@@ -19,14 +19,14 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Coroutine
 
 from calibrl.errors import CalibrlError, ConfigError
-from trainer import checkpoint as ckpt
+from calibrl.trainer import checkpoint as ckpt
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
 
-    from trainer.aio import BackgroundLoop
-    from trainer.rewards import RewardBreakdown
-    from trainer.rollout import RolloutBatch
+    from calibrl.trainer.aio import BackgroundLoop
+    from calibrl.trainer.rewards import RewardBreakdown
+    from calibrl.trainer.rollout import RolloutBatch
 
 log = logging.getLogger(__name__)
 

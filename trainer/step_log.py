@@ -1,6 +1,6 @@
 """A step's metrics: assembled from the stages, reduced over ranks, checked, written.
 
-Metric names follow TRL where TRL has one (see ``trainer.diagnostics``); the
+Metric names follow TRL where TRL has one (see ``calibrl.trainer.diagnostics``); the
 per-phase seconds are ``timing/*`` and the health counters ``health/*``.
 :meth:`StepLog.record` is the one place a step's metrics are written (the JSONL +
 report_to trackers' run log on rank 0, the progress bar, the caller's ``on_step``).
@@ -14,12 +14,12 @@ from typing import Any, Callable
 
 from calibrl import tracking
 from calibrl.config import to_dict
-from trainer import diagnostics as diag
-from trainer import distributed as dist_util
-from trainer.checkpoint import TrainState
-from trainer.config import TrainConfig
-from trainer.training_batch import TrainingBatch
-from trainer.update import UpdateResult
+from calibrl.trainer import diagnostics as diag
+from calibrl.trainer import distributed as dist_util
+from calibrl.trainer.checkpoint import TrainState
+from calibrl.trainer.config import TrainConfig
+from calibrl.trainer.training_batch import TrainingBatch
+from calibrl.trainer.update import UpdateResult
 
 log = logging.getLogger(__name__)
 

@@ -3,11 +3,11 @@
 A :class:`TaskKind` bundles everything that differs between agents:
 
 - ``builtin_template``: the prompt template used when ``rollout.prompt_template`` is empty;
-- ``rollout``: G sampled rollouts per task as a :class:`~trainer.rollout.RolloutBatch`
+- ``rollout``: G sampled rollouts per task as a :class:`~calibrl.trainer.rollout.RolloutBatch`
   (:class:`RolloutSettings` carries the sampling options);
 - ``score``: the reward coroutine of a batch's rollouts (a method of
-  :class:`~trainer.rewards.RewardModel`);
-- ``evaluate``: greedy held-out metrics of a policy (``trainer.eval``);
+  :class:`~calibrl.trainer.rewards.RewardModel`);
+- ``evaluate``: greedy held-out metrics of a policy (``calibrl.trainer.eval``);
 - ``metric_names``: the columns of the evaluation table, in order;
 - ``max_completion_tokens``: the most tokens one rollout can generate (the Dr. GRPO
   constant of ``loss.aggregation=constant``).
@@ -29,13 +29,13 @@ from calibrl.errors import ConfigError
 if TYPE_CHECKING:  # pragma: no cover
     from transformers import PreTrainedTokenizerBase
 
-    from trainer.clients import RetrievalClient
-    from trainer.config import RolloutConfig
-    from trainer.engines import GenerationEngine
-    from trainer.eval import EvalSettings
-    from trainer.rewards import RewardBreakdown, RewardModel
-    from trainer.rollout import RolloutBatch
-    from trainer.tasks import Task
+    from calibrl.trainer.clients import RetrievalClient
+    from calibrl.trainer.config import RolloutConfig
+    from calibrl.trainer.engines import GenerationEngine
+    from calibrl.trainer.eval import EvalSettings
+    from calibrl.trainer.rewards import RewardBreakdown, RewardModel
+    from calibrl.trainer.rollout import RolloutBatch
+    from calibrl.trainer.tasks import Task
 
 RunAsync = Callable[[Coroutine[Any, Any, Any]], Any]
 
@@ -43,7 +43,7 @@ RunAsync = Callable[[Coroutine[Any, Any, Any]], Any]
 @dataclass(frozen=True)
 class RolloutSettings:
     """How one call samples rollouts: the training loop fills it from ``rollout.*``,
-    the evaluation from its :class:`~trainer.eval.EvalSettings` (greedy, one per task)."""
+    the evaluation from its :class:`~calibrl.trainer.eval.EvalSettings` (greedy, one per task)."""
 
     group_size: int  # rollouts per task
     max_new_tokens: int  # per rewrite, or per search turn
@@ -112,7 +112,7 @@ def _lazy(module: str, name: str) -> Callable[..., Any]:
 def _rollout_rewrites(engine: "GenerationEngine", tokenizer: "PreTrainedTokenizerBase", tasks: Sequence["Task"],
                       settings: RolloutSettings,
                       retrieval: "RetrievalClient", run_async: RunAsync) -> "RolloutBatch":
-    from trainer.rollout import rollout_rewrites
+    from calibrl.trainer.rollout import rollout_rewrites
 
     return rollout_rewrites(
         engine, tokenizer, tasks, group_size=settings.group_size, max_new_tokens=settings.max_new_tokens,
@@ -135,7 +135,7 @@ def _one_turn(rollout: "RolloutConfig") -> int:
 def _rollout_search(engine: "GenerationEngine", tokenizer: "PreTrainedTokenizerBase", tasks: Sequence["Task"],
                     settings: RolloutSettings,
                     retrieval: "RetrievalClient", run_async: RunAsync) -> "RolloutBatch":
-    from trainer.rollout import rollout_search
+    from calibrl.trainer.rollout import rollout_search
 
     return rollout_search(
         engine, tokenizer, tasks, group_size=settings.group_size, retrieval=retrieval, run_async=run_async,
@@ -154,17 +154,17 @@ def _all_turns(rollout: "RolloutConfig") -> int:
 
 
 def _register_builtin_kinds() -> None:
-    from trainer.search_format import REWRITE_TEMPLATE, SEARCH_TEMPLATE
+    from calibrl.trainer.search_format import REWRITE_TEMPLATE, SEARCH_TEMPLATE
 
     register_task_kind(TaskKind(
         name="rewrite", builtin_template=REWRITE_TEMPLATE, rollout=_rollout_rewrites, score=_score_rewrites,
-        evaluate=_lazy("trainer.eval", "evaluate_rewrites"),
+        evaluate=_lazy("calibrl.trainer.eval", "evaluate_rewrites"),
         metric_names=("hit@k", "all_gold@k", "recall@k", "mrr", "ndcg@k", "empty_rewrite_rate"),
         max_completion_tokens=_one_turn,
     ))
     register_task_kind(TaskKind(
         name="search", builtin_template=SEARCH_TEMPLATE, rollout=_rollout_search, score=_score_search,
-        evaluate=_lazy("trainer.eval", "evaluate_search"),
+        evaluate=_lazy("calibrl.trainer.eval", "evaluate_search"),
         metric_names=("em", "f1", "answered", "well_formed", "searches", "gold_doc_recall"),
         max_completion_tokens=_all_turns,
     ))

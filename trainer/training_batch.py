@@ -1,6 +1,6 @@
 """Stage 3 of a step: a scored batch -> a training batch (per-token advantages).
 
-The estimator named by ``advantage.type`` (``trainer.advantages``) turns the rewards
+The estimator named by ``advantage.type`` (``calibrl.trainer.advantages``) turns the rewards
 and the token layout of the rollouts into ``token_adv`` (B, L). What an estimator
 reads from the rollouts beyond that (CalibAdv's step scores) is registered with the
 estimator itself (``register_advantage(..., batch_inputs=...)``), so this stage, and
@@ -15,10 +15,10 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:  # pragma: no cover
     import torch
 
-    from trainer.config import CalibAdvAdvantage, GrpoAdvantage
-    from trainer.rewards import RewardBreakdown
-    from trainer.rollout import RolloutBatch
-    from trainer.scoring import ScoredBatch
+    from calibrl.trainer.config import CalibAdvAdvantage, GrpoAdvantage
+    from calibrl.trainer.rewards import RewardBreakdown
+    from calibrl.trainer.rollout import RolloutBatch
+    from calibrl.trainer.scoring import ScoredBatch
 
 
 @dataclass
@@ -36,7 +36,7 @@ class TrainingBatch:
 def to_training_batch(scored: "ScoredBatch", advantage: "GrpoAdvantage | CalibAdvAdvantage") -> TrainingBatch:
     """Per-token advantages of ``scored`` from the registered estimator ``advantage.type``
     with ``advantage.params()``."""
-    from trainer.advantages import AdvantageInputs, batch_inputs_for, compute_advantages
+    from calibrl.trainer.advantages import AdvantageInputs, batch_inputs_for, compute_advantages
 
     batch = scored.batch
     rewards = scored.rewards

@@ -31,7 +31,7 @@ needs per-step retrieval during generation and CalibAdv's per-step advantages,
 which TRL's trainer has no place for; use calibrl's own loop for it.
 
 TRL calls reward functions synchronously from the training thread; the async
-clients run on a :class:`~trainer.aio.BackgroundLoop`.
+clients run on a :class:`~calibrl.trainer.aio.BackgroundLoop`.
 """
 
 from __future__ import annotations
@@ -41,9 +41,9 @@ import logging
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
 from calibrl.errors import InvalidArgument, RewardError
-from trainer.aio import BackgroundLoop
-from trainer.rewards import RewardBreakdown, RewardConfig, RewardModel, RewriteRollout
-from trainer.tasks import Task
+from calibrl.trainer.aio import BackgroundLoop
+from calibrl.trainer.rewards import RewardBreakdown, RewardConfig, RewardModel, RewriteRollout
+from calibrl.trainer.tasks import Task
 
 log = logging.getLogger(__name__)
 
@@ -83,10 +83,10 @@ def tasks_to_dataset(tasks: Iterable[Task], prompt_template: str | None = None, 
     (``task_id``, ``query``, ``gold_doc_ids``, ``answers``, ``context`` as a JSON object string).
 
     ``prompt_template`` takes ``{query}`` and optionally ``{context}``; the default is the
-    rewriter prompt of :mod:`trainer.search_format`. Returns a ``datasets.Dataset`` (or the
+    rewriter prompt of :mod:`calibrl.trainer.search_format`. Returns a ``datasets.Dataset`` (or the
     list of row dicts with ``as_hf_dataset=False``).
     """
-    from trainer.search_format import REWRITE_TEMPLATE, fill_template
+    from calibrl.trainer.search_format import REWRITE_TEMPLATE, fill_template
 
     template = prompt_template or REWRITE_TEMPLATE
     rows = []
@@ -116,7 +116,7 @@ def _task_at(columns: Mapping[str, Any], index: int) -> Task:
             if required:
                 raise InvalidArgument(
                     name, "missing from the reward function's dataset columns; build the dataset with "
-                    "trainer.trl_adapter.tasks_to_dataset (columns query, gold_doc_ids, [answers], [context])"
+                    "calibrl.trainer.trl_adapter.tasks_to_dataset (columns query, gold_doc_ids, [answers], [context])"
                 )
             return None
         return values[index]
@@ -248,7 +248,7 @@ def make_reward_funcs(
     call, ``max_attempts``, ``metadata`` such as ``[("authorization", "Bearer KEY")]``,
     ``channel_credentials``, ...). ``timeout_s`` here bounds a whole batch's scoring.
     """
-    from trainer.grpc_clients import GrpcJudgeClient, GrpcRetrievalClient
+    from calibrl.trainer.grpc_clients import GrpcJudgeClient, GrpcRetrievalClient
 
     config.validate()
     owned_loop = loop is None

@@ -26,15 +26,15 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ContextManager
 
-from trainer import distributed as dist_util
-from trainer.policy import completion_logprobs
+from calibrl.trainer import distributed as dist_util
+from calibrl.trainer.policy import completion_logprobs
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
 
-    from trainer.config import LossConfig, TrainConfig
-    from trainer.rollout import RolloutBatch
-    from trainer.training_batch import TrainingBatch
+    from calibrl.trainer.config import LossConfig, TrainConfig
+    from calibrl.trainer.rollout import RolloutBatch
+    from calibrl.trainer.training_batch import TrainingBatch
 
 log = logging.getLogger(__name__)
 
@@ -83,7 +83,7 @@ def micro_batch(batch: "RolloutBatch", token_adv: "torch.Tensor | None", rows: l
 def micro_logprobs(model: "torch.nn.Module", micro: MicroBatch, temperature: float,
                    with_entropy: bool = False) -> "tuple[torch.Tensor, float | None]":
     """Log-probs ``(b, L - start)`` of a micro-batch's tokens from column ``start`` on
-    (:func:`trainer.policy.completion_logprobs`), and optionally the mean entropy
+    (:func:`calibrl.trainer.policy.completion_logprobs`), and optionally the mean entropy
     over its generated tokens."""
     logp, entropy = completion_logprobs(model, micro.input_ids, micro.attention_mask, start=micro.start,
                                         temperature=temperature, entropy_mask=micro.mask if with_entropy else None)
@@ -116,8 +116,8 @@ def token_weighted_mean(parts: list[tuple[float, dict[str, float]]]) -> dict[str
 def policy_loss_for(loss: "LossConfig", max_completion_length: int, logp: "torch.Tensor",
                     old_logp: "torch.Tensor", token_adv: "torch.Tensor", mask: "torch.Tensor",
                     ref_logp: "torch.Tensor | None") -> "tuple[torch.Tensor, dict[str, float]]":
-    """``trainer.losses.policy_loss`` with the run's loss settings."""
-    from trainer.losses import policy_loss
+    """``calibrl.trainer.losses.policy_loss`` with the run's loss settings."""
+    from calibrl.trainer.losses import policy_loss
 
     return policy_loss(logp, old_logp, token_adv, mask, ref_logp=ref_logp, beta=loss.beta, eps_low=loss.eps_low,
                        eps_high=loss.eps_high, aggregation=loss.aggregation,

@@ -20,8 +20,8 @@ Stages, in order (each prints what it did; the report lists their times):
 9. evaluate every checkpoint on held-out tasks; write the table, plots and report.
 
 Stages 2-4 and 6-9 call the library in this process (the functions behind the CLI
-commands: ``judge_server.distill``, ``judge_server.validation``, ``retrieval_server.index``,
-``trainer.loop.train``, ``trainer.eval``); the services are the real servers, in
+commands: ``calibrl.judge_server.distill``, ``calibrl.judge_server.validation``, ``calibrl.retrieval_server.index``,
+``calibrl.trainer.loop.train``, ``calibrl.trainer.eval``); the services are the real servers, in
 their own processes, reached over gRPC exactly as ``calibrl train`` reaches them.
 """
 
@@ -206,7 +206,7 @@ def run_demo(settings: DemoSettings, out: pathlib.Path, *, seed: int = 0, thread
                 print(f"    {service.name} SERVING on {service.target} after {seconds:.1f}s: "
                       f"{' '.join(service.command[-len(service.args):])}")
 
-        from trainer.aio import BackgroundLoop
+        from calibrl.trainer.aio import BackgroundLoop
 
         with BackgroundLoop(name="calibrl-demo") as background:
             clients = _Clients(retrieval.target, judge.target, background)
@@ -258,9 +258,9 @@ def distill_rubric(feedback: pathlib.Path, glossary: Sequence[str], rubric_path:
                    golden_path: pathlib.Path) -> tuple[Any, list[Any]]:
     """Stage 2: distil the SME feedback into the demo's rubric (programmatic criteria) and a
     golden hold-out set; write both. Returns (rubric, golden records)."""
-    from judge_server.distill import DistillOptions, distill
-    from judge_server.feedback import read_feedback, write_feedback
-    from judge_server.rubric import dump_rubric
+    from calibrl.judge_server.distill import DistillOptions, distill
+    from calibrl.judge_server.feedback import read_feedback, write_feedback
+    from calibrl.judge_server.rubric import dump_rubric
 
     records = read_feedback(feedback)
     options = DistillOptions(rubric_id=RUBRIC_ID, criteria_mode="programmatic", glossary=tuple(glossary))
@@ -279,8 +279,8 @@ def validate_rubric(rubric: Any, golden: Sequence[Any], rubric_path: pathlib.Pat
     """Stage 3: the programmatic judge against the golden set; the validation record is
     written beside the rubric (the judge server reads it) and returned."""
     from calibrl.config import load_config
-    from judge_server.config import JudgeConfig
-    from judge_server.validation import (
+    from calibrl.judge_server.config import JudgeConfig
+    from calibrl.judge_server.validation import (
         ValidationOptions,
         find_record,
         read_records,
@@ -301,8 +301,8 @@ def validate_rubric(rubric: Any, golden: Sequence[Any], rubric_path: pathlib.Pat
 
 def build_demo_index(corpus: pathlib.Path, index_dir: pathlib.Path) -> None:
     """Stage 4: the dense (MiniLM) + BM25 index of the corpus, on the CPU."""
-    from retrieval_server.corpus import file_sha256, read_corpus
-    from retrieval_server.index import build_index
+    from calibrl.retrieval_server.corpus import file_sha256, read_corpus
+    from calibrl.retrieval_server.index import build_index
 
     passages = read_corpus(corpus, "beir")
     manifest = build_index(passages, index_dir, corpus_sha256=file_sha256(corpus), corpus_format="beir",
@@ -315,7 +315,7 @@ class _Clients:
     """gRPC clients of the two services, bound to the demo's background event loop."""
 
     def __init__(self, retrieval_target: str, judge_target: str, background: Any) -> None:
-        from trainer.grpc_clients import GrpcJudgeClient, GrpcRetrievalClient
+        from calibrl.trainer.grpc_clients import GrpcJudgeClient, GrpcRetrievalClient
 
         self.background = background
         self.retrieval_target = retrieval_target
@@ -324,7 +324,7 @@ class _Clients:
         self.judge = GrpcJudgeClient(judge_target, timeout_s=60.0)
 
     def search_many(self, queries: Sequence[str], top_k: int) -> list[list[Any]]:
-        from retrieval_server.types import SearchMode
+        from calibrl.retrieval_server.types import SearchMode
 
         results: list[list[Any]] = []
         for start in range(0, len(queries), 128):
@@ -343,8 +343,8 @@ def _train_and_evaluate(settings: DemoSettings, out: pathlib.Path, domain: Any, 
                         stages: Stages, seed: int, progress: bool, report_to: Sequence[str] = ("tensorboard",)) -> Any:
     from calibrl.demo import report as rep
     from calibrl.demo.policy import PolicySpec, RewriteMix, build_base_policies
-    from trainer.diagnostics import read_log
-    from trainer.tasks import load_tasks
+    from calibrl.trainer.diagnostics import read_log
+    from calibrl.trainer.tasks import load_tasks
 
     # 6 -------------------------------------------------------------------- policies
     with stages.stage("build the tiny policies: tokenizer, model, supervised warm start"):
@@ -484,7 +484,7 @@ def _search_heldout(metrics: dict[str, float]) -> dict[str, float]:
 
 
 def _eval_settings(settings: DemoSettings, kind: str) -> Any:
-    from trainer.eval import EvalSettings
+    from calibrl.trainer.eval import EvalSettings
 
     if kind == "rewrite":
         return EvalSettings(top_k=settings.hit_k, mode=RETRIEVAL_MODE, max_new_tokens=settings.max_new_tokens,
@@ -496,7 +496,7 @@ def _eval_settings(settings: DemoSettings, kind: str) -> Any:
 
 def _evaluate(clients: _Clients, models: list[str], tasks: list[Any], eval_settings: Any, names: list[str],
               raw_query: bool = False) -> list[Any]:
-    from trainer.eval import evaluate_models
+    from calibrl.trainer.eval import evaluate_models
 
     return evaluate_models(models, tasks, clients.retrieval, eval_settings, run_async=clients.background.run,
                            names=names, raw_query_baseline=raw_query)
@@ -542,8 +542,8 @@ def _train(overrides: list[str], clients: _Clients, report_to: Sequence[str]) ->
     """Train one run; returns its metrics, its seconds and its trackers (still open)."""
     from calibrl.config import to_dict
     from calibrl.tracking import open_trackers
-    from trainer.config import load_train_config
-    from trainer.loop import train
+    from calibrl.trainer.config import load_train_config
+    from calibrl.trainer.loop import train
 
     config = load_train_config(None, [*overrides, f"report_to={','.join(report_to) or 'none'}",
                                       "tracking_project=calibrl-demo"])
@@ -625,7 +625,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     command = "calibrl demo" + (" --quick" if args.quick else "") + (f" --seed {args.seed}" if args.seed else "")
     started = time.perf_counter()
     if args.no_progress:
-        from retrieval_server.cli import hide_library_progress_bars
+        from calibrl.retrieval_server.cli import hide_library_progress_bars
 
         hide_library_progress_bars()
     try:

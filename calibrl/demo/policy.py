@@ -17,7 +17,7 @@
    retrieval service.
 
 Each result is an ordinary Hugging Face model folder (``config.json``, weights,
-``tokenizer.json``) that :func:`trainer.policy.load_policy` loads by path.
+``tokenizer.json``) that :func:`calibrl.trainer.policy.load_policy` loads by path.
 
 Only training pairs are used: held-out (product, topic) pairs and held-out
 two-search questions never appear in warm-start data.
@@ -50,7 +50,7 @@ from calibrl.tiny_lm import TinyLMSpec
 if TYPE_CHECKING:  # pragma: no cover
     import torch
 
-# The warm start uses the trainer's own prompt templates (trainer.search_format), filled with
+# The warm start uses the trainer's own prompt templates (calibrl.trainer.search_format), filled with
 # the task context the trainer sends, so the base policy sees exactly the prompts of training.
 TASK_CONTEXT = (("domain", DOMAIN_NAME),)
 
@@ -116,7 +116,7 @@ def prompt_constants() -> list[str]:
     line), each of which becomes one token: a tiny model should not pay for reading a
     70-word instruction on every call. ``Question:`` keeps no trailing space, so the
     query's first word is tokenised as it is when the rewrite copies it."""
-    from trainer.search_format import REWRITE_TEMPLATE, SEARCH_TEMPLATE, format_context
+    from calibrl.trainer.search_format import REWRITE_TEMPLATE, SEARCH_TEMPLATE, format_context
 
     pieces = {format_context(TASK_CONTEXT)}
     for template in (REWRITE_TEMPLATE, SEARCH_TEMPLATE):
@@ -184,20 +184,20 @@ def rewrite_examples(domain: Domain, count: int, mix: RewriteMix = RewriteMix(),
 
 def rewrite_prompt(query: str) -> str:
     """The rewriter prompt of a rewrite task of this domain, as the trainer builds it."""
-    from trainer.search_format import REWRITE_TEMPLATE, fill_template
+    from calibrl.trainer.search_format import REWRITE_TEMPLATE, fill_template
 
     return fill_template(REWRITE_TEMPLATE, query, TASK_CONTEXT)
 
 
 def search_prompt(question: str) -> str:
     """The search-agent prompt of a two-search question (no context), ending with ``<think>``."""
-    from trainer.search_format import SEARCH_TEMPLATE, fill_template, search_prompt_suffix
+    from calibrl.trainer.search_format import SEARCH_TEMPLATE, fill_template, search_prompt_suffix
 
     return fill_template(SEARCH_TEMPLATE, question) + search_prompt_suffix()
 
 
 def _observation(hits: Sequence[Any]) -> str:
-    from trainer.search_format import format_observation
+    from calibrl.trainer.search_format import format_observation
 
     return format_observation(hits)
 

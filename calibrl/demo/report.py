@@ -1,7 +1,7 @@
 """The demo's results: a table for the terminal, PNG plots and a Markdown report.
 
 Inputs are plain: each training run's ``metrics.jsonl`` (one JSON object per step,
-as ``trainer.diagnostics.RunLog`` writes it) and the final held-out figures of
+as ``calibrl.trainer.diagnostics.RunLog`` writes it) and the final held-out figures of
 each policy. The report states what was measured, whatever it is: the verdict
 lines are computed from the numbers, never written in advance.
 """

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Sequence
 
 from calibrl.sme.store import Answer
-from judge_server import metrics
+from calibrl.judge_server import metrics
 
 
 @dataclass

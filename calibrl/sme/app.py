@@ -27,7 +27,7 @@ from calibrl.errors import ConfigError
 from calibrl.sme.agreement import pairwise
 from calibrl.sme.items import SampleItem, read_items
 from calibrl.sme.store import FeedbackStore, check_reviewer
-from judge_server.feedback import FeedbackRecord, normalize_tag
+from calibrl.judge_server.feedback import FeedbackRecord, normalize_tag
 
 REVIEWER_COOKIE = "calibrl_sme_reviewer"
 TOKEN_COOKIE = "calibrl_sme_token"
@@ -75,7 +75,7 @@ class ReviewState:
         self.sample_key = hashlib.sha256(settings.sample.read_bytes()).hexdigest()[:12]
         self.rubric = None
         if settings.rubric is not None:
-            from judge_server.rubric import load_rubric
+            from calibrl.judge_server.rubric import load_rubric
 
             self.rubric = load_rubric(settings.rubric)
         self._golden_rows: list[dict[str, Any]] | None = None
@@ -97,7 +97,7 @@ class ReviewState:
         return next((i for i in order if self.items[i].id not in done), None)
 
     def validation_records(self) -> list[Any]:
-        from judge_server.validation import read_records, validation_path
+        from calibrl.judge_server.validation import read_records, validation_path
 
         path = self.settings.validation
         if path is None and self.settings.rubric is not None:
@@ -115,9 +115,9 @@ class ReviewState:
 
     def _score_golden(self) -> list[dict[str, Any]]:
         from calibrl.config import load_config
-        from judge_server.config import JudgeConfig
-        from judge_server.feedback import read_feedback
-        from judge_server.judge import Judge, load_llm
+        from calibrl.judge_server.config import JudgeConfig
+        from calibrl.judge_server.feedback import read_feedback
+        from calibrl.judge_server.judge import Judge, load_llm
 
         config = load_config(JudgeConfig, None, [*self.settings.judge_overrides, f"backend={self.settings.judge}",
                                                  "allow_unvalidated=true", "cache_size=0"])

@@ -12,7 +12,7 @@ One item per (model, task), id ``<model name>:<task id>``:
   ``em``, ``f1`` and ``well_formed``.
 
 The outputs are generated again here with the same prompts and greedy decoding as
-:func:`trainer.eval.evaluate_policy` (so running it doubles the generation time of
+:func:`calibrl.trainer.eval.evaluate_policy` (so running it doubles the generation time of
 ``calibrl eval``); an empty rewrite has nothing to grade and is left out, counted in
 the returned summary.
 """
@@ -30,9 +30,9 @@ def eval_items(models: Sequence[str], tasks: Sequence[Any], retrieval: Any, sett
                names: Sequence[str] | None = None, prompt_template: str | None = None,
                chat_template: str | None = None) -> tuple[list[SampleItem], int]:
     """(items, empty outputs left out) for every model on ``tasks``."""
-    from trainer.engines import make_engine
-    from trainer.eval import choose_prompt, resolve_model_path
-    from trainer.policy import load_policy
+    from calibrl.trainer.engines import make_engine
+    from calibrl.trainer.eval import choose_prompt, resolve_model_path
+    from calibrl.trainer.policy import load_policy
 
     kind = tasks[0].kind
     items: list[SampleItem] = []
@@ -70,8 +70,8 @@ def write_eval_items(path: str | pathlib.Path, *args: Any, **kwargs: Any) -> str
 
 def _rewrite_items(engine: Any, tokenizer: Any, tasks: Sequence[Any], retrieval: Any, settings: Any, run_async: Any,
                    template: str, chat: bool | None, name: str) -> tuple[list[SampleItem], int]:
-    from retrieval_server.types import ScoreItem, SearchMode
-    from trainer.rollout import rollout_rewrites
+    from calibrl.retrieval_server.types import ScoreItem, SearchMode
+    from calibrl.trainer.rollout import rollout_rewrites
 
     rewrites: list[str] = []
     for start in range(0, len(tasks), settings.batch_size):
@@ -102,7 +102,7 @@ def _rewrite_items(engine: Any, tokenizer: Any, tasks: Sequence[Any], retrieval:
 def _search_items(engine: Any, tokenizer: Any, tasks: Sequence[Any], retrieval: Any, settings: Any, run_async: Any,
                   template: str, chat: bool | None, name: str) -> list[SampleItem]:
     from calibrl.text import exact_match, token_f1
-    from trainer.rollout import rollout_search
+    from calibrl.trainer.rollout import rollout_search
 
     items = []
     for start in range(0, len(tasks), settings.batch_size):

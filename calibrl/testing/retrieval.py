@@ -48,7 +48,7 @@ TINY_CORPUS: list[dict[str, str]] = [
 def build_test_index(out_dir: str | pathlib.Path, records: Iterable[dict[str, Any]] | None = None,
                      **options: Any) -> pathlib.Path:
     """Build an index folder from dicts (default: :data:`TINY_CORPUS`) on the CPU; returns its path."""
-    from retrieval_server.index import build_index_from_dicts
+    from calibrl.retrieval_server.index import build_index_from_dicts
 
     options.setdefault("device", "cpu")
     build_index_from_dicts(TINY_CORPUS if records is None else records, out_dir, **options)
@@ -58,7 +58,7 @@ def build_test_index(out_dir: str | pathlib.Path, records: Iterable[dict[str, An
 def config_for_tests(index_dir: str | pathlib.Path, *overrides: str) -> Any:
     """A RetrievalServerConfig for tests: loopback, port 0, CPU, short grace; plus ``key=value`` overrides."""
     from calibrl.config import load_config
-    from retrieval_server.config import RetrievalServerConfig
+    from calibrl.retrieval_server.config import RetrievalServerConfig
 
     base = [f"index_dir={index_dir}", "serving.port=0", "serving.host=127.0.0.1", "device=cpu",
             "serving.grace_seconds=2"]
@@ -67,6 +67,6 @@ def config_for_tests(index_dir: str | pathlib.Path, *overrides: str) -> Any:
 
 async def start_test_server(index_dir: str | pathlib.Path, *overrides: str, retriever: Any = None) -> Any:
     """Start a real retrieval server on a free loopback port in the running event loop."""
-    from retrieval_server.server import start
+    from calibrl.retrieval_server.server import start
 
     return await start(config_for_tests(index_dir, *overrides), retriever=retriever)

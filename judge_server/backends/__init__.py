@@ -24,8 +24,8 @@ from dataclasses import dataclass
 from typing import Protocol, Sequence
 
 from calibrl.errors import ConfigError
-from judge_server.rubric import Criterion, Rubric
-from judge_server.types import JudgeItem
+from calibrl.judge_server.rubric import Criterion, Rubric
+from calibrl.judge_server.types import JudgeItem
 
 BACKENDS = ("programmatic", "transformers", "vllm")
 

@@ -11,9 +11,9 @@ from dataclasses import dataclass
 from typing import Any, Sequence
 
 from calibrl.errors import ConfigError, InvalidArgument
-from judge_server import prompts
-from judge_server.rubric import Criterion
-from judge_server.types import JudgeItem
+from calibrl.judge_server import prompts
+from calibrl.judge_server.rubric import Criterion
+from calibrl.judge_server.types import JudgeItem
 
 
 @dataclass

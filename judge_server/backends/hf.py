@@ -1,7 +1,7 @@
 """The transformers judge backend: any Hugging Face causal LM from a local folder.
 
 LLM criteria are scored from the next-token distribution after each prompt (see
-``judge_server.prompts``), one item at a time, all its criteria together:
+``calibrl.judge_server.prompts``), one item at a time, all its criteria together:
 
 - ``prefix_cache`` (default): an item's shared prefix runs once, keeping the KV
   cache; the cache is repeated once per criterion and every criterion's suffix
@@ -29,11 +29,11 @@ from typing import Any, Sequence
 
 from calibrl.devices import resolve_device
 from calibrl.errors import ConfigError, RewardError
-from judge_server import prompts
-from judge_server.backends import model_id_for
-from judge_server.backends.encoding import EncodedBatch, PromptEncoder
-from judge_server.rubric import Criterion, Rubric
-from judge_server.types import JudgeItem
+from calibrl.judge_server import prompts
+from calibrl.judge_server.backends import model_id_for
+from calibrl.judge_server.backends.encoding import EncodedBatch, PromptEncoder
+from calibrl.judge_server.rubric import Criterion, Rubric
+from calibrl.judge_server.types import JudgeItem
 
 log = logging.getLogger(__name__)
 

@@ -1,5 +1,5 @@
 """The vLLM judge backend (``gpu`` extra): a thin adapter over the shared prompt
-encoding (``backends.encoding``) and score extraction (``judge_server.prompts``).
+encoding (``backends.encoding``) and score extraction (``calibrl.judge_server.prompts``).
 
 Every item x criterion prompt goes to ``vllm.LLM.generate`` as token ids with
 ``max_tokens=1``; automatic prefix caching computes an item's shared prefix once.
@@ -31,11 +31,11 @@ import sys
 from typing import Any, Sequence
 
 from calibrl.errors import ConfigError, RewardError
-from judge_server import prompts
-from judge_server.backends import model_id_for
-from judge_server.backends.encoding import PromptEncoder
-from judge_server.rubric import Criterion, Rubric
-from judge_server.types import JudgeItem
+from calibrl.judge_server import prompts
+from calibrl.judge_server.backends import model_id_for
+from calibrl.judge_server.backends.encoding import PromptEncoder
+from calibrl.judge_server.rubric import Criterion, Rubric
+from calibrl.judge_server.types import JudgeItem
 
 
 BATCH_INVARIANT_ENV = "VLLM_BATCH_INVARIANT"
