@@ -248,7 +248,8 @@ class _Loop:
 
         # -------------------------------------------------------------- log
         times.step = time.perf_counter() - step_start
-        self.step_log.record(step, step_metrics(training, result, times), state)
+        metrics = step_metrics(training, result, times, self.config.health, rollouts.current.sampling_metrics)
+        self.step_log.record(step, metrics, state)
 
     def stop_for_failure(self, step: int, failure: CalibrlError | None, rng: dict[str, Any],
                          position: dict[str, int], current: PendingBatch | None) -> NoReturn:
