@@ -84,7 +84,8 @@ def test_config_rejects_a_zero_round_bound_and_the_off_policy_combination(traine
 # ------------------------------------------------------------------ training with it
 
 GROUPS, GROUP_SIZE = 4, 4
-DYNAMIC = ("rollout.dynamic_sampling=true", "rollout.max_sampling_rounds=3", "reward.binary_only=true", "reward.top_k=1",
+DYNAMIC = ("rollout.dynamic_sampling=true", "rollout.max_sampling_rounds=3", "reward.binary_only=true",
+           "reward.top_k=1",
            "steps=3", "checkpoint_every=0", "optimizer.schedule=cosine", "optimizer.warmup_steps=1",
            "gradient_accumulation_steps=2")
 
@@ -105,7 +106,8 @@ def test_dynamic_sampling_trains_one_full_batch_per_step_and_logs_the_filter(dyn
     assert [r["step"] for r in records] == [1, 2, 3]
     rounds_seen = set()
     for record in records:
-        rounds, kept, filled = record["sampling/rounds"], record["sampling/kept_groups"], record["sampling/filled_groups"]
+        rounds, kept = record["sampling/rounds"], record["sampling/kept_groups"]
+        filled = record["sampling/filled_groups"]
         rounds_seen.add(rounds)
         assert 1 <= rounds <= 3
         # Every step trains exactly prompts_per_step groups: the varied ones kept plus the filling ones.
