@@ -200,3 +200,24 @@ def test_without_dynamic_sampling_nothing_is_filtered_or_logged(trainer_world, t
         tmp_path, "reward.binary_only=true", "steps=1", judge=False))
     record = train(config, retrieval=retrieval, judge=None).history[0]
     assert not any(name.startswith("sampling/") for name in record)
+
+
+@pytest.mark.slow
+def test_torchrun_ranks_sample_the_same_rounds_and_fill_their_own_share(trainer_world, tmp_path):
+    """Two processes under torchrun (gloo on CPU): each rank filters its own half of the
+    groups, but all ranks sample the same number of rounds (the data order is one
+    stream), so the logged mean of rounds is a whole number and each rank trains its
+    share of prompts_per_step groups."""
+    from tests.test_trainer_distributed import _torchrun_train
+
+    records = _torchrun_train(trainer_world, tmp_path / "out", tmp_path / "dynamic.yaml",
+                              "rollout.dynamic_sampling=true", "rollout.max_sampling_rounds=3",
+                              "reward.binary_only=true", "reward.top_k=1")
+    assert [r["step"] for r in records] == [1, 2]
+    per_rank_groups = GROUPS // 2
+    for record in records:
+        rounds = record["sampling/rounds"]
+        assert rounds in (1.0, 2.0, 3.0)  # a mean over ranks that agree
+        assert record["sampling/kept_groups"] + record["sampling/filled_groups"] == per_rank_groups
+        assert record["sampling/extra_rollouts"] == (rounds - 1) * per_rank_groups * GROUP_SIZE
+        assert record["frac_reward_zero_std"] == record["sampling/filled_groups"] / per_rank_groups
