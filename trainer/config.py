@@ -154,6 +154,14 @@ class RolloutConfig:
         "0: on-policy. 1: generate step t+1's rollouts before step t's update, so their scoring runs behind a "
         "whole step; they are trained one update stale, the clipped ratio to their behaviour log-probs corrects it.",
     )
+    dynamic_sampling: bool = option(
+        False,
+        "DAPO dynamic sampling: sample rounds of prompts_per_step tasks and keep the groups whose rewards are "
+        "not all equal, up to prompts_per_step groups (on-policy only; see calibrl.trainer.dynamic_sampling).",
+    )
+    max_sampling_rounds: int = option(
+        4, "Dynamic sampling: most rounds per step; then the batch is filled up with all-equal groups."
+    )
     max_new_tokens: int = option(48, "Rewriter: tokens per completion. Search agent: tokens per turn.")
     temperature: float = option(1.0, "Sampling temperature (also divides the logits of the loss, as in TRL).")
     top_p: float = option(1.0, "Nucleus sampling mass.")
@@ -188,6 +196,11 @@ class RolloutConfig:
             raise ConfigError(
                 f"rollout.off_policy_steps={self.off_policy_steps}: must be 0 (on-policy) or 1 (generate the next "
                 "step's rollouts while this step's rewards are scored)"
+            )
+        if self.max_sampling_rounds < 1:
+            raise ConfigError(
+                f"rollout.max_sampling_rounds={self.max_sampling_rounds}: must be >= 1 (the rounds of tasks dynamic "
+                "sampling may draw per step before it trains on what it has)"
             )
         if self.max_new_tokens < 1:
             raise ConfigError(f"rollout.max_new_tokens={self.max_new_tokens}: must be >= 1")
@@ -456,6 +469,12 @@ class TrainConfig:
                 f"services.judge=none but reward.w_rubric={self.reward.w_rubric} / "
                 f"search_w_rubric={self.reward.search_w_rubric} need a judge: give a judge target, or set the "
                 "rubric weights to 0 (or reward.binary_only=true)"
+            )
+        if self.rollout.dynamic_sampling and self.rollout.off_policy_steps:
+            raise ConfigError(
+                f"rollout.dynamic_sampling=true with rollout.off_policy_steps={self.rollout.off_policy_steps}: "
+                "dynamic sampling waits for the rewards before it keeps a group, which removes the overlap one "
+                "step off-policy exists for; set rollout.off_policy_steps=0 or rollout.dynamic_sampling=false"
             )
         if self.rollout.engine == "vllm" and self.policy.device == "cpu":
             raise ConfigError("rollout.engine=vllm with policy.device=cpu: vLLM needs a GPU; use engine=transformers")

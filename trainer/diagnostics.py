@@ -8,7 +8,8 @@ Metric names follow TRL's GRPOTrainer where TRL has one (``reward``,
 with all-equal rewards) come from the advantage estimator
 (``calibrl.trainer.advantages.reward_metrics``).
 Our own additions are namespaced: ``calibadv/*`` (from the advantage
-estimator), ``timing/*`` (seconds per phase), ``health/*`` (warnings).
+estimator), ``sampling/*`` (dynamic sampling), ``reward/judge_*`` (judge vs
+retrieval disagreement), ``timing/*`` (seconds per phase), ``health/*`` (warnings).
 
 Everything here is plain Python over tensors already on the CPU; nothing
 imports torch at module import time.
@@ -59,6 +60,34 @@ def completion_metrics(completion_mask: Any, truncated: Any | None = None) -> di
     return metrics
 
 
+def judge_retrieval_disagreement(breakdowns: Sequence[Any], rubric_high: float) -> dict[str, float]:
+    """How often the judge and retrieval disagree, over the rollouts that have both a
+    retrieval result and a rubric score (rewrites scored with a rubric; others are
+    left out, and with none of them nothing is returned):
+
+    * ``reward/judge_high_retrieval_miss``: share whose rubric total is >= ``rubric_high``
+      while retrieval missed every gold document in the top k (``hit`` false): the judge
+      likes a rewrite that does not find the answer, the sign of a gamed judge;
+    * ``reward/judge_low_retrieval_hit``: share whose retrieval hit a gold document while
+      the rubric total is < ``rubric_high``;
+    * ``reward/judge_retrieval_disagreement``: their sum;
+    * ``reward/judge_retrieval_pairs``: how many rollouts were compared.
+
+    ``breakdowns``: ``calibrl.trainer.rewards.RewardBreakdown`` (``retrieval``, ``rubric``)."""
+    pairs = [(b.retrieval.hit, b.rubric.total) for b in breakdowns
+             if b.retrieval is not None and b.rubric is not None]
+    if not pairs:
+        return {}
+    high_miss = sum(1 for hit, total in pairs if not hit and total >= rubric_high) / len(pairs)
+    low_hit = sum(1 for hit, total in pairs if hit and total < rubric_high) / len(pairs)
+    return {
+        "reward/judge_high_retrieval_miss": high_miss,
+        "reward/judge_low_retrieval_hit": low_hit,
+        "reward/judge_retrieval_disagreement": high_miss + low_hit,
+        "reward/judge_retrieval_pairs": float(len(pairs)),
+    }
+
+
 # --------------------------------------------------------------------------- health bands
 
 
@@ -73,6 +102,12 @@ class HealthConfig:
     max_reward_std: float = option(1e9, "Warn when the batch reward std rises above this (reward scale drift).")
     kl_target: float = option(0.5, "Warn when kl to the reference passes this (policy drifting away).")
     max_grad_norm_warn: float = option(1e3, "Warn when the pre-clip grad norm passes this (instability).")
+    rubric_high: float = option(
+        0.5, "Judge vs retrieval: a rubric total >= this counts as the judge approving a rewrite."
+    )
+    max_judge_retrieval_disagreement: float = option(
+        0.3, "Warn when more than this share of rewrites has judge and retrieval disagreeing (either direction)."
+    )
 
     def validate(self) -> None:
         if not 0.0 <= self.max_frac_reward_zero_std <= 1.0:
@@ -86,6 +121,12 @@ class HealthConfig:
             )
         if self.kl_target <= 0:
             raise ConfigError(f"health.kl_target={self.kl_target}: must be > 0")
+        if not 0.0 <= self.rubric_high <= 1.0:
+            raise ConfigError(f"health.rubric_high={self.rubric_high}: must be in [0, 1] (rubric totals are)")
+        if not 0.0 <= self.max_judge_retrieval_disagreement <= 1.0:
+            raise ConfigError(
+                f"health.max_judge_retrieval_disagreement={self.max_judge_retrieval_disagreement}: must be in [0, 1]"
+            )
 
 
 def health_warnings(metrics: Mapping[str, float], bands: HealthConfig) -> list[str]:
@@ -108,6 +149,14 @@ def health_warnings(metrics: Mapping[str, float], bands: HealthConfig) -> list[s
     grad_norm = metrics.get("grad_norm")
     if grad_norm is not None and (not math.isfinite(grad_norm) or grad_norm > bands.max_grad_norm_warn):
         warnings.append(f"grad_norm={grad_norm:.3g} > {bands.max_grad_norm_warn}: unstable update")
+    disagreement = metrics.get("reward/judge_retrieval_disagreement")
+    if disagreement is not None and disagreement > bands.max_judge_retrieval_disagreement:
+        warnings.append(
+            f"reward/judge_retrieval_disagreement={disagreement:.3f} > {bands.max_judge_retrieval_disagreement} "
+            f"(judge high, retrieval miss {metrics.get('reward/judge_high_retrieval_miss', 0.0):.3f}; retrieval "
+            f"hit, judge low {metrics.get('reward/judge_low_retrieval_hit', 0.0):.3f}): the rubric and retrieval "
+            "reward different rewrites; check the judge against its golden set before trusting the rubric weight"
+        )
     return warnings
 
 

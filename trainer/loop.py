@@ -8,6 +8,9 @@
                 off-policy (``rollout.off_policy_steps=1``) the next step's
                 rollouts are generated here too, before this step's update, so
                 their scoring overlaps everything up to the next step's wait
+                With ``rollout.dynamic_sampling`` (DAPO) rounds of tasks are
+                sampled and scored here until the batch holds enough groups
+                whose rewards differ (``calibrl.trainer.dynamic_sampling``)
     reference   the frozen reference's log-probs, the first micro-batch's
                 forward pass and (off-policy) the next batch's behaviour
                 log-probs: they need no reward, so they hide scoring latency
@@ -248,7 +251,8 @@ class _Loop:
 
         # -------------------------------------------------------------- log
         times.step = time.perf_counter() - step_start
-        self.step_log.record(step, step_metrics(training, result, times), state)
+        metrics = step_metrics(training, result, times, self.config.health, rollouts.current.sampling_metrics)
+        self.step_log.record(step, metrics, state)
 
     def stop_for_failure(self, step: int, failure: CalibrlError | None, rng: dict[str, Any],
                          position: dict[str, int], current: PendingBatch | None) -> NoReturn:

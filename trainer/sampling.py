@@ -6,12 +6,15 @@ function, and submits each chunk's reward coroutine to the background event loop
 soon as the chunk exists, so scoring overlaps the next chunk's generation. The result
 is a :class:`~calibrl.trainer.scoring.PendingBatch`: one right-padded
 :class:`~calibrl.trainer.rollout.RolloutBatch` on the training device plus its reward futures.
+With ``rollout.dynamic_sampling`` (DAPO) it samples rounds of tasks and waits for
+their scores itself, keeping the groups whose rewards differ
+(``calibrl.trainer.dynamic_sampling``); its batch then arrives already scored.
 """
 
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 from calibrl.trainer import distributed as dist_util
 from calibrl.trainer.policy import pad_token_id
@@ -25,6 +28,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from calibrl.trainer.clients import RetrievalClient
     from calibrl.trainer.config import TrainConfig
     from calibrl.trainer.engines import GenerationEngine
+    from calibrl.trainer.rewards import RewardBreakdown
     from calibrl.trainer.rollout import RolloutBatch
     from calibrl.trainer.tasks import Task
 
@@ -42,22 +46,84 @@ class RolloutSampler:
 
     def sample(self, for_step: int) -> PendingBatch:
         """Take ``for_step``'s tasks and generate their rollouts in chunks, submitting
-        each chunk's reward coroutine at once so scoring overlaps the next chunk."""
+        each chunk's reward coroutine at once so scoring overlaps the next chunk.
+        With ``rollout.dynamic_sampling`` the rewards are waited for here and only
+        groups whose rewards differ are kept (:meth:`sample_dynamic`)."""
+        if self.config.rollout.dynamic_sampling:
+            return self.sample_dynamic(for_step)
         started = time.perf_counter()
+        chunks, futures = self._generate_round(for_step, first_chunk=0)
+        batch = concat_batches(chunks, pad_token_id(self.tokenizer)).to(self.device)
+        return PendingBatch(for_step, batch, futures, self.order.state(), generation_s=time.perf_counter() - started)
+
+    def sample_dynamic(self, for_step: int) -> PendingBatch:
+        """DAPO dynamic sampling (``calibrl.trainer.dynamic_sampling`` states the rule):
+        rounds of ``prompts_per_step`` fresh tasks, each scored before the next, until
+        this rank holds as many groups with differing rewards as its share of the
+        batch (on every rank) or ``rollout.max_sampling_rounds`` rounds were sampled.
+        Raises the first reward failure (nothing half-scored is kept)."""
+        import torch
+
+        from calibrl.trainer.dynamic_sampling import enough_kept, select_groups, select_rows
+
+        started = time.perf_counter()
+        parts: list[RolloutBatch] = []
+        breakdowns: list[RewardBreakdown] = []
+        rounds, wanted = 0, 0
+        while True:
+            chunks, futures = self._generate_round(for_step, first_chunk=len(parts))
+            rounds += 1
+            for part, future in zip(chunks, futures):
+                parts.append(part)
+                breakdowns.extend(future.result())  # a CalibrlError here stops the step, as in scoring
+            if rounds == 1:
+                wanted = sum(len(set(part.group_index.tolist())) for part in chunks)
+            merged = concat_batches(parts, pad_token_id(self.tokenizer))
+            group_rows = _rows_by_group(merged.group_index.tolist())
+            group_rewards = [[breakdowns[r].total for r in rows] for rows in group_rows]
+            # Every rank samples the same number of rounds, so the data order stays one stream.
+            short = dist_util.any_rank(not enough_kept(group_rewards, wanted), self.ctx)
+            if not short or rounds >= self.config.rollout.max_sampling_rounds:
+                break
+        selection = select_groups(group_rewards, wanted)
+        rows = [r for g in selection.groups for r in group_rows[g]]
+        batch = select_rows(merged, rows)
+        batch.group_index = torch.unique(batch.group_index, return_inverse=True)[1]
+        metrics = {
+            "sampling/rounds": float(rounds),
+            "sampling/kept_groups": float(len(selection.kept)),
+            "sampling/filled_groups": float(len(selection.filled)),
+            "sampling/extra_rollouts": float(len(merged) - len(batch)),
+        }
+        return PendingBatch(for_step, batch.to(self.device), [], self.order.state(),
+                            breakdowns=[breakdowns[r] for r in rows], generation_s=time.perf_counter() - started,
+                            sampling_metrics=metrics)
+
+    def _generate_round(self, for_step: int, first_chunk: int) -> tuple[list["RolloutBatch"], list[Any]]:
+        """Take ``prompts_per_step`` tasks (this rank's shard), generate them in chunks
+        numbered from ``first_chunk`` (the chunk number seeds the sampling) and submit
+        each chunk's scoring at once; returns the chunks and their reward futures."""
         config = self.config
         taken = self.order.take(config.rollout.prompts_per_step)
         step_tasks = [self.tasks[i] for i in dist_util.shard(taken, self.ctx)]
-        taken_to = self.order.state()
         chunk = config.rollout.chunk_size(len(step_tasks))
         chunks, futures = [], []
         for n, start in enumerate(range(0, len(step_tasks), chunk)):
-            settings = rollout_settings(config, self.kind, sampling_seed(config.seed, for_step, self.ctx.rank, n))
+            seed = sampling_seed(config.seed, for_step, self.ctx.rank, first_chunk + n)
+            settings = rollout_settings(config, self.kind, seed)
             part = self.kind.rollout(self.engine, self.tokenizer, step_tasks[start : start + chunk], settings,
                                      self.retrieval, self.background.run)
             chunks.append(part)
             futures.append(self.background.submit(self.score(part)))
-        batch = concat_batches(chunks, pad_token_id(self.tokenizer)).to(self.device)
-        return PendingBatch(for_step, batch, futures, taken_to, generation_s=time.perf_counter() - started)
+        return chunks, futures
+
+
+def _rows_by_group(group_index: list[int]) -> list[list[int]]:
+    """Row numbers of each group, groups in order of first appearance."""
+    rows: dict[int, list[int]] = {}
+    for row, group in enumerate(group_index):
+        rows.setdefault(group, []).append(row)
+    return list(rows.values())
 
 
 def rollout_settings(config: "TrainConfig", kind: TaskKind, seed: int) -> RolloutSettings:

@@ -64,6 +64,7 @@ class PendingBatch:
     data_position: dict[str, int]  # TaskOrder.state() just after this step's tasks were taken
     breakdowns: list["RewardBreakdown"] | None = None  # one per row once every future is in
     generation_s: float = field(default=0.0)
+    sampling_metrics: dict[str, float] = field(default_factory=dict)  # sampling/* of dynamic sampling, else empty
 
     def settle(self) -> list["RewardBreakdown"]:
         """The rows' rewards, waiting for the futures; raises the first failure."""

@@ -45,13 +45,19 @@ class StepTimes:
         }
 
 
-def step_metrics(training: TrainingBatch, update: UpdateResult, times: StepTimes) -> dict[str, float]:
-    """This rank's metrics of one step, before the reduction over ranks."""
+def step_metrics(training: TrainingBatch, update: UpdateResult, times: StepTimes,
+                 health: diag.HealthConfig | None = None, sampling: dict[str, float] | None = None) -> dict[str, float]:
+    """This rank's metrics of one step, before the reduction over ranks. ``health``: its
+    ``rubric_high`` sets the judge/retrieval disagreement threshold (default config's
+    when None); ``sampling``: the ``sampling/*`` metrics of dynamic sampling."""
     batch = training.batch
+    rubric_high = (health or diag.HealthConfig()).rubric_high
     return {
         **update.metrics,
         **training.metrics,
+        **(sampling or {}),
         **diag.component_metrics([b.components for b in training.breakdowns]),
+        **diag.judge_retrieval_disagreement(training.breakdowns, rubric_high),
         **diag.completion_metrics(batch.completion_mask),
         **times.metrics(),
         "rollout/staleness": 0.0 if batch.old_logp is None else 1.0,
