@@ -263,6 +263,70 @@ def test_step_credit_gives_each_step_its_advantage_against_the_groups_same_index
     assert torch.allclose(plain, torch.tensor([0.5, -0.5, 0.0])[:, None] * mask, atol=ADV_TOL, rtol=0)
 
 
+def _step_credit_reference(rewards, groups, step_rewards, segments, scale, eps):
+    """Plain loops over rollouts, steps and tokens: the rule of docs/design.md, written apart
+    from the vectorised estimator."""
+    def mean(xs):
+        return sum(xs) / len(xs)
+
+    def std(xs):
+        return math.sqrt(sum((x - mean(xs)) ** 2 for x in xs) / (len(xs) - 1)) if len(xs) > 1 else 0.0
+
+    known = [x for row in step_rewards for x in row if not math.isnan(x)]
+    out = []
+    for b, row in enumerate(segments):
+        members = [i for i in range(len(rewards)) if groups[i] == groups[b]]
+        group_rewards = [rewards[i] for i in members]
+        trajectory = rewards[b] - mean(group_rewards)
+        if scale == "group":
+            trajectory /= std(group_rewards) + eps
+        elif scale == "batch":
+            trajectory /= std(rewards) + eps
+        last = max(row) if row else -1
+        tokens = []
+        for segment in row:
+            value = trajectory
+            if segment < last and segment < len(step_rewards[b]) and not math.isnan(step_rewards[b][segment]):
+                same = [step_rewards[i][segment] for i in members if not math.isnan(step_rewards[i][segment])]
+                value = step_rewards[b][segment] - mean(same)
+                if value != 0 and scale == "group":
+                    value /= std(same) + eps
+                elif value != 0 and scale == "batch":
+                    value /= std(known) + eps
+            tokens.append(value)
+        out.append(tokens)
+    return out
+
+
+@pytest.mark.parametrize("scale", ["none", "group", "batch"])
+def test_step_credit_matches_a_plain_loop_reference_on_random_groups(scale):
+    rng = __import__("random").Random(11)
+    for _ in range(60):
+        num_groups, group_size, slots = rng.randint(1, 3), rng.randint(1, 4), 4
+        rows = num_groups * group_size
+        groups = [g for g in range(num_groups) for _ in range(group_size)]
+        rewards = [rng.choice([0.0, 0.25, 1.0, rng.random()]) for _ in range(rows)]
+        segments, step_rows = [], []
+        for _ in range(rows):
+            searches = rng.randint(0, slots - 1)
+            segments.append([k for k in range(searches + 1) for _ in range(rng.randint(1, 3))])
+            step_rows.append([rng.choice([0.1, 0.5, rng.random()]) if k < searches else math.nan for k in range(slots)])
+        length = max(len(r) for r in segments)
+        segment_index = torch.full((rows, length), -1, dtype=torch.long)
+        for b, row in enumerate(segments):
+            segment_index[b, : len(row)] = torch.tensor(row)
+        mask = segment_index >= 0
+        answer = mask & (segment_index == segment_index.max(dim=1, keepdim=True).values)
+        inputs = AdvantageInputs(torch.tensor(rewards, dtype=torch.float64), torch.tensor(groups), mask,
+                                 segment_index, answer, step_rewards=torch.tensor(step_rows, dtype=torch.float64))
+        token_adv, _ = compute_advantages("grpo", inputs, scale=scale, step_credit=True)
+        expected = _step_credit_reference(rewards, groups, step_rows, segments, scale, 1e-4)
+        for b, row in enumerate(expected):
+            # float64 throughout; the two sum in different orders: error far below 1e-9.
+            assert token_adv[b, : len(row)].tolist() == pytest.approx(row, abs=1e-9), (b, row)
+            assert bool((token_adv[b, len(row):] == 0).all())
+
+
 def test_step_credit_needs_step_rewards_and_calibadv_ignores_them():
     mask, segment_index, answer = _layout([[0, 1], [0, 1]], 2)
     inputs = AdvantageInputs(torch.tensor([1.0, 0.0]), torch.zeros(2, dtype=torch.long), mask, segment_index, answer)

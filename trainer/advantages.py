@@ -394,6 +394,7 @@ def _step_credit(inputs: AdvantageInputs, groups: _Groups, token_adv: Tensor, sc
         flat = step[known]
         batch_std = flat.std() if flat.numel() > 1 else flat.new_zeros(())
         step_adv = centred / (batch_std + eps)
+    step_adv = torch.where(centred == 0, 0.0, step_adv)  # equal same-index rewards: 0, even with eps = 0
     intermediate = inputs.trained & ~inputs.answer
     slot = inputs.segment_index.clamp(min=0, max=slots - 1)
     in_range = inputs.segment_index < slots
