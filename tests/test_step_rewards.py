@@ -424,10 +424,15 @@ def test_search_agent_trains_with_step_rewards_and_a_real_judge(trainer_world, s
     # max_turns=3: at most 2 searches; the taught policy searches in most of its 8 rollouts.
     assert 0.5 <= record["steps/searches_per_trajectory"] <= 2.0
     assert math.isfinite(record["loss"]) and math.isfinite(record["grad_norm"])
+    assert record["steps/new_gold_share"] > 0  # the taught queries find their gold passages
     if way == "trajectory_reward":
-        assert "rewards/steps/mean" in record
+        # reward = mean over rows of w_answer x F1 x format + w_steps x mean step reward (float32 totals:
+        # rounding below 1e-6).
+        assert record["rewards/steps/mean"] > 0
+        assert record["reward"] == pytest.approx(record["rewards/answer/mean"] + 0.5 * record["rewards/steps/mean"],
+                                                 abs=1e-6)
     else:
-        assert 0.0 <= record["advantage/frac_tokens_step_credit"] <= 1.0
+        assert 0.0 < record["advantage/frac_tokens_step_credit"] < 1.0  # search tokens credited, answers not
 
 
 def test_a_judge_failure_during_a_step_rewarded_run_raises_reward_error(trainer_world, searching_policy, tmp_path):
