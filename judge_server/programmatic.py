@@ -24,7 +24,19 @@ invented_entities   1 - min(1, invented / max_invented); invented = entity-like 
 compliance_leak     0 when any compliance pattern (card number with a valid Luhn check,
                     account number, SSN, IBAN, e-mail, or the rubric's own regexes)
                     matches the output, else 1. Meant as a penalty criterion.
+revealed_entity     search steps: 1 when the search query names an entity-like token of
+                    the previous observation (the retrieved texts) that the question
+                    lacks, else 0; 1 when the observation revealed none; with no
+                    previous observation, the share of the question's entities the
+                    query keeps (like entity_coverage)
+repeated_query      search steps: 0 when the query's word similarity to an earlier query
+                    of the trajectory (context key ``earlier_queries``, one a line) is
+                    >= ``threshold``, else 1
 =================== =====================================================================
+
+A search step is judged as an item with query = the question, output = the search
+query, retrieved texts = the previous step's passages (none for the first step) and
+context ``earlier_queries`` = the trajectory's earlier queries, one a line.
 """
 
 from __future__ import annotations
@@ -200,6 +212,61 @@ def compliance_leak(items: Sequence[JudgeItem], params: Mapping[str, Any], conte
     return [0.0 if compliance_leaks(item.output, params) else 1.0 for item in items]
 
 
+EARLIER_QUERIES_KEY = "earlier_queries"
+# Word similarity at or above which a search query repeats an earlier one (repeated_query's default).
+REPEAT_SIMILARITY = 0.7
+
+
+def query_similarity(a: str, b: str) -> float:
+    """Jaccard similarity of the folded content words of two queries (1 for two empty ones)."""
+    words_a = {entities._fold(w) for w in entities.content_words(a)}
+    words_b = {entities._fold(w) for w in entities.content_words(b)}
+    if not words_a and not words_b:
+        return 1.0
+    return len(words_a & words_b) / len(words_a | words_b)
+
+
+def repeats_earlier(query: str, earlier: Sequence[str], threshold: float = REPEAT_SIMILARITY) -> bool:
+    """Whether ``query`` is at least ``threshold`` similar to any of the ``earlier`` queries."""
+    return any(query_similarity(query, previous) >= threshold for previous in earlier)
+
+
+def earlier_queries(item: JudgeItem) -> list[str]:
+    """The trajectory's earlier queries a search-step item carries in its context."""
+    text = dict(item.context).get(EARLIER_QUERIES_KEY, "")
+    return [line.strip() for line in text.splitlines() if line.strip()]
+
+
+def revealed_entities(item: JudgeItem) -> list[str]:
+    """Entity-like tokens of the item's retrieved texts that the question does not contain."""
+    known = entities.folded_words(item.query)
+    found: dict[str, str] = {}
+    for text in item.retrieved_texts:
+        for token in entities.entity_tokens(text):
+            if entities._fold(token) not in known:
+                found.setdefault(entities._fold(token), token)
+    return list(found.values())
+
+
+def revealed_entity(items: Sequence[JudgeItem], params: Mapping[str, Any], context: ScorerContext) -> list[float]:
+    scores = []
+    for item in items:
+        if not item.retrieved_texts:
+            scores.extend(entity_coverage([item], {"glossary": []}, ScorerContext()))
+            continue
+        revealed = revealed_entities(item)
+        if not revealed:
+            scores.append(1.0)
+        else:
+            scores.append(1.0 if any(entities.contains_term(item.output, term) for term in revealed) else 0.0)
+    return scores
+
+
+def repeated_query(items: Sequence[JudgeItem], params: Mapping[str, Any], context: ScorerContext) -> list[float]:
+    threshold = float(params["threshold"])
+    return [0.0 if repeats_earlier(item.output, earlier_queries(item), threshold) else 1.0 for item in items]
+
+
 SCORERS: dict[str, ScorerSpec] = {
     "entity_coverage": ScorerSpec(entity_coverage, {"glossary": []}),
     "intent_similarity": ScorerSpec(intent_similarity, {"floor": 0.3, "ceiling": 0.8}, needs_embedder=True),
@@ -211,6 +278,8 @@ SCORERS: dict[str, ScorerSpec] = {
     ),
     "invented_entities": ScorerSpec(invented_entities, {"glossary": [], "max_invented": 1}),
     "compliance_leak": ScorerSpec(compliance_leak, {"patterns": {}, "use_default_patterns": True, "luhn": True}),
+    "revealed_entity": ScorerSpec(revealed_entity, {}),
+    "repeated_query": ScorerSpec(repeated_query, {"threshold": REPEAT_SIMILARITY}),
 }
 
 
@@ -244,6 +313,8 @@ def check_params(scorer: str, params: Mapping[str, Any]) -> str | None:
         return f"length needs 0 < min_words <= max_words, got {merged['min_words']}, {merged['max_words']}"
     if scorer == "invented_entities" and merged["max_invented"] < 1:
         return f"invented_entities.max_invented must be >= 1, got {merged['max_invented']}"
+    if scorer == "repeated_query" and not 0.0 < merged["threshold"] <= 1.0:
+        return f"repeated_query.threshold must be in (0, 1], got {merged['threshold']}"
     regexes = []
     if scorer == "format" and merged["must_match"]:
         regexes.append(("must_match", merged["must_match"]))

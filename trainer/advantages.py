@@ -17,6 +17,14 @@ Estimators
     (``scale="batch"``); this is TRL ``GRPOTrainer``'s ``scale_rewards``,
     including its unbiased std (``torch.std``) and ``eps = 1e-4`` added to the
     std. The rollout's advantage is broadcast to its trained tokens.
+    With ``step_credit=True`` (search agents with per-step dense rewards,
+    ``calibrl.trainer.step_rewards``) the tokens of intermediate segment k (search
+    step k) get instead ``a_k = r_k - mean(r_k over the group's rollouts that
+    have a step k)``, scaled like ``A`` (the std of those same-index step
+    rewards for "group", of all the batch's step rewards for "batch"): a step
+    is credited against the other rollouts' same-index steps, so the tokens
+    from the point of failure on get a negative advantage. The answer segment,
+    and a step without a reward (NaN), keeps the trajectory advantage ``A``.
 ``calibadv``
     CalibAdv (Wu et al., arXiv 2604.18235) as released in the authors' verl
     fork: base ``A = (R - mean_g) / (std_g + 1e-6)`` with the unbiased group
@@ -98,6 +106,9 @@ class AdvantageInputs:
     step_scores: (B, S) float in [0, 1], optional
         CalibAdv step score of each segment; NaN where a rollout has no score
         (treated as 0). Only intermediate segments are read. Ignored by grpo.
+    step_rewards: (B, S) float, optional
+        Dense reward of each search step (segment k = step k); NaN where a
+        rollout has no step k. Read by grpo with ``step_credit=True``.
     """
 
     rewards: Tensor
@@ -106,6 +117,7 @@ class AdvantageInputs:
     segment_index: Tensor
     answer_mask: Tensor
     step_scores: Tensor | None = None
+    step_rewards: Tensor | None = None
 
     def __post_init__(self) -> None:
         _validate_inputs(self)
@@ -198,6 +210,13 @@ def _validate_inputs(inputs: AdvantageInputs) -> None:
                     f"has {scores.shape[1]} slots but an intermediate segment {needed - 1} needs a score "
                     f"(S must be at least {needed})",
                 )
+    step_rewards = inputs.step_rewards
+    if step_rewards is not None:
+        devices.add(step_rewards.device)
+        if step_rewards.dim() != 2 or step_rewards.shape[0] != batch or not step_rewards.dtype.is_floating_point:
+            raise InvalidArgument("step_rewards", f"must be a float tensor of shape ({batch}, S)")
+        if bool(torch.isinf(step_rewards).any()):
+            raise InvalidArgument("step_rewards", "must be finite (NaN marks a step a rollout does not have)")
     if len(devices) > 1:
         raise InvalidArgument("inputs", f"all tensors must be on one device, got {sorted(map(str, devices))}")
 
@@ -315,14 +334,15 @@ GRPO_SCALES = ("none", "group", "batch")
 
 @register_advantage("grpo")
 def grpo_advantages(
-    inputs: AdvantageInputs, *, scale: str = "group", eps: float = 1e-4
+    inputs: AdvantageInputs, *, scale: str = "group", eps: float = 1e-4, step_credit: bool = False
 ) -> tuple[Tensor, dict[str, float]]:
     """Group-relative advantages, TRL ``GRPOTrainer`` semantics.
 
     rewards (B,) -> ``A = R - mean_g(R)``, divided by ``std + eps`` for
     ``scale`` "group" (unbiased group std) or "batch" (unbiased std of all
     rewards), left as is for "none"; broadcast to ``token_adv`` (B, T).
-    ``eps`` defaults to TRL's 1e-4.
+    ``eps`` defaults to TRL's 1e-4. ``step_credit``: intermediate segments get
+    their step's advantage against the group's same-index steps (module docstring).
     """
     if scale not in GRPO_SCALES:
         raise InvalidArgument("scale", f"must be one of {GRPO_SCALES}, got {scale!r}")
@@ -337,10 +357,49 @@ def grpo_advantages(
         batch_std = rewards.std() if rewards.numel() > 1 else rewards.new_zeros(())
         advantage = advantage / (batch_std + eps)
     trained = inputs.trained
-    token_adv = torch.where(trained, advantage[:, None], 0.0).to(inputs.rewards.dtype)
+    token_adv = torch.where(trained, advantage[:, None], 0.0)
     metrics = _reward_metrics(rewards, groups)
+    if step_credit:
+        token_adv, credited = _step_credit(inputs, groups, token_adv, scale, eps)
+        count = int(trained.sum())
+        metrics["advantage/frac_tokens_step_credit"] = float(credited.sum()) / count if count else 0.0
+    token_adv = token_adv.to(inputs.rewards.dtype)
     metrics["advantage/abs_mean"] = _abs_mean(token_adv, trained)
     return token_adv, metrics
+
+
+def _step_credit(inputs: AdvantageInputs, groups: _Groups, token_adv: Tensor, scale: str,
+                 eps: float) -> tuple[Tensor, Tensor]:
+    """``token_adv`` (B, T) float64 with each intermediate token of a step that has a
+    reward set to that step's group-relative advantage; and the (B, T) mask of those tokens."""
+    if inputs.step_rewards is None:
+        raise InvalidArgument(
+            "step_rewards", "grpo with step_credit=True needs a (B, S) tensor of step rewards (NaN where none)"
+        )
+    step = inputs.step_rewards.double()
+    known = ~torch.isnan(step)
+    values = torch.nan_to_num(step, nan=0.0)
+    num_groups, slots = groups.count.shape[0], step.shape[1]
+    count = torch.zeros(num_groups, slots, dtype=torch.float64, device=step.device).index_add_(
+        0, groups.inverse, known.double()
+    )
+    mean = torch.zeros_like(count).index_add_(0, groups.inverse, values) / count.clamp(min=1)
+    centred = torch.where(known, values - mean[groups.inverse], 0.0)
+    squared = torch.zeros_like(count).index_add_(0, groups.inverse, centred**2)
+    std = torch.where(count > 1, (squared / (count - 1).clamp(min=1)).sqrt(), torch.zeros_like(count))
+    step_adv = centred
+    if scale == "group":
+        step_adv = centred / (std[groups.inverse] + eps)
+    elif scale == "batch":
+        flat = step[known]
+        batch_std = flat.std() if flat.numel() > 1 else flat.new_zeros(())
+        step_adv = centred / (batch_std + eps)
+    step_adv = torch.where(centred == 0, 0.0, step_adv)  # equal same-index rewards: 0, even with eps = 0
+    intermediate = inputs.trained & ~inputs.answer
+    slot = inputs.segment_index.clamp(min=0, max=slots - 1)
+    in_range = inputs.segment_index < slots
+    token_known = intermediate & in_range & known.gather(1, slot)
+    return torch.where(token_known, step_adv.gather(1, slot), token_adv), token_known
 
 
 def _calibadv_batch_inputs(batch: Any, settings: Any) -> tuple[dict[str, Tensor], dict[str, float]]:

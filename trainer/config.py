@@ -304,10 +304,15 @@ class GrpoAdvantage:
 
     type: Literal["grpo"] = option("grpo", "Estimator name (registered in calibrl.trainer.advantages).")
     scale: Literal["none", "group", "batch"] = option("group", "Divide A = R - mean_g by the group or batch std.")
+    step_credit: bool = option(
+        False,
+        "Search tasks: the tokens of search step k get the advantage of step k's dense reward against the "
+        "group's step-k rewards (the answer keeps the trajectory's); needs reward.score_steps or w_steps > 0.",
+    )
 
     def params(self) -> dict[str, Any]:
         """Keyword parameters of the registered estimator."""
-        return {"scale": self.scale}
+        return {"scale": self.scale, "step_credit": self.step_credit}
 
     def step_score_settings(self) -> None:
         """GRPO reads no step scores."""
@@ -475,6 +480,18 @@ class TrainConfig:
                 f"rollout.dynamic_sampling=true with rollout.off_policy_steps={self.rollout.off_policy_steps}: "
                 "dynamic sampling waits for the rewards before it keeps a group, which removes the overlap one "
                 "step off-policy exists for; set rollout.off_policy_steps=0 or rollout.dynamic_sampling=false"
+            )
+        if self.services.judge == NO_JUDGE and self.tasks.kind != "rewrite" and self.reward.uses_rubric_for_steps:
+            raise ConfigError(
+                f"services.judge=none but reward.step_w_rubric={self.reward.step_w_rubric} with step rewards on "
+                "needs a judge serving reward.step_rubric_id: give a judge target, or set step_w_rubric to 0"
+            )
+        if getattr(self.advantage, "step_credit", False) and not (
+            self.tasks.kind != "rewrite" and self.reward.scores_steps
+        ):
+            raise ConfigError(
+                "advantage.step_credit=true needs search tasks with step rewards: set tasks.kind=search and "
+                "reward.score_steps=true (or reward.w_steps > 0)"
             )
         if self.rollout.engine == "vllm" and self.policy.device == "cpu":
             raise ConfigError("rollout.engine=vllm with policy.device=cpu: vLLM needs a GPU; use engine=transformers")

@@ -12,7 +12,7 @@ the ablation that starves GRPO of signal.
 Search tasks (a multi-step Search-R1 trajectory per rollout)::
 
     R = w_answer * r_ans + search_w_retrieval * mean_k r_ret(k) + search_w_rubric * r_rub
-                                                      (defaults 1.0 / 0.0 / 0.0)
+        + w_steps * mean_k r_step(k)                  (defaults 1.0 / 0.0 / 0.0 / 0.0)
 
 ``r_ans`` is the answer's token F1 (or exact match) against the gold answers
 times the format (1 when the trajectory follows the format grammar of
@@ -23,6 +23,13 @@ final answer. The defaults make R the answer F1 alone, the outcome reward of
 Search-R1 and CalibAdv: per-step retrieval quality enters through CalibAdv's
 advantage calibration rather than the reward. With ``binary_only`` R is exact
 match alone.
+
+``r_step(k)`` is step k's dense reward from both services
+(``calibrl.trainer.step_rewards``: ``step_w_retrieval`` x retrieval signal +
+``step_w_rubric`` x the search-query rubric total). Step rewards are computed when
+``w_steps`` > 0 or ``score_steps`` is on (``advantage.step_credit`` needs them) and
+are kept per step in ``RewardBreakdown.steps``; a trajectory that never searched has
+mean step reward 0.
 
 Outputs that are empty are scored, not failed: an empty rewrite retrieves
 nothing and scores 0 on every component (the retrieval service would reject the
@@ -56,6 +63,7 @@ from calibrl.judge_server.types import ItemScore, JudgeItem
 from calibrl.retrieval_server.types import RetrievalScore, ScoreItem, SearchMode
 from calibrl.trainer.aio import gather_all
 from calibrl.trainer.clients import JudgeClient, RetrievalClient
+from calibrl.trainer.step_rewards import StepReward, mean_step_reward, step_judge_item, step_rewards
 from calibrl.trainer.tasks import Task
 
 log = logging.getLogger(__name__)
@@ -99,6 +107,19 @@ class RewardConfig:
     )
     search_w_retrieval: float = option(0.0, "Search tasks: weight of the mean per-step retrieval signal.")
     search_w_rubric: float = option(0.0, "Search tasks: weight of the rubric total of the final answer.")
+    w_steps: float = option(
+        0.0, "Search tasks: weight of the mean per-step dense reward in the trajectory reward (0 = off)."
+    )
+    score_steps: bool = option(
+        False, "Search tasks: compute per-step dense rewards even when w_steps is 0 (advantage.step_credit needs them)."
+    )
+    step_w_retrieval: float = option(0.7, "Search steps: weight of a step's retrieval signal in its step reward.")
+    step_w_rubric: float = option(
+        0.3, "Search steps: weight of a step's search-query rubric total; 0 never calls the judge for steps."
+    )
+    step_rubric_id: str = option(
+        "search-steps", "Judge rubric of the search steps (configs/rubrics/search-steps.yaml), a second rubric id."
+    )
     rubric_sees_retrieval: bool = option(
         False,
         "Rewrite tasks: send the retrieved passages to the judge; the judge call then waits for retrieval "
@@ -113,7 +134,8 @@ class RewardConfig:
     retry_backoff_s: float = option(0.5, "Wait before the second attempt; doubles for each further attempt.")
 
     def validate(self) -> None:
-        for name in ("w_retrieval", "w_rubric", "w_answer", "search_w_retrieval", "search_w_rubric"):
+        for name in ("w_retrieval", "w_rubric", "w_answer", "search_w_retrieval", "search_w_rubric", "w_steps",
+                     "step_w_retrieval", "step_w_rubric"):
             value = getattr(self, name)
             if not math.isfinite(value) or value < 0:
                 raise ConfigError(f"reward.{name}={value}: must be a finite number >= 0")
@@ -132,6 +154,16 @@ class RewardConfig:
                 f"reward.rubric_id is empty but w_rubric={self.w_rubric}, search_w_rubric={self.search_w_rubric}: "
                 "set rubric_id to a rubric the judge serves, or set the rubric weights to 0"
             )
+        if self.scores_steps and self.step_w_retrieval + self.step_w_rubric <= 0:
+            raise ConfigError(
+                "reward.step_w_retrieval and reward.step_w_rubric are both 0: every search step would score 0; "
+                "set at least one of them > 0 (default 0.7 / 0.3)"
+            )
+        if self.uses_rubric_for_steps and not self.step_rubric_id.strip():
+            raise ConfigError(
+                f"reward.step_rubric_id is empty but step_w_rubric={self.step_w_rubric}: set it to the search-step "
+                "rubric the judge serves (search-steps), or set step_w_rubric to 0"
+            )
         if self.top_k < 1:
             raise ConfigError(f"reward.top_k={self.top_k}: must be >= 1")
         if self.max_output_chars < 1:
@@ -148,6 +180,15 @@ class RewardConfig:
     @property
     def uses_rubric_for_search(self) -> bool:
         return not self.binary_only and self.search_w_rubric > 0
+
+    @property
+    def scores_steps(self) -> bool:
+        """Whether search steps get dense rewards (w_steps > 0 or score_steps)."""
+        return not self.binary_only and (self.score_steps or self.w_steps > 0)
+
+    @property
+    def uses_rubric_for_steps(self) -> bool:
+        return self.scores_steps and self.step_w_rubric > 0
 
     @property
     def search_mode(self) -> SearchMode | None:
@@ -169,6 +210,8 @@ class RewardConfig:
         weights = {"answer": self.w_answer, "retrieval": self.search_w_retrieval}
         if self.uses_rubric_for_search:
             weights["rubric"] = self.search_w_rubric
+        if self.scores_steps and self.w_steps > 0:
+            weights["steps"] = self.w_steps
         return weights
 
 
@@ -201,6 +244,8 @@ class RewardBreakdown:
     components: dict[str, float] = field(default_factory=dict)
     retrieval: RetrievalScore | None = None
     rubric: ItemScore | None = None
+    steps: tuple[StepReward, ...] = ()  # search tasks: one dense reward per search step, when computed
+    steps_scored: bool = False  # whether step rewards were computed (a trajectory may have no steps)
 
 
 class _BadServiceResult(RewardError):
@@ -212,10 +257,12 @@ class RewardModel:
 
     def __init__(self, config: RewardConfig, retrieval: RetrievalClient, judge: JudgeClient | None) -> None:
         config.validate()
-        if judge is None and (config.uses_rubric_for_rewrites or config.uses_rubric_for_search):
+        if judge is None and (config.uses_rubric_for_rewrites or config.uses_rubric_for_search
+                              or config.uses_rubric_for_steps):
             raise ConfigError(
                 f"RewardModel: the rubric weights (w_rubric={config.w_rubric}, search_w_rubric="
-                f"{config.search_w_rubric}) need a judge client; pass one or set the rubric weights to 0"
+                f"{config.search_w_rubric}, step_w_rubric={config.step_w_rubric} with step rewards on) need a "
+                "judge client; pass one or set the rubric weights to 0"
             )
         self.config = config
         self.retrieval = retrieval
@@ -287,10 +334,15 @@ class RewardModel:
         weights = cfg.search_weights()
         answers = [(r.answer or "").strip() for r in rollouts]
         judged = [i for i, a in enumerate(answers) if a] if cfg.uses_rubric_for_search else []
-        rubric_scores: dict[int, ItemScore] = {}
-        if judged:
-            items = [self._search_judge_item(rollouts[i], self._output_text(answers[i])) for i in judged]
-            rubric_scores = dict(zip(judged, await self._judge(items)))
+        step_keys = [(i, k) for i, r in enumerate(rollouts) for k in range(len(r.steps))]
+        judged_steps = step_keys if cfg.uses_rubric_for_steps else []
+        answer_items = [self._search_judge_item(rollouts[i], self._output_text(answers[i])) for i in judged]
+        step_items = [step_judge_item(rollouts[i], k, cfg.max_output_chars) for i, k in judged_steps]
+        answer_scores, step_scores = await gather_all(
+            self._judge(answer_items), self._judge(step_items, cfg.step_rubric_id)
+        )
+        rubric_scores: dict[int, ItemScore] = dict(zip(judged, answer_scores))
+        step_totals = {key: score.total for key, score in zip(judged_steps, step_scores)}
 
         results = []
         for i, rollout in enumerate(rollouts):
@@ -308,7 +360,15 @@ class RewardModel:
             rubric = rubric_scores.get(i)
             if "rubric" in weights:
                 components["rubric"] = rubric.total if rubric else 0.0
-            results.append(RewardBreakdown(_weighted(components, weights), components, None, rubric))
+            steps: tuple[StepReward, ...] = ()
+            if cfg.scores_steps:
+                totals = [step_totals.get((i, k), 0.0) for k in range(len(rollout.steps))]
+                steps = step_rewards(rollout, totals, cfg.step_w_retrieval,
+                                     cfg.step_w_rubric if cfg.uses_rubric_for_steps else 0.0)
+            if "steps" in weights:
+                components["steps"] = mean_step_reward(steps)
+            results.append(RewardBreakdown(_weighted(components, weights), components, None, rubric, steps,
+                                           cfg.scores_steps))
         return results
 
     def _search_judge_item(self, rollout: SearchRollout, answer: str) -> JudgeItem:
@@ -329,16 +389,20 @@ class RewardModel:
             self._check_retrieval(score, f"item {n} ({items[n].query[:60]!r})")
         return list(scores)
 
-    async def _judge(self, items: list[JudgeItem]) -> list[ItemScore]:
+    async def _judge(self, items: list[JudgeItem], rubric_id: str | None = None) -> list[ItemScore]:
+        """Judge scores of ``items`` under ``rubric_id`` (default ``rubric_id``); no call for no items."""
+        if not items:
+            return []
         assert self.judge is not None  # guaranteed by __init__ when a rubric weight is > 0
-        scores = await self.judge.score(self.config.rubric_id, items)
+        rubric_id = rubric_id or self.config.rubric_id
+        scores = await self.judge.score(rubric_id, items)
         if len(scores) != len(items):
             raise _BadServiceResult(f"judge returned {len(scores)} scores for {len(items)} items")
         for n, score in enumerate(scores):
             if not _in_unit_interval(score.total):
                 raise _BadServiceResult(
                     f"judge returned rubric total {score.total!r} for item {n} under rubric "
-                    f"{self.config.rubric_id!r}: expected a number in [0, 1]"
+                    f"{rubric_id!r}: expected a number in [0, 1]"
                 )
         return list(scores)
 
@@ -408,4 +472,5 @@ __all__ = [
     "RewriteRollout",
     "SearchRollout",
     "SearchStepRecord",
+    "StepReward",
 ]

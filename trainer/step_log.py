@@ -17,6 +17,7 @@ from calibrl.config import to_dict
 from calibrl.trainer import diagnostics as diag
 from calibrl.trainer import distributed as dist_util
 from calibrl.trainer.checkpoint import TrainState
+from calibrl.trainer.step_rewards import step_metrics as step_reward_metrics
 from calibrl.trainer.config import TrainConfig
 from calibrl.trainer.training_batch import TrainingBatch
 from calibrl.trainer.update import UpdateResult
@@ -58,6 +59,7 @@ def step_metrics(training: TrainingBatch, update: UpdateResult, times: StepTimes
         **(sampling or {}),
         **diag.component_metrics([b.components for b in training.breakdowns]),
         **diag.judge_retrieval_disagreement(training.breakdowns, rubric_high),
+        **step_reward_metrics(training.breakdowns),
         **diag.completion_metrics(batch.completion_mask),
         **times.metrics(),
         "rollout/staleness": 0.0 if batch.old_logp is None else 1.0,
