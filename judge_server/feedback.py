@@ -96,22 +96,34 @@ class FeedbackRecord:
                               dict(self.context))
 
 
-def _strings(value: Any, source: str, line: int, field: str) -> tuple[str, ...]:
+def strings_field(value: Any, source: str, line: int, field: str,
+                  error: type[ConfigError] | None = None) -> tuple[str, ...]:
+    """A list-of-strings field of a JSONL record; ``error(source, line, field, problem)`` otherwise
+    (default :class:`FeedbackError`)."""
     if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
-        raise FeedbackError(source, line, field, f"expected a list of strings, got {value!r}")
+        raise (error or FeedbackError)(source, line, field, f"expected a list of strings, got {value!r}")
     return tuple(value)
+
+
+def check_record_object(data: Any, source: str, line: int, fields: set[str] | frozenset[str],
+                        error: type[ConfigError] | None = None) -> dict[str, Any]:
+    """The checks every query/output JSONL record starts with (SME feedback, SME sample items):
+    a JSON object, only known ``fields``, a non-empty string ``query`` and ``output``."""
+    error = error or FeedbackError
+    if not isinstance(data, dict):
+        raise error(source, line, "(record)", f"expected a JSON object, got {type(data).__name__}")
+    for key in data:
+        if key not in fields:
+            raise error(source, line, key, f"unknown field; valid fields: {sorted(fields)}")
+    for key in ("query", "output"):
+        if not isinstance(data.get(key), str) or not data[key].strip():
+            raise error(source, line, key, "required, a non-empty string")
+    return data
 
 
 def parse_record(data: Any, source: str = "<feedback>", line: int = 1) -> FeedbackRecord:
     """Check one decoded JSON object and build its record."""
-    if not isinstance(data, dict):
-        raise FeedbackError(source, line, "(record)", f"expected a JSON object, got {type(data).__name__}")
-    for key in data:
-        if key not in _FIELDS:
-            raise FeedbackError(source, line, key, f"unknown field; valid fields: {sorted(_FIELDS)}")
-    for key in ("query", "output"):
-        if not isinstance(data.get(key), str) or not data[key].strip():
-            raise FeedbackError(source, line, key, "required, a non-empty string")
+    data = check_record_object(data, source, line, _FIELDS)
     grade = data.get("grade")
     if grade is not None:
         if isinstance(grade, float) and grade.is_integer():
@@ -125,7 +137,7 @@ def parse_record(data: Any, source: str = "<feedback>", line: int = 1) -> Feedba
         verdict = verdict.strip().lower()
     if grade is None and verdict is None:
         raise FeedbackError(source, line, "grade", "a record needs a grade (1-5), a verdict (pass/fail) or both")
-    tags = _strings(data.get("error_tags", []), source, line, "error_tags")
+    tags = strings_field(data.get("error_tags", []), source, line, "error_tags")
     normalized = tuple(sorted({normalize_tag(t) for t in tags if normalize_tag(t)}))
     context = data.get("context", {}) or {}
     if not isinstance(context, dict) or not all(isinstance(v, str) for v in context.values()):
@@ -142,9 +154,9 @@ def parse_record(data: Any, source: str = "<feedback>", line: int = 1) -> Feedba
         grade=grade,
         verdict=verdict,
         error_tags=normalized,
-        retrieved_doc_ids=_strings(data.get("retrieved_doc_ids", []), source, line, "retrieved_doc_ids"),
-        retrieved_texts=_strings(data.get("retrieved_texts", []), source, line, "retrieved_texts"),
-        gold_doc_ids=_strings(data.get("gold_doc_ids", []), source, line, "gold_doc_ids"),
+        retrieved_doc_ids=strings_field(data.get("retrieved_doc_ids", []), source, line, "retrieved_doc_ids"),
+        retrieved_texts=strings_field(data.get("retrieved_texts", []), source, line, "retrieved_texts"),
+        gold_doc_ids=strings_field(data.get("gold_doc_ids", []), source, line, "gold_doc_ids"),
         notes=notes,
         context=tuple(sorted((str(k), v) for k, v in context.items())),
         id=str(record_id),

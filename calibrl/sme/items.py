@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from typing import Any, Iterable
 
 from calibrl.errors import ConfigError
+from calibrl.judge_server.feedback import check_record_object, strings_field
 
 ITEM_FIELDS = frozenset({
     "id", "query", "output", "retrieved_doc_ids", "retrieved_texts", "gold_doc_ids", "signals", "judge_total",
@@ -91,21 +92,12 @@ def default_item_id(query: str, output: str) -> str:
 
 
 def _strings(value: Any, source: str, line: int, name: str) -> tuple[str, ...]:
-    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
-        raise ItemError(source, line, name, f"expected a list of strings, got {value!r}")
-    return tuple(value)
+    return strings_field(value, source, line, name, ItemError)
 
 
 def parse_item(data: Any, source: str = "<items>", line: int = 1) -> SampleItem:
     """Check one decoded JSON object and build its item."""
-    if not isinstance(data, dict):
-        raise ItemError(source, line, "(record)", f"expected a JSON object, got {type(data).__name__}")
-    for key in data:
-        if key not in ITEM_FIELDS:
-            raise ItemError(source, line, key, f"unknown field; valid fields: {sorted(ITEM_FIELDS)}")
-    for key in ("query", "output"):
-        if not isinstance(data.get(key), str) or not data[key].strip():
-            raise ItemError(source, line, key, "required, a non-empty string")
+    data = check_record_object(data, source, line, ITEM_FIELDS, ItemError)
     item_id = data.get("id", "")
     if isinstance(item_id, bool) or not isinstance(item_id, (str, int)):
         raise ItemError(source, line, "id", f"expected a string, got {item_id!r}")
