@@ -1,4 +1,4 @@
-"""reward/judge_retrieval_disagreement: how often the rubric judge and retrieval disagree,
+"""rewards/judge_retrieval_disagreement: how often the rubric judge and retrieval disagree,
 on hand-made reward breakdowns, its health band and warning, and on a real training run
 (tiny random policy, real index, programmatic rubric judge in process)."""
 
@@ -17,7 +17,7 @@ from calibrl.trainer.loop import train
 from calibrl.trainer.rewards import RewardBreakdown
 from tests.test_trainer_support import TrainerWorld, one_torch_thread, trainer_world  # noqa: F401  (fixtures)
 
-NAMES = ("reward/judge_high_retrieval_miss", "reward/judge_low_retrieval_hit", "reward/judge_retrieval_disagreement")
+NAMES = ("rewards/judge_high_retrieval_miss", "rewards/judge_low_retrieval_hit", "rewards/judge_retrieval_disagreement")
 
 
 def _rewrite(hit: bool | None, rubric: float | None) -> RewardBreakdown:
@@ -42,14 +42,14 @@ def test_both_directions_and_their_sum_on_hand_made_breakdowns():
         _rewrite(False, 0.0),  # agree
     ]
     metrics = judge_retrieval_disagreement(breakdowns, rubric_high=0.5)
-    assert metrics["reward/judge_high_retrieval_miss"] == 2 / 8
-    assert metrics["reward/judge_low_retrieval_hit"] == 2 / 8
-    assert metrics["reward/judge_retrieval_disagreement"] == 4 / 8
-    assert metrics["reward/judge_retrieval_pairs"] == 8.0
+    assert metrics["rewards/judge_high_retrieval_miss"] == 2 / 8
+    assert metrics["rewards/judge_low_retrieval_hit"] == 2 / 8
+    assert metrics["rewards/judge_retrieval_disagreement"] == 4 / 8
+    assert metrics["rewards/judge_retrieval_pairs"] == 8.0
     # A stricter judge threshold moves the 0.5 and 0.7 rewrites to "low".
     strict = judge_retrieval_disagreement(breakdowns, rubric_high=0.75)
-    assert strict["reward/judge_high_retrieval_miss"] == 1 / 8
-    assert strict["reward/judge_low_retrieval_hit"] == 3 / 8
+    assert strict["rewards/judge_high_retrieval_miss"] == 1 / 8
+    assert strict["rewards/judge_low_retrieval_hit"] == 3 / 8
 
 
 def test_only_rollouts_with_both_components_count():
@@ -61,8 +61,8 @@ def test_only_rollouts_with_both_components_count():
         _rewrite(None, None),
     ]
     metrics = judge_retrieval_disagreement(breakdowns, rubric_high=0.5)
-    assert metrics["reward/judge_retrieval_pairs"] == 2.0
-    assert metrics["reward/judge_retrieval_disagreement"] == 0.5
+    assert metrics["rewards/judge_retrieval_pairs"] == 2.0
+    assert metrics["rewards/judge_retrieval_disagreement"] == 0.5
     # Nothing to compare: no metric at all (never a 0 that would read as "they agree").
     assert judge_retrieval_disagreement(breakdowns[2:], rubric_high=0.5) == {}
     assert judge_retrieval_disagreement([], rubric_high=0.5) == {}
@@ -70,12 +70,12 @@ def test_only_rollouts_with_both_components_count():
 
 def test_warning_band():
     bands = HealthConfig(max_judge_retrieval_disagreement=0.25)
-    calm = {"reward/judge_retrieval_disagreement": 0.25, "reward/judge_high_retrieval_miss": 0.25}
+    calm = {"rewards/judge_retrieval_disagreement": 0.25, "rewards/judge_high_retrieval_miss": 0.25}
     assert health_warnings(calm, bands) == []  # at the band: no warning
-    loud = {"reward/judge_retrieval_disagreement": 0.375, "reward/judge_high_retrieval_miss": 0.25,
-            "reward/judge_low_retrieval_hit": 0.125}
+    loud = {"rewards/judge_retrieval_disagreement": 0.375, "rewards/judge_high_retrieval_miss": 0.25,
+            "rewards/judge_low_retrieval_hit": 0.125}
     (warning,) = health_warnings(loud, bands)
-    assert "reward/judge_retrieval_disagreement=0.375 > 0.25" in warning
+    assert "rewards/judge_retrieval_disagreement=0.375 > 0.25" in warning
     assert "retrieval miss 0.250" in warning and "judge low 0.125" in warning
     assert health_warnings({}, bands) == []  # no pairs this step: nothing to warn about
 
@@ -98,13 +98,13 @@ def test_a_training_run_logs_the_disagreement_and_warns_above_the_band(trainer_w
     disagreement_warnings = [r for r in caplog.records if "judge_retrieval_disagreement" in r.getMessage()]
     for step, record in enumerate(result.history, start=1):
         assert all(name in record for name in NAMES)
-        assert record["reward/judge_retrieval_pairs"] == 16.0  # 4 prompts x 4 rollouts, all rewrites
-        assert record["reward/judge_low_retrieval_hit"] == 0.0  # nothing is "low" at threshold 0
+        assert record["rewards/judge_retrieval_pairs"] == 16.0  # 4 prompts x 4 rollouts, all rewrites
+        assert record["rewards/judge_low_retrieval_hit"] == 0.0  # nothing is "low" at threshold 0
         # retrieval_signal=hit: rewards/retrieval/mean is the hit rate, so the miss share is its complement.
-        assert record["reward/judge_high_retrieval_miss"] == pytest.approx(1.0 - record["rewards/retrieval/mean"],
+        assert record["rewards/judge_high_retrieval_miss"] == pytest.approx(1.0 - record["rewards/retrieval/mean"],
                                                                           abs=1e-12)
-        warned = record["reward/judge_retrieval_disagreement"] > 0
+        warned = record["rewards/judge_retrieval_disagreement"] > 0
         assert any(f"step {step}:" in r.getMessage() for r in disagreement_warnings) is warned
         assert record["health/warnings"] >= float(warned)
-    assert any(r["reward/judge_retrieval_disagreement"] > 0 for r in result.history)
+    assert any(r["rewards/judge_retrieval_disagreement"] > 0 for r in result.history)
     assert result.history[-1]["health/warnings_total"] == sum(r["health/warnings"] for r in result.history)

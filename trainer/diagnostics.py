@@ -8,7 +8,7 @@ Metric names follow TRL's GRPOTrainer where TRL has one (``reward``,
 with all-equal rewards) come from the advantage estimator
 (``calibrl.trainer.advantages.reward_metrics``).
 Our own additions are namespaced: ``calibadv/*`` (from the advantage
-estimator), ``sampling/*`` (dynamic sampling), ``reward/judge_*`` (judge vs
+estimator), ``sampling/*`` (dynamic sampling), ``rewards/judge_*`` (judge vs
 retrieval disagreement), ``timing/*`` (seconds per phase), ``health/*`` (warnings).
 
 Everything here is plain Python over tensors already on the CPU; nothing
@@ -65,13 +65,13 @@ def judge_retrieval_disagreement(breakdowns: Sequence[Any], rubric_high: float) 
     retrieval result and a rubric score (rewrites scored with a rubric; others are
     left out, and with none of them nothing is returned):
 
-    * ``reward/judge_high_retrieval_miss``: share whose rubric total is >= ``rubric_high``
+    * ``rewards/judge_high_retrieval_miss``: share whose rubric total is >= ``rubric_high``
       while retrieval missed every gold document in the top k (``hit`` false): the judge
       likes a rewrite that does not find the answer, the sign of a gamed judge;
-    * ``reward/judge_low_retrieval_hit``: share whose retrieval hit a gold document while
+    * ``rewards/judge_low_retrieval_hit``: share whose retrieval hit a gold document while
       the rubric total is < ``rubric_high``;
-    * ``reward/judge_retrieval_disagreement``: their sum;
-    * ``reward/judge_retrieval_pairs``: how many rollouts were compared.
+    * ``rewards/judge_retrieval_disagreement``: their sum;
+    * ``rewards/judge_retrieval_pairs``: how many rollouts were compared.
 
     ``breakdowns``: ``calibrl.trainer.rewards.RewardBreakdown`` (``retrieval``, ``rubric``)."""
     pairs = [(b.retrieval.hit, b.rubric.total) for b in breakdowns
@@ -81,10 +81,10 @@ def judge_retrieval_disagreement(breakdowns: Sequence[Any], rubric_high: float) 
     high_miss = sum(1 for hit, total in pairs if not hit and total >= rubric_high) / len(pairs)
     low_hit = sum(1 for hit, total in pairs if hit and total < rubric_high) / len(pairs)
     return {
-        "reward/judge_high_retrieval_miss": high_miss,
-        "reward/judge_low_retrieval_hit": low_hit,
-        "reward/judge_retrieval_disagreement": high_miss + low_hit,
-        "reward/judge_retrieval_pairs": float(len(pairs)),
+        "rewards/judge_high_retrieval_miss": high_miss,
+        "rewards/judge_low_retrieval_hit": low_hit,
+        "rewards/judge_retrieval_disagreement": high_miss + low_hit,
+        "rewards/judge_retrieval_pairs": float(len(pairs)),
     }
 
 
@@ -149,12 +149,12 @@ def health_warnings(metrics: Mapping[str, float], bands: HealthConfig) -> list[s
     grad_norm = metrics.get("grad_norm")
     if grad_norm is not None and (not math.isfinite(grad_norm) or grad_norm > bands.max_grad_norm_warn):
         warnings.append(f"grad_norm={grad_norm:.3g} > {bands.max_grad_norm_warn}: unstable update")
-    disagreement = metrics.get("reward/judge_retrieval_disagreement")
+    disagreement = metrics.get("rewards/judge_retrieval_disagreement")
     if disagreement is not None and disagreement > bands.max_judge_retrieval_disagreement:
         warnings.append(
-            f"reward/judge_retrieval_disagreement={disagreement:.3f} > {bands.max_judge_retrieval_disagreement} "
-            f"(judge high, retrieval miss {metrics.get('reward/judge_high_retrieval_miss', 0.0):.3f}; retrieval "
-            f"hit, judge low {metrics.get('reward/judge_low_retrieval_hit', 0.0):.3f}): the rubric and retrieval "
+            f"rewards/judge_retrieval_disagreement={disagreement:.3f} > {bands.max_judge_retrieval_disagreement} "
+            f"(judge high, retrieval miss {metrics.get('rewards/judge_high_retrieval_miss', 0.0):.3f}; retrieval "
+            f"hit, judge low {metrics.get('rewards/judge_low_retrieval_hit', 0.0):.3f}): the rubric and retrieval "
             "reward different rewrites; check the judge against its golden set before trusting the rubric weight"
         )
     return warnings
