@@ -23,7 +23,7 @@ import json
 import pathlib
 import re
 from dataclasses import dataclass
-from typing import Any, Iterable
+from typing import Any, Iterable, Iterator
 
 from calibrl.errors import ConfigError
 from calibrl.judge_server.rubric import content_hash
@@ -103,6 +103,19 @@ def strings_field(value: Any, source: str, line: int, field: str,
     if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
         raise (error or FeedbackError)(source, line, field, f"expected a list of strings, got {value!r}")
     return tuple(value)
+
+
+def jsonl_lines(path: pathlib.Path, error: type[ConfigError] | None = None) -> Iterator[tuple[int, Any]]:
+    """``(line number, decoded JSON)`` of each non-blank line of a JSONL file; a line that is not
+    JSON raises ``error(source, line, "(json)", problem)`` (default :class:`FeedbackError`)."""
+    for number, text in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
+        if not text.strip():
+            continue
+        try:
+            yield number, json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise (error or FeedbackError)(str(path), number, "(json)",
+                                           f"not valid JSON: {exc.msg} at column {exc.colno}") from None
 
 
 def check_record_object(data: Any, source: str, line: int, fields: set[str] | frozenset[str],
@@ -200,15 +213,8 @@ def read_feedback(path: str | pathlib.Path, field_map: dict[str, str] | None = N
     path = pathlib.Path(path)
     if not path.is_file():
         raise ConfigError(f"feedback file {path} does not exist")
-    records = []
-    for number, text in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
-        if not text.strip():
-            continue
-        try:
-            data = json.loads(text)
-        except json.JSONDecodeError as exc:
-            raise FeedbackError(str(path), number, "(json)", f"not valid JSON: {exc.msg} at column {exc.colno}") from None
-        records.append(parse_record(rename_fields(data, field_map or {}, str(path), number), str(path), number))
+    records = [parse_record(rename_fields(data, field_map or {}, str(path), number), str(path), number)
+               for number, data in jsonl_lines(path)]
     if not records:
         raise ConfigError(f"feedback file {path} has no records")
     return records

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from typing import Any, Iterable
 
 from calibrl.errors import ConfigError
-from calibrl.judge_server.feedback import check_record_object, strings_field
+from calibrl.judge_server.feedback import check_record_object, jsonl_lines, strings_field
 
 ITEM_FIELDS = frozenset({
     "id", "query", "output", "retrieved_doc_ids", "retrieved_texts", "gold_doc_ids", "signals", "judge_total",
@@ -151,13 +151,7 @@ def read_items(path: str | pathlib.Path) -> list[SampleItem]:
         raise ConfigError(f"items file {path} does not exist")
     items: list[SampleItem] = []
     seen: dict[str, int] = {}
-    for number, text in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
-        if not text.strip():
-            continue
-        try:
-            data = json.loads(text)
-        except json.JSONDecodeError as exc:
-            raise ItemError(str(path), number, "(json)", f"not valid JSON: {exc.msg} at column {exc.colno}") from None
+    for number, data in jsonl_lines(path, ItemError):
         item = parse_item(data, str(path), number)
         if item.id in seen:
             raise ItemError(str(path), number, "id", f"{item.id!r} already used on line {seen[item.id]}")
