@@ -25,3 +25,14 @@ def hotpotqa_path() -> pathlib.Path:
     if not HOTPOTQA.exists():
         pytest.skip(f"shared data not found at {HOTPOTQA} (set CALIBRL_SHARED_DATA to its folder)")
     return HOTPOTQA
+
+
+def torch_threads_one():
+    """Body of the modules' ``one_torch_thread`` fixtures: tiny models and the embedder run fastest
+    on one torch thread on a shared, busy machine (the thread count is restored afterwards)."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

@@ -22,6 +22,8 @@ import grpc
 import numpy as np
 import pytest
 
+from tests.conftest import torch_threads_one
+
 from calibrl.embedding import HashedNgramEmbedder, SentenceEmbedder
 from calibrl.v1 import judge_pb2, judge_pb2_grpc
 from calibrl.v1 import retrieval_pb2 as rpb
@@ -63,13 +65,7 @@ def bits(value: float) -> str:
     return float(value).hex()
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread():
-    """Tiny models run fastest on one thread on a shared machine; invariance must hold at any count."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+one_torch_thread = pytest.fixture(scope="module", autouse=True)(torch_threads_one)
 
 
 # ---------------------------------------------------------------------------------- library level

@@ -8,6 +8,8 @@ import sys
 import grpc
 import pytest
 
+from tests.conftest import torch_threads_one
+
 from calibrl.v1 import judge_pb2 as pb
 from calibrl.v1 import judge_pb2_grpc
 from calibrl.judge_server import cli, wire
@@ -20,15 +22,7 @@ from calibrl.judge_server.types import JudgeItem
 from calibrl.judge_server.validation import read_records
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread():
-    """The embedder and tiny models run fastest on one thread on a shared, busy machine."""
-    import torch
-
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+one_torch_thread = pytest.fixture(scope="module", autouse=True)(torch_threads_one)
 
 
 @pytest.fixture(scope="module")

@@ -6,6 +6,8 @@ import math
 
 import pytest
 
+from tests.conftest import torch_threads_one
+
 from calibrl.errors import ConfigError, InvalidArgument, RewardError
 from calibrl.judge_server import prompts
 from calibrl.judge_server.backends import model_fingerprint, parse_spec
@@ -30,13 +32,7 @@ CRITERIA = [
 ]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread():
-    """Tiny models run fastest on one thread, above all on a shared, busy machine."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+one_torch_thread = pytest.fixture(scope="module", autouse=True)(torch_threads_one)
 
 
 @pytest.fixture(scope="module")

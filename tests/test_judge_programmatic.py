@@ -3,6 +3,8 @@
 import numpy as np
 import pytest
 
+from tests.conftest import torch_threads_one
+
 from calibrl.judge_server import entities
 from calibrl.judge_server import programmatic as P
 from calibrl.embedding import HashedNgramEmbedder, load_embedder
@@ -13,15 +15,7 @@ from tests.tolerances import float32_sum_error
 # pytest.approx(x) (rel 1e-6, ~17 float32 roundings) compares values a few float operations
 # from their reference (float64 arithmetic or a handful of float32 steps): below 1e-7 on any CPU.
 
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread():
-    """The embedder and tiny models run fastest on one thread on a shared, busy machine."""
-    import torch
-
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+one_torch_thread = pytest.fixture(scope="module", autouse=True)(torch_threads_one)
 
 
 GLOSSARY = ("VTSAX", "expense ratio", "Total Stock Market Index Fund")

@@ -11,6 +11,8 @@ import sys
 
 import pytest
 
+from tests.conftest import torch_threads_one
+
 from calibrl.cli import main as calibrl_main
 from calibrl.judge_server.feedback import parse_record, write_feedback
 from calibrl.judge_server.rubric import parse_rubric
@@ -34,14 +36,7 @@ def commands() -> list[list[str]]:
     return [shlex.split(line) for line in lines if line.startswith("calibrl ")]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread():
-    import torch
-
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+one_torch_thread = pytest.fixture(scope="module", autouse=True)(torch_threads_one)
 
 
 def test_documented_examples_parse():

@@ -11,6 +11,8 @@ import shlex
 
 import pytest
 
+from tests.conftest import torch_threads_one
+
 from calibrl.cli import main as calibrl_main
 from calibrl.errors import ConfigError
 from calibrl.judge_server.distill import split_golden
@@ -56,12 +58,7 @@ def learnable_feedback(n: int, seed: int) -> list[FeedbackRecord]:
     return records
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+one_torch_thread = pytest.fixture(scope="module", autouse=True)(torch_threads_one)
 
 
 @pytest.fixture(scope="module")
