@@ -45,6 +45,7 @@ TRACKERS: dict[str, tuple[str, str | None]] = {
     "trackio": ("trackio", "trackio"),
 }
 _IDS_FILE = "trackers.json"
+HELDOUT_TABLE = "heldout"  # the table of held-out metrics by step (the demo's and `calibrl train`'s eval.*)
 
 
 def check_report_to(names: Sequence[str], field: str = "report_to") -> list[str]:
@@ -278,6 +279,16 @@ def open_trackers(report_to: Sequence[str], run_dir: str | pathlib.Path, *, run_
     return opened
 
 
+def log_heldout_table(tracker: Tracker, curve: Sequence[tuple[int, Mapping[str, Any]]]) -> None:
+    """A run's held-out evaluation as the tracker table ``heldout``: one row per
+    evaluated step, columns ``step`` and every numeric metric name, sorted (a metric a
+    row lacks is an empty cell)."""
+    names = sorted({k for _, metrics in curve for k, v in metrics.items()
+                    if isinstance(v, (int, float)) and not isinstance(v, bool)})
+    tracker.log_table(HELDOUT_TABLE, ["step", *names],
+                      [[step, *(metrics.get(k) for k in names)] for step, metrics in curve])
+
+
 def _flatten(config: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
     flat: dict[str, Any] = {}
     for key, value in config.items():
@@ -297,4 +308,5 @@ def _cell(value: Any) -> str:
     return f"{value:.4g}" if isinstance(value, float) else str(value)
 
 
-__all__ = ["NONE", "TRACKERS", "Tracker", "Trackers", "check_report_to", "open_trackers"]
+__all__ = ["HELDOUT_TABLE", "NONE", "TRACKERS", "Tracker", "Trackers", "check_report_to", "log_heldout_table",
+           "open_trackers"]

@@ -158,6 +158,10 @@ def train(argv: Sequence[str]) -> int:
         finally:
             background.run(close())
     print(f"{result.stopped}: {result.steps_done} steps; checkpoint {result.last_checkpoint}", file=sys.stderr)
+    if result.heldout:
+        from calibrl.trainer.heldout import HELDOUT_FILE, format_heldout
+
+        print(f"held-out ({config.run_dir / HELDOUT_FILE}):\n{format_heldout(result.heldout)}", file=sys.stderr)
     return 0
 
 
