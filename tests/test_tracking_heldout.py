@@ -239,3 +239,56 @@ def test_the_table_helper_the_demo_and_train_share():
     recorder = _Recorder()
     tracking.log_heldout_table(recorder, [(0, {"hit@k": 0.25, "mrr": None, "ok": True}), (2, {"hit@k": 0.5, "mrr": 0.4})])
     assert recorder.calls == [("heldout", ["step", "hit@k", "mrr"], [[0, 0.25, None], [2, 0.5, 0.4]])]
+
+
+# --------------------------------------------------------------------------- calibrl eval --run-dir: a table afterwards
+
+
+def test_calibrl_eval_adds_a_table_to_a_finished_runs_trackers_and_drops_nothing(trainer_world, tmp_path,
+                                                                                 monkeypatch, capsys):
+    from calibrl.cli import main as calibrl_main
+    from calibrl.trainer.loop import train
+
+    uri = (tmp_path / "mlruns").as_uri()
+    for name, value in (("MLFLOW_TRACKING_URI", uri), ("MLFLOW_ALLOW_FILE_STORE", "true"), ("WANDB_MODE", "offline"),
+                        ("WANDB_SILENT", "true")):
+        monkeypatch.setenv(name, value)
+    out = tmp_path / "run"
+    overrides = trainer_world.overrides(out, *NO_JUDGE, "steps=2", "checkpoint_every=1", "keep_checkpoints=0",
+                                        "tensorboard=true", "report_to=tensorboard,mlflow,wandb",
+                                        "tracking_project=calibrl-heldout")
+    retrieval, _ = trainer_world.clients(judge=False)
+    train(load_train_config(None, overrides), retrieval=retrieval, judge=None)
+    ids = json.loads((out / "trackers.json").read_text())
+    training = read_log(out / "metrics.jsonl")
+    assert [r["step"] for r in training] == [1, 2]
+
+    common = ["--tasks", str(trainer_world.rewrite_tasks), "--index", str(trainer_world.index_dir),
+              "--max-new-tokens", "6", "--device", "cpu", "--top-k", "3"]
+    # refused before anything is evaluated
+    assert calibrl_main(["eval", "--model", str(trainer_world.policy_dir), "--run-dir", str(out), *common]) == 2
+    assert "is not a checkpoint of --run-dir" in capsys.readouterr().err
+    assert calibrl_main(["eval", "--run-dir", str(out), "--report-to", "trackio", *common]) == 2
+    assert "has no trackio run to add the table to (it logged to: mlflow, tensorboard, wandb)" in capsys.readouterr().err
+    assert calibrl_main(["eval", "--model", str(out), "--report-to", "mlflow", *common]) == 2
+    assert "--report-to needs --run-dir" in capsys.readouterr().err
+
+    assert calibrl_main(["eval", "--run-dir", str(out), *common, "--out", str(tmp_path / "eval.json")]) == 0
+    assert "table 'heldout' (2 rows) added to the run's trackers: tensorboard, mlflow, wandb" in capsys.readouterr().err
+    results = json.loads((tmp_path / "eval.json").read_text())["results"]
+    assert [r["model"] for r in results] == [str(out / "checkpoints" / f"step_00000{s}" / "model") for s in (1, 2)]
+    columns, rows = _table_rows([(s, r["metrics"]) for s, r in zip((1, 2), results)])
+
+    scalars, texts = _tensorboard(out)
+    _assert_all_steps_logged(scalars, training)  # reopening purged nothing
+    assert len(texts["heldout"].splitlines()) == 2 + len(rows) and texts["heldout"].startswith("| step | all_gold@k")
+    history, _, config, extra = _mlflow(uri, ids["mlflow"])
+    assert extra["table"] == {"columns": columns, "data": rows} and extra["status"] == "FINISHED"
+    assert config["report_to"] == ["tensorboard", "mlflow", "wandb"]
+    _assert_all_steps_logged(history, [{tracking._mlflow_key(k): v for k, v in r.items()} for r in training])
+    run_ids, wandb_history, _, tables = _wandb(out)
+    assert run_ids == {ids["wandb"]} and json.loads((out / "trackers.json").read_text()) == ids
+    _assert_all_steps_logged(wandb_history, training)
+    (table_path,) = tables
+    table = json.loads(next(out.glob(f"wandb/offline-run-*/files/{table_path}")).read_text())
+    assert table["columns"] == columns and table["data"] == rows

@@ -546,8 +546,9 @@ class TrainConfig:
         if self.eval.enabled and self.distributed.strategy == "fsdp":
             raise ConfigError(
                 "eval.tasks / eval.heldout_split with distributed.strategy=fsdp: a sharded policy cannot "
-                "generate on one rank; evaluate the run afterwards with `calibrl eval --model <output_dir> "
-                "--run-dir <output_dir> --report-to ...`, or use distributed.strategy=ddp"
+                "generate on one rank; evaluate the run's checkpoints afterwards with `calibrl eval --run-dir "
+                "<output_dir> --tasks <held-out tasks> ...` (it adds the table to the run's trackers), or use "
+                "distributed.strategy=ddp"
             )
         if not self.tracking_project.strip():
             raise ConfigError("tracking_project is empty: name the project the runs are filed under, e.g. calibrl")
