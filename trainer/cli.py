@@ -233,20 +233,8 @@ def evaluate(argv: Sequence[str]) -> int:
     from calibrl.trainer.config import ServicesConfig, resolve_prompt_template
     from calibrl.trainer.eval import EvalSettings, evaluate_models, format_table, load_eval_tasks
 
-    if args.report_to is not None and not args.run_dir:
-        print("error: --report-to needs --run-dir (the training run whose tracker runs get the table)", file=sys.stderr)
-        return 2
-    steps: list[int] = []
-    trackers: list[str] = []
-    project = ""
     try:
-        if args.run_dir:  # checked before anything is evaluated: every row is a checkpoint of the run
-            from calibrl.trainer.eval_report import checkpoint_step, run_checkpoints, run_trackers
-
-            args.model = args.model or [str(p) for p in run_checkpoints(args.run_dir)]
-            steps = [checkpoint_step(model, args.run_dir) for model in args.model]
-            trackers, project = run_trackers(
-                args.run_dir, args.report_to.split(",") if args.report_to is not None else None)
+        steps, trackers, project = _run_dir_target(args)
     except CalibrlError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -284,7 +272,7 @@ def evaluate(argv: Sequence[str]) -> int:
                 from calibrl.trainer.eval_report import log_to_run
 
                 model_rows = rows[len(rows) - len(args.model):]  # the raw-query row has no step
-                log_to_run(args.run_dir, list(zip(steps, (row.metrics for row in model_rows))), trackers, project,
+                log_to_run(args.run_dir, [(s, r.metrics) for s, r in zip(steps, model_rows)], trackers, project,
                            table=args.table)
                 print(f"table {args.table!r} ({len(steps)} rows) added to the run's trackers: "
                       f"{', '.join(trackers) or 'none'}", file=sys.stderr)
@@ -306,6 +294,22 @@ def evaluate(argv: Sequence[str]) -> int:
         pathlib.Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         pathlib.Path(args.out).write_text(json.dumps(payload, indent=2) + "\n", encoding="utf-8")
     return 0
+
+
+def _run_dir_target(args: argparse.Namespace) -> tuple[list[int], list[str], str]:
+    """With ``--run-dir``, checked before anything is evaluated: each ``--model``'s step
+    (default models: every checkpoint of the run), the trackers that get the table and
+    the run's tracking project. Without it: nothing (and ``--report-to`` is an error)."""
+    if not args.run_dir:
+        if args.report_to is not None:
+            raise ConfigError("--report-to needs --run-dir (the training run whose tracker runs get the table)")
+        return [], [], ""
+    from calibrl.trainer.eval_report import checkpoint_step, run_checkpoints, run_trackers
+
+    args.model = args.model or [str(p) for p in run_checkpoints(args.run_dir)]
+    steps = [checkpoint_step(model, args.run_dir) for model in args.model]
+    trackers, project = run_trackers(args.run_dir, args.report_to.split(",") if args.report_to is not None else None)
+    return steps, trackers, project
 
 
 def _setup_logging(level: str) -> None:

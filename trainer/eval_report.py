@@ -11,10 +11,13 @@ trainer's own held-out table (:func:`calibrl.tracking.log_heldout_table`).
 
 from __future__ import annotations
 
+import logging
 import pathlib
 from typing import Any, Sequence
 
 from calibrl.errors import CalibrlError, ConfigError
+
+log = logging.getLogger(__name__)
 
 
 def run_checkpoints(run_dir: str | pathlib.Path) -> list[pathlib.Path]:
@@ -87,6 +90,7 @@ def log_to_run(run_dir: str | pathlib.Path, curve: Sequence[tuple[int, dict[str,
         trackers.close()
     if failed:
         raise CalibrlError(f"could not add the table to the run's {', '.join(failed)} run (the log above says why)")
+    log.info("table %r (%d rows) added to the tracker runs of %s: %s", table, len(curve), run_dir, ", ".join(names))
 
 
 __all__ = ["checkpoint_step", "log_to_run", "run_checkpoints", "run_trackers"]
