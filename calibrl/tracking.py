@@ -289,9 +289,9 @@ def log_heldout_table(tracker: Tracker, curve: Sequence[tuple[int, Mapping[str, 
                       name: str = HELDOUT_TABLE) -> None:
     """A run's held-out evaluation as the tracker table ``name`` (default ``heldout``): one
     row per evaluated step, columns ``step`` and every numeric metric name, sorted (a
-    metric a row lacks is an empty cell)."""
+    metric a row lacks, or that is undefined there (None), is an empty cell)."""
     names = sorted({k for _, metrics in curve for k, v in metrics.items()
-                    if isinstance(v, (int, float)) and not isinstance(v, bool)})
+                    if v is None or (isinstance(v, (int, float)) and not isinstance(v, bool))})
     tracker.log_table(name, ["step", *names],
                       [[step, *(metrics.get(k) for k in names)] for step, metrics in curve])
 
@@ -329,6 +329,8 @@ def _mlflow_key(name: str) -> str:
 
 
 def _cell(value: Any) -> str:
+    if value is None:
+        return ""
     return f"{value:.4g}" if isinstance(value, float) else str(value)
 
 

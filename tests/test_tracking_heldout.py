@@ -201,6 +201,37 @@ def test_evaluation_leaves_training_unchanged_and_matches_calibrl_eval(trainer_w
     assert row.metrics == curve[-1][1]
 
 
+def test_a_search_agent_run_evaluates_answers_and_keeps_an_undefined_metric_visible(trainer_world, tmp_path):
+    """Search tasks without gold ids have no gold_doc_recall: null in heldout.jsonl, no
+    eval/ scalar (never a 0), an empty cell in the table."""
+    from calibrl.trainer.loop import train
+    from tests.test_trainer_support import SEARCH_TASKS
+
+    no_gold = tmp_path / "heldout_search.jsonl"
+    no_gold.write_text("".join(json.dumps({k: v for k, v in t.items() if k != "gold_doc_ids"}) + "\n"
+                               for t in SEARCH_TASKS[:2]))
+    out = tmp_path / "run"
+    retrieval, _ = trainer_world.clients(judge=False)
+    config = load_train_config(None, trainer_world.overrides(
+        out, f"tasks.path={trainer_world.search_tasks}", "advantage.type=calibadv", "advantage.use_gold=true",
+        "rollout.prompts_per_step=2", "rollout.max_new_tokens=8", "rollout.max_turns=2", "rollout.max_obs_tokens=24",
+        "steps=1", "tensorboard=true", f"eval.tasks={no_gold}", judge=False))
+    result = train(config, retrieval=retrieval, judge=None)
+    (record,) = read_heldout(out)
+    metrics = record["metrics"]
+    assert record["step"] == 1 and record["num_tasks"] == 2
+    assert set(metrics) == {"em", "f1", "answered", "well_formed", "searches", "gold_doc_recall"}
+    assert metrics["gold_doc_recall"] is None and 0.0 <= metrics["em"] <= metrics["f1"] + 1e-12 <= 1.0 + 1e-12
+    assert 0.0 <= metrics["searches"] <= 2.0  # at most one search per turn, max_turns=2
+    assert result.heldout == [(1, metrics)]
+    scalars, texts = _tensorboard(out)
+    assert "eval/f1" in scalars and "eval/gold_doc_recall" not in scalars
+    header, _, row = texts["heldout"].splitlines()
+    assert header == "| step | answered | em | f1 | gold_doc_recall | searches | well_formed |"
+    cells = dict(zip(header.split("|"), row.split("|")))
+    assert cells[" gold_doc_recall "].strip() == "" and cells[" step "].strip() == "1"  # an empty cell
+
+
 # --------------------------------------------------------------------------- bad settings, refused early
 
 
@@ -239,6 +270,8 @@ def test_the_table_helper_the_demo_and_train_share():
     recorder = _Recorder()
     tracking.log_heldout_table(recorder, [(0, {"hit@k": 0.25, "mrr": None, "ok": True}), (2, {"hit@k": 0.5, "mrr": 0.4})])
     assert recorder.calls == [("heldout", ["step", "hit@k", "mrr"], [[0, 0.25, None], [2, 0.5, 0.4]])]
+    tracking.log_heldout_table(recorder, [(3, {"hit@k": 0.5, "recall": None})], name="heldout_v2")
+    assert recorder.calls[-1] == ("heldout_v2", ["step", "hit@k", "recall"], [[3, 0.5, None]])
 
 
 # --------------------------------------------------------------------------- calibrl eval --run-dir: a table afterwards
