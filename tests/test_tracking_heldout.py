@@ -232,6 +232,34 @@ def test_a_search_agent_run_evaluates_answers_and_keeps_an_undefined_metric_visi
     assert cells[" gold_doc_recall "].strip() == "" and cells[" step "].strip() == "1"  # an empty cell
 
 
+def test_a_failed_evaluation_is_recorded_and_training_goes_on(trainer_world, tmp_path, caplog):
+    from calibrl.errors import Unavailable
+    from calibrl.trainer.loop import train
+
+    retrieval, _ = trainer_world.clients(judge=False)
+
+    class DownForEval:  # the retrieval service fails the held-out calls (top_k=2) only
+        async def score(self, items, top_k, *args, **kwargs):
+            if top_k == 2:
+                raise Unavailable("retrieval service unavailable after 5 attempts")
+            return await retrieval.score(items, top_k, *args, **kwargs)
+
+        def __getattr__(self, name):
+            return getattr(retrieval, name)
+
+    out = tmp_path / "run"
+    config = load_train_config(None, trainer_world.overrides(
+        out, *NO_JUDGE, "steps=2", "checkpoint_every=0", "report_to=none", f"eval.tasks={trainer_world.rewrite_tasks}",
+        "eval.every=1", "eval.top_k=2"))
+    result = train(config, retrieval=DownForEval(), judge=None)
+    assert result.stopped == "completed" and result.steps_done == 2 and result.heldout == []
+    records = read_heldout(out)
+    assert [(r["step"], r["error"]) for r in records] == [(s, "retrieval service unavailable after 5 attempts")
+                                                          for s in (1, 2)]
+    assert all("metrics" not in r for r in records)
+    assert "held-out evaluation at step 1 failed: retrieval service unavailable" in caplog.text
+
+
 # --------------------------------------------------------------------------- bad settings, refused early
 
 

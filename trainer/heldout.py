@@ -19,7 +19,10 @@ Where, on rank 0 (the other ranks wait at the next collective):
 - one JSON line per evaluation in ``<output_dir>/heldout.jsonl``, beside metrics.jsonl:
   ``{"step", "tasks", "num_tasks", "seconds", "metrics": {...}}`` (an undefined metric,
   such as ``gold_doc_recall`` without gold ids, is null); a resumed run keeps the lines
-  of the steps up to the one it resumes from, as metrics.jsonl does;
+  of the steps up to the one it resumes from, as metrics.jsonl does. An evaluation
+  that fails (a service error after its retries) is a line ``{"step", ..., "error"}``
+  and an error in the log, and training goes on: a held-out row is a report, not a
+  reward, and none is made up;
 - the metrics as ``eval/<name>`` scalars at that step in the ``report_to`` trackers;
 - when the run completes, the trackers' table ``heldout`` (the demo's layout:
   ``step`` and every metric; :func:`calibrl.tracking.log_heldout_table`), with every
@@ -35,7 +38,7 @@ import pathlib
 import time
 from typing import TYPE_CHECKING, Any, Callable
 
-from calibrl.errors import ConfigError
+from calibrl.errors import CalibrlError, ConfigError
 
 if TYPE_CHECKING:  # pragma: no cover
     from calibrl import tracking
@@ -90,8 +93,9 @@ def read_heldout(run_dir: str | pathlib.Path) -> list[dict[str, Any]]:
 
 
 def heldout_curve(records: list[dict[str, Any]]) -> Curve:
-    """``(step, metrics)`` of each record, in step order."""
-    return sorted(((int(r["step"]), dict(r["metrics"])) for r in records), key=lambda pair: pair[0])
+    """``(step, metrics)`` of each evaluation that succeeded, in step order."""
+    return sorted(((int(r["step"]), dict(r["metrics"])) for r in records if "metrics" in r),
+                  key=lambda pair: pair[0])
 
 
 def format_heldout(curve: Curve) -> str:
@@ -137,11 +141,12 @@ class HeldoutEvaluator:
         been evaluated yet; its metrics, or None (nothing due, or not rank 0)."""
         if not self.is_main or not self.config.eval.due(step, self.config.steps):
             return None
-        if any(r["step"] == step for r in self.records):
+        if any(r["step"] == step and "metrics" in r for r in self.records):
             return None
         return self.evaluate(step, policy)
 
-    def evaluate(self, step: int, policy: "Policy") -> dict[str, float]:
+    def evaluate(self, step: int, policy: "Policy") -> dict[str, float] | None:
+        """Evaluate now; the metrics, or None when the evaluation failed (recorded, logged)."""
         from calibrl.trainer import checkpoint as ckpt
         from calibrl.trainer.eval import evaluate_policy
 
@@ -150,19 +155,29 @@ class HeldoutEvaluator:
         try:
             metrics = evaluate_policy(policy, self.tasks, self.retrieval, self.settings, run_async=self.run_async,
                                       prompt=self.prompt)
+        except CalibrlError as exc:
+            # Training goes on: a held-out row is a report, not a reward. The failure is kept in
+            # heldout.jsonl (no row is made up) and a resume at this step tries again.
+            self._append({"step": step, "tasks": self.source, "num_tasks": len(self.tasks), "error": str(exc)})
+            log.error("held-out evaluation at step %d failed: %s; training goes on without this row (evaluate the "
+                      "checkpoints later with `calibrl eval --run-dir %s`)", step, exc, self.config.run_dir)
+            return None
         finally:
             ckpt.set_rng_state(rng)
         seconds = time.perf_counter() - started
         record = {"step": step, "tasks": self.source, "num_tasks": len(self.tasks), "seconds": round(seconds, 3),
                   "metrics": {k: (float(v) if math.isfinite(v) else None) for k, v in sorted(metrics.items())}}
-        with self.path.open("a", encoding="utf-8") as handle:
-            handle.write(json.dumps(record) + "\n")
-        self.records.append(record)
+        self._append(record)
         if self.tracker is not None:
             self.tracker.log_metrics({METRIC_PREFIX + k: v for k, v in metrics.items()}, step)
         log.info("held-out evaluation at step %d (%d tasks, %.1fs): %s", step, len(self.tasks), seconds,
                  ", ".join(f"{k} {v:.3f}" for k, v in sorted(metrics.items())))
         return metrics
+
+    def _append(self, record: dict[str, Any]) -> None:
+        with self.path.open("a", encoding="utf-8") as handle:
+            handle.write(json.dumps(record) + "\n")
+        self.records.append(record)
 
     def curve(self) -> Curve:
         return heldout_curve(self.records)
