@@ -2,10 +2,9 @@
 
 When: after step N when ``eval.every`` divides N, after the last step, and before the
 first step as step 0 with ``eval.on_start``. Each evaluation runs after that step's
-checkpoint (when one is due) is written, so an evaluation that fails (the retrieval
-service gone) loses no training; a run stopped (SIGTERM, ``stop_after``, an error) at
-a step whose evaluation was due and not recorded evaluates it first thing when it is
-resumed from that step.
+checkpoint (when one is due) is written, so a crash during it loses no training; a
+run stopped (SIGTERM, ``stop_after``, a crash) at a step whose evaluation was due and
+not recorded evaluates it first thing when it is resumed from that step.
 
 How: :func:`calibrl.trainer.eval.evaluate_policy`, the library behind ``calibrl eval``,
 on the live policy (no reload): greedy decoding, the run's own prompt
