@@ -22,7 +22,7 @@ import typing
 from typing import Any, Sequence
 
 from calibrl.errors import CalibrlError, ConfigError
-from calibrl.trainer.task_kinds import TASK_KINDS
+from calibrl.trainer.task_kinds import TASK_KINDS, record_formats
 
 log = logging.getLogger(__name__)
 
@@ -176,7 +176,7 @@ def _eval_parser() -> argparse.ArgumentParser:
                         help="policy folder, LoRA adapter folder, checkpoint folder or run dir (repeatable)")
     parser.add_argument("--name", action="append", default=[], help="row label of each --model, in order")
     parser.add_argument("--tasks", required=True, help="JSONL tasks file")
-    parser.add_argument("--format", default="auto", choices=["auto", "rewrite", "search", "hotpotqa"])
+    parser.add_argument("--format", default="auto", choices=["auto", *record_formats()])
     parser.add_argument("--kind", default="auto", choices=["auto", *TASK_KINDS])
     parser.add_argument("--heldout-fraction", type=float, default=0.0,
                         help="evaluate only the held-out part of a split made like training's (tasks.heldout_fraction)")

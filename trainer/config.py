@@ -84,9 +84,12 @@ class TasksConfig:
     """Training tasks (JSONL; see calibrl.trainer.tasks for the formats)."""
 
     path: str = option("", "JSONL file of tasks.")
-    format: Literal["auto", "rewrite", "search", "hotpotqa"] = option("auto", "File format; auto looks at the keys.")
-    kind: Literal["auto", "rewrite", "search"] = option(
-        "auto", "Agent to train: rewrite (query rewriter) or search (multi-step agent); auto = the format's kind."
+    format: str = option(
+        "auto", "Record format: rewrite, search, hotpotqa or a registered kind's; auto looks at the keys."
+    )
+    kind: str = option(
+        "auto", "Agent to train: rewrite (query rewriter), search (multi-step agent) or another registered task kind; "
+        "auto = the format's kind."
     )
     heldout_fraction: float = option(0.0, "Fraction held out of training (for `calibrl eval`); 0 trains on all.")
     limit: int = option(0, "Use only the first N tasks (0 = all); handy for smoke runs.")
@@ -99,6 +102,18 @@ class TasksConfig:
             raise ConfigError(f"tasks.heldout_fraction={self.heldout_fraction}: must be in [0, 1)")
         if self.limit < 0:
             raise ConfigError(f"tasks.limit={self.limit}: must be >= 0 (0 = all tasks)")
+        from calibrl.trainer.task_kinds import TASK_KINDS, record_formats
+
+        if self.format != "auto" and self.format not in record_formats():
+            raise ConfigError(f"tasks.format: {self.format!r} is not one of {['auto', *record_formats()]}")
+        if self.kind != "auto" and self.kind not in TASK_KINDS:
+            raise ConfigError(f"tasks.kind: {self.kind!r} is not one of {['auto', *TASK_KINDS]}")
+
+    def may_be_multi_step(self) -> bool:
+        """Whether the tasks may be multi-step trajectories (``auto``: not known before the file is read)."""
+        from calibrl.trainer.task_kinds import task_kind
+
+        return self.kind == "auto" or task_kind(self.kind).multi_step
 
 
 @dataclass
@@ -464,10 +479,11 @@ class TrainConfig:
                 f"optimizer.warmup_steps={self.optimizer.warmup_steps} > steps={self.steps}: the run would end "
                 "before the learning rate reaches its peak; lower warmup_steps"
             )
-        if self.advantage.type == "calibadv" and self.tasks.kind == "rewrite":
+        if self.advantage.type == "calibadv" and not self.tasks.may_be_multi_step():
             raise ConfigError(
-                "advantage.type=calibadv with tasks.kind=rewrite: CalibAdv calibrates multi-step search "
-                "trajectories; use advantage.type=grpo for a query rewriter, or tasks.kind=search"
+                f"advantage.type=calibadv with tasks.kind={self.tasks.kind}: CalibAdv calibrates multi-step "
+                f"trajectories and {self.tasks.kind} rollouts have one step; use advantage.type=grpo, or a "
+                f"multi-step tasks.kind ({', '.join(_multi_step_kinds())})"
             )
         if self.services.judge == NO_JUDGE and (self.reward.uses_rubric_for_rewrites or self.reward.uses_rubric_for_search):
             raise ConfigError(
@@ -481,17 +497,17 @@ class TrainConfig:
                 "dynamic sampling waits for the rewards before it keeps a group, which removes the overlap one "
                 "step off-policy exists for; set rollout.off_policy_steps=0 or rollout.dynamic_sampling=false"
             )
-        if self.services.judge == NO_JUDGE and self.tasks.kind != "rewrite" and self.reward.uses_rubric_for_steps:
+        if self.services.judge == NO_JUDGE and self.tasks.may_be_multi_step() and self.reward.uses_rubric_for_steps:
             raise ConfigError(
                 f"services.judge=none but reward.step_w_rubric={self.reward.step_w_rubric} with step rewards on "
                 "needs a judge serving reward.step_rubric_id: give a judge target, or set step_w_rubric to 0"
             )
         if getattr(self.advantage, "step_credit", False) and not (
-            self.tasks.kind != "rewrite" and self.reward.scores_steps
+            self.tasks.may_be_multi_step() and self.reward.scores_steps
         ):
             raise ConfigError(
-                "advantage.step_credit=true needs search tasks with step rewards: set tasks.kind=search and "
-                "reward.score_steps=true (or reward.w_steps > 0)"
+                "advantage.step_credit=true needs multi-step tasks with step rewards: set tasks.kind to one of "
+                f"{_multi_step_kinds()} and reward.score_steps=true (or reward.w_steps > 0)"
             )
         if self.rollout.engine == "vllm" and self.policy.device == "cpu":
             raise ConfigError("rollout.engine=vllm with policy.device=cpu: vLLM needs a GPU; use engine=transformers")
@@ -515,6 +531,12 @@ class TrainConfig:
         import yaml
 
         return yaml.safe_dump(to_dict(self), sort_keys=False)
+
+
+def _multi_step_kinds() -> list[str]:
+    from calibrl.trainer.task_kinds import TASK_KINDS
+
+    return [name for name, kind in TASK_KINDS.items() if kind.multi_step]
 
 
 def load_train_config(path: str | pathlib.Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> TrainConfig:

@@ -76,7 +76,7 @@ class EvalResult:
 
     name: str
     model: str  # the folder the weights came from ("" for the raw-query baseline)
-    kind: str  # rewrite | search
+    kind: str  # the task kind's name (calibrl.trainer.task_kinds)
     num_tasks: int
     metrics: dict[str, float] = field(default_factory=dict)
     prompt: dict[str, Any] = field(default_factory=dict)  # PromptChoice.report(); empty for the raw-query row
@@ -246,11 +246,11 @@ def evaluate_models(
                for model in models]  # every checkpoint config is read before the first model loads
     rows: list[EvalResult] = []
     if raw_query_baseline:
-        if kind != "rewrite":
-            raise ConfigError("the raw-query baseline applies to rewrite tasks only")
-        queries = [t.query for t in tasks]
-        metrics = _retrieval_metrics(queries, tasks, retrieval, settings, run_async)
-        rows.append(EvalResult("raw query", "", kind, len(tasks), metrics))
+        baseline = task_kind(kind).query_baseline
+        if baseline is None:
+            with_baseline = [name for name, k in TASK_KINDS.items() if k.query_baseline is not None]
+            raise ConfigError(f"the raw-query baseline applies to {with_baseline} tasks only, not {kind}")
+        rows.append(EvalResult("raw query", "", kind, len(tasks), baseline(tasks, retrieval, settings, run_async)))
     for i, model in enumerate(models):
         folder = resolve_model_path(model)
         policy = load_policy(str(folder), device=settings.device, dtype="auto")
@@ -307,6 +307,12 @@ def evaluate_rewrites(engine: "GenerationEngine", tokenizer: "PreTrainedTokenize
     return _retrieval_metrics(rewrites, tasks, retrieval, settings, run_async)
 
 
+def raw_query_metrics(tasks: Sequence["Task"], retrieval: "RetrievalClient", settings: EvalSettings,
+                      run_async: RunAsync) -> dict[str, float]:
+    """The rewrite metrics of each task's query sent unchanged (no model): the raw-query baseline."""
+    return _retrieval_metrics([t.query for t in tasks], tasks, retrieval, settings, run_async)
+
+
 def _retrieval_metrics(queries: Sequence[str], tasks: Sequence["Task"], retrieval: "RetrievalClient",
                        settings: EvalSettings, run_async: RunAsync) -> dict[str, float]:
     """Mean retrieval metrics of one query per task; an empty query retrieves nothing
@@ -338,7 +344,9 @@ def evaluate_search(engine: "GenerationEngine", tokenizer: "PreTrainedTokenizerB
     from calibrl.text import exact_match, token_f1
     from calibrl.trainer.rollout import rollout_search
 
-    totals = dict.fromkeys(task_kind("search").metric_names, 0.0)
+    from calibrl.trainer.builtin_kinds import SEARCH
+
+    totals = dict.fromkeys(SEARCH.metric_names, 0.0)
     with_gold = 0
     for start in range(0, len(tasks), settings.batch_size):
         batch = rollout_search(

@@ -135,10 +135,10 @@ def load_training_tasks(config: "TrainConfig") -> tuple[list["Task"], TaskKind]:
     if len(kinds) != 1:
         raise ConfigError(f"tasks.path={config.tasks.path}: mixes task kinds {sorted(kinds)}; train one agent at a time")
     found = task_kind(kinds.pop())
-    if config.advantage.type == "calibadv" and found.name != "search":
+    if config.advantage.type == "calibadv" and not found.multi_step:
         raise ConfigError(
             f"advantage.type=calibadv but {config.tasks.path} holds {found.name} tasks: CalibAdv calibrates "
-            "multi-step search trajectories; use advantage.type=grpo"
+            "multi-step trajectories; use advantage.type=grpo"
         )
     return tasks, found
 

@@ -25,8 +25,9 @@ No silent zeros: TRL turns a ``None`` reward into NaN and then a zero advantage,
 so these functions never return one. A batch whose reward cannot be computed
 raises :class:`~calibrl.errors.RewardError` out of ``trainer.train()``.
 
-Scope: single-turn rewrite tasks (a completion is a rewrite; its first non-empty
-line is used, as the rewriter's format is one line). The multi-step search agent
+Scope: the single-turn ``rewrite`` task kind (:data:`calibrl.trainer.builtin_kinds.REWRITE`;
+a completion is a rewrite; its first non-empty line is used, as the rewriter's format is
+one line). The multi-step search agent
 needs per-step retrieval during generation and CalibAdv's per-step advantages,
 which TRL's trainer has no place for; use calibrl's own loop for it.
 
@@ -42,6 +43,7 @@ from typing import Any, Callable, Iterable, Mapping, Sequence
 
 from calibrl.errors import InvalidArgument, RewardError
 from calibrl.trainer.aio import BackgroundLoop
+from calibrl.trainer.builtin_kinds import REWRITE
 from calibrl.trainer.rewards import RewardBreakdown, RewardConfig, RewardModel, RewriteRollout
 from calibrl.trainer.tasks import Task
 
@@ -86,14 +88,14 @@ def tasks_to_dataset(tasks: Iterable[Task], prompt_template: str | None = None, 
     rewriter prompt of :mod:`calibrl.trainer.search_format`. Returns a ``datasets.Dataset`` (or the
     list of row dicts with ``as_hf_dataset=False``).
     """
-    from calibrl.trainer.search_format import REWRITE_TEMPLATE, fill_template
+    from calibrl.trainer.search_format import fill_template
 
-    template = prompt_template or REWRITE_TEMPLATE
+    template = prompt_template or REWRITE.builtin_template
     rows = []
     for task in tasks:
-        if task.kind != "rewrite":
+        if task.kind != REWRITE.name:
             raise InvalidArgument("tasks", f"task {task.task_id!r} is a {task.kind} task; the TRL adapter scores "
-                                  "rewrite tasks only (use calibrl's loop for search agents)")
+                                  f"{REWRITE.name} tasks only (use calibrl's loop for multi-step agents)")
         rows.append({
             "prompt": fill_template(template, task.query, task.context),
             "task_id": task.task_id,
@@ -128,7 +130,7 @@ def _task_at(columns: Mapping[str, Any], index: int) -> Task:
     task_id = column("task_id", required=False)
     return Task(
         task_id=str(task_id) if task_id is not None else f"row-{index}",
-        kind="rewrite",
+        kind=REWRITE.name,
         query=str(column("query", required=True)),
         gold_doc_ids=tuple(column("gold_doc_ids", required=True) or ()),
         answers=tuple(column("answers", required=False) or ()),
