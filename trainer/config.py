@@ -16,13 +16,16 @@ import math
 import pathlib
 import string
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Literal
 
 from calibrl.config import load_config, option, to_dict
 from calibrl.errors import ConfigError
 from calibrl.judge_server.config import JudgeConfig
 from calibrl.trainer.diagnostics import HealthConfig
 from calibrl.trainer.rewards import RewardConfig
+
+if TYPE_CHECKING:  # pragma: no cover
+    from calibrl.trainer.policy import LoraSettings
 
 INPROCESS = "inprocess"
 NO_JUDGE = "none"
@@ -52,13 +55,13 @@ class LoraConfig:
             if not self.target_modules:
                 raise ConfigError("policy.lora.target_modules is empty: name modules or use ['all-linear']")
 
-    def settings(self) -> Any:
+    def settings(self) -> "LoraSettings | None":
         """The ``calibrl.trainer.policy.LoraSettings`` of this config, or None when disabled."""
         if not self.enabled:
             return None
         from calibrl.trainer.policy import LoraSettings
 
-        targets: Any = self.target_modules[0] if self.target_modules == ["all-linear"] else tuple(self.target_modules)
+        targets: str | tuple[str, ...] = self.target_modules[0] if self.target_modules == ["all-linear"] else tuple(self.target_modules)
         return LoraSettings(r=self.r, alpha=self.alpha, dropout=self.dropout, target_modules=targets)
 
 
@@ -325,7 +328,7 @@ class GrpoAdvantage:
         "group's step-k rewards (the answer keeps the trajectory's); needs reward.score_steps or w_steps > 0.",
     )
 
-    def params(self) -> dict[str, Any]:
+    def params(self) -> dict[str, str | bool]:
         """Keyword parameters of the registered estimator."""
         return {"scale": self.scale, "step_credit": self.step_credit}
 
@@ -346,7 +349,7 @@ class CalibAdvAdvantage:
     use_gold: bool = option(False, "Use the tasks' gold document ids as the silver documents when present.")
     similarity_threshold: float = option(0.5, "A step whose think text is this similar to an earlier one scores 0.")
 
-    def params(self) -> dict[str, Any]:
+    def params(self) -> dict[str, float]:
         """Keyword parameters of the registered estimator."""
         return {"lambda_": self.lambda_}
 

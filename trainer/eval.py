@@ -27,10 +27,10 @@ import hashlib
 import logging
 import pathlib
 from dataclasses import asdict, dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, Sequence
+from typing import TYPE_CHECKING, Sequence, TypedDict
 
 from calibrl.errors import ConfigError, InvalidArgument
-from calibrl.trainer.task_kinds import TASK_KINDS, task_kind
+from calibrl.trainer.task_kinds import TASK_KINDS, RunAsync, task_kind
 
 if TYPE_CHECKING:  # pragma: no cover
     from transformers import PreTrainedTokenizerBase
@@ -66,8 +66,21 @@ class EvalSettings:
             if getattr(self, name) < 1:
                 raise InvalidArgument(name, f"must be >= 1, got {getattr(self, name)}")
 
-    def as_dict(self) -> dict[str, Any]:
+    def as_dict(self) -> dict[str, object]:
         return asdict(self)
+
+
+class PromptReport(TypedDict, total=False):
+    """The prompt a model was evaluated with, as the JSON output records it
+    (:meth:`PromptChoice.report`; empty for the raw-query row)."""
+
+    builtin: bool  # the task kind's built-in template
+    sha256: str  # first 12 hex digits of the template text's hash
+    template: str
+    template_source: str  # default | checkpoint | flag
+    chat_template: str  # auto | on | off
+    chat_template_source: str
+    chat_template_applied: bool
 
 
 @dataclass
@@ -79,9 +92,9 @@ class EvalResult:
     kind: str  # the task kind's name (calibrl.trainer.task_kinds)
     num_tasks: int
     metrics: dict[str, float] = field(default_factory=dict)
-    prompt: dict[str, Any] = field(default_factory=dict)  # PromptChoice.report(); empty for the raw-query row
+    prompt: PromptReport = field(default_factory=lambda: PromptReport())  # empty for the raw-query row
 
-    def as_dict(self) -> dict[str, Any]:
+    def as_dict(self) -> dict[str, object]:
         return asdict(self)
 
 
@@ -102,19 +115,19 @@ class PromptChoice:
 
         return RolloutConfig(prompt_template=self.template, chat_template=self.chat_template)  # type: ignore[arg-type]
 
-    def report(self, kind: str, chat_template_applied: bool) -> dict[str, Any]:
+    def report(self, kind: str, chat_template_applied: bool) -> PromptReport:
         """What the JSON output records: the effective template text, a short hash of
         it, whether it is the built-in one, and the chat-template choice."""
         text = self.rollout_config().template_for(kind)
-        return {
-            "builtin": not self.template,
-            "sha256": hashlib.sha256(text.encode("utf-8")).hexdigest()[:12],
-            "template": text,
-            "template_source": self.template_source,
-            "chat_template": self.chat_template,
-            "chat_template_source": self.chat_template_source,
-            "chat_template_applied": chat_template_applied,
-        }
+        return PromptReport(
+            builtin=not self.template,
+            sha256=hashlib.sha256(text.encode("utf-8")).hexdigest()[:12],
+            template=text,
+            template_source=self.template_source,
+            chat_template=self.chat_template,
+            chat_template_source=self.chat_template_source,
+            chat_template_applied=chat_template_applied,
+        )
 
 
 # --------------------------------------------------------------------------- inputs
@@ -212,9 +225,6 @@ def load_eval_tasks(path: str, *, fmt: str = "auto", kind: str = "auto", heldout
 
 
 # --------------------------------------------------------------------------- evaluation
-
-
-RunAsync = Callable[[Any], Any]
 
 
 def evaluate_models(
@@ -392,7 +402,7 @@ def format_table(rows: Sequence[EvalResult]) -> str:
     return "\n".join([render(header), "  ".join("-" * w for w in widths), *(render(line) for line in body)])
 
 
-def _prompt_cell(prompt: dict[str, Any]) -> str:
+def _prompt_cell(prompt: PromptReport) -> str:
     """``built-in`` or ``custom:<hash>``, ``+chat`` when the chat template wrapped it."""
     if not prompt:
         return "-"

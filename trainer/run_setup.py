@@ -13,7 +13,7 @@ import logging
 import math
 import pathlib
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Callable
 
 from calibrl.errors import ConfigError
 from calibrl.trainer import checkpoint as ckpt
@@ -107,7 +107,8 @@ def _restore(run: TrainingRun, config: "TrainConfig", checkpoint_from: pathlib.P
     log.info("resumed from %s at step %d", checkpoint_from, run.state.step)
 
 
-def _optimizer_and_schedule(config: "TrainConfig", model: "torch.nn.Module") -> "tuple[torch.optim.Optimizer, Any]":
+def _optimizer_and_schedule(config: "TrainConfig",
+                            model: "torch.nn.Module") -> "tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LambdaLR]":
     import torch
 
     params = [p for p in model.parameters() if p.requires_grad]

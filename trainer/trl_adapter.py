@@ -39,7 +39,7 @@ from __future__ import annotations
 
 import json
 import logging
-from typing import Any, Callable, Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping, Sequence, TypedDict
 
 from calibrl.errors import InvalidArgument, RewardError
 from calibrl.trainer.aio import BackgroundLoop
@@ -47,12 +47,26 @@ from calibrl.trainer.builtin_kinds import REWRITE
 from calibrl.trainer.rewards import RewardBreakdown, RewardConfig, RewardModel, RewriteRollout
 from calibrl.trainer.tasks import Task
 
+if TYPE_CHECKING:  # pragma: no cover
+    from datasets import Dataset
+
 log = logging.getLogger(__name__)
 
 BLENDED_NAME = "calibrl_reward"
 
 
-def completion_text(completion: Any) -> str:
+class TrlRow(TypedDict):
+    """One row of :func:`tasks_to_dataset`: the prompt plus the columns the reward functions read."""
+
+    prompt: str
+    task_id: str
+    query: str
+    gold_doc_ids: list[str]
+    answers: list[str]
+    context: str  # the task's context as a JSON object string
+
+
+def completion_text(completion: object) -> str:
     """The text of a TRL completion: a string, or a conversation (list of messages) whose
     last assistant message's content is a string or a list of ``{"type": "text"}`` parts."""
     if isinstance(completion, str):
@@ -72,7 +86,7 @@ def completion_text(completion: Any) -> str:
     raise InvalidArgument("completions", f"expected a string or a list of messages, got {type(completion).__name__}")
 
 
-def rewrite_from_completion(completion: Any) -> str:
+def rewrite_from_completion(completion: object) -> str:
     """The rewrite a completion proposes: its first non-empty line (empty when there is none)."""
     for line in completion_text(completion).splitlines():
         if line.strip():
@@ -80,7 +94,8 @@ def rewrite_from_completion(completion: Any) -> str:
     return ""
 
 
-def tasks_to_dataset(tasks: Iterable[Task], prompt_template: str | None = None, as_hf_dataset: bool = True) -> Any:
+def tasks_to_dataset(tasks: Iterable[Task], prompt_template: str | None = None,
+                     as_hf_dataset: bool = True) -> "Dataset | list[TrlRow]":
     """Rewrite tasks as TRL rows: ``prompt`` plus the columns the reward functions read
     (``task_id``, ``query``, ``gold_doc_ids``, ``answers``, ``context`` as a JSON object string).
 
@@ -91,19 +106,19 @@ def tasks_to_dataset(tasks: Iterable[Task], prompt_template: str | None = None, 
     from calibrl.trainer.search_format import fill_template
 
     template = prompt_template or REWRITE.builtin_template
-    rows = []
+    rows: list[TrlRow] = []
     for task in tasks:
         if task.kind != REWRITE.name:
             raise InvalidArgument("tasks", f"task {task.task_id!r} is a {task.kind} task; the TRL adapter scores "
                                   f"{REWRITE.name} tasks only (use calibrl's loop for multi-step agents)")
-        rows.append({
-            "prompt": fill_template(template, task.query, task.context),
-            "task_id": task.task_id,
-            "query": task.query,
-            "gold_doc_ids": list(task.gold_doc_ids),
-            "answers": list(task.answers),
-            "context": json.dumps(dict(task.context), sort_keys=True),
-        })
+        rows.append(TrlRow(
+            prompt=fill_template(template, task.query, task.context),
+            task_id=task.task_id,
+            query=task.query,
+            gold_doc_ids=list(task.gold_doc_ids),
+            answers=list(task.answers),
+            context=json.dumps(dict(task.context), sort_keys=True),
+        ))
     if not as_hf_dataset:
         return rows
     from datasets import Dataset
@@ -111,7 +126,7 @@ def tasks_to_dataset(tasks: Iterable[Task], prompt_template: str | None = None, 
     return Dataset.from_list(rows)
 
 
-def _task_at(columns: Mapping[str, Any], index: int) -> Task:
+def _task_at(columns: Mapping[str, Sequence[Any]], index: int) -> Task:
     def column(name: str, required: bool) -> Any:
         values = columns.get(name)
         if values is None:
@@ -151,8 +166,8 @@ class TrlRewardScorer:
         self._cached_key: tuple | None = None
         self._unread: set[str] = set()
 
-    def breakdowns(self, component: str, prompts: Sequence[Any], completions: Sequence[Any],
-                   columns: Mapping[str, Any]) -> list[RewardBreakdown]:
+    def breakdowns(self, component: str, prompts: Sequence[object], completions: Sequence[object],
+                   columns: Mapping[str, Sequence[Any]]) -> list[RewardBreakdown]:
         key = (tuple(map(repr, prompts)), tuple(map(repr, completions)))
         if key == self._cached_key and component in self._unread:
             self._unread.discard(component)
@@ -179,7 +194,8 @@ class _ComponentReward:
         self.component = component
         self.__name__ = component  # TRL logs rewards/<__name__>/mean
 
-    def __call__(self, prompts: Sequence[Any], completions: Sequence[Any], **columns: Any) -> list[float]:
+    def __call__(self, prompts: Sequence[object], completions: Sequence[object],
+                 **columns: Sequence[Any]) -> list[float]:
         results = self.scorer.breakdowns(self.component, prompts, completions, columns)
         if self.component == BLENDED_NAME:
             return [r.total for r in results]
