@@ -29,7 +29,7 @@ import pathlib
 import random
 import shutil
 from dataclasses import asdict, dataclass, field
-from typing import TYPE_CHECKING, Mapping, TypedDict
+from typing import TYPE_CHECKING, Any, Mapping, TypedDict
 
 from calibrl.errors import NotFound
 
@@ -81,7 +81,7 @@ class RngState(TypedDict, total=False):
     """One rank's generator states (``rng_rank{N}.pt``)."""
 
     python: tuple[object, ...]  # random.getstate()
-    numpy: "tuple[str, np.ndarray, int, int, float]"  # np.random.get_state()
+    numpy: "dict[str, Any] | tuple[str, np.ndarray, int, int, float]"  # np.random.get_state()
     torch: "torch.Tensor"  # torch.get_rng_state()
     cuda: "list[torch.Tensor]"  # one per visible GPU, when CUDA is initialised
 

@@ -198,7 +198,7 @@ class RunLog:
         if tracker is None:
             tracker = tracking.open_trackers(["tensorboard"] if tensorboard else [], self.output_dir,
                                              resume_step=resume_step)
-        self.tracker = tracker
+        self.tracker: Tracker | None = tracker
 
     def write(self, step: int, metrics: Mapping[str, float]) -> None:
         record = {"step": step, **{k: _json_number(v) for k, v in sorted(metrics.items())}}

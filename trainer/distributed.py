@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Iterable, Mapping, Sequence, TypeVar
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
+    from torch.distributed.checkpoint.state_dict import OptimizerStateType, ValueType
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -276,7 +277,7 @@ def apply_fsdp(model: "torch.nn.Module", ctx: DistContext, mixed_precision: bool
 
 
 def full_state_dicts(model: "torch.nn.Module",
-                     optimizer: "torch.optim.Optimizer") -> "tuple[dict[str, torch.Tensor], dict[str, object]]":
+                     optimizer: "torch.optim.Optimizer") -> "tuple[dict[str, ValueType], OptimizerStateType]":
     """Gathered (unsharded, on CPU) model and optimizer state of an FSDP model."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
@@ -285,7 +286,7 @@ def full_state_dicts(model: "torch.nn.Module",
 
 
 def load_full_optimizer_state(model: "torch.nn.Module", optimizer: "torch.optim.Optimizer",
-                              state: dict[str, object]) -> None:
+                              state: "OptimizerStateType") -> None:
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
 
     set_optimizer_state_dict(model, optimizer, state, options=StateDictOptions(full_state_dict=True))

@@ -135,7 +135,8 @@ def load_policy(
     tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_path), local_files_only=True)
     if tokenizer.pad_token_id is None and tokenizer.eos_token is not None:
         tokenizer.pad_token = tokenizer.eos_token
-    model = AutoModelForCausalLM.from_pretrained(str(base_path), dtype=torch_dtype, local_files_only=True)
+    model: torch.nn.Module = AutoModelForCausalLM.from_pretrained(str(base_path), dtype=torch_dtype,
+                                                                  local_files_only=True)
     model.to(torch_device)
 
     if adapter_config.exists():
