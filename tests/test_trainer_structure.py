@@ -48,3 +48,20 @@ def test_the_loop_names_no_estimator_and_no_task_kind():
     for module in ("loop.py", "sampling.py", "scoring.py", "training_batch.py", "update.py", "pipeline.py"):
         named = _string_constants(TRAINER / module) & (set(ADVANTAGE_ESTIMATORS) | set(TASK_KINDS))
         assert not named, f"trainer/{module} names {sorted(named)}; go through the registries"
+
+
+# The modules that may name a built-in kind: its definition, the two kinds' rollout functions,
+# and the search agent's text format (whose <search> action shares the name). calibrl/demo/ is a
+# user of the kinds with its own rewrite and search examples, outside the library.
+KIND_DEFINITIONS = {"trainer/builtin_kinds.py", "trainer/rollout.py", "trainer/search_format.py"}
+
+
+def test_only_the_kind_definitions_name_a_task_kind():
+    from calibrl.trainer.task_kinds import TASK_KINDS
+
+    root = TRAINER.parent
+    modules = [*TRAINER.glob("*.py"), *(p for p in (root / "calibrl").rglob("*.py") if "demo" not in p.parts)]
+    named = {str(path.relative_to(root)): sorted(_string_constants(path) & set(TASK_KINDS)) for path in modules}
+    branching = {module: kinds for module, kinds in named.items() if kinds and module not in KIND_DEFINITIONS}
+    assert not branching, f"these modules name task kinds; use the kind's properties instead: {branching}"
+    assert named["trainer/builtin_kinds.py"] == ["rewrite", "search"]  # the check sees the names where they are

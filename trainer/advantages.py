@@ -56,12 +56,16 @@ from __future__ import annotations
 import inspect
 import math
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Callable
 
 import torch
 from torch import Tensor
 
 from calibrl.errors import InvalidArgument
+
+if TYPE_CHECKING:  # pragma: no cover
+    from calibrl.trainer.config import CalibAdvAdvantage
+    from calibrl.trainer.rollout import RolloutBatch
 
 __all__ = [
     "ADVANTAGE_BATCH_INPUTS",
@@ -228,7 +232,7 @@ def _validate_inputs(inputs: AdvantageInputs) -> None:
 AdvantageFn = Callable[..., "tuple[Tensor, dict[str, float]]"]
 # (rollout batch, advantage settings) -> (extra AdvantageInputs fields, metrics): what an
 # estimator reads from the rollouts themselves beyond rewards and token layout.
-BatchInputsFn = Callable[[Any, Any], "tuple[dict[str, Tensor], dict[str, float]]"]
+BatchInputsFn = Callable[["RolloutBatch", "CalibAdvAdvantage | None"], "tuple[dict[str, Tensor], dict[str, float]]"]
 ADVANTAGE_ESTIMATORS: dict[str, AdvantageFn] = {}
 ADVANTAGE_BATCH_INPUTS: dict[str, BatchInputsFn] = {}
 
@@ -251,7 +255,8 @@ def register_advantage(name: str, batch_inputs: BatchInputsFn | None = None) -> 
     return decorator
 
 
-def batch_inputs_for(name: str, batch: Any, settings: Any) -> tuple[dict[str, Tensor], dict[str, float]]:
+def batch_inputs_for(name: str, batch: "RolloutBatch",
+                     settings: "CalibAdvAdvantage | None") -> tuple[dict[str, Tensor], dict[str, float]]:
     """The extra inputs (and their metrics) estimator ``name`` reads from ``batch``;
     none for an estimator that needs only rewards and the token layout."""
     hook = ADVANTAGE_BATCH_INPUTS.get(name)
@@ -402,7 +407,8 @@ def _step_credit(inputs: AdvantageInputs, groups: _Groups, token_adv: Tensor, sc
     return torch.where(token_known, step_adv.gather(1, slot), token_adv), token_known
 
 
-def _calibadv_batch_inputs(batch: Any, settings: Any) -> tuple[dict[str, Tensor], dict[str, float]]:
+def _calibadv_batch_inputs(batch: "RolloutBatch",
+                           settings: "CalibAdvAdvantage") -> tuple[dict[str, Tensor], dict[str, float]]:
     """CalibAdv's step scores ``(B, S)`` of a batch of search rollouts (settings:
     ``f1_threshold``, ``use_gold``, ``similarity_threshold``) and their mean."""
     from calibrl.trainer.calibadv import search_step_scores

@@ -29,13 +29,17 @@ import pathlib
 import random
 import shutil
 from dataclasses import asdict, dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Mapping, TypedDict
 
 from calibrl.errors import NotFound
 
 if TYPE_CHECKING:  # pragma: no cover
+    import numpy as np
     import torch
     from transformers import PreTrainedTokenizerBase
+
+    from calibrl.trainer.rewards import RewardBreakdown
+    from calibrl.trainer.rollout import RolloutBatch
 
 STATE_FILE = "state.json"
 MODEL_DIR = "model"
@@ -73,17 +77,36 @@ def find_checkpoint(path: str | pathlib.Path) -> pathlib.Path:
 # --------------------------------------------------------------------------- RNG
 
 
-def rng_state() -> dict[str, Any]:
+class RngState(TypedDict, total=False):
+    """One rank's generator states (``rng_rank{N}.pt``)."""
+
+    python: tuple[object, ...]  # random.getstate()
+    numpy: "dict[str, Any] | tuple[str, np.ndarray, int, int, float]"  # np.random.get_state()
+    torch: "torch.Tensor"  # torch.get_rng_state()
+    cuda: "list[torch.Tensor]"  # one per visible GPU, when CUDA is initialised
+
+
+class SavedPending(TypedDict):
+    """Rollouts already taken for the next step (``pending_rank{N}.pt``; see
+    :meth:`calibrl.trainer.scoring.PendingBatch.to_saved`)."""
+
+    step: int
+    batch: "RolloutBatch"  # tensors on the CPU
+    breakdowns: "list[RewardBreakdown] | None"  # None when the scores were not in yet
+    data_position: dict[str, int]
+
+
+def rng_state() -> RngState:
     import numpy as np
     import torch
 
-    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    state: RngState = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         state["cuda"] = torch.cuda.get_rng_state_all()
     return state
 
 
-def set_rng_state(state: dict[str, Any]) -> None:
+def set_rng_state(state: RngState) -> None:
     import numpy as np
     import torch
 
@@ -107,10 +130,10 @@ def save_checkpoint(
     state: TrainState,
     config_yaml: str,
     rank: int = 0,
-    rng: dict[str, Any] | None = None,
-    pending: dict[str, Any] | None = None,
-    full_model_state: dict[str, Any] | None = None,
-    optimizer_state: dict[str, Any] | None = None,
+    rng: RngState | None = None,
+    pending: SavedPending | None = None,
+    full_model_state: "dict[str, torch.Tensor] | None" = None,
+    optimizer_state: dict[str, object] | None = None,
 ) -> pathlib.Path:
     """Write a checkpoint. Every rank calls it (each writes its RNG state and its
     ``pending`` rollouts, if any); rank 0 writes the rest. ``rng`` is this rank's RNG state to store (default: the
@@ -172,7 +195,7 @@ def load_model_weights(directory: str | pathlib.Path, model: "torch.nn.Module") 
     shards = sorted(model_dir.glob("*.safetensors"))
     if not shards:
         raise NotFound(f"{model_dir}: no safetensors weights")
-    state: dict[str, Any] = {}
+    state: dict[str, torch.Tensor] = {}
     for shard in shards:
         state.update(load_file(str(shard)))
     missing, unexpected = model.load_state_dict(state, strict=False)
@@ -185,7 +208,7 @@ def load_model_weights(directory: str | pathlib.Path, model: "torch.nn.Module") 
         )
 
 
-def _is_tied_alias(model: "torch.nn.Module", key: str, state: dict[str, Any]) -> bool:
+def _is_tied_alias(model: "torch.nn.Module", key: str, state: "Mapping[str, torch.Tensor]") -> bool:
     params = dict(model.named_parameters(remove_duplicate=False))
     target = params.get(key)
     if target is None:
@@ -194,7 +217,7 @@ def _is_tied_alias(model: "torch.nn.Module", key: str, state: dict[str, Any]) ->
 
 
 def load_optimizer_and_schedule(directory: str | pathlib.Path, optimizer: "torch.optim.Optimizer",
-                                scheduler: "torch.optim.lr_scheduler.LRScheduler") -> dict[str, Any]:
+                                scheduler: "torch.optim.lr_scheduler.LRScheduler") -> dict[str, object]:
     """Restore the scheduler; return the optimizer state (the caller loads it, since a
     sharded optimizer needs the distributed loader)."""
     import torch
@@ -213,7 +236,7 @@ def load_rng(directory: str | pathlib.Path, rank: int) -> None:
     set_rng_state(torch.load(path, weights_only=False))
 
 
-def load_pending(directory: str | pathlib.Path, rank: int) -> dict[str, Any] | None:
+def load_pending(directory: str | pathlib.Path, rank: int) -> SavedPending | None:
     """The rollouts rank ``rank`` had already generated for the next step (a run one
     step off-policy), or None when the checkpoint holds none."""
     import torch

@@ -20,10 +20,15 @@ import logging
 import os
 import sys
 import typing
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Awaitable, Callable, Sequence
 
 from calibrl.errors import CalibrlError, ConfigError
-from calibrl.trainer.task_kinds import TASK_KINDS
+from calibrl.trainer.task_kinds import TASK_KINDS, record_formats
+
+if TYPE_CHECKING:  # pragma: no cover
+    from calibrl.trainer.aio import BackgroundLoop
+    from calibrl.trainer.clients import JudgeClient, RetrievalClient
+    from calibrl.trainer.config import ServicesConfig
 
 log = logging.getLogger(__name__)
 
@@ -31,7 +36,8 @@ log = logging.getLogger(__name__)
 # =============================================================================== clients
 
 
-def make_clients(services: Any, background: Any | None = None) -> tuple[Any, Any, Any]:
+def make_clients(services: "ServicesConfig", background: "BackgroundLoop | None" = None) -> tuple[
+        "RetrievalClient", "JudgeClient | None", Callable[[], Awaitable[None]]]:
     """``(retrieval, judge, close)`` for a :class:`~calibrl.trainer.config.ServicesConfig`.
 
     gRPC targets become :mod:`calibrl.trainer.grpc_clients` clients (deadline, retries,
@@ -40,7 +46,7 @@ def make_clients(services: Any, background: Any | None = None) -> tuple[Any, Any
     function that closes the channels (run it on the loop that used them)."""
     from calibrl.trainer.config import INPROCESS, NO_JUDGE
 
-    knobs: dict[str, Any] = {"timeout_s": services.timeout_s, "max_attempts": services.max_attempts}
+    knobs: dict[str, object] = {"timeout_s": services.timeout_s, "max_attempts": services.max_attempts}
     api_key = services.api_key or os.environ.get("CALIBRL_API_KEY", "")
     if api_key:
         knobs["metadata"] = (("authorization", f"Bearer {api_key}"),)
@@ -182,7 +188,7 @@ def _eval_parser() -> argparse.ArgumentParser:
                         "with --run-dir, default: every checkpoint of that run")
     parser.add_argument("--name", action="append", default=[], help="row label of each --model, in order")
     parser.add_argument("--tasks", required=True, help="JSONL tasks file")
-    parser.add_argument("--format", default="auto", choices=["auto", "rewrite", "search", "hotpotqa"])
+    parser.add_argument("--format", default="auto", choices=["auto", *record_formats()])
     parser.add_argument("--kind", default="auto", choices=["auto", *TASK_KINDS])
     parser.add_argument("--heldout-fraction", type=float, default=0.0,
                         help="evaluate only the held-out part of a split made like training's (tasks.heldout_fraction)")

@@ -9,10 +9,37 @@ Implementations:
 
 from __future__ import annotations
 
-from typing import Protocol, Sequence
+from typing import Protocol, Sequence, TypedDict
 
 from calibrl.judge_server.types import ItemScore, JudgeItem
 from calibrl.retrieval_server.types import Hit, RetrievalScore, ScoreItem, SearchMode
+
+
+class IndexInfo(TypedDict):
+    """What a retrieval client's ``index_info()`` returns (gRPC GetIndexInfo, or the in-process index)."""
+
+    doc_count: int
+    embedder: str
+    dimension: int
+    dense_index_type: str
+    corpus_sha256: str
+    library_versions: dict[str, str]
+    modes: list[str]  # dense | bm25 | hybrid
+    default_mode: str | None
+    max_top_k: int
+    max_batch_size: int
+    max_query_chars: int
+
+
+class RubricInfo(TypedDict):
+    """One rubric of a judge client's ``list_rubrics()``."""
+
+    id: str
+    version: str
+    hash: str
+    description: str
+    num_criteria: int
+    validated: bool
 
 
 class RetrievalClient(Protocol):

@@ -16,13 +16,16 @@ import math
 import pathlib
 import string
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Literal
 
 from calibrl.config import load_config, option, to_dict
 from calibrl.errors import ConfigError
 from calibrl.judge_server.config import JudgeConfig
 from calibrl.trainer.diagnostics import HealthConfig
 from calibrl.trainer.rewards import RewardConfig
+
+if TYPE_CHECKING:  # pragma: no cover
+    from calibrl.trainer.policy import LoraSettings
 
 INPROCESS = "inprocess"
 NO_JUDGE = "none"
@@ -52,13 +55,13 @@ class LoraConfig:
             if not self.target_modules:
                 raise ConfigError("policy.lora.target_modules is empty: name modules or use ['all-linear']")
 
-    def settings(self) -> Any:
+    def settings(self) -> "LoraSettings | None":
         """The ``calibrl.trainer.policy.LoraSettings`` of this config, or None when disabled."""
         if not self.enabled:
             return None
         from calibrl.trainer.policy import LoraSettings
 
-        targets: Any = self.target_modules[0] if self.target_modules == ["all-linear"] else tuple(self.target_modules)
+        targets: str | tuple[str, ...] = self.target_modules[0] if self.target_modules == ["all-linear"] else tuple(self.target_modules)
         return LoraSettings(r=self.r, alpha=self.alpha, dropout=self.dropout, target_modules=targets)
 
 
@@ -84,9 +87,12 @@ class TasksConfig:
     """Training tasks (JSONL; see calibrl.trainer.tasks for the formats)."""
 
     path: str = option("", "JSONL file of tasks.")
-    format: Literal["auto", "rewrite", "search", "hotpotqa"] = option("auto", "File format; auto looks at the keys.")
-    kind: Literal["auto", "rewrite", "search"] = option(
-        "auto", "Agent to train: rewrite (query rewriter) or search (multi-step agent); auto = the format's kind."
+    format: str = option(
+        "auto", "Record format: rewrite, search, hotpotqa or a registered kind's; auto looks at the keys."
+    )
+    kind: str = option(
+        "auto", "Agent to train: rewrite (query rewriter), search (multi-step agent) or another registered task kind; "
+        "auto = the format's kind."
     )
     heldout_fraction: float = option(
         0.0, "Fraction held out of training (for `calibrl eval` or eval.heldout_split); 0 trains on all."
@@ -101,6 +107,18 @@ class TasksConfig:
             raise ConfigError(f"tasks.heldout_fraction={self.heldout_fraction}: must be in [0, 1)")
         if self.limit < 0:
             raise ConfigError(f"tasks.limit={self.limit}: must be >= 0 (0 = all tasks)")
+        from calibrl.trainer.task_kinds import TASK_KINDS, record_formats
+
+        if self.format != "auto" and self.format not in record_formats():
+            raise ConfigError(f"tasks.format: {self.format!r} is not one of {['auto', *record_formats()]}")
+        if self.kind != "auto" and self.kind not in TASK_KINDS:
+            raise ConfigError(f"tasks.kind: {self.kind!r} is not one of {['auto', *TASK_KINDS]}")
+
+    def may_be_multi_step(self) -> bool:
+        """Whether the tasks may be multi-step trajectories (``auto``: not known before the file is read)."""
+        from calibrl.trainer.task_kinds import task_kind
+
+        return self.kind == "auto" or task_kind(self.kind).multi_step
 
 
 @dataclass
@@ -312,7 +330,7 @@ class GrpoAdvantage:
         "group's step-k rewards (the answer keeps the trajectory's); needs reward.score_steps or w_steps > 0.",
     )
 
-    def params(self) -> dict[str, Any]:
+    def params(self) -> dict[str, str | bool]:
         """Keyword parameters of the registered estimator."""
         return {"scale": self.scale, "step_credit": self.step_credit}
 
@@ -333,7 +351,7 @@ class CalibAdvAdvantage:
     use_gold: bool = option(False, "Use the tasks' gold document ids as the silver documents when present.")
     similarity_threshold: float = option(0.5, "A step whose think text is this similar to an earlier one scores 0.")
 
-    def params(self) -> dict[str, Any]:
+    def params(self) -> dict[str, float]:
         """Keyword parameters of the registered estimator."""
         return {"lambda_": self.lambda_}
 
@@ -507,10 +525,11 @@ class TrainConfig:
                 f"optimizer.warmup_steps={self.optimizer.warmup_steps} > steps={self.steps}: the run would end "
                 "before the learning rate reaches its peak; lower warmup_steps"
             )
-        if self.advantage.type == "calibadv" and self.tasks.kind == "rewrite":
+        if self.advantage.type == "calibadv" and not self.tasks.may_be_multi_step():
             raise ConfigError(
-                "advantage.type=calibadv with tasks.kind=rewrite: CalibAdv calibrates multi-step search "
-                "trajectories; use advantage.type=grpo for a query rewriter, or tasks.kind=search"
+                f"advantage.type=calibadv with tasks.kind={self.tasks.kind}: CalibAdv calibrates multi-step "
+                f"trajectories and {self.tasks.kind} rollouts have one step; use advantage.type=grpo, or a "
+                f"multi-step tasks.kind ({', '.join(_multi_step_kinds())})"
             )
         if self.services.judge == NO_JUDGE and (self.reward.uses_rubric_for_rewrites or self.reward.uses_rubric_for_search):
             raise ConfigError(
@@ -524,17 +543,17 @@ class TrainConfig:
                 "dynamic sampling waits for the rewards before it keeps a group, which removes the overlap one "
                 "step off-policy exists for; set rollout.off_policy_steps=0 or rollout.dynamic_sampling=false"
             )
-        if self.services.judge == NO_JUDGE and self.tasks.kind != "rewrite" and self.reward.uses_rubric_for_steps:
+        if self.services.judge == NO_JUDGE and self.tasks.may_be_multi_step() and self.reward.uses_rubric_for_steps:
             raise ConfigError(
                 f"services.judge=none but reward.step_w_rubric={self.reward.step_w_rubric} with step rewards on "
                 "needs a judge serving reward.step_rubric_id: give a judge target, or set step_w_rubric to 0"
             )
         if getattr(self.advantage, "step_credit", False) and not (
-            self.tasks.kind != "rewrite" and self.reward.scores_steps
+            self.tasks.may_be_multi_step() and self.reward.scores_steps
         ):
             raise ConfigError(
-                "advantage.step_credit=true needs search tasks with step rewards: set tasks.kind=search and "
-                "reward.score_steps=true (or reward.w_steps > 0)"
+                "advantage.step_credit=true needs multi-step tasks with step rewards: set tasks.kind to one of "
+                f"{_multi_step_kinds()} and reward.score_steps=true (or reward.w_steps > 0)"
             )
         if self.rollout.engine == "vllm" and self.policy.device == "cpu":
             raise ConfigError("rollout.engine=vllm with policy.device=cpu: vLLM needs a GPU; use engine=transformers")
@@ -570,6 +589,12 @@ class TrainConfig:
         import yaml
 
         return yaml.safe_dump(to_dict(self), sort_keys=False)
+
+
+def _multi_step_kinds() -> list[str]:
+    from calibrl.trainer.task_kinds import TASK_KINDS
+
+    return [name for name, kind in TASK_KINDS.items() if kind.multi_step]
 
 
 def load_train_config(path: str | pathlib.Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> TrainConfig:

@@ -22,10 +22,16 @@ import logging
 import math
 import pathlib
 from dataclasses import dataclass
-from typing import Any, Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING, Iterable, Mapping, Sequence
 
 from calibrl.config import option
 from calibrl.errors import ConfigError
+
+if TYPE_CHECKING:  # pragma: no cover
+    import torch
+
+    from calibrl.tracking import Tracker
+    from calibrl.trainer.rewards import RewardBreakdown
 
 log = logging.getLogger(__name__)
 
@@ -46,7 +52,7 @@ def component_metrics(components: Sequence[Mapping[str, float]]) -> dict[str, fl
     return metrics
 
 
-def completion_metrics(completion_mask: Any, truncated: Any | None = None) -> dict[str, float]:
+def completion_metrics(completion_mask: "torch.Tensor", truncated: Sequence[bool] | None = None) -> dict[str, float]:
     """``completions/{mean,min,max}_length`` (generated tokens per rollout, observations
     excluded) and ``completions/clipped_ratio`` when truncation flags are given."""
     lengths = completion_mask.detach().sum(dim=1).float().cpu()
@@ -60,7 +66,7 @@ def completion_metrics(completion_mask: Any, truncated: Any | None = None) -> di
     return metrics
 
 
-def judge_retrieval_disagreement(breakdowns: Sequence[Any], rubric_high: float) -> dict[str, float]:
+def judge_retrieval_disagreement(breakdowns: Sequence["RewardBreakdown"], rubric_high: float) -> dict[str, float]:
     """How often the judge and retrieval disagree, over the rollouts that have both a
     retrieval result and a rubric score (rewrites scored with a rubric; others are
     left out, and with none of them nothing is returned):
@@ -175,7 +181,7 @@ class RunLog:
     ``metrics.jsonl`` and TensorBoard, so every step appears once."""
 
     def __init__(self, output_dir: str | pathlib.Path, tensorboard: bool = True, resume_step: int = 0,
-                 tracker: Any = None, close_tracker: bool = False) -> None:
+                 tracker: "Tracker | None" = None, close_tracker: bool = False) -> None:
         from calibrl import tracking
 
         self.output_dir = pathlib.Path(output_dir)
@@ -192,7 +198,7 @@ class RunLog:
         if tracker is None:
             tracker = tracking.open_trackers(["tensorboard"] if tensorboard else [], self.output_dir,
                                              resume_step=resume_step)
-        self.tracker = tracker
+        self.tracker: Tracker | None = tracker
 
     def write(self, step: int, metrics: Mapping[str, float]) -> None:
         record = {"step": step, **{k: _json_number(v) for k, v in sorted(metrics.items())}}
@@ -207,14 +213,15 @@ class RunLog:
         self.tracker = None
 
 
-def _json_number(value: Any) -> Any:
+def _json_number(value: float) -> float | str:
     if isinstance(value, float) and not math.isfinite(value):
         return str(value)  # JSON has no NaN/inf; keep them visible instead of dropping the key
     return value
 
 
-def read_log(path: str | pathlib.Path) -> list[dict[str, Any]]:
-    """The records of a run's ``metrics.jsonl``, in order (a missing file: none)."""
+def read_log(path: str | pathlib.Path) -> list[dict[str, float | str]]:
+    """The records of a run's ``metrics.jsonl``, in order (a missing file: none); a NaN or
+    infinite metric reads back as its text (``"nan"``)."""
     path = pathlib.Path(path)
     if not path.exists():
         return []

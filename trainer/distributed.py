@@ -22,10 +22,11 @@ from __future__ import annotations
 import logging
 import os
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Iterable, Mapping, Sequence, TypeVar
+from typing import TYPE_CHECKING, Iterable, Mapping, Sequence, TypeVar
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
+    from torch.distributed.checkpoint.state_dict import OptimizerStateType, ValueType
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -150,7 +151,7 @@ def shard(items: Sequence[T], ctx: DistContext) -> list[T]:
 # --------------------------------------------------------------------------- collectives
 
 
-def all_reduce_gradients(parameters: Iterable[Any], ctx: DistContext) -> None:
+def all_reduce_gradients(parameters: Iterable["torch.nn.Parameter"], ctx: DistContext) -> None:
     """Average the gradients of ``parameters`` over ranks, in one flat buffer."""
     if not ctx.distributed:
         return
@@ -220,7 +221,7 @@ def reduce_metrics(metrics: Mapping[str, float], ctx: DistContext) -> dict[str, 
     return out
 
 
-def check_in_sync(parameters: Iterable[Any], ctx: DistContext) -> None:
+def check_in_sync(parameters: Iterable["torch.nn.Parameter"], ctx: DistContext) -> None:
     """Raise when the ranks' copies of the trainable weights differ (a missed or
     mismatched all-reduce would let them drift apart silently)."""
     if not ctx.distributed:
@@ -250,7 +251,7 @@ def any_rank(flag: bool, ctx: DistContext) -> bool:
 # --------------------------------------------------------------------------- FSDP (GPU)
 
 
-def apply_fsdp(model: "torch.nn.Module", ctx: DistContext, mixed_precision: bool) -> Any:
+def apply_fsdp(model: "torch.nn.Module", ctx: DistContext, mixed_precision: bool) -> "torch.nn.Module":
     """Shard ``model`` with FSDP2 (``fully_shard``): each decoder layer, then the root.
     Used for ``distributed.strategy=fsdp``; the model stays the same object."""
     import torch
@@ -276,7 +277,7 @@ def apply_fsdp(model: "torch.nn.Module", ctx: DistContext, mixed_precision: bool
 
 
 def full_state_dicts(model: "torch.nn.Module",
-                     optimizer: "torch.optim.Optimizer") -> tuple[dict[str, Any], dict[str, Any]]:
+                     optimizer: "torch.optim.Optimizer") -> "tuple[dict[str, ValueType], OptimizerStateType]":
     """Gathered (unsharded, on CPU) model and optimizer state of an FSDP model."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
@@ -285,7 +286,7 @@ def full_state_dicts(model: "torch.nn.Module",
 
 
 def load_full_optimizer_state(model: "torch.nn.Module", optimizer: "torch.optim.Optimizer",
-                              state: dict[str, Any]) -> None:
+                              state: "OptimizerStateType") -> None:
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
 
     set_optimizer_state_dict(model, optimizer, state, options=StateDictOptions(full_state_dict=True))

@@ -326,7 +326,7 @@ def _context_length(model: "torch.nn.Module") -> int | None:
     return int(value) if isinstance(value, int) and value > 0 else None
 
 
-def _model_device(model: "torch.nn.Module") -> Any:
+def _model_device(model: "torch.nn.Module") -> "torch.device":
     return next(model.parameters()).device
 
 

@@ -27,10 +27,10 @@ import hashlib
 import logging
 import pathlib
 from dataclasses import asdict, dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, Sequence
+from typing import TYPE_CHECKING, Sequence, TypedDict
 
 from calibrl.errors import ConfigError, InvalidArgument
-from calibrl.trainer.task_kinds import TASK_KINDS, task_kind
+from calibrl.trainer.task_kinds import TASK_KINDS, RunAsync, task_kind
 
 if TYPE_CHECKING:  # pragma: no cover
     from transformers import PreTrainedTokenizerBase
@@ -66,8 +66,21 @@ class EvalSettings:
             if getattr(self, name) < 1:
                 raise InvalidArgument(name, f"must be >= 1, got {getattr(self, name)}")
 
-    def as_dict(self) -> dict[str, Any]:
+    def as_dict(self) -> dict[str, object]:
         return asdict(self)
+
+
+class PromptReport(TypedDict, total=False):
+    """The prompt a model was evaluated with, as the JSON output records it
+    (:meth:`PromptChoice.report`; empty for the raw-query row)."""
+
+    builtin: bool  # the task kind's built-in template
+    sha256: str  # first 12 hex digits of the template text's hash
+    template: str
+    template_source: str  # default | checkpoint | flag
+    chat_template: str  # auto | on | off
+    chat_template_source: str
+    chat_template_applied: bool
 
 
 @dataclass
@@ -76,12 +89,12 @@ class EvalResult:
 
     name: str
     model: str  # the folder the weights came from ("" for the raw-query baseline)
-    kind: str  # rewrite | search
+    kind: str  # the task kind's name (calibrl.trainer.task_kinds)
     num_tasks: int
     metrics: dict[str, float] = field(default_factory=dict)
-    prompt: dict[str, Any] = field(default_factory=dict)  # PromptChoice.report(); empty for the raw-query row
+    prompt: PromptReport = field(default_factory=lambda: PromptReport())  # empty for the raw-query row
 
-    def as_dict(self) -> dict[str, Any]:
+    def as_dict(self) -> dict[str, object]:
         return asdict(self)
 
 
@@ -102,19 +115,19 @@ class PromptChoice:
 
         return RolloutConfig(prompt_template=self.template, chat_template=self.chat_template)  # type: ignore[arg-type]
 
-    def report(self, kind: str, chat_template_applied: bool) -> dict[str, Any]:
+    def report(self, kind: str, chat_template_applied: bool) -> PromptReport:
         """What the JSON output records: the effective template text, a short hash of
         it, whether it is the built-in one, and the chat-template choice."""
         text = self.rollout_config().template_for(kind)
-        return {
-            "builtin": not self.template,
-            "sha256": hashlib.sha256(text.encode("utf-8")).hexdigest()[:12],
-            "template": text,
-            "template_source": self.template_source,
-            "chat_template": self.chat_template,
-            "chat_template_source": self.chat_template_source,
-            "chat_template_applied": chat_template_applied,
-        }
+        return PromptReport(
+            builtin=not self.template,
+            sha256=hashlib.sha256(text.encode("utf-8")).hexdigest()[:12],
+            template=text,
+            template_source=self.template_source,
+            chat_template=self.chat_template,
+            chat_template_source=self.chat_template_source,
+            chat_template_applied=chat_template_applied,
+        )
 
 
 # --------------------------------------------------------------------------- inputs
@@ -214,9 +227,6 @@ def load_eval_tasks(path: str, *, fmt: str = "auto", kind: str = "auto", heldout
 # --------------------------------------------------------------------------- evaluation
 
 
-RunAsync = Callable[[Any], Any]
-
-
 def evaluate_models(
     models: Sequence[str],
     tasks: Sequence["Task"],
@@ -246,11 +256,11 @@ def evaluate_models(
                for model in models]  # every checkpoint config is read before the first model loads
     rows: list[EvalResult] = []
     if raw_query_baseline:
-        if kind != "rewrite":
-            raise ConfigError("the raw-query baseline applies to rewrite tasks only")
-        queries = [t.query for t in tasks]
-        metrics = _retrieval_metrics(queries, tasks, retrieval, settings, run_async)
-        rows.append(EvalResult("raw query", "", kind, len(tasks), metrics))
+        baseline = task_kind(kind).query_baseline
+        if baseline is None:
+            with_baseline = [name for name, k in TASK_KINDS.items() if k.query_baseline is not None]
+            raise ConfigError(f"the raw-query baseline applies to {with_baseline} tasks only, not {kind}")
+        rows.append(EvalResult("raw query", "", kind, len(tasks), baseline(tasks, retrieval, settings, run_async)))
     for i, model in enumerate(models):
         folder = resolve_model_path(model)
         policy = load_policy(str(folder), device=settings.device, dtype="auto")
@@ -307,6 +317,12 @@ def evaluate_rewrites(engine: "GenerationEngine", tokenizer: "PreTrainedTokenize
     return _retrieval_metrics(rewrites, tasks, retrieval, settings, run_async)
 
 
+def raw_query_metrics(tasks: Sequence["Task"], retrieval: "RetrievalClient", settings: EvalSettings,
+                      run_async: RunAsync) -> dict[str, float]:
+    """The rewrite metrics of each task's query sent unchanged (no model): the raw-query baseline."""
+    return _retrieval_metrics([t.query for t in tasks], tasks, retrieval, settings, run_async)
+
+
 def _retrieval_metrics(queries: Sequence[str], tasks: Sequence["Task"], retrieval: "RetrievalClient",
                        settings: EvalSettings, run_async: RunAsync) -> dict[str, float]:
     """Mean retrieval metrics of one query per task; an empty query retrieves nothing
@@ -338,7 +354,9 @@ def evaluate_search(engine: "GenerationEngine", tokenizer: "PreTrainedTokenizerB
     from calibrl.text import exact_match, token_f1
     from calibrl.trainer.rollout import rollout_search
 
-    totals = dict.fromkeys(task_kind("search").metric_names, 0.0)
+    from calibrl.trainer.builtin_kinds import SEARCH
+
+    totals = dict.fromkeys(SEARCH.metric_names, 0.0)
     with_gold = 0
     for start in range(0, len(tasks), settings.batch_size):
         batch = rollout_search(
@@ -384,7 +402,7 @@ def format_table(rows: Sequence[EvalResult]) -> str:
     return "\n".join([render(header), "  ".join("-" * w for w in widths), *(render(line) for line in body)])
 
 
-def _prompt_cell(prompt: dict[str, Any]) -> str:
+def _prompt_cell(prompt: PromptReport) -> str:
     """``built-in`` or ``custom:<hash>``, ``+chat`` when the chat template wrapped it."""
     if not prompt:
         return "-"

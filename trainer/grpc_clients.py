@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Any, Awaitable, Callable, Iterable, Sequence, TypeVar
+from typing import TYPE_CHECKING, Any, Awaitable, Callable, Iterable, Sequence, TypeVar
 
 from calibrl import telemetry
 from calibrl.errors import ConfigError, InvalidArgument, error_from_status
@@ -36,6 +36,16 @@ from calibrl.judge_server.types import ItemScore, JudgeItem
 from calibrl.retrieval_server import wire as retrieval_wire
 from calibrl.retrieval_server.types import Hit, RetrievalScore, ScoreItem, SearchMode
 from calibrl.trainer.aio import gather_all
+from calibrl.trainer.clients import IndexInfo, RubricInfo
+
+if TYPE_CHECKING:  # pragma: no cover
+    import grpc
+    import grpc.aio
+    from google.protobuf.message import Message
+
+    from calibrl.v1 import judge_pb2_grpc, retrieval_pb2_grpc
+
+    Stub = retrieval_pb2_grpc.RetrievalServiceStub | judge_pb2_grpc.JudgeServiceStub
 
 log = logging.getLogger(__name__)
 
@@ -68,9 +78,9 @@ class _GrpcClient:
         max_attempts: int = 5,
         max_concurrency: int = 32,
         metadata: Iterable[tuple[str, str]] = (),
-        channel_credentials: Any = None,
+        channel_credentials: "grpc.ChannelCredentials | None" = None,
         max_batch_size: int | None = None,
-        interceptors: Sequence[Any] = (),
+        interceptors: "Sequence[grpc.aio.ClientInterceptor]" = (),
         max_message_mb: int = 32,
         backoff_initial_s: float = 0.1,
         backoff_max_s: float = 5.0,
@@ -102,14 +112,14 @@ class _GrpcClient:
         self._max_message_bytes = int(max_message_mb) * 1024 * 1024
         self._backoff = (float(backoff_initial_s), float(backoff_max_s))
         self.lb_policy = lb_policy
-        self._channel: Any = None
-        self._stub: Any = None
+        self._channel: "grpc.aio.Channel | None" = None
+        self._stub: "Stub | None" = None
         self._semaphore: asyncio.Semaphore | None = None
 
     # --- channel ---------------------------------------------------------------------------------------------------
 
-    def _channel_options(self) -> list[tuple[str, Any]]:
-        options: list[tuple[str, Any]] = [
+    def _channel_options(self) -> list[tuple[str, int | str]]:
+        options: list[tuple[str, int | str]] = [
             ("grpc.max_receive_message_length", self._max_message_bytes),
             ("grpc.max_send_message_length", self._max_message_bytes),
         ]
@@ -118,10 +128,10 @@ class _GrpcClient:
             options.append(("grpc.lb_policy_name", self.lb_policy))
         return options
 
-    def _make_stub(self, channel: Any) -> Any:
+    def _make_stub(self, channel: "grpc.aio.Channel") -> "Stub":
         raise NotImplementedError
 
-    def _ensure_channel(self) -> Any:
+    def _ensure_channel(self) -> "Stub":
         if self._stub is None:
             import grpc
 
@@ -151,8 +161,8 @@ class _GrpcClient:
 
     # --- one call --------------------------------------------------------------------------------------------------
 
-    async def _call(self, method: str, request: Any) -> Any:
-        """One unary RPC with a deadline per attempt, retries on transient codes, bounded concurrency."""
+    async def _call(self, method: str, request: "Message") -> Any:
+        """The response message of ``method`` (its type depends on the method): one unary RPC with a deadline per attempt, retries on transient codes, bounded concurrency."""
         import grpc
         from tenacity import AsyncRetrying, retry_if_exception, stop_after_attempt, wait_exponential_jitter
 
@@ -207,21 +217,21 @@ class GrpcRetrievalClient(_GrpcClient):
 
     def __init__(self, target: str, **knobs: Any) -> None:
         super().__init__(target, **knobs)
-        self._info: dict[str, Any] | None = None
+        self._info: IndexInfo | None = None
         self._info_lock: asyncio.Lock | None = None
 
-    def _make_stub(self, channel: Any) -> Any:
+    def _make_stub(self, channel: "grpc.aio.Channel") -> "retrieval_pb2_grpc.RetrievalServiceStub":
         from calibrl.v1 import retrieval_pb2_grpc
 
         return retrieval_pb2_grpc.RetrievalServiceStub(channel)
 
-    async def index_info(self) -> dict[str, Any]:
+    async def index_info(self) -> IndexInfo:
         """The served index and the server's limits (GetIndexInfo), as a plain dict."""
         from calibrl.v1 import retrieval_pb2 as pb
 
         message = await self._call("GetIndexInfo", pb.GetIndexInfoRequest())
         modes = {pb.SEARCH_MODE_DENSE: "dense", pb.SEARCH_MODE_BM25: "bm25", pb.SEARCH_MODE_HYBRID: "hybrid"}
-        info = {
+        info: IndexInfo = {
             "doc_count": int(message.doc_count),
             "embedder": message.embedder,
             "dimension": int(message.dimension),
@@ -237,7 +247,7 @@ class GrpcRetrievalClient(_GrpcClient):
         self._info = info
         return info
 
-    async def _limits(self) -> dict[str, Any]:
+    async def _limits(self) -> IndexInfo:
         if self._info is None:
             if self._info_lock is None:
                 self._info_lock = asyncio.Lock()
@@ -310,7 +320,7 @@ class GrpcJudgeClient(_GrpcClient):
         knobs.setdefault("max_batch_size", 64)
         super().__init__(target, **knobs)
 
-    def _make_stub(self, channel: Any) -> Any:
+    def _make_stub(self, channel: "grpc.aio.Channel") -> "judge_pb2_grpc.JudgeServiceStub":
         from calibrl.v1 import judge_pb2_grpc
 
         return judge_pb2_grpc.JudgeServiceStub(channel)
@@ -334,7 +344,7 @@ class GrpcJudgeClient(_GrpcClient):
         assert self.max_batch_size is not None
         return await self._chunked(list(items), self.max_batch_size, run)
 
-    async def list_rubrics(self) -> list[dict[str, Any]]:
+    async def list_rubrics(self) -> list[RubricInfo]:
         """The rubrics this caller may use: id, version, hash, description, num_criteria, validated."""
         from calibrl.v1 import judge_pb2 as pb
 

@@ -15,13 +15,14 @@ without starting the services.
 from __future__ import annotations
 
 import asyncio
-from typing import TYPE_CHECKING, Any, Sequence, TypeVar
+from typing import TYPE_CHECKING, Sequence, TypeVar
 
 from calibrl.judge_server.types import ItemScore, JudgeItem
 from calibrl.retrieval_server.types import Hit, RetrievalScore, ScoreItem, SearchMode
 
 if TYPE_CHECKING:  # pragma: no cover
     from calibrl.judge_server.judge import Judge
+    from calibrl.trainer.clients import IndexInfo, RubricInfo
     from calibrl.retrieval_server.retriever import Retriever
 
 T = TypeVar("T")
@@ -60,7 +61,7 @@ class InProcessRetrievalClient:
         limits = getattr(self.retriever, "limits", None)
         return getattr(limits, "max_batch_size", 0) or _NO_LIMIT
 
-    async def index_info(self) -> dict[str, Any]:
+    async def index_info(self) -> "IndexInfo":
         """The index and its limits, with the same keys as GrpcRetrievalClient.index_info()."""
         retriever = self.retriever
         manifest = retriever.manifest
@@ -97,7 +98,7 @@ class InProcessJudgeClient:
             results.extend(await asyncio.to_thread(self.judge.score, rubric_id, part))
         return results
 
-    async def list_rubrics(self) -> list[dict[str, Any]]:
+    async def list_rubrics(self) -> "list[RubricInfo]":
         """Same keys as GrpcJudgeClient.list_rubrics()."""
         return [
             {"id": s.rubric.id, "version": s.rubric.version, "hash": s.rubric.hash,

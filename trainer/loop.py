@@ -276,7 +276,7 @@ class _Loop:
         metrics = step_metrics(training, result, times, self.config.health, rollouts.current.sampling_metrics)
         self.step_log.record(step, metrics, state)
 
-    def stop_for_failure(self, step: int, failure: CalibrlError | None, rng: dict[str, Any],
+    def stop_for_failure(self, step: int, failure: CalibrlError | None, rng: ckpt.RngState,
                          position: dict[str, int], current: PendingBatch | None) -> NoReturn:
         """Nothing half-scored is trained on: save the state as it was when this step
         began, with its rollouts if they exist (to be scored again; the data

@@ -20,12 +20,16 @@ import functools
 import json
 import pathlib
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from calibrl.errors import ConfigError, InvalidArgument, NotFound
 
 if TYPE_CHECKING:  # pragma: no cover
-    from transformers import PreTrainedTokenizerBase
+    from types import ModuleType
+
+    from peft import PeftModel
+    from transformers import PretrainedConfig, PreTrainedTokenizerBase
+    from transformers.utils import ModelOutput
     import torch
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -131,7 +135,8 @@ def load_policy(
     tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_path), local_files_only=True)
     if tokenizer.pad_token_id is None and tokenizer.eos_token is not None:
         tokenizer.pad_token = tokenizer.eos_token
-    model = AutoModelForCausalLM.from_pretrained(str(base_path), dtype=torch_dtype, local_files_only=True)
+    model: torch.nn.Module = AutoModelForCausalLM.from_pretrained(str(base_path), dtype=torch_dtype,
+                                                                  local_files_only=True)
     model.to(torch_device)
 
     if adapter_config.exists():
@@ -145,7 +150,7 @@ def load_policy(
     return Policy(model=model, tokenizer=tokenizer, device=torch_device, model_id=str(base_path), lora=lora)
 
 
-def wrap_lora(model: "torch.nn.Module", lora: LoraSettings) -> Any:
+def wrap_lora(model: "torch.nn.Module", lora: LoraSettings) -> "PeftModel":
     """``model`` inside a fresh peft LoRA adapter (only the adapter is trainable)."""
     peft = _import_peft()
     target = lora.target_modules if isinstance(lora.target_modules, str) else list(lora.target_modules)
@@ -175,7 +180,7 @@ def enable_gradient_checkpointing(model: "torch.nn.Module") -> None:
         config.use_cache = False  # a cache is pointless (and warned about) while training
 
 
-def _import_peft() -> Any:
+def _import_peft() -> "ModuleType":
     try:
         import peft
     except ImportError:
@@ -217,16 +222,16 @@ def _adapter_disabled_reference_class() -> type:
         gradients. The peft model is held outside the module tree so that
         ``requires_grad_``/``eval``/``to`` on the reference never touch the policy."""
 
-        def __init__(self, peft_model: Any) -> None:
+        def __init__(self, peft_model: "PeftModel") -> None:
             super().__init__()
             object.__setattr__(self, "_peft_model", peft_model)
             self.eval()
 
         @property
-        def config(self) -> Any:
+        def config(self) -> "PretrainedConfig":
             return self._peft_model.config
 
-        def forward(self, *args: Any, **kwargs: Any) -> Any:
+        def forward(self, *args: object, **kwargs: object) -> "ModelOutput":
             model = self._peft_model
             was_training = model.training
             model.eval()

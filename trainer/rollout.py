@@ -30,7 +30,7 @@ failed search.
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Any, Callable, Coroutine, Sequence
+from typing import TYPE_CHECKING, Sequence, TypedDict
 
 from calibrl.errors import InvalidArgument
 from calibrl.retrieval_server.types import ScoreItem
@@ -56,7 +56,9 @@ if TYPE_CHECKING:  # pragma: no cover
     import torch
 
     from calibrl.trainer.clients import RetrievalClient
+    from calibrl.retrieval_server.types import Hit
     from calibrl.trainer.engines import GenerationEngine
+    from calibrl.trainer.task_kinds import RunAsync
     from calibrl.trainer.tasks import Task
 
 
@@ -163,7 +165,7 @@ def decode_completion(tokenizer: "PreTrainedTokenizerBase", token_ids: Sequence[
     return tokenizer.decode(kept, skip_special_tokens=False)
 
 
-def observation_tokens(tokenizer: "PreTrainedTokenizerBase", hits: Sequence[Any],
+def observation_tokens(tokenizer: "PreTrainedTokenizerBase", hits: Sequence["Hit"],
                        max_obs_tokens: int) -> tuple[list[int], str]:
     """Token ids and text of the observation appended after a search: the
     formatted documents (cut to ``max_obs_tokens`` tokens) inside the information
@@ -302,7 +304,7 @@ def rollout_search(
     *,
     group_size: int,
     retrieval: "RetrievalClient",
-    run_async: Callable[[Coroutine[Any, Any, Any]], Any],
+    run_async: "RunAsync",
     max_turns: int = 4,
     top_k: int = 3,
     max_new_tokens_per_turn: int = 64,
@@ -343,8 +345,8 @@ def rollout_search(
         live = [state for state in states if not state.done]
         if not live:
             break
-        sampling = dict(max_new_tokens=max_new_tokens_per_turn, temperature=temperature, top_p=top_p,
-                        stop_strings=TURN_STOP_STRINGS, seed=None if seed is None else seed + turn)
+        sampling = _TurnSampling(max_new_tokens=max_new_tokens_per_turn, temperature=temperature, top_p=top_p,
+                                 stop_strings=TURN_STOP_STRINGS, seed=None if seed is None else seed + turn)
         searching = _generate_turn(engine, tokenizer, live, sampling, last_turn=turn == max_turns - 1,
                                    max_query_chars=max_query_chars)
         if searching:
@@ -352,8 +354,18 @@ def rollout_search(
     return _search_batch(tokenizer, states, len(tasks), group_size)
 
 
+class _TurnSampling(TypedDict):
+    """The engine's sampling arguments for one search-agent turn."""
+
+    max_new_tokens: int
+    temperature: float
+    top_p: float
+    stop_strings: tuple[str, ...]
+    seed: int | None
+
+
 def _generate_turn(engine: "GenerationEngine", tokenizer: "PreTrainedTokenizerBase", live: list[_SearchState],
-                   sampling: dict[str, Any],
+                   sampling: _TurnSampling,
                    *, last_turn: bool, max_query_chars: int) -> list[tuple[_SearchState, str, str]]:
     """One generation for every live rollout (one engine call); returns the
     ``(state, think, query)`` of those that searched and have a turn left to use it."""
@@ -373,7 +385,7 @@ def _generate_turn(engine: "GenerationEngine", tokenizer: "PreTrainedTokenizerBa
     return searching
 
 
-def _observe(retrieval: "RetrievalClient", run_async: Callable[[Coroutine[Any, Any, Any]], Any],
+def _observe(retrieval: "RetrievalClient", run_async: "RunAsync",
              tokenizer: "PreTrainedTokenizerBase",
              searching: list[tuple[_SearchState, str, str]], top_k: int, max_obs_tokens: int) -> None:
     """Send the turn's searches to the retrieval client in one batch and append each
@@ -426,7 +438,7 @@ def _search_batch(tokenizer: "PreTrainedTokenizerBase", states: list[_SearchStat
     )
 
 
-def _check_context_budget(engine: Any, tokenizer: "PreTrainedTokenizerBase", longest_prompt: int, *, max_turns: int,
+def _check_context_budget(engine: "GenerationEngine", tokenizer: "PreTrainedTokenizerBase", longest_prompt: int, *, max_turns: int,
                           max_new_tokens_per_turn: int, max_obs_tokens: int) -> None:
     """Fail before sampling when the longest possible trajectory cannot fit the
     engine's context (engines that do not know their context skip this)."""

@@ -9,7 +9,7 @@ resumed run trains on exactly them. ``calibrl.trainer.checkpoint`` holds the fil
 from __future__ import annotations
 
 import pathlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from calibrl.trainer import checkpoint as ckpt
 from calibrl.trainer import distributed as dist_util
@@ -33,7 +33,7 @@ class Checkpointer:
         self.optimizer, self.scheduler, self.order = optimizer, scheduler, order
         self.config_yaml = config.to_yaml()
 
-    def save(self, state: ckpt.TrainState, reason: str, rng: dict[str, Any] | None = None,
+    def save(self, state: ckpt.TrainState, reason: str, rng: ckpt.RngState | None = None,
              position: dict[str, int] | None = None, pending: "PendingBatch | None" = None) -> pathlib.Path:
         """A checkpoint of the state after ``state.step`` steps. ``rng``/``position``:
         the RNG state and data position to store (default: the current ones);

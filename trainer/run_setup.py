@@ -13,7 +13,7 @@ import logging
 import math
 import pathlib
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Callable
 
 from calibrl.errors import ConfigError
 from calibrl.trainer import checkpoint as ckpt
@@ -107,7 +107,8 @@ def _restore(run: TrainingRun, config: "TrainConfig", checkpoint_from: pathlib.P
     log.info("resumed from %s at step %d", checkpoint_from, run.state.step)
 
 
-def _optimizer_and_schedule(config: "TrainConfig", model: "torch.nn.Module") -> "tuple[torch.optim.Optimizer, Any]":
+def _optimizer_and_schedule(config: "TrainConfig",
+                            model: "torch.nn.Module") -> "tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LambdaLR]":
     import torch
 
     params = [p for p in model.parameters() if p.requires_grad]
@@ -135,10 +136,10 @@ def load_training_tasks(config: "TrainConfig") -> tuple[list["Task"], TaskKind]:
     if len(kinds) != 1:
         raise ConfigError(f"tasks.path={config.tasks.path}: mixes task kinds {sorted(kinds)}; train one agent at a time")
     found = task_kind(kinds.pop())
-    if config.advantage.type == "calibadv" and found.name != "search":
+    if config.advantage.type == "calibadv" and not found.multi_step:
         raise ConfigError(
             f"advantage.type=calibadv but {config.tasks.path} holds {found.name} tasks: CalibAdv calibrates "
-            "multi-step search trajectories; use advantage.type=grpo"
+            "multi-step trajectories; use advantage.type=grpo"
         )
     return tasks, found
 

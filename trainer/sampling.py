@@ -14,7 +14,7 @@ their scores itself, keeping the groups whose rewards differ
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import TYPE_CHECKING, Sequence
 
 from calibrl.trainer import distributed as dist_util
 from calibrl.trainer.policy import pad_token_id
@@ -22,6 +22,8 @@ from calibrl.trainer.scoring import PendingBatch, ScoreFn
 from calibrl.trainer.task_kinds import RolloutSettings, TaskKind
 
 if TYPE_CHECKING:  # pragma: no cover
+    import concurrent.futures
+
     import torch
     from transformers import PreTrainedTokenizerBase
     from calibrl.trainer.aio import BackgroundLoop
@@ -99,7 +101,8 @@ class RolloutSampler:
                             breakdowns=[breakdowns[r] for r in rows], generation_s=time.perf_counter() - started,
                             sampling_metrics=metrics)
 
-    def _generate_round(self, for_step: int, first_chunk: int) -> tuple[list["RolloutBatch"], list[Any]]:
+    def _generate_round(self, for_step: int, first_chunk: int) -> tuple[
+            list["RolloutBatch"], list["concurrent.futures.Future[list[RewardBreakdown]]"]]:
         """Take ``prompts_per_step`` tasks (this rank's shard), generate them in chunks
         numbered from ``first_chunk`` (the chunk number seeds the sampling) and submit
         each chunk's scoring at once; returns the chunks and their reward futures."""

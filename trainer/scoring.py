@@ -89,7 +89,7 @@ class PendingBatch:
         """Drop the scores (a resumed run asks for them again)."""
         self.breakdowns, self.futures = None, []
 
-    def to_saved(self) -> dict[str, Any]:
+    def to_saved(self) -> ckpt.SavedPending:
         """What a checkpoint stores of it (tensors on the CPU; scores when settled)."""
         return {"step": self.step, "batch": self.batch.to("cpu"), "breakdowns": self.breakdowns,
                 "data_position": self.data_position}

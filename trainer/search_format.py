@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Any, Iterable, Sequence
+from typing import Iterable, Protocol
 
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 SEARCH_OPEN, SEARCH_CLOSE = "<search>", "</search>"
@@ -61,14 +61,25 @@ SEARCH_TEMPLATE = (
 # --------------------------------------------------------------------------- prompts
 
 
-def format_context(context: Iterable[Sequence[Any]]) -> str:
+class Passage(Protocol):
+    """A retrieved passage as an observation shows it (a ``retrieval_server.types.Hit``)."""
+
+    @property
+    def title(self) -> str: ...
+
+    @property
+    def text(self) -> str: ...
+
+
+
+def format_context(context: Iterable[tuple[str, str]]) -> str:
     """``Task.context`` pairs as prompt lines ``"<first>: <second>"``, one per pair
     (empty string when there is no context)."""
     lines = [f"{str(first).strip()}: {str(second).strip()}" for first, second in context]
     return "".join(f"{line}\n" for line in lines)
 
 
-def fill_template(template: str, query: str, context: Iterable[Sequence[Any]] = ()) -> str:
+def fill_template(template: str, query: str, context: Iterable[tuple[str, str]] = ()) -> str:
     """``template`` with ``{query}`` (required) and ``{context}`` (optional) filled in."""
     from calibrl.errors import InvalidArgument
 
@@ -90,7 +101,7 @@ def search_prompt_suffix() -> str:
 # --------------------------------------------------------------------------- observations
 
 
-def format_documents(hits: Iterable[Any]) -> str:
+def format_documents(hits: Iterable[Passage]) -> str:
     """Retrieved passages (objects with ``title`` and ``text``) in the Search-R1 form
     ``Doc 1(Title: t) text``, one per line, numbered from 1."""
     lines = []
@@ -100,7 +111,7 @@ def format_documents(hits: Iterable[Any]) -> str:
     return "\n".join(lines)
 
 
-def format_observation(hits: Iterable[Any]) -> str:
+def format_observation(hits: Iterable[Passage]) -> str:
     """The whole observation appended after a ``</search>``: the information block and
     the ``<think>`` that opens the next turn."""
     return OBSERVATION_PREFIX + format_documents(hits) + OBSERVATION_SUFFIX

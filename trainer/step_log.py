@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Callable
 
 from calibrl import tracking
 from calibrl.config import to_dict
@@ -21,6 +21,9 @@ from calibrl.trainer.step_rewards import step_metrics as step_reward_metrics
 from calibrl.trainer.config import TrainConfig
 from calibrl.trainer.training_batch import TrainingBatch
 from calibrl.trainer.update import UpdateResult
+
+if TYPE_CHECKING:  # pragma: no cover
+    from tqdm import tqdm
 
 log = logging.getLogger(__name__)
 
@@ -119,7 +122,7 @@ class StepLog:
             self.progress.close()
 
 
-def _progress_bar(config: TrainConfig, ctx: dist_util.DistContext, initial: int) -> Any:
+def _progress_bar(config: TrainConfig, ctx: dist_util.DistContext, initial: int) -> "tqdm | None":
     if not (config.progress_bar and ctx.is_main):
         return None
     from tqdm.auto import tqdm

@@ -6,7 +6,10 @@ import logging
 import signal
 import threading
 from types import FrameType
-from typing import Any
+from typing import Callable, Union
+
+# What signal.signal returns: a handler function, SIG_DFL / SIG_IGN, or None (not set from Python).
+SignalHandler = Union[Callable[[int, "FrameType | None"], object], int, signal.Handlers, None]
 
 log = logging.getLogger(__name__)
 
@@ -18,7 +21,7 @@ class StopSignal:
 
     def __init__(self) -> None:
         self.raised = False
-        self._previous: Any = None
+        self._previous: SignalHandler = None
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
         log.warning("SIGTERM received: finishing this step, then writing a checkpoint")

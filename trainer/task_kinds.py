@@ -5,30 +5,43 @@ A :class:`TaskKind` bundles everything that differs between agents:
 - ``builtin_template``: the prompt template used when ``rollout.prompt_template`` is empty;
 - ``rollout``: G sampled rollouts per task as a :class:`~calibrl.trainer.rollout.RolloutBatch`
   (:class:`RolloutSettings` carries the sampling options);
-- ``score``: the reward coroutine of a batch's rollouts (a method of
-  :class:`~calibrl.trainer.rewards.RewardModel`);
-- ``evaluate``: greedy held-out metrics of a policy (``calibrl.trainer.eval``);
+- ``score``: the reward coroutine of a batch's rollouts, one
+  :class:`~calibrl.trainer.rewards.RewardBreakdown` each;
+- ``evaluate``: greedy held-out metrics of a policy (``calibrl eval``);
 - ``metric_names``: the columns of the evaluation table, in order;
 - ``max_completion_tokens``: the most tokens one rollout can generate (the Dr. GRPO
-  constant of ``loss.aggregation=constant``).
+  constant of ``loss.aggregation=constant``);
+- ``formats``: the JSONL record formats its tasks are read from (:class:`RecordFormat`;
+  the first is the kind's own, the one ``write_record`` writes);
+- ``required``: the task fields that must not be empty, each with the reason shown
+  when one is;
+- ``write_record``: one task as a record of its own format (``write_tasks``);
+- ``multi_step``: rollouts are multi-step trajectories whose search steps can be scored
+  (step rewards, ``advantage.step_credit`` and CalibAdv need that);
+- ``query_baseline``: the metrics of each task's query sent unchanged, no model
+  (``calibrl eval --raw-query-baseline``), or None when the kind has no such row;
+- ``sample_items``: each task's greedy output as a ``calibrl sme sample`` item
+  (``calibrl eval --sme-items``), or None.
 
-Two kinds are built in: ``rewrite`` (a one-step query rewriter) and ``search`` (a
-multi-step Search-R1 agent). A third kind is one more :func:`register_task_kind`
-call; nothing else branches on the kind's name. The heavy modules (torch, the
-rollout and evaluation code) are imported only when a kind's functions run.
+Two kinds are built in (:mod:`calibrl.trainer.builtin_kinds`): ``rewrite`` (a one-step
+query rewriter) and ``search`` (a multi-step Search-R1 agent). A third kind is one
+:func:`register_task_kind` call in one module; nothing else branches on a kind's name.
+The heavy modules (torch, the rollout and evaluation code) are imported only when a
+kind's functions run.
 """
 
 from __future__ import annotations
 
 import importlib
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Coroutine, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Callable, Coroutine, Mapping, Protocol, Sequence, TypeVar
 
 from calibrl.errors import ConfigError
 
 if TYPE_CHECKING:  # pragma: no cover
     from transformers import PreTrainedTokenizerBase
 
+    from calibrl.sme.items import SampleItem
     from calibrl.trainer.clients import RetrievalClient
     from calibrl.trainer.config import RolloutConfig
     from calibrl.trainer.engines import GenerationEngine
@@ -37,7 +50,9 @@ if TYPE_CHECKING:  # pragma: no cover
     from calibrl.trainer.rollout import RolloutBatch
     from calibrl.trainer.tasks import Task
 
-RunAsync = Callable[[Coroutine[Any, Any, Any]], Any]
+T = TypeVar("T")
+RunAsync = Callable[[Coroutine[Any, Any, T]], T]  # runs a coroutine to its result from synchronous code
+JsonRecord = Mapping[str, object]  # one parsed JSONL line
 
 
 @dataclass(frozen=True)
@@ -57,11 +72,42 @@ class RolloutSettings:
     max_obs_tokens: int = 256  # search: retrieved tokens per observation
 
 
-RolloutFn = Callable[["GenerationEngine", "PreTrainedTokenizerBase", Sequence["Task"], RolloutSettings,
-                     "RetrievalClient", RunAsync], "RolloutBatch"]
-ScoreFn = Callable[["RewardModel", Sequence[Any]], Coroutine[Any, Any, "list[RewardBreakdown]"]]
-EvaluateFn = Callable[["GenerationEngine", "PreTrainedTokenizerBase", Sequence["Task"], "RetrievalClient",
-                       "EvalSettings", RunAsync, str, "bool | None"], "dict[str, float]"]
+class RolloutFn(Protocol):
+    def __call__(self, engine: "GenerationEngine", tokenizer: "PreTrainedTokenizerBase", tasks: Sequence["Task"],
+                 settings: RolloutSettings, retrieval: "RetrievalClient", run_async: RunAsync) -> "RolloutBatch": ...
+
+
+class ScoreFn(Protocol):
+    def __call__(self, rewards: "RewardModel",
+                 rollouts: Sequence[object]) -> Coroutine[Any, Any, "list[RewardBreakdown]"]: ...
+
+
+class EvaluateFn(Protocol):
+    def __call__(self, engine: "GenerationEngine", tokenizer: "PreTrainedTokenizerBase", tasks: Sequence["Task"],
+                 retrieval: "RetrievalClient", settings: "EvalSettings", run_async: RunAsync, template: str,
+                 chat_template: bool | None) -> dict[str, float]: ...
+
+
+class BaselineFn(Protocol):
+    def __call__(self, tasks: Sequence["Task"], retrieval: "RetrievalClient", settings: "EvalSettings",
+                 run_async: RunAsync) -> dict[str, float]: ...
+
+
+class SampleItemsFn(Protocol):
+    """(items, outputs left out because they were empty) of one model on ``tasks``."""
+
+    def __call__(self, engine: "GenerationEngine", tokenizer: "PreTrainedTokenizerBase", tasks: Sequence["Task"],
+                 retrieval: "RetrievalClient", settings: "EvalSettings", run_async: RunAsync, template: str,
+                 chat_template: bool | None, name: str) -> "tuple[list[SampleItem], int]": ...
+
+
+@dataclass(frozen=True)
+class RecordFormat:
+    """One JSONL record format of task files (``tasks.format``)."""
+
+    name: str
+    key: str  # a record holding this key is of this format (fmt=auto)
+    parse: Callable[[JsonRecord, str], "Task"]  # (record, "file:line") -> a task of the format's kind
 
 
 @dataclass(frozen=True)
@@ -75,15 +121,28 @@ class TaskKind:
     evaluate: EvaluateFn  # (engine, tokenizer, tasks, retrieval, settings, run_async, template, chat) -> metrics
     metric_names: tuple[str, ...]
     max_completion_tokens: Callable[["RolloutConfig"], int]
+    formats: tuple[RecordFormat, ...] = ()
+    required: Mapping[str, str] = field(default_factory=dict)  # Task field -> why it may not be empty
+    write_record: Callable[["Task"], dict[str, object]] | None = None
+    multi_step: bool = False
+    query_baseline: BaselineFn | None = None
+    sample_items: SampleItemsFn | None = None
 
 
 TASK_KINDS: dict[str, TaskKind] = {}
 
 
 def register_task_kind(kind: TaskKind) -> TaskKind:
-    """Add ``kind`` to the registry (a second kind of the same name is an error)."""
+    """Add ``kind`` to the registry (a second kind of the same name, or a record format
+    name or key another kind already reads, is an error)."""
     if kind.name in TASK_KINDS and TASK_KINDS[kind.name] is not kind:
         raise ConfigError(f"task kind {kind.name!r} is already registered")
+    others = [f for k in TASK_KINDS.values() if k.name != kind.name for f in k.formats]
+    for fmt in kind.formats:
+        for other in others:
+            if fmt.name == other.name or fmt.key == other.key:
+                raise ConfigError(f"task kind {kind.name!r}: record format {fmt.name!r} (key {fmt.key!r}) clashes "
+                                  f"with the registered format {other.name!r} (key {other.key!r})")
     TASK_KINDS[kind.name] = kind
     return kind
 
@@ -96,80 +155,23 @@ def task_kind(name: str) -> TaskKind:
         raise ConfigError(f"task kind {name!r}: expected one of {sorted(TASK_KINDS)}") from None
 
 
-def _lazy(module: str, name: str) -> Callable[..., Any]:
+def record_formats() -> dict[str, RecordFormat]:
+    """Every registered record format by name, in registration order."""
+    return {fmt.name: fmt for kind in TASK_KINDS.values() for fmt in kind.formats}
+
+
+def lazy(module: str, name: str) -> Callable[..., Any]:
     """``module.name``, imported on first call (keeps torch out of ``--help``)."""
 
-    def call(*args: Any, **kwargs: Any) -> Any:
+    def call(*args: object, **kwargs: object) -> object:
         return getattr(importlib.import_module(module), name)(*args, **kwargs)
 
     call.__name__ = call.__qualname__ = name
     return call
 
 
-# --------------------------------------------------------------------------- rewrite: a one-step query rewriter
+# The built-in kinds register themselves on import; the import sits last because they use the names above.
+from calibrl.trainer import builtin_kinds as _builtin_kinds  # noqa: E402,F401
 
-
-def _rollout_rewrites(engine: "GenerationEngine", tokenizer: "PreTrainedTokenizerBase", tasks: Sequence["Task"],
-                      settings: RolloutSettings,
-                      retrieval: "RetrievalClient", run_async: RunAsync) -> "RolloutBatch":
-    from calibrl.trainer.rollout import rollout_rewrites
-
-    return rollout_rewrites(
-        engine, tokenizer, tasks, group_size=settings.group_size, max_new_tokens=settings.max_new_tokens,
-        temperature=settings.temperature, top_p=settings.top_p, seed=settings.seed,
-        prompt_template=settings.prompt_template, chat_template=settings.chat_template,
-    )
-
-
-def _score_rewrites(rewards: "RewardModel", rollouts: Sequence[Any]) -> Coroutine[Any, Any, "list[RewardBreakdown]"]:
-    return rewards.score_rewrites(rollouts)
-
-
-def _one_turn(rollout: "RolloutConfig") -> int:
-    return rollout.max_new_tokens
-
-
-# --------------------------------------------------------------------------- search: a multi-step Search-R1 agent
-
-
-def _rollout_search(engine: "GenerationEngine", tokenizer: "PreTrainedTokenizerBase", tasks: Sequence["Task"],
-                    settings: RolloutSettings,
-                    retrieval: "RetrievalClient", run_async: RunAsync) -> "RolloutBatch":
-    from calibrl.trainer.rollout import rollout_search
-
-    return rollout_search(
-        engine, tokenizer, tasks, group_size=settings.group_size, retrieval=retrieval, run_async=run_async,
-        max_turns=settings.max_turns, top_k=settings.search_top_k, max_new_tokens_per_turn=settings.max_new_tokens,
-        max_obs_tokens=settings.max_obs_tokens, temperature=settings.temperature, top_p=settings.top_p,
-        seed=settings.seed, prompt_template=settings.prompt_template, chat_template=settings.chat_template,
-    )
-
-
-def _score_search(rewards: "RewardModel", rollouts: Sequence[Any]) -> Coroutine[Any, Any, "list[RewardBreakdown]"]:
-    return rewards.score_search(rollouts)
-
-
-def _all_turns(rollout: "RolloutConfig") -> int:
-    return rollout.max_new_tokens * rollout.max_turns
-
-
-def _register_builtin_kinds() -> None:
-    from calibrl.trainer.search_format import REWRITE_TEMPLATE, SEARCH_TEMPLATE
-
-    register_task_kind(TaskKind(
-        name="rewrite", builtin_template=REWRITE_TEMPLATE, rollout=_rollout_rewrites, score=_score_rewrites,
-        evaluate=_lazy("calibrl.trainer.eval", "evaluate_rewrites"),
-        metric_names=("hit@k", "all_gold@k", "recall@k", "mrr", "ndcg@k", "empty_rewrite_rate"),
-        max_completion_tokens=_one_turn,
-    ))
-    register_task_kind(TaskKind(
-        name="search", builtin_template=SEARCH_TEMPLATE, rollout=_rollout_search, score=_score_search,
-        evaluate=_lazy("calibrl.trainer.eval", "evaluate_search"),
-        metric_names=("em", "f1", "answered", "well_formed", "searches", "gold_doc_recall"),
-        max_completion_tokens=_all_turns,
-    ))
-
-
-_register_builtin_kinds()
-
-__all__ = ["TASK_KINDS", "RolloutSettings", "TaskKind", "register_task_kind", "task_kind"]
+__all__ = ["TASK_KINDS", "RecordFormat", "RolloutSettings", "TaskKind", "lazy", "record_formats",
+           "register_task_kind", "task_kind"]

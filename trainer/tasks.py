@@ -1,18 +1,16 @@
 """Training tasks: what a rollout is asked to do and what counts as correct.
 
-A :class:`Task` is either a query-rewrite task (rewrite ``query`` so the index
-returns ``gold_doc_ids``) or a multi-step search task (answer ``query``, a
-question, with ``answers``; ``gold_doc_ids`` are its supporting passages).
+A :class:`Task` is one item of a registered task kind (:mod:`calibrl.trainer.task_kinds`):
+the built-in ``rewrite`` kind rewrites ``query`` so the index returns ``gold_doc_ids``;
+the ``search`` kind answers ``query``, a question, with ``answers`` (``gold_doc_ids`` are
+its supporting passages).
 
-Task files are JSONL, one object a line (blank lines are skipped):
-
-- ``fmt="rewrite"``:  ``{"id", "query", "gold_doc_ids", ["answers"], ["context"]}``
-  where ``context`` is a flat object of strings passed to the judge (e.g. ``domain``);
-- ``fmt="search"``:   ``{"id", "question", "answers", "gold_doc_ids"}``;
-- ``fmt="hotpotqa"``: the IRCoT-formatted HotpotQA dev set (``question_id``,
-  ``question_text``, ``answers_objects[0].spans``, ``contexts`` whose supporting
-  paragraphs' titles are the gold document ids);
-- ``fmt="auto"`` picks one of the three from the first record's keys.
+Task files are JSONL, one object a line (blank lines are skipped), in one of the record
+formats the registered kinds read (:class:`~calibrl.trainer.task_kinds.RecordFormat`):
+``rewrite`` and ``search`` (:mod:`calibrl.trainer.builtin_kinds` lists their keys) and
+``hotpotqa`` (the IRCoT-formatted HotpotQA dev set); ``fmt="auto"`` picks the format
+whose key the first record holds. The record helpers (:func:`record_text`,
+:func:`record_strings`, :func:`record_context`) are what a format's parser reads fields with.
 
 A bad line raises :class:`~calibrl.errors.InvalidArgument` naming ``file:line``
 and the field; a missing or empty file raises :class:`~calibrl.errors.ConfigError`.
@@ -23,14 +21,13 @@ from __future__ import annotations
 import json
 import pathlib
 import random
-from dataclasses import dataclass
-from typing import Any, Iterable, Literal, Sequence
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Iterable, Mapping, Sequence
 
 from calibrl.errors import ConfigError, InvalidArgument
 
-TaskKind = Literal["rewrite", "search"]
-FORMATS = ("auto", "rewrite", "search", "hotpotqa")
-KINDS = ("rewrite", "search")
+if TYPE_CHECKING:  # pragma: no cover
+    from calibrl.trainer.task_kinds import RecordFormat
 
 
 @dataclass(frozen=True)
@@ -38,7 +35,7 @@ class Task:
     """One training or evaluation task."""
 
     task_id: str
-    kind: TaskKind
+    kind: str  # the name of a registered task kind (calibrl.trainer.task_kinds)
     query: str  # the user query (rewrite) or the question (search)
     gold_doc_ids: tuple[str, ...] = ()
     answers: tuple[str, ...] = ()
@@ -51,22 +48,25 @@ class Task:
 def load_tasks(path: str | pathlib.Path, kind: str | None = None, fmt: str = "auto") -> list[Task]:
     """Read tasks from a JSONL file.
 
-    ``kind`` (None, "rewrite" or "search") chooses what the records become; None
-    keeps the format's own kind (rewrite files -> rewrite tasks, search and
-    HotpotQA files -> search tasks). A search task needs at least one answer and a
-    rewrite task at least one gold document id.
+    ``kind`` (None or a registered kind's name) chooses what the records become; None
+    keeps the format's own kind (rewrite files -> rewrite tasks, search and HotpotQA
+    files -> search tasks). Each task must have the fields its kind requires (a search
+    task an answer, a rewrite task a gold document id).
     """
-    if fmt not in FORMATS:
-        raise InvalidArgument("fmt", f"{fmt!r} is not one of {list(FORMATS)}")
-    if kind is not None and kind not in KINDS:
-        raise InvalidArgument("kind", f"{kind!r} is not one of {list(KINDS)} (or None for the format's own kind)")
+    from calibrl.trainer.task_kinds import TASK_KINDS, record_formats
+
+    formats = record_formats()
+    if fmt != "auto" and fmt not in formats:
+        raise InvalidArgument("fmt", f"{fmt!r} is not one of {['auto', *formats]}")
+    if kind is not None and kind not in TASK_KINDS:
+        raise InvalidArgument("kind", f"{kind!r} is not one of {list(TASK_KINDS)} (or None for the format's own kind)")
     path = pathlib.Path(path)
     if not path.is_file():
         raise ConfigError(f"task file {path} does not exist")
 
     tasks: list[Task] = []
     seen_ids: dict[str, int] = {}
-    line_fmt = fmt
+    line_format = None if fmt == "auto" else formats[fmt]
     with path.open(encoding="utf-8") as lines:
         for lineno, line in enumerate(lines, start=1):
             if not line.strip():
@@ -78,9 +78,9 @@ def load_tasks(path: str | pathlib.Path, kind: str | None = None, fmt: str = "au
                 raise InvalidArgument(where, f"not valid JSON ({exc.msg} at column {exc.colno})") from None
             if not isinstance(record, dict):
                 raise InvalidArgument(where, f"expected a JSON object, got {type(record).__name__}")
-            if line_fmt == "auto":
-                line_fmt = _detect_format(record, where)
-            task = _PARSERS[line_fmt](record, where, kind)
+            if line_format is None:
+                line_format = _detect_format(record, where, formats)
+            task = _checked(line_format.parse(record, where), kind, where)
             if task.task_id in seen_ids:
                 raise InvalidArgument(
                     f"{where}: id", f"duplicate task id {task.task_id!r} (first at line {seen_ids[task.task_id]})"
@@ -117,21 +117,32 @@ def split_tasks(tasks: Sequence[Task], heldout_fraction: float, seed: int) -> tu
 # --- parsing ---------------------------------------------------------------------------------------------------------
 
 
-def _detect_format(record: dict[str, Any], where: str) -> str:
-    if "question_text" in record:
-        return "hotpotqa"
-    if "question" in record:
-        return "search"
-    if "query" in record:
-        return "rewrite"
+def _detect_format(record: Mapping[str, object], where: str, formats: "dict[str, RecordFormat]") -> "RecordFormat":
+    """The format whose key ``record`` holds; when several do, the one registered last (the
+    more specific: a HotpotQA record's ``question_text`` over a search record's ``question``)."""
+    for candidate in reversed(formats.values()):
+        if candidate.key in record:
+            return candidate
+    known = ", ".join(f"a {f.name} record {f.key!r}" for f in formats.values())
     raise InvalidArgument(
-        where,
-        f"cannot tell the task format from keys {sorted(record)}: a rewrite task has 'query', a search task "
-        "'question', a HotpotQA record 'question_text' (or pass fmt=...)",
+        where, f"cannot tell the task format from keys {sorted(record)}: {known} (or pass fmt=...)"
     )
 
 
-def _text(record: dict[str, Any], key: str, where: str) -> str:
+def _checked(task: Task, kind: str | None, where: str) -> Task:
+    """``task`` as a ``kind`` task (None keeps its format's kind), with the fields its kind requires."""
+    from calibrl.trainer.task_kinds import task_kind
+
+    if kind is not None and kind != task.kind:
+        task = replace(task, kind=kind)
+    for name, why in task_kind(task.kind).required.items():
+        if not getattr(task, name):
+            raise InvalidArgument(f"{where}: {name}", why)
+    return task
+
+
+def record_text(record: Mapping[str, object], key: str, where: str) -> str:
+    """The non-empty string ``record[key]``, stripped (a numeric ``id`` is read as text)."""
     if key not in record:
         raise InvalidArgument(f"{where}: {key}", "missing")
     value = record[key]
@@ -142,7 +153,9 @@ def _text(record: dict[str, Any], key: str, where: str) -> str:
     return value.strip()
 
 
-def _strings(record: dict[str, Any], key: str, where: str, required: bool) -> tuple[str, ...]:
+def record_strings(record: Mapping[str, object], key: str, where: str, required: bool) -> tuple[str, ...]:
+    """The list of non-empty strings ``record[key]``, stripped, duplicates dropped (order kept);
+    () when an optional key is absent."""
     if key not in record:
         if required:
             raise InvalidArgument(f"{where}: {key}", "missing")
@@ -155,10 +168,11 @@ def _strings(record: dict[str, Any], key: str, where: str, required: bool) -> tu
         if not isinstance(item, str) or not item.strip():
             raise InvalidArgument(f"{where}: {key}[{i}]", f"must be a non-empty string, got {item!r}")
         items.append(item.strip())
-    return tuple(dict.fromkeys(items))  # drop duplicates, keep order
+    return tuple(dict.fromkeys(items))
 
 
-def _context(record: dict[str, Any], where: str) -> tuple[tuple[str, str], ...]:
+def record_context(record: Mapping[str, object], where: str) -> tuple[tuple[str, str], ...]:
+    """The optional flat ``context`` object of strings (numbers read as text), as sorted pairs."""
     value = record.get("context", {})
     if value is None:
         return ()
@@ -172,79 +186,17 @@ def _context(record: dict[str, Any], where: str) -> tuple[tuple[str, str], ...]:
     return tuple(sorted(pairs))
 
 
-def _finish(task_id: str, kind: str, query: str, gold: tuple[str, ...], answers: tuple[str, ...],
-            context: tuple[tuple[str, str], ...], where: str) -> Task:
-    if kind == "search" and not answers:
-        raise InvalidArgument(f"{where}: answers", "a search task needs at least one gold answer")
-    if kind == "rewrite" and not gold:
-        raise InvalidArgument(
-            f"{where}: gold_doc_ids", "a rewrite task needs at least one gold document id (its retrieval target)"
-        )
-    return Task(task_id=task_id, kind=kind, query=query, gold_doc_ids=gold, answers=answers, context=context)  # type: ignore[arg-type]
-
-
-def _parse_rewrite(record: dict[str, Any], where: str, kind: str | None) -> Task:
-    return _finish(
-        _text(record, "id", where),
-        kind or "rewrite",
-        _text(record, "query", where),
-        _strings(record, "gold_doc_ids", where, required=True),
-        _strings(record, "answers", where, required=False),
-        _context(record, where),
-        where,
-    )
-
-
-def _parse_search(record: dict[str, Any], where: str, kind: str | None) -> Task:
-    return _finish(
-        _text(record, "id", where),
-        kind or "search",
-        _text(record, "question", where),
-        _strings(record, "gold_doc_ids", where, required=False),
-        _strings(record, "answers", where, required=True),
-        _context(record, where),
-        where,
-    )
-
-
-def _parse_hotpotqa(record: dict[str, Any], where: str, kind: str | None) -> Task:
-    task_id = _text(record, "question_id", where)
-    question = _text(record, "question_text", where)
-    answer_objects = record.get("answers_objects")
-    if not isinstance(answer_objects, list) or not answer_objects or not isinstance(answer_objects[0], dict):
-        raise InvalidArgument(f"{where}: answers_objects", f"must be a non-empty list of objects, got {answer_objects!r}")
-    answers = _strings(answer_objects[0], "spans", f"{where}: answers_objects[0]", required=True)
-    contexts = record.get("contexts")
-    if not isinstance(contexts, list):
-        raise InvalidArgument(f"{where}: contexts", f"must be a list of paragraphs, got {contexts!r}")
-    gold: list[str] = []
-    for i, paragraph in enumerate(contexts):
-        if not isinstance(paragraph, dict) or not isinstance(paragraph.get("title"), str):
-            raise InvalidArgument(f"{where}: contexts[{i}]", "must be an object with a string 'title'")
-        if paragraph.get("is_supporting") is True:
-            gold.append(paragraph["title"])
-    return _finish(task_id, kind or "search", question, tuple(dict.fromkeys(gold)), answers, (), where)
-
-
-_PARSERS = {"rewrite": _parse_rewrite, "search": _parse_search, "hotpotqa": _parse_hotpotqa}
-
-
 def write_tasks(tasks: Iterable[Task], path: str | pathlib.Path) -> None:
-    """Write tasks as JSONL in their kind's format (load_tasks reads them back unchanged)."""
+    """Write tasks as JSONL, each in its kind's own format (load_tasks reads them back unchanged)."""
+    from calibrl.trainer.task_kinds import task_kind
+
     path = pathlib.Path(path)
     with path.open("w", encoding="utf-8") as out:
         for task in tasks:
-            if task.kind == "rewrite":
-                record: dict[str, Any] = {"id": task.task_id, "query": task.query,
-                                          "gold_doc_ids": list(task.gold_doc_ids)}
-                if task.answers:
-                    record["answers"] = list(task.answers)
-            else:
-                record = {"id": task.task_id, "question": task.query, "answers": list(task.answers),
-                          "gold_doc_ids": list(task.gold_doc_ids)}
-            if task.context:
-                record["context"] = dict(task.context)
-            out.write(json.dumps(record, ensure_ascii=False) + "\n")
+            kind = task_kind(task.kind)
+            if kind.write_record is None:
+                raise InvalidArgument(f"task {task.task_id!r}", f"task kind {kind.name!r} has no record writer")
+            out.write(json.dumps(kind.write_record(task), ensure_ascii=False) + "\n")
 
 
-__all__ = ["Task", "TaskKind", "load_tasks", "split_tasks", "write_tasks"]
+__all__ = ["Task", "load_tasks", "record_context", "record_strings", "record_text", "split_tasks", "write_tasks"]

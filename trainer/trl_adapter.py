@@ -25,8 +25,9 @@ No silent zeros: TRL turns a ``None`` reward into NaN and then a zero advantage,
 so these functions never return one. A batch whose reward cannot be computed
 raises :class:`~calibrl.errors.RewardError` out of ``trainer.train()``.
 
-Scope: single-turn rewrite tasks (a completion is a rewrite; its first non-empty
-line is used, as the rewriter's format is one line). The multi-step search agent
+Scope: the single-turn ``rewrite`` task kind (:data:`calibrl.trainer.builtin_kinds.REWRITE`;
+a completion is a rewrite; its first non-empty line is used, as the rewriter's format is
+one line). The multi-step search agent
 needs per-step retrieval during generation and CalibAdv's per-step advantages,
 which TRL's trainer has no place for; use calibrl's own loop for it.
 
@@ -38,19 +39,34 @@ from __future__ import annotations
 
 import json
 import logging
-from typing import Any, Callable, Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping, Sequence, TypedDict
 
 from calibrl.errors import InvalidArgument, RewardError
 from calibrl.trainer.aio import BackgroundLoop
+from calibrl.trainer.builtin_kinds import REWRITE
 from calibrl.trainer.rewards import RewardBreakdown, RewardConfig, RewardModel, RewriteRollout
 from calibrl.trainer.tasks import Task
+
+if TYPE_CHECKING:  # pragma: no cover
+    from datasets import Dataset
 
 log = logging.getLogger(__name__)
 
 BLENDED_NAME = "calibrl_reward"
 
 
-def completion_text(completion: Any) -> str:
+class TrlRow(TypedDict):
+    """One row of :func:`tasks_to_dataset`: the prompt plus the columns the reward functions read."""
+
+    prompt: str
+    task_id: str
+    query: str
+    gold_doc_ids: list[str]
+    answers: list[str]
+    context: str  # the task's context as a JSON object string
+
+
+def completion_text(completion: object) -> str:
     """The text of a TRL completion: a string, or a conversation (list of messages) whose
     last assistant message's content is a string or a list of ``{"type": "text"}`` parts."""
     if isinstance(completion, str):
@@ -70,7 +86,7 @@ def completion_text(completion: Any) -> str:
     raise InvalidArgument("completions", f"expected a string or a list of messages, got {type(completion).__name__}")
 
 
-def rewrite_from_completion(completion: Any) -> str:
+def rewrite_from_completion(completion: object) -> str:
     """The rewrite a completion proposes: its first non-empty line (empty when there is none)."""
     for line in completion_text(completion).splitlines():
         if line.strip():
@@ -78,7 +94,8 @@ def rewrite_from_completion(completion: Any) -> str:
     return ""
 
 
-def tasks_to_dataset(tasks: Iterable[Task], prompt_template: str | None = None, as_hf_dataset: bool = True) -> Any:
+def tasks_to_dataset(tasks: Iterable[Task], prompt_template: str | None = None,
+                     as_hf_dataset: bool = True) -> "Dataset | list[TrlRow]":
     """Rewrite tasks as TRL rows: ``prompt`` plus the columns the reward functions read
     (``task_id``, ``query``, ``gold_doc_ids``, ``answers``, ``context`` as a JSON object string).
 
@@ -86,22 +103,22 @@ def tasks_to_dataset(tasks: Iterable[Task], prompt_template: str | None = None, 
     rewriter prompt of :mod:`calibrl.trainer.search_format`. Returns a ``datasets.Dataset`` (or the
     list of row dicts with ``as_hf_dataset=False``).
     """
-    from calibrl.trainer.search_format import REWRITE_TEMPLATE, fill_template
+    from calibrl.trainer.search_format import fill_template
 
-    template = prompt_template or REWRITE_TEMPLATE
-    rows = []
+    template = prompt_template or REWRITE.builtin_template
+    rows: list[TrlRow] = []
     for task in tasks:
-        if task.kind != "rewrite":
+        if task.kind != REWRITE.name:
             raise InvalidArgument("tasks", f"task {task.task_id!r} is a {task.kind} task; the TRL adapter scores "
-                                  "rewrite tasks only (use calibrl's loop for search agents)")
-        rows.append({
-            "prompt": fill_template(template, task.query, task.context),
-            "task_id": task.task_id,
-            "query": task.query,
-            "gold_doc_ids": list(task.gold_doc_ids),
-            "answers": list(task.answers),
-            "context": json.dumps(dict(task.context), sort_keys=True),
-        })
+                                  f"{REWRITE.name} tasks only (use calibrl's loop for multi-step agents)")
+        rows.append(TrlRow(
+            prompt=fill_template(template, task.query, task.context),
+            task_id=task.task_id,
+            query=task.query,
+            gold_doc_ids=list(task.gold_doc_ids),
+            answers=list(task.answers),
+            context=json.dumps(dict(task.context), sort_keys=True),
+        ))
     if not as_hf_dataset:
         return rows
     from datasets import Dataset
@@ -109,7 +126,7 @@ def tasks_to_dataset(tasks: Iterable[Task], prompt_template: str | None = None, 
     return Dataset.from_list(rows)
 
 
-def _task_at(columns: Mapping[str, Any], index: int) -> Task:
+def _task_at(columns: Mapping[str, Sequence[Any]], index: int) -> Task:
     def column(name: str, required: bool) -> Any:
         values = columns.get(name)
         if values is None:
@@ -128,7 +145,7 @@ def _task_at(columns: Mapping[str, Any], index: int) -> Task:
     task_id = column("task_id", required=False)
     return Task(
         task_id=str(task_id) if task_id is not None else f"row-{index}",
-        kind="rewrite",
+        kind=REWRITE.name,
         query=str(column("query", required=True)),
         gold_doc_ids=tuple(column("gold_doc_ids", required=True) or ()),
         answers=tuple(column("answers", required=False) or ()),
@@ -149,8 +166,8 @@ class TrlRewardScorer:
         self._cached_key: tuple | None = None
         self._unread: set[str] = set()
 
-    def breakdowns(self, component: str, prompts: Sequence[Any], completions: Sequence[Any],
-                   columns: Mapping[str, Any]) -> list[RewardBreakdown]:
+    def breakdowns(self, component: str, prompts: Sequence[object], completions: Sequence[object],
+                   columns: Mapping[str, Sequence[Any]]) -> list[RewardBreakdown]:
         key = (tuple(map(repr, prompts)), tuple(map(repr, completions)))
         if key == self._cached_key and component in self._unread:
             self._unread.discard(component)
@@ -177,7 +194,8 @@ class _ComponentReward:
         self.component = component
         self.__name__ = component  # TRL logs rewards/<__name__>/mean
 
-    def __call__(self, prompts: Sequence[Any], completions: Sequence[Any], **columns: Any) -> list[float]:
+    def __call__(self, prompts: Sequence[object], completions: Sequence[object],
+                 **columns: Sequence[Any]) -> list[float]:
         results = self.scorer.breakdowns(self.component, prompts, completions, columns)
         if self.component == BLENDED_NAME:
             return [r.total for r in results]

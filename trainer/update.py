@@ -24,7 +24,7 @@ import contextlib
 import logging
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ContextManager
+from typing import TYPE_CHECKING, ContextManager
 
 from calibrl.trainer import distributed as dist_util
 from calibrl.trainer.policy import completion_logprobs
@@ -159,7 +159,7 @@ class PolicyUpdate:
 
     def __init__(self, config: "TrainConfig", model: "torch.nn.Module", reference: "torch.nn.Module | None",
                  optimizer: "torch.optim.Optimizer", scheduler: "torch.optim.lr_scheduler.LRScheduler",
-                 ctx: dist_util.DistContext, autocast: ContextManager[Any], max_completion_length: int) -> None:
+                 ctx: dist_util.DistContext, autocast: ContextManager[None], max_completion_length: int) -> None:
         self.config, self.model, self.reference = config, model, reference
         self.optimizer, self.scheduler, self.ctx, self.autocast = optimizer, scheduler, ctx, autocast
         self.max_completion_length = max_completion_length
@@ -247,7 +247,7 @@ class PolicyUpdate:
         return float(torch.nn.utils.clip_grad_norm_(self.params, max_norm))
 
 
-def autocast_for(config: "TrainConfig", device: str) -> ContextManager[Any]:
+def autocast_for(config: "TrainConfig", device: str) -> ContextManager[None]:
     """bf16 autocast when ``precision`` asks for it (``auto``: on CUDA), else a no-op."""
     import torch
 

@@ -30,11 +30,16 @@ def eval_items(models: Sequence[str], tasks: Sequence[Any], retrieval: Any, sett
                names: Sequence[str] | None = None, prompt_template: str | None = None,
                chat_template: str | None = None) -> tuple[list[SampleItem], int]:
     """(items, empty outputs left out) for every model on ``tasks``."""
+    from calibrl.errors import ConfigError
     from calibrl.trainer.engines import make_engine
     from calibrl.trainer.eval import choose_prompt, resolve_model_path
     from calibrl.trainer.policy import load_policy
+    from calibrl.trainer.task_kinds import task_kind
 
     kind = tasks[0].kind
+    sample_items = task_kind(kind).sample_items
+    if sample_items is None:
+        raise ConfigError(f"--sme-items: task kind {kind!r} does not write SME sample items")
     items: list[SampleItem] = []
     empty = 0
     for i, model in enumerate(models):
@@ -46,14 +51,10 @@ def eval_items(models: Sequence[str], tasks: Sequence[Any], retrieval: Any, sett
         policy.model.eval()
         try:
             engine = make_engine("transformers", policy)
-            if kind == "search":
-                items += _search_items(engine, policy.tokenizer, tasks, retrieval, settings, run_async, template,
-                                       chat, name)
-            else:
-                new, skipped = _rewrite_items(engine, policy.tokenizer, tasks, retrieval, settings, run_async,
-                                              template, chat, name)
-                items += new
-                empty += skipped
+            new, skipped = sample_items(engine, policy.tokenizer, tasks, retrieval, settings, run_async, template,
+                                        chat, name)
+            items += new
+            empty += skipped
         finally:
             del policy
             gc.collect()
@@ -68,8 +69,9 @@ def write_eval_items(path: str | pathlib.Path, *args: Any, **kwargs: Any) -> str
         f" ({empty} empty outputs left out)" if empty else "")
 
 
-def _rewrite_items(engine: Any, tokenizer: Any, tasks: Sequence[Any], retrieval: Any, settings: Any, run_async: Any,
-                   template: str, chat: bool | None, name: str) -> tuple[list[SampleItem], int]:
+def rewrite_items(engine: Any, tokenizer: Any, tasks: Sequence[Any], retrieval: Any, settings: Any, run_async: Any,
+                  template: str, chat: bool | None, name: str) -> tuple[list[SampleItem], int]:
+    """The ``rewrite`` kind's items (its ``TaskKind.sample_items``) and the empty rewrites left out."""
     from calibrl.retrieval_server.types import ScoreItem, SearchMode
     from calibrl.trainer.rollout import rollout_rewrites
 
@@ -99,8 +101,9 @@ def _rewrite_items(engine: Any, tokenizer: Any, tasks: Sequence[Any], retrieval:
     return items, len(tasks) - len(kept)
 
 
-def _search_items(engine: Any, tokenizer: Any, tasks: Sequence[Any], retrieval: Any, settings: Any, run_async: Any,
-                  template: str, chat: bool | None, name: str) -> list[SampleItem]:
+def search_items(engine: Any, tokenizer: Any, tasks: Sequence[Any], retrieval: Any, settings: Any, run_async: Any,
+                 template: str, chat: bool | None, name: str) -> tuple[list[SampleItem], int]:
+    """The ``search`` kind's items (its ``TaskKind.sample_items``); none is left out."""
     from calibrl.text import exact_match, token_f1
     from calibrl.trainer.rollout import rollout_search
 
@@ -133,4 +136,4 @@ def _search_items(engine: Any, tokenizer: Any, tasks: Sequence[Any], retrieval: 
                 gold_doc_ids=tuple(task.gold_doc_ids), signals=tuple(sorted(signals)), model=name,
                 context=tuple(task.context),
             ))
-    return items
+    return items, 0
