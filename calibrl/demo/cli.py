@@ -714,9 +714,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="calibrl demo",
         description="Run the whole loop on the built-in domain, with nothing downloaded: distil a rubric from "
-        "simulated SME feedback, validate it, build the index, start both services on loopback, warm-start a "
-        "tiny policy, train it with GRPO (binary vs blended dense reward; GRPO vs CalibAdv), evaluate, and write "
-        "a report with plots.",
+        "simulated SME feedback, validate it, build, train and validate a tiny LLM judge, build the index, start "
+        "both services on loopback, warm-start a tiny policy, train it with GRPO (binary vs binary + dynamic "
+        "sampling vs blended dense reward; GRPO vs CalibAdv), evaluate, and write a report with plots.",
     )
     parser.add_argument("--quick", action="store_true", help="a smoke run with few steps (under 3 minutes)")
     parser.add_argument("--out", default="calibrl_demo_out", help="output folder (default: calibrl_demo_out)")
@@ -727,7 +727,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="replace --out even if it holds something other than an earlier demo run")
     parser.add_argument("--no-progress", action="store_true", help="hide progress bars")
     parser.add_argument("--report-to", default="tensorboard", metavar="TRACKERS",
-                        help="experiment trackers of the four training runs, comma-separated: tensorboard, wandb, "
+                        help="experiment trackers of the five training runs, comma-separated: tensorboard, wandb, "
                         "mlflow, trackio, or none (default tensorboard); project calibrl-demo, one run per "
                         "training run, with its held-out table")
     args = parser.parse_args(list(argv) if argv is not None else None)
