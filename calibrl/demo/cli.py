@@ -405,6 +405,9 @@ def _add_judge_sections(report: Any, validations: dict[str, Any], judge_model: A
         except OSError as exc:
             report.notes.append(f"The judge server's /metrics could not be read ({exc}); no per-rubric figures.")
         lines += jr.server_section(stats, served, callers)
+    else:
+        report.notes.append("The judge server's per-rubric calls, batch sizes and cache hits come from its Prometheus "
+                            "/metrics, which needs the prometheus extra: pip install 'calibrl[prometheus]'.")
     band = HealthConfig().max_judge_retrieval_disagreement
     dense_runs = [r for r in report.rewrite_runs if r.name == "dense"]
     plots = out / "plots"
