@@ -105,11 +105,16 @@ def test_dynamic_sampling_lines_compare_the_three_arms():
     dynamic = RunResult("binary_ds", "binary+ds", "rewrite", {"hit": 0.30},
                         steps=_steps(3, **{"sampling/kept_groups": 6.0, "sampling/extra_rollouts": 32.0}))
     dense = RunResult("dense", "dense", "rewrite", {"hit": 0.45}, steps=_steps(3))
-    lines = jr.dynamic_sampling_lines(binary, dynamic, dense, k=1)
+    lines = jr.dynamic_sampling_lines(binary, dynamic, dense, k=1, n_tasks=100)
     assert "kept 6.0 groups" in lines[0] and "drew 32.0 extra rollouts" in lines[0]
     assert "30.0% against 25.0%" in lines[0] and "(+5.0 points)" in lines[0]
     assert "still beat binary + dynamic sampling by 15.0 points" in lines[1]
-    assert jr.dynamic_sampling_lines(binary, None, dense, k=1) == []
+    assert jr.dynamic_sampling_lines(binary, None, dense, k=1, n_tasks=100) == []
+    # one task of 119 apart is one seed's noise, not a finding
+    close = RunResult("dense", "dense", "rewrite", {"hit": 0.412}, steps=_steps(3))
+    dynamic.heldout["hit"] = 0.403
+    level = jr.dynamic_sampling_lines(binary, dynamic, close, k=1, n_tasks=119)[1]
+    assert "ended level (+0.9 points, within two of the 119 held-out tasks)" in level
 
 
 def test_disagreement_plot_and_lines(tmp_path):
