@@ -8,6 +8,7 @@ calls, batch sizes and cache lookups (what the demo's report shows)."""
 from __future__ import annotations
 
 import asyncio
+import pathlib
 import shutil
 import socket
 
@@ -34,7 +35,7 @@ from calibrl.v1 import judge_pb2_grpc
 pytest.importorskip("torch")
 pytest.importorskip("opentelemetry.exporter.prometheus", reason="the prometheus extra: pip install 'calibrl[prometheus]'")
 
-STEP_RUBRIC = __import__("pathlib").Path(__file__).resolve().parent.parent / "configs" / "rubrics" / "search-steps.yaml"
+STEP_RUBRIC = pathlib.Path(__file__).resolve().parent.parent / "configs" / "rubrics" / "search-steps.yaml"
 LLM_RUBRIC = """\
 id: rewriter-llm
 version: "1"

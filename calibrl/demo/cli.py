@@ -361,14 +361,16 @@ def build_llm_judge(settings: DemoSettings, domain: Any, feedback: pathlib.Path,
         domain, feedback, rubric, rubric_path, golden, golden_path, out / "judge_model",
         JudgeModelSettings(warm_steps=settings.judge_warm_steps, epochs=settings.judge_epochs),
         pass_threshold=PASS_THRESHOLD, seed=seed, progress=progress)
-    print(f"    judge model {judge.model_id}: warm-start loss {judge.warm_losses[0]:.2f} -> {judge.warm_losses[1]:.2f}; "
+    first, last = judge.warm_losses
+    print(f"    judge model {judge.model_id}: warm-start loss {first:.2f} -> {last:.2f}; "
           f"trained on {len(judge.training.train)} reviews (golden {len(judge.training.held_out)} never); "
           + ", ".join(f"{k} {v:.0f}s" for k, v in judge.seconds.items()))
     print("    held-in agreement after training: " + ", ".join(
         f"{name} {figures['final'].get('agreement', math.nan):.2f}"
         for name, figures in judge.training.record["criteria"].items()))
     v = judge.validation
-    print(f"    gate {'PASSED' if v.passed else 'FAILED'}: Cohen's kappa {v.kappa if v.kappa is not None else math.nan:.3f} "
+    kappa = v.kappa if v.kappa is not None else math.nan
+    print(f"    gate {'PASSED' if v.passed else 'FAILED'}: Cohen's kappa {kappa:.3f} "
           f"on {v.n_items} golden items (judge pass = total >= {PASS_THRESHOLD})")
     return judge
 

@@ -72,7 +72,8 @@ def judge_config(spec: str, **overrides: Any) -> Any:
     from calibrl.config import load_config
     from calibrl.judge_server.config import JudgeConfig
 
-    fields = {"backend": spec, "device": "cpu", "max_docs": JUDGE_MAX_DOCS, "max_doc_chars": JUDGE_MAX_DOC_CHARS, **overrides}
+    fields = {"backend": spec, "device": "cpu", "max_docs": JUDGE_MAX_DOCS, "max_doc_chars": JUDGE_MAX_DOC_CHARS,
+              **overrides}
     return load_config(JudgeConfig, None, [f"{k}={str(v).lower() if isinstance(v, bool) else v}"
                                            for k, v in fields.items()])
 
