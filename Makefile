@@ -28,10 +28,13 @@ install-dev: $(BIN)/python
 	$(BIN)/pip install -c $(LOCK) torch
 	$(BIN)/pip install -c $(LOCK) -e '.[dev]'
 
+# the prometheus extra: the demo's report reads the judge server's per-rubric figures from /metrics
 demo: install
+	$(BIN)/pip install -c $(LOCK) -e '.[prometheus]'
 	$(BIN)/calibrl demo
 
 demo-quick: install
+	$(BIN)/pip install -c $(LOCK) -e '.[prometheus]'
 	$(BIN)/calibrl demo --quick
 
 test: install-dev

@@ -17,7 +17,9 @@ The instruments, by the key :func:`record` takes (Prometheus name in brackets):
 - ``client_duration`` (``calibrl_rpc_client_duration_seconds``): client latency, retries included
 - ``batch_size`` (``calibrl_batch_size``): items per server-side batch, by batcher
 - ``calibrl.queue.depth`` gauge (``calibrl_queue_depth``): items waiting, by batcher
-- ``cache`` (``calibrl_cache_lookups_total``): judge cache lookups, by result (hit|miss)
+- ``cache`` (``calibrl_cache_lookups_total``): judge cache lookups, by result (hit|miss) and rubric
+- ``judge_calls`` (``calibrl_judge_calls_total``): judge Score calls, by rubric
+- ``judge_batch_size`` (``calibrl_judge_batch_size``): items per computed judge batch (callers joined), by rubric
 - ``tenant_requests`` (``calibrl_tenant_requests_total``): authenticated calls, by tenant and method
 - ``refusals`` (``calibrl_tenant_refusals_total``): calls refused before any work, by tenant and
   reason (unauthenticated, request_size, rate_limit, queue_full)
@@ -129,7 +131,13 @@ def configure(
         "batch_size": meter.create_histogram(
             "calibrl.batch.size", unit="{item}", description="Items per server-side batch"
         ),
-        "cache": meter.create_counter("calibrl.cache.lookups", description="Judge cache lookups by result (hit|miss)"),
+        "cache": meter.create_counter("calibrl.cache.lookups",
+                                      description="Judge cache lookups by result (hit|miss) and rubric"),
+        "judge_calls": meter.create_counter("calibrl.judge.calls", description="Judge Score calls by rubric"),
+        "judge_batch_size": meter.create_histogram(
+            "calibrl.judge.batch.size", unit="{item}",
+            description="Items per computed judge batch (concurrent callers joined), by rubric"
+        ),
         "tenant_requests": meter.create_counter(
             "calibrl.tenant.requests", description="Authenticated calls by tenant and method"
         ),
@@ -148,6 +156,8 @@ def _views() -> list[Any]:
     return [
         View(instrument_name="calibrl.rpc.*", aggregation=ExplicitBucketHistogramAggregation(_LATENCY_BUCKETS_S)),
         View(instrument_name="calibrl.batch.size", aggregation=ExplicitBucketHistogramAggregation(_BATCH_BUCKETS)),
+        View(instrument_name="calibrl.judge.batch.size",
+             aggregation=ExplicitBucketHistogramAggregation(_BATCH_BUCKETS)),
     ]
 
 

@@ -22,6 +22,9 @@ class JudgeConfig:
     backend: str = option("programmatic", "Judge SPEC: programmatic | transformers:<model folder> | vllm:<model folder>.")
     allow_unvalidated: bool = option(
         False, "Serve rubrics without a passing validation record for this judge (logged loudly).")
+    unvalidated_rubrics: list[str] = option(
+        factory=list, doc="Rubric ids served without a passing validation record (logged loudly); "
+        "allow_unvalidated serves every rubric.")
     embedder: Literal["minilm", "hashed-ngrams"] = option(
         "minilm", "Intent-similarity embedder; hashed-ngrams is a cheap surface-overlap fallback.")
     embedder_device: str = option("cpu", "Device of the sentence embedder.")
@@ -31,7 +34,7 @@ class JudgeConfig:
     dtype: str = option("auto", "Model dtype: auto (bf16 on GPU, fp32 on CPU), float32, bfloat16, float16.")
     max_items_per_forward: int = option(
         16, "Ignored since scores became batch-invariant (each item runs its own forward pass); kept so configs load.")
-    max_docs: int = option(5, "Retrieved passages shown to an LLM judge, best first.")
+    max_docs: int = option(5, "Retrieved passages shown to an LLM judge, best first; 0: none.")
     max_doc_chars: int = option(600, "Characters of each retrieved passage shown to an LLM judge.")
     use_chat_template: Literal["auto", "true", "false"] = option(
         "auto", "Wrap judge prompts in the tokenizer's chat template (auto: when it has one).")
@@ -55,7 +58,9 @@ class JudgeConfig:
         from calibrl.judge_server.backends import parse_spec
 
         parse_spec(self.backend)
-        for name in ("max_items_per_forward", "max_docs", "max_doc_chars", "max_new_tokens", "max_batch_size",
+        if self.max_docs < 0:
+            raise ConfigError(f"judge.max_docs={self.max_docs}: must be >= 0 (0 shows no retrieved passages)")
+        for name in ("max_items_per_forward", "max_doc_chars", "max_new_tokens", "max_batch_size",
                      "max_text_chars", "max_retrieved", "max_id_chars", "max_context_entries", "max_context_chars",
                      "max_request_chars", "vllm_tensor_parallel_size"):
             if getattr(self, name) <= 0:

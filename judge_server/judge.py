@@ -6,8 +6,12 @@ the weighted total (:func:`calibrl.judge_server.types.aggregate`), the rubric ha
 model id. Programmatic criteria are scored here with every backend; LLM criteria go
 to the LLM backend, so a ``programmatic`` judge refuses rubrics that have any.
 
-A rubric is served only when a passing validation record binds its hash to this
-judge's model id, unless ``allow_unvalidated`` is set. Tenancy: a rubric lists the
+A rubric is served only when a passing validation record binds its hash to the
+model id that scores it (:meth:`Judge.scorer_id`), unless ``allow_unvalidated`` is set
+or the rubric is listed in ``unvalidated_rubrics``. A rubric without LLM criteria is
+scored the same by every backend, so its scorer id is the programmatic judge's
+(``programmatic[<embedder>]``) on any server: one validation of it serves beside any
+LLM rubric, in one server. Tenancy: a rubric lists the
 tenants that may use it (``Rubric.visible_to``); ``tenant=None`` means no
 authentication is configured and every rubric is visible.
 """
@@ -99,6 +103,7 @@ class Judge:
         self.llm = llm
         backend_id = llm.model_id if llm is not None else "programmatic"
         self.model_id = f"{backend_id}[{EMBEDDER_IDS[self.config.embedder]}]"
+        self.programmatic_id = f"programmatic[{EMBEDDER_IDS[self.config.embedder]}]"
         self.cache = cache if cache is not None else ResultCache(self.config.cache_size, self.config.cache_path or None)
         self._embedder = None
         self._embedder_lock = threading.Lock()
@@ -108,7 +113,8 @@ class Judge:
         for rubric in rubrics:
             if rubric.id in self._status:
                 raise ConfigError(f"two rubrics share the id {rubric.id!r}")
-            self._status[rubric.id] = self._check(rubric, find_record(validations, rubric.hash, self.model_id))
+            self._status[rubric.id] = self._check(rubric, find_record(validations, rubric.hash,
+                                                                      self.scorer_id(rubric)))
             self._by_hash[rubric.hash] = rubric
 
     @classmethod
@@ -121,6 +127,11 @@ class Judge:
         return cls(rubrics, config, llm=load_llm(config), validations=records)
 
     # ------------------------------------------------------------------ rubrics
+
+    def scorer_id(self, rubric: Rubric) -> str:
+        """The model id that scores ``rubric``: this judge's, or the programmatic judge's
+        when the rubric has no LLM criteria (its scores do not depend on the backend)."""
+        return self.model_id if rubric.llm_criteria else self.programmatic_id
 
     def _check(self, rubric: Rubric, record: ValidationRecord | None) -> RubricStatus:
         if rubric.llm_criteria and self.llm is None:
@@ -138,12 +149,16 @@ class Judge:
             return RubricStatus(rubric, record, True, f"validated: {record.reason}")
         why = (f"its validation for this model failed ({record.reason})" if record is not None
                else "no validation record for this model")
+        judge_spec = self.config.backend if rubric.llm_criteria else "programmatic"
         reason = (f"rubric {rubric.id!r} (hash {rubric.hash}) is not validated for judge model "
-                  f"{self.model_id!r}: {why}. Run 'calibrl rubric validate --rubric {rubric.source_path or '<file>'} "
-                  f"--golden <golden.jsonl> --judge {self.config.backend}' or start the judge with "
-                  f"--allow-unvalidated")
+                  f"{self.scorer_id(rubric)!r}: {why}. Run 'calibrl rubric validate --rubric "
+                  f"{rubric.source_path or '<file>'} --golden <golden.jsonl> --judge {judge_spec}' or start the "
+                  f"judge with --allow-unvalidated (or judge.unvalidated_rubrics={rubric.id})")
         if self.config.allow_unvalidated:
             return RubricStatus(rubric, record, True, "UNVALIDATED, served because allow_unvalidated is set: " + why)
+        if rubric.id in self.config.unvalidated_rubrics:
+            return RubricStatus(rubric, record, True,
+                                "UNVALIDATED, served because judge.unvalidated_rubrics lists it: " + why)
         return RubricStatus(rubric, record, False, reason)
 
     def statuses(self, tenant: str | None = None) -> list[RubricStatus]:
@@ -235,12 +250,13 @@ class Judge:
         """Cached scores (None where missing) and the indices still to compute."""
         results: list[ItemScore | None] = [None] * len(items)
         missing = []
+        scorer_id = self.scorer_id(rubric)
         for i, item in enumerate(items):
             hit = None
             if self.cache.enabled:
-                key = cache_key(rubric.hash, self.model_id, item)
-                hit = self.cache.get(key, rubric.id, rubric.hash, self.model_id)
-                telemetry.record("cache", 1, result="miss" if hit is None else "hit")
+                key = cache_key(rubric.hash, scorer_id, item)
+                hit = self.cache.get(key, rubric.id, rubric.hash, scorer_id)
+                telemetry.record("cache", 1, result="miss" if hit is None else "hit", rubric=rubric.id)
             if hit is None:
                 missing.append(i)
             else:
@@ -251,6 +267,8 @@ class Judge:
         """Score ``items`` (no cache lookup) and store the results in the cache."""
         if not items:
             return []
+        telemetry.record("judge_batch_size", len(items), rubric=rubric.id)
+        scorer_id = self.scorer_id(rubric)
         with self._compute_lock:
             columns: dict[str, list[float]] = {}
             context = programmatic.ScorerContext(glossary=rubric.glossary, embed=None)
@@ -277,9 +295,9 @@ class Judge:
                     raise RewardError(f"items[{i}]: criterion {criterion.name!r} produced {value!r}, outside [0, 1]")
                 criteria.append(CriterionScore(criterion.name, min(1.0, max(0.0, value)), criterion.weight,
                                                criterion.penalty))
-            score = ItemScore(tuple(criteria), aggregate(criteria), rubric.id, rubric.hash, self.model_id)
+            score = ItemScore(tuple(criteria), aggregate(criteria), rubric.id, rubric.hash, scorer_id)
             if self.cache.enabled:
-                self.cache.put(cache_key(rubric.hash, self.model_id, item), score)
+                self.cache.put(cache_key(rubric.hash, scorer_id, item), score)
             results.append(score)
         return results
 

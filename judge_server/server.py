@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 from typing import Any, Callable, Sequence
 
+from calibrl import telemetry
 from calibrl.batching import MicroBatcher
 from calibrl.serving import RunningServer, rpc_errors, start_server, time_remaining
 from calibrl.v1 import judge_pb2 as pb
@@ -87,9 +88,10 @@ class JudgeServicer(judge_pb2_grpc.JudgeServiceServicer):
         rubric = self.judge.resolve(request.rubric_id, self.tenant_of(context), request.rubric_hash)
         items = [wire.item_from_proto(m) for m in request.items]
         self.judge.check_items(items)
+        telemetry.record("judge_calls", 1, rubric=rubric.id)
         scores = await self.score_items(rubric, items, timeout_s=time_remaining(context))
         return pb.ScoreResponse(scores=[wire.item_score_to_proto(s) for s in scores], rubric_id=rubric.id,
-                                rubric_hash=rubric.hash, model_id=self.judge.model_id)
+                                rubric_hash=rubric.hash, model_id=self.judge.scorer_id(rubric))
 
     @rpc_errors
     async def ListRubrics(self, request: pb.ListRubricsRequest, context: Any) -> pb.ListRubricsResponse:

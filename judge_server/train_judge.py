@@ -96,7 +96,7 @@ class TrainJudgeOptions:
     criteria: tuple[str, ...] = ()  # LLM criteria to train (empty: all of the rubric's)
     device: str = "auto"  # auto (cuda when available), cpu, cuda, cuda:1, ...
     use_chat_template: str = "auto"  # as the judge's use_chat_template: auto, true or false
-    max_docs: int = 5  # retrieved passages in the prompt, as the judge's max_docs
+    max_docs: int = 5  # retrieved passages in the prompt, as the judge's max_docs (0: none)
     max_doc_chars: int = 600  # characters per passage, as the judge's max_doc_chars
 
     @property
@@ -106,9 +106,11 @@ class TrainJudgeOptions:
         return 2e-4 if self.lora else 2e-5
 
     def validate(self) -> None:
-        for name in ("epochs", "batch_size", "lora_rank", "max_docs", "max_doc_chars"):
+        for name in ("epochs", "batch_size", "lora_rank", "max_doc_chars"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name}={getattr(self, name)}: must be >= 1")
+        if self.max_docs < 0:
+            raise ConfigError(f"max_docs={self.max_docs}: must be >= 0 (0 shows no retrieved passages)")
         if self.lr is not None and not 0.0 < self.lr < 1.0:
             raise ConfigError(f"lr={self.lr}: must be in (0, 1), e.g. 2e-5 (full) or 2e-4 (LoRA)")
         if self.weight_decay < 0:

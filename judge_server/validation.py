@@ -276,7 +276,7 @@ def validate_judge(rubric: Rubric, golden: Sequence[FeedbackRecord], config: Any
         choice = pick_pass_threshold(calibration, _judge_scores(judge, rubric, config, calibration),
                                      options.pass_grade)
     scores = _judge_scores(judge, rubric, config, golden)
-    return agreement(rubric, judge.model_id, golden, scores, options, threshold_choice=choice)
+    return agreement(rubric, judge.scorer_id(rubric), golden, scores, options, threshold_choice=choice)
 
 
 def _judge_scores(judge: Any, rubric: Rubric, config: Any, records: Sequence[FeedbackRecord]) -> list[ItemScore]:

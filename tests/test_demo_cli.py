@@ -74,9 +74,9 @@ def test_quick_demo_end_to_end(tmp_path: pathlib.Path) -> None:
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     stdout = proc.stdout
-    for stage in range(1, 12):
-        assert f"[{stage}/11]" in stdout
-    assert "gate PASSED" in stdout
+    for stage in range(1, 13):
+        assert f"[{stage}/12]" in stdout
+    assert stdout.count("gate PASSED") == 2  # the programmatic judge and the trained LLM judge
     assert re.search(r"retrieval server SERVING on 127\.0\.0\.1:\d+", stdout)
     assert re.search(r"judge server SERVING on 127\.0\.0\.1:\d+", stdout)
 
@@ -88,7 +88,7 @@ def test_quick_demo_end_to_end(tmp_path: pathlib.Path) -> None:
     report = (out / "report.md").read_text()
     assert "| GRPO, binary hit@1 reward |" in report and "## Plots" in report
     plots = sorted((out / "plots").glob("*.png"))
-    assert len(plots) == 11
+    assert len(plots) == 12
     for plot in plots:
         assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and plot.stat().st_size > 5000
         assert f"(plots/{plot.name})" in report
@@ -102,12 +102,12 @@ def test_quick_demo_end_to_end(tmp_path: pathlib.Path) -> None:
 
     results = json.loads((out / "results.json").read_text())
     by_name = {r["name"]: r for r in results["rewrite"] + results["search"]}
-    assert set(by_name) == {"raw", "base", "binary", "dense", "base_agent", "grpo", "calibadv"}
-    for name in ("raw", "base", "binary", "dense"):
+    assert set(by_name) == {"raw", "base", "binary", "binary_ds", "dense", "base_agent", "grpo", "calibadv"}
+    for name in ("raw", "base", "binary", "binary_ds", "dense"):
         assert 0.0 <= by_name[name]["heldout"]["hit"] <= 1.0
-    for name in ("binary", "dense", "grpo", "calibadv"):
+    for name in ("binary", "binary_ds", "dense", "grpo", "calibadv"):
         run = by_name[name]
-        assert run["steps"] == (demo_cli.QUICK.rewrite_steps if name in ("binary", "dense")
+        assert run["steps"] == (demo_cli.QUICK.rewrite_steps if name in demo_cli.REWRITE_ARMS
                                 else demo_cli.QUICK.search_steps)
         assert len(run["heldout_curve"]) >= 2 and run["wall_s"] > 0
         records = [json.loads(line) for line in (out / "runs" / name / "metrics.jsonl").read_text().splitlines()]
@@ -116,6 +116,22 @@ def test_quick_demo_end_to_end(tmp_path: pathlib.Path) -> None:
     dense_log = (out / "runs" / "dense" / "metrics.jsonl").read_text()
     assert "rewards/rubric/mean" in dense_log
     assert "rewards/rubric/mean" not in (out / "runs" / "binary" / "metrics.jsonl").read_text()
+    assert "rewards/judge_retrieval_disagreement" in dense_log
+    assert "sampling/kept_groups" in (out / "runs" / "binary_ds" / "metrics.jsonl").read_text()
+
+    # the LLM judge: trained, validated beside the programmatic judge, serving the dense reward
+    # from the one judge server that also serves the programmatic and step rubrics
+    judge = results["judge"]
+    assert [row["judge"] for row in judge["validation"]] == ["programmatic judge", "LLM judge"]
+    llm_row = judge["validation"][1]
+    assert llm_row["model_id"].startswith("transformers:judge@") and llm_row["passed"]
+    assert -1.0 <= llm_row["kappa"] <= 1.0 and -1.0 <= llm_row["quadratic_weighted_kappa"] <= 1.0
+    assert judge["dense_rubric"] == "demo-rewriter-llm" and "(0.7 MRR@10 + 0.3 rubric demo-rewriter-llm)" in report
+    assert set(judge["served"]) == {"demo-rewriter", "demo-rewriter-llm", "search-steps"}
+    dense_steps = demo_cli.QUICK.rewrite_steps
+    llm_server = judge["server"]["demo-rewriter-llm"]
+    assert llm_server["calls"] >= dense_steps and 0 < llm_server["batch_items"] <= llm_server["cache_misses"]
+    assert "## Two judges on the SME golden set" in report and "## One judge server, every rubric" in report
     # both services were stopped at the end (SIGTERM: NOT_SERVING, drain, exit)
     for log in ("serve_retrieval.log", "serve_judge.log"):
         assert (out / "logs" / log).stat().st_size > 0

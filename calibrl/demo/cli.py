@@ -9,14 +9,18 @@ Stages, in order (each prints what it did; the report lists their times):
 1. generate the domain (corpus, tasks, two-search questions, SME feedback, glossary);
 2. ``calibrl rubric distill`` the SME feedback into a rubric and a golden set;
 3. ``calibrl rubric validate`` the rubric + programmatic judge on the golden set;
+   then build the LLM judge (tokenizer, warm start, ``calibrl rubric train-judge`` on
+   the training reviews) and validate its rubric with ``--judge transformers:...``;
 4. ``calibrl index build`` the corpus (dense MiniLM + BM25);
 5. start ``calibrl serve retrieval`` and ``calibrl serve judge`` as subprocesses on
-   loopback and wait for their gRPC health checks;
+   loopback and wait for their gRPC health checks (one judge server for every rubric:
+   the LLM one, the programmatic one and the search agent's step rubric);
 6. build the tiny policies (tokenizer, model, supervised warm start); the search
    agent's reference observations come from the retrieval service;
 7. evaluate the untrained bases on held-out tasks;
-8. train the rewriter with GRPO twice, binary hit@1 reward vs the blended dense
-   reward (0.7 MRR@10 + 0.3 rubric), and the search agent twice, GRPO vs CalibAdv;
+8. train the rewriter with GRPO three times, binary hit@1 reward, binary + dynamic
+   sampling, and the blended dense reward (0.7 MRR@10 + 0.3 rubric, the LLM rubric when
+   it passed its gate), and the search agent twice, GRPO vs CalibAdv;
 9. evaluate every checkpoint on held-out tasks; write the table, plots and report.
 
 Stages 2-4 and 6-9 call the library in this process (the functions behind the CLI
@@ -43,6 +47,8 @@ from calibrl.errors import CalibrlError
 from calibrl.tracking import log_heldout_table as _log_heldout_table
 
 RUBRIC_ID = "demo-rewriter"
+STEP_RUBRIC = pathlib.Path(__file__).resolve().parents[2] / "configs" / "rubrics" / "search-steps.yaml"
+REWRITE_ARMS = ("binary", "binary_ds", "dense")  # the rewriter's training runs
 MARKER = ".calibrl-demo"  # marks a folder as a demo run's output, which a later run may replace
 RETRIEVAL_MODE = "bm25"
 PASS_THRESHOLD = 0.8  # the judge passes a golden item when its rubric total is at least this
@@ -73,16 +79,19 @@ class DemoSettings:
     search_max_new_tokens: int = 40  # per search-agent turn
     single_hop: int = 200  # one-search warm-start trajectories
     rewrite_examples: int = 4000
+    max_sampling_rounds: int = 3  # binary + dynamic sampling: most rounds of tasks per step
+    judge_warm_steps: int = 120  # the LLM judge's warm start on the domain text
+    judge_epochs: int = 3  # train-judge epochs
 
 
 FULL = DemoSettings(
-    name="full", warm_rewriter_steps=400, warm_agent_steps=300, rewrite_steps=100, search_steps=30,
-    group_size=4, prompts_per_step=16, search_group_size=4, search_prompts_per_step=8, checkpoints=4,
+    name="full", warm_rewriter_steps=400, warm_agent_steps=300, rewrite_steps=60, search_steps=30,
+    group_size=4, prompts_per_step=16, search_group_size=4, search_prompts_per_step=8, checkpoints=3,
 )
 QUICK = DemoSettings(
     name="quick", warm_rewriter_steps=120, warm_agent_steps=100, rewrite_steps=12, search_steps=3,
     group_size=4, prompts_per_step=8, search_group_size=4, search_prompts_per_step=4, checkpoints=2,
-    single_hop=60, rewrite_examples=1500,
+    single_hop=60, rewrite_examples=1500, judge_warm_steps=40, judge_epochs=2,
 )
 
 
@@ -147,7 +156,7 @@ def run_demo(settings: DemoSettings, out: pathlib.Path, *, seed: int = 0, thread
     logs.mkdir(exist_ok=True)
     _log_to_file(logs / "demo.log")
     machine = machine_description()
-    stages = Stages(total=11)
+    stages = Stages(total=12)
     services: list[Any] = []
     notes: list[str] = []
     try:
@@ -168,6 +177,14 @@ def run_demo(settings: DemoSettings, out: pathlib.Path, *, seed: int = 0, thread
         golden = out / "golden.jsonl"
         with stages.stage("calibrl rubric distill: SME feedback -> rubric + golden set"):
             rubric, golden_records = distill_rubric(files.sme_feedback, domain.glossary_terms(), rubric_path, golden)
+            from calibrl.demo.judge_model import LLM_RUBRIC_ID, distill_llm_rubric
+
+            llm_rubric_path = rubrics / f"{LLM_RUBRIC_ID}.yaml"
+            llm_rubric = distill_llm_rubric(files.sme_feedback, domain.glossary_terms(), llm_rubric_path)
+            print(f"    LLM rubric {llm_rubric.id} hash {llm_rubric.hash[:12]}: "
+                  + ", ".join(f"{c.name}={c.weight:g}" for c in llm_rubric.criteria))
+            if STEP_RUBRIC.is_file():  # the search agent's step rubric, served by the same judge
+                shutil.copy(STEP_RUBRIC, rubrics / STEP_RUBRIC.name)
 
         # 3 ---------------------------------------------------------------- validate
         with stages.stage("calibrl rubric validate: programmatic judge vs the SME golden set"):
@@ -178,6 +195,12 @@ def run_demo(settings: DemoSettings, out: pathlib.Path, *, seed: int = 0, thread
             if allow_unvalidated:
                 notes.append("The rubric FAILED its validation gate in this run; the judge was started with "
                              "--allow-unvalidated so the demo could go on. Do not trust its rewards.")
+
+        # 3b --------------------------------------------------------------- the LLM judge
+        with stages.stage("the LLM judge: tokenizer, warm start, calibrl rubric train-judge, validate --judge "
+                          "transformers:..."):
+            judge_model = build_llm_judge(settings, domain, files.sme_feedback, llm_rubric, llm_rubric_path,
+                                          golden_records, golden, out, seed, progress)
 
         # 4 ---------------------------------------------------------------- index
         index_dir = out / "index"
@@ -194,8 +217,16 @@ def run_demo(settings: DemoSettings, out: pathlib.Path, *, seed: int = 0, thread
                 f"default_mode={RETRIEVAL_MODE}", "device=cpu", "torch_threads=1", "serving.grace_seconds=2",
                 "serving.drain_seconds=0",  # loopback, no load balancer to tell
             ], retrieval_port, logs / "serve_retrieval.log")
-            judge_args = ["serve", "judge", "--rubrics", str(rubrics), "--backend", "programmatic",
-                          "--port", str(judge_port), "serving.grace_seconds=2", "serving.drain_seconds=0"]
+            from calibrl.demo.judge_model import serve_overrides
+
+            judge_args = ["serve", "judge", "--rubrics", str(rubrics), "--backend", judge_model.spec,
+                          "--port", str(judge_port), "serving.grace_seconds=2", "serving.drain_seconds=0",
+                          *serve_overrides()]
+            if STEP_RUBRIC.is_file():  # no SME golden set exists for search steps: served unvalidated, by name
+                judge_args.append("judge.unvalidated_rubrics=search-steps")
+            metrics_port = free_port() if _has_prometheus() else 0
+            if metrics_port:  # the report's per-rubric calls, batch sizes and cache hits come from /metrics
+                judge_args += ["serving.telemetry.enabled=true", f"serving.telemetry.prometheus_port={metrics_port}"]
             if allow_unvalidated:
                 judge_args.append("--allow-unvalidated")
             judge = Service("judge server", judge_args, judge_port, logs / "serve_judge.log")
@@ -212,13 +243,21 @@ def run_demo(settings: DemoSettings, out: pathlib.Path, *, seed: int = 0, thread
         with BackgroundLoop(name="calibrl-demo") as background:
             clients = _Clients(retrieval.target, judge.target, background)
             try:
-                report = _train_and_evaluate(settings, out, domain, files, clients, stages, seed, progress, report_to)
+                dense_rubric = LLM_RUBRIC_ID if judge_model.validation.passed else RUBRIC_ID
+                if not judge_model.validation.passed:
+                    notes.append(f"The LLM rubric FAILED its validation gate ({judge_model.validation.reason}); the "
+                                 f"dense reward used the programmatic rubric {RUBRIC_ID} instead.")
+                report = _train_and_evaluate(settings, out, domain, files, clients, stages, seed, progress, report_to,
+                                             dense_rubric=dense_rubric)
                 with stages.stage("SME time: validation kappa vs expert reviews, representative vs random sampling"):
                     from calibrl.sme.study import run_demo_study  # the experiment lives in calibrl/sme/study.py
 
                     sme_section = run_demo_study(
                         domain, lambda qs: [[h.doc_id for h in hits] for hits in clients.search_many(qs, 1)], out,
                         seed=seed, quick=settings.name == "quick", progress=lambda line: print(f"    {line}"))
+                _add_judge_sections(report, {"programmatic judge": validation, "LLM judge": judge_model.validation},
+                                    judge_model, dense_rubric, metrics_port, rubrics, out,
+                                    len(domain.tasks("heldout")))
             finally:
                 clients.close()
         report.command = command
@@ -312,6 +351,88 @@ def build_demo_index(corpus: pathlib.Path, index_dir: pathlib.Path) -> None:
           f"dense index ({manifest.embedder}) + BM25")
 
 
+def build_llm_judge(settings: DemoSettings, domain: Any, feedback: pathlib.Path, rubric: Any,
+                    rubric_path: pathlib.Path, golden: Sequence[Any], golden_path: pathlib.Path, out: pathlib.Path,
+                    seed: int, progress: bool) -> Any:
+    """Stage 3b: build, fine-tune (training reviews only) and validate the LLM judge
+    (:mod:`calibrl.demo.judge_model`); its validation record lands beside its rubric."""
+    from calibrl.demo.judge_model import JudgeModelSettings, build_and_validate_judge
+
+    judge = build_and_validate_judge(
+        domain, feedback, rubric, rubric_path, golden, golden_path, out / "judge_model",
+        JudgeModelSettings(warm_steps=settings.judge_warm_steps, epochs=settings.judge_epochs),
+        pass_threshold=PASS_THRESHOLD, seed=seed, progress=progress)
+    first, last = judge.warm_losses
+    print(f"    judge model {judge.model_id}: warm-start loss {first:.2f} -> {last:.2f}; "
+          f"trained on {len(judge.training.train)} reviews (golden {len(judge.training.held_out)} never); "
+          + ", ".join(f"{k} {v:.0f}s" for k, v in judge.seconds.items()))
+    print("    held-in agreement after training: " + ", ".join(
+        f"{name} {figures['final'].get('agreement', math.nan):.2f}"
+        for name, figures in judge.training.record["criteria"].items()))
+    v = judge.validation
+    kappa = v.kappa if v.kappa is not None else math.nan
+    print(f"    gate {'PASSED' if v.passed else 'FAILED'}: Cohen's kappa {kappa:.3f} "
+          f"on {v.n_items} golden items (judge pass = total >= {PASS_THRESHOLD})")
+    return judge
+
+
+def _has_prometheus() -> bool:
+    import importlib.util
+
+    return all(importlib.util.find_spec(m) is not None for m in ("opentelemetry.exporter.prometheus",
+                                                                  "prometheus_client"))
+
+
+def _add_judge_sections(report: Any, validations: dict[str, Any], judge_model: Any, dense_rubric: str,
+                        metrics_port: int, rubrics: pathlib.Path, out: pathlib.Path, n_heldout: int) -> None:
+    """The report's judge part (:mod:`calibrl.demo.judge_report`): both validations side by
+    side, which judge scored which run, the server's per-rubric figures, the
+    judge/retrieval disagreement plot and the dynamic-sampling verdict."""
+    from calibrl.demo import judge_report as jr
+    from calibrl.judge_server.rubric import load_rubric_dir
+    from calibrl.trainer.diagnostics import HealthConfig
+
+    served = {r.id: ("LLM judge " + judge_model.model_id if r.llm_criteria else "programmatic criteria")
+              for r in load_rubric_dir(rubrics)}
+    runs = {r.name: r for r in report.rewrite_runs}
+    callers = {dense_rubric: ["dense"]}
+    lines = jr.validation_section(validations, min(v.min_kappa for v in validations.values()))
+    scored_by = [f"{runs[n].label}: no judge (retrieval only)" for n in ("binary", "binary_ds") if n in runs]
+    if "dense" in runs:
+        scored_by.append(f"{runs['dense'].label}: rubric {dense_rubric}, {served.get(dense_rubric, '?')}")
+    scored_by.append("the search-agent runs: no judge (answer F1)")
+    lines += ["Which judge scored which run: " + "; ".join(scored_by) + ".", ""]
+    stats: dict[str, Any] = {}
+    if metrics_port:
+        try:
+            stats = jr.scrape_judge_stats(metrics_port)
+        except OSError as exc:
+            report.notes.append(f"The judge server's /metrics could not be read ({exc}); no per-rubric figures.")
+        lines += jr.server_section(stats, served, callers)
+    else:
+        report.notes.append("The judge server's per-rubric calls, batch sizes and cache hits come from its Prometheus "
+                            "/metrics, which needs the prometheus extra: pip install 'calibrl[prometheus]'.")
+    band = HealthConfig().max_judge_retrieval_disagreement
+    dense_runs = [r for r in report.rewrite_runs if r.name == "dense"]
+    plots = out / "plots"
+    plots.mkdir(parents=True, exist_ok=True)
+    path = jr.plot_disagreement(dense_runs, band, plots / "rewrite_judge_retrieval_disagreement.png")
+    lines += ["## Judge vs retrieval", ""] + [f"- {line}" for line in jr.disagreement_lines(dense_runs, band)]
+    if path:
+        lines += ["", f"![Judge vs retrieval disagreement](plots/{path.name})"]
+    lines += ["", "## Does dynamic sampling rescue the binary reward?", ""]
+    lines += [f"- {line}" for line in jr.dynamic_sampling_lines(runs.get("binary"), runs.get("binary_ds"),
+                                                                 runs.get("dense"), report.top_k, n_heldout)] + [""]
+    report.judge_sections = lines
+    report.judge_results = {
+        "validation": jr.validation_rows(validations),
+        "dense_rubric": dense_rubric,
+        "served": served,
+        "server": {rubric_id: entry.to_json() for rubric_id, entry in stats.items()},
+        "judge_model_seconds": {k: round(v, 2) for k, v in judge_model.seconds.items()},
+    }
+
+
 class _Clients:
     """gRPC clients of the two services, bound to the demo's background event loop."""
 
@@ -341,7 +462,8 @@ class _Clients:
 
 
 def _train_and_evaluate(settings: DemoSettings, out: pathlib.Path, domain: Any, files: Any, clients: _Clients,
-                        stages: Stages, seed: int, progress: bool, report_to: Sequence[str] = ("tensorboard",)) -> Any:
+                        stages: Stages, seed: int, progress: bool, report_to: Sequence[str] = ("tensorboard",),
+                        dense_rubric: str = RUBRIC_ID) -> Any:
     from calibrl.demo import report as rep
     from calibrl.demo.policy import PolicySpec, RewriteMix, build_base_policies
     from calibrl.trainer.diagnostics import read_log
@@ -377,17 +499,18 @@ def _train_and_evaluate(settings: DemoSettings, out: pathlib.Path, domain: Any, 
 
     # 8 -------------------------------------------------------------------- training
     runs = {
-        "binary": _train_overrides(settings, out, bases.rewriter, files.train_tasks, clients, "binary", seed, progress),
-        "dense": _train_overrides(settings, out, bases.rewriter, files.train_tasks, clients, "dense", seed, progress),
+        **{arm: _train_overrides(settings, out, bases.rewriter, files.train_tasks, clients, arm, seed, progress,
+                                 dense_rubric) for arm in REWRITE_ARMS},
         "grpo": _train_overrides(settings, out, bases.agent, files.multistep_train, clients, "grpo", seed, progress),
         "calibadv": _train_overrides(settings, out, bases.agent, files.multistep_train, clients, "calibadv", seed, progress),
     }
     trained: dict[str, tuple[list[dict[str, Any]], float]] = {}
     trackers: dict[str, Any] = {}  # each run's trackers stay open for its held-out table
     with contextlib.ExitStack() as open_trackers:
-        with stages.stage("GRPO training: rewriter (binary vs blended dense reward), agent (GRPO vs CalibAdv)"):
+        with stages.stage("GRPO training: rewriter (binary, binary + dynamic sampling, blended dense reward), agent "
+                          "(GRPO vs CalibAdv)"):
             for name, overrides in runs.items():
-                print(f"    training {name}: {_describe_run(name, settings)}", flush=True)
+                print(f"    training {name}: {_describe_run(name, settings, dense_rubric)}", flush=True)
                 history, seconds, trackers[name] = _train(overrides, clients, report_to)
                 open_trackers.callback(trackers[name].close)
                 trained[name] = (history, seconds)
@@ -401,13 +524,13 @@ def _train_and_evaluate(settings: DemoSettings, out: pathlib.Path, domain: Any, 
             for name in runs:
                 run_dir = out / "runs" / name
                 checkpoints = sorted((run_dir / "checkpoints").glob("step_*"), key=lambda p: int(p.name.split("_")[1]))
-                tasks, settings_for = (heldout_rewrites, rewrite_eval) if name in ("binary", "dense") else (
+                tasks, settings_for = (heldout_rewrites, rewrite_eval) if name in REWRITE_ARMS else (
                     heldout_search, search_eval)
                 rows = _evaluate(clients, [str(c) for c in checkpoints], tasks, settings_for,
                                  [c.name for c in checkpoints])
                 curves[name] = [(int(c.name.split("_")[1]), row.metrics) for c, row in zip(checkpoints, rows)]
                 final = curves[name][-1][1]
-                key = "hit@k" if name in ("binary", "dense") else "f1"
+                key = "hit@k" if name in REWRITE_ARMS else "f1"
                 print(f"    {name}: held-out {key} by step " + ", ".join(f"{s}: {m[key]:.3f}" for s, m in curves[name])
                       + f" (final {final[key]:.3f})")
                 _log_heldout_table(trackers[name], curves[name])
@@ -415,7 +538,8 @@ def _train_and_evaluate(settings: DemoSettings, out: pathlib.Path, domain: Any, 
     labels = {
         "base": "base rewriter (untrained)",
         "binary": f"GRPO, binary hit@{settings.hit_k} reward",
-        "dense": f"GRPO, blended dense reward (0.7 MRR@{settings.dense_k} + 0.3 rubric)",
+        "binary_ds": f"GRPO, binary hit@{settings.hit_k} reward + dynamic sampling",
+        "dense": f"GRPO, blended dense reward (0.7 MRR@{settings.dense_k} + 0.3 rubric {dense_rubric})",
         "base_agent": "base search agent (untrained)",
         "grpo": "GRPO (answer F1)",
         "calibadv": "CalibAdv (answer F1)",
@@ -428,7 +552,7 @@ def _train_and_evaluate(settings: DemoSettings, out: pathlib.Path, domain: Any, 
     for name in runs:
         _, seconds = trained[name]
         history = read_log(out / "runs" / name / "metrics.jsonl")
-        is_rewrite = name in ("binary", "dense")
+        is_rewrite = name in REWRITE_ARMS
         final = curves[name][-1][1]
         curve = [(0, base_hit if is_rewrite else base_f1)] + [
             (step, m["hit@k"] if is_rewrite else m["f1"]) for step, m in curves[name]]
@@ -448,7 +572,11 @@ def _train_and_evaluate(settings: DemoSettings, out: pathlib.Path, domain: Any, 
         "rewriter GRPO": f"{settings.rewrite_steps} steps x {settings.prompts_per_step} tasks x G={settings.group_size}, "
                          f"lr {settings.lr:g}, KL beta {settings.kl_beta:g}, grad norm clip 0.5",
         "binary reward": f"hit@{settings.hit_k} (0 or 1); no judge call",
-        "dense reward": f"0.7 x MRR@{settings.dense_k} + 0.3 x rubric total ({RUBRIC_ID}, programmatic judge)",
+        "binary + dynamic sampling": f"hit@{settings.hit_k}; up to {settings.max_sampling_rounds} rounds of "
+                                     f"{settings.prompts_per_step} tasks per step, groups with unequal rewards kept "
+                                     "(DAPO); same number of policy updates",
+        "dense reward": f"0.7 x MRR@{settings.dense_k} + 0.3 x rubric total ({dense_rubric}, "
+                        f"{'LLM judge' if dense_rubric != RUBRIC_ID else 'programmatic judge'})",
         "search agent GRPO / CalibAdv": f"{settings.search_steps} steps x {settings.search_prompts_per_step} questions "
                                         f"x G={settings.search_group_size}, up to {settings.max_turns} turns, "
                                         f"{settings.search_top_k} documents per search, reward answer F1",
@@ -466,10 +594,12 @@ def _train_and_evaluate(settings: DemoSettings, out: pathlib.Path, domain: Any, 
     )
 
 
-def _describe_run(name: str, settings: DemoSettings) -> str:
+def _describe_run(name: str, settings: DemoSettings, dense_rubric: str = RUBRIC_ID) -> str:
     return {
         "binary": f"rewriter, reward hit@{settings.hit_k}",
-        "dense": f"rewriter, reward 0.7 MRR@{settings.dense_k} + 0.3 rubric",
+        "binary_ds": f"rewriter, reward hit@{settings.hit_k}, dynamic sampling (up to {settings.max_sampling_rounds} "
+                     "rounds)",
+        "dense": f"rewriter, reward 0.7 MRR@{settings.dense_k} + 0.3 rubric {dense_rubric}",
         "grpo": "search agent, GRPO advantages",
         "calibadv": "search agent, CalibAdv advantages",
     }[name]
@@ -504,8 +634,9 @@ def _evaluate(clients: _Clients, models: list[str], tasks: list[Any], eval_setti
 
 
 def _train_overrides(settings: DemoSettings, out: pathlib.Path, policy: pathlib.Path, tasks: pathlib.Path,
-                     clients: _Clients, name: str, seed: int, progress: bool) -> list[str]:
-    is_rewrite = name in ("binary", "dense")
+                     clients: _Clients, name: str, seed: int, progress: bool,
+                     dense_rubric: str = RUBRIC_ID) -> list[str]:
+    is_rewrite = name in REWRITE_ARMS
     steps = settings.rewrite_steps if is_rewrite else settings.search_steps
     overrides = [
         f"policy.path={policy}", "policy.device=cpu", f"tasks.path={tasks}", f"seed={seed}", f"steps={steps}",
@@ -519,11 +650,14 @@ def _train_overrides(settings: DemoSettings, out: pathlib.Path, policy: pathlib.
             f"rollout.group_size={settings.group_size}", f"rollout.prompts_per_step={settings.prompts_per_step}",
             f"rollout.max_new_tokens={settings.max_new_tokens}", f"optimizer.lr={settings.lr}",
         ]
-        if name == "binary":
+        if name in ("binary", "binary_ds"):
             overrides += ["reward.binary_only=true", f"reward.top_k={settings.hit_k}", "services.judge=none"]
+            if name == "binary_ds":
+                overrides += ["rollout.dynamic_sampling=true",
+                              f"rollout.max_sampling_rounds={settings.max_sampling_rounds}"]
         else:
             overrides += ["reward.retrieval_signal=mrr", f"reward.top_k={settings.dense_k}", "reward.w_retrieval=0.7",
-                          "reward.w_rubric=0.3", f"reward.rubric_id={RUBRIC_ID}",
+                          "reward.w_rubric=0.3", f"reward.rubric_id={dense_rubric}",
                           f"services.judge={clients.judge_target}"]
     else:
         overrides += [
@@ -581,9 +715,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="calibrl demo",
         description="Run the whole loop on the built-in domain, with nothing downloaded: distil a rubric from "
-        "simulated SME feedback, validate it, build the index, start both services on loopback, warm-start a "
-        "tiny policy, train it with GRPO (binary vs blended dense reward; GRPO vs CalibAdv), evaluate, and write "
-        "a report with plots.",
+        "simulated SME feedback, validate it, build, train and validate a tiny LLM judge, build the index, start "
+        "both services on loopback, warm-start a tiny policy, train it with GRPO (binary vs binary + dynamic "
+        "sampling vs blended dense reward; GRPO vs CalibAdv), evaluate, and write a report with plots.",
     )
     parser.add_argument("--quick", action="store_true", help="a smoke run with few steps (under 3 minutes)")
     parser.add_argument("--out", default="calibrl_demo_out", help="output folder (default: calibrl_demo_out)")
@@ -594,7 +728,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="replace --out even if it holds something other than an earlier demo run")
     parser.add_argument("--no-progress", action="store_true", help="hide progress bars")
     parser.add_argument("--report-to", default="tensorboard", metavar="TRACKERS",
-                        help="experiment trackers of the four training runs, comma-separated: tensorboard, wandb, "
+                        help="experiment trackers of the five training runs, comma-separated: tensorboard, wandb, "
                         "mlflow, trackio, or none (default tensorboard); project calibrl-demo, one run per "
                         "training run, with its held-out table")
     args = parser.parse_args(list(argv) if argv is not None else None)

@@ -250,6 +250,8 @@ class DemoReport:
     top_k: int
     stages: list[tuple[str, float]]  # (stage, seconds)
     notes: list[str] = field(default_factory=list)
+    judge_sections: list[str] = field(default_factory=list)  # Markdown lines after the rewriter's section
+    judge_results: dict[str, Any] = field(default_factory=dict)  # results.json "judge"
 
 
 def write_report(report: DemoReport, out_dir: str | pathlib.Path) -> pathlib.Path:
@@ -282,6 +284,7 @@ def write_report(report: DemoReport, out_dir: str | pathlib.Path) -> pathlib.Pat
         path = plot_heldout(report.rewrite_runs, f"hit@{k}", plots_dir / "rewrite_heldout_hit.png")
         if path:
             plots.append((f"Rewriter: held-out hit@{k} over training", path))
+    sections += report.judge_sections
     search_by_name = {r.name: r for r in report.search_runs}
     if report.search_runs:
         sections += ["## Two-search agent: GRPO vs CalibAdv", ""]
@@ -343,6 +346,7 @@ def _results_json(report: DemoReport) -> dict[str, Any]:
         "rewrite": [run_json(r) for r in report.rewrite_runs],
         "search": [run_json(r) for r in report.search_runs],
         "stages": [[stage, round(s, 2)] for stage, s in report.stages],
+        **({"judge": report.judge_results} if report.judge_results else {}),
     }
 
 

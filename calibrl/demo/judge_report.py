@@ -1,0 +1,216 @@
+"""The demo report's judge part: two judges validated side by side, the shared server's
+per-rubric figures, the judge/retrieval disagreement plot and the dynamic-sampling verdict.
+
+Inputs are plain: validation records (:class:`calibrl.judge_server.validation.ValidationRecord`),
+the judge server's Prometheus text (``telemetry.prometheus_port``: calls, batch sizes and
+cache lookups by rubric) and the runs' per-step logs. Every sentence is computed from them.
+"""
+
+from __future__ import annotations
+
+import math
+import pathlib
+import urllib.request
+from dataclasses import dataclass
+from typing import Any, Mapping, Sequence
+
+
+def _fmt(value: Any, digits: int = 3) -> str:
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value):
+        return "-"
+    return f"{value:.{digits}f}"
+
+
+# --- validation, side by side ---------------------------------------------------------------------------------------
+
+
+def validation_rows(records: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """One row per (judge label, criterion or overall): the figures of each validation record."""
+    rows = []
+    for label, record in records.items():
+        grades = record.metrics.get("grades", {})
+        rows.append({"judge": label, "rubric": record.rubric_id, "model_id": record.model_id,
+                     "passed": record.passed, "kappa": record.kappa,
+                     "quadratic_weighted_kappa": grades.get("quadratic_weighted_kappa"),
+                     "n_items": record.n_items, "pass_threshold": record.pass_threshold,
+                     "criteria": {name: {k: c.get(k) for k in ("tags", "precision", "recall", "support")}
+                                  for name, c in record.metrics.get("criteria", {}).items()}})
+    return rows
+
+
+def validation_section(records: Mapping[str, Any], min_kappa: float) -> list[str]:
+    """Markdown: the overall agreement of each judge and its per-criterion precision and recall."""
+    lines = ["## Two judges on the SME golden set", "",
+             f"Both judges were validated on the same golden hold-out (never trained on); the gate is Cohen's "
+             f"kappa >= {min_kappa:g} on pass/fail.", "",
+             "| judge | rubric | model id | golden items | Cohen's kappa | quadratic-weighted kappa | gate |",
+             "| --- | --- | --- | --- | --- | --- | --- |"]
+    rows = validation_rows(records)
+    for row in rows:
+        lines.append(f"| {row['judge']} | {row['rubric']} | `{row['model_id']}` | {row['n_items']} | "
+                     f"{_fmt(row['kappa'])} | {_fmt(row['quadratic_weighted_kappa'])} | "
+                     f"{'passed' if row['passed'] else 'FAILED'} |")
+    lines += ["", "Per criterion (a criterion flags an item when its score is below 0.5; the truth is the SME's "
+              "error tag):", "", "| judge | criterion | SME tag | tagged items | precision | recall |",
+              "| --- | --- | --- | --- | --- | --- |"]
+    for row in rows:
+        for name, c in row["criteria"].items():
+            lines.append(f"| {row['judge']} | {name} | {', '.join(c['tags'] or []) or '-'} | {c['support']} | "
+                         f"{_fmt(c['precision'])} | {_fmt(c['recall'])} |")
+    return lines + [""]
+
+
+# --- the shared server's figures, from its Prometheus /metrics ------------------------------------------------------
+
+
+@dataclass
+class RubricServerStats:
+    """What the judge server did for one rubric."""
+
+    calls: int = 0  # Score RPCs
+    batches: int = 0  # computed batches (callers joined)
+    batch_items: int = 0  # items computed in those batches
+    cache_hits: int = 0
+    cache_misses: int = 0
+
+    @property
+    def mean_batch_size(self) -> float:
+        return self.batch_items / self.batches if self.batches else math.nan
+
+    def to_json(self) -> dict[str, Any]:
+        return {"calls": self.calls, "batches": self.batches, "batch_items": self.batch_items,
+                "mean_batch_size": None if not self.batches else round(self.mean_batch_size, 3),
+                "cache_hits": self.cache_hits, "cache_misses": self.cache_misses}
+
+
+def parse_judge_stats(text: str) -> dict[str, RubricServerStats]:
+    """Per rubric figures of the judge server's Prometheus text exposition."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    stats: dict[str, RubricServerStats] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            rubric = sample.labels.get("rubric")
+            if rubric is None:
+                continue
+            entry = stats.setdefault(rubric, RubricServerStats())
+            value = int(round(sample.value))
+            if sample.name == "calibrl_judge_calls_total":
+                entry.calls += value
+            elif sample.name == "calibrl_judge_batch_size_count":
+                entry.batches += value
+            elif sample.name == "calibrl_judge_batch_size_sum":
+                entry.batch_items += value
+            elif sample.name == "calibrl_cache_lookups_total":
+                if sample.labels.get("result") == "hit":
+                    entry.cache_hits += value
+                else:
+                    entry.cache_misses += value
+    return stats
+
+
+def scrape_judge_stats(port: int, host: str = "127.0.0.1", timeout_s: float = 10.0) -> dict[str, RubricServerStats]:
+    with urllib.request.urlopen(f"http://{host}:{port}/metrics", timeout=timeout_s) as response:
+        return parse_judge_stats(response.read().decode("utf-8"))
+
+
+def server_section(stats: Mapping[str, RubricServerStats], served: Mapping[str, str],
+                   callers: Mapping[str, Sequence[str]]) -> list[str]:
+    """Markdown: per served rubric, its scorer and what the one judge server did for it."""
+    lines = ["## One judge server, every rubric", "",
+             "One `calibrl serve judge` process served every rubric below (figures from its Prometheus "
+             "`/metrics`; a batch joins concurrent callers, so the mean batch size is across callers).", "",
+             "| rubric | scored by | runs that called it | Score calls | batches | mean batch size | cache hits | "
+             "cache misses |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for rubric_id, scorer in served.items():
+        entry = stats.get(rubric_id, RubricServerStats())
+        who = ", ".join(callers.get(rubric_id, ())) or "none in this run"
+        lines.append(f"| {rubric_id} | {scorer} | {who} | {entry.calls} | {entry.batches} | "
+                     f"{_fmt(entry.mean_batch_size, 1)} | {entry.cache_hits} | {entry.cache_misses} |")
+    return lines + [""]
+
+
+# --- judge vs retrieval ---------------------------------------------------------------------------------------------
+
+DISAGREEMENT_KEY = "rewards/judge_retrieval_disagreement"
+
+
+def plot_disagreement(runs: Sequence[Any], band: float, path: pathlib.Path) -> pathlib.Path | None:
+    """``rewards/judge_retrieval_disagreement`` per step of each run that logged it, with
+    the warning band (above ``band`` the trainer warns)."""
+    series = []
+    for run in runs:
+        points = [(r["step"], float(r[DISAGREEMENT_KEY])) for r in run.steps
+                  if isinstance(r.get(DISAGREEMENT_KEY), (int, float)) and math.isfinite(r[DISAGREEMENT_KEY])]
+        if points:
+            series.append((run.label, points))
+    if not series:
+        return None
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axes = plt.subplots(figsize=(6.4, 3.6), dpi=100)
+    axes.axhspan(band, 1.0, color="tab:red", alpha=0.12, label=f"warning band (> {band:g})")
+    for label, points in series:
+        xs, ys = zip(*points)
+        axes.plot(xs, ys, label=label, linewidth=1.4)
+    axes.set_ylim(0.0, 1.0)
+    axes.set_xlabel("training step")
+    axes.set_ylabel("share of rewrites")
+    axes.set_title("Judge vs retrieval disagreement (rubric high & gold missed, or the reverse)", fontsize=9)
+    axes.grid(alpha=0.3)
+    axes.legend(fontsize=8)
+    figure.tight_layout()
+    figure.savefig(path)
+    plt.close(figure)
+    return path
+
+
+def disagreement_lines(runs: Sequence[Any], band: float) -> list[str]:
+    lines = []
+    for run in runs:
+        values = [float(r[DISAGREEMENT_KEY]) for r in run.steps if isinstance(r.get(DISAGREEMENT_KEY), (int, float))]
+        if values:
+            above = sum(v > band for v in values)
+            lines.append(f"{run.label}: judge and retrieval disagreed on {100 * sum(values) / len(values):.1f}% of "
+                         f"rewrites on average (last step {100 * values[-1]:.1f}%); {above} of {len(values)} steps "
+                         f"were in the warning band (> {100 * band:.0f}%).")
+    return lines
+
+
+# --- dynamic sampling -----------------------------------------------------------------------------------------------
+
+
+def dynamic_sampling_lines(binary: Any, dynamic: Any, dense: Any, k: int, n_tasks: int) -> list[str]:
+    """Does dynamic sampling rescue the binary reward, or does the reward's density matter?
+    A gap of at most two of the ``n_tasks`` held-out tasks is read as level (one seed)."""
+    if binary is None or dynamic is None:
+        return []
+    hit = {run.name: run.heldout.get("hit", math.nan) for run in (binary, dynamic, dense) if run is not None}
+    kept = dynamic.mean_of("sampling/kept_groups")
+    extra = dynamic.mean_of("sampling/extra_rollouts")
+    lines = [f"Binary reward + dynamic sampling kept {_fmt(kept, 1)} groups with unequal rewards per step on average "
+             f"and drew {_fmt(extra, 1)} extra rollouts per step to find them; held-out hit@{k} "
+             f"{100 * hit[dynamic.name]:.1f}% against {100 * hit[binary.name]:.1f}% for the binary reward alone "
+             f"({100 * (hit[dynamic.name] - hit[binary.name]):+.1f} points), same number of policy updates."]
+    if dense is not None and all(math.isfinite(v) for v in hit.values()):
+        gap = 100 * (hit[dense.name] - hit[dynamic.name])
+        noise = 100 * 2 / max(1, n_tasks)  # two held-out tasks
+        if gap > noise:
+            lines.append(f"The blended dense reward still beat binary + dynamic sampling by {gap:.1f} points: "
+                         "in this run the reward's density mattered beyond filtering out flat groups.")
+        elif gap < -noise:
+            lines.append(f"Binary + dynamic sampling beat the blended dense reward by {-gap:.1f} points in this run.")
+        else:
+            lines.append(f"Binary + dynamic sampling and the blended dense reward ended level ({gap:+.1f} points, "
+                         f"within two of the {n_tasks} held-out tasks): in this run, keeping only the groups with "
+                         "a learning signal recovered what the dense reward gained.")
+    return lines
+
+
+__all__ = [
+    "DISAGREEMENT_KEY", "RubricServerStats", "disagreement_lines", "dynamic_sampling_lines", "parse_judge_stats",
+    "plot_disagreement", "scrape_judge_stats", "server_section", "validation_rows", "validation_section",
+]

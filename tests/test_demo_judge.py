@@ -1,0 +1,136 @@
+"""The demo's LLM judge (calibrl/demo/judge_model.py): built from nothing on the demo
+domain, fine-tuned on the training reviews only, validated on the golden set, and found
+validated by a judge configured the way the demo serves it; plus the report's judge part
+(calibrl/demo/judge_report.py) on hand-made runs."""
+
+from __future__ import annotations
+
+import pathlib
+
+import pytest
+
+from tests.conftest import torch_threads_one
+
+from calibrl.demo import cli as demo_cli
+from calibrl.demo import judge_report as jr
+from calibrl.demo.report import RunResult
+
+torch = pytest.importorskip("torch")
+
+one_torch_thread = pytest.fixture(scope="module", autouse=True)(torch_threads_one)
+
+# Measured here (seed 0, QUICK's judge settings): golden kappa 0.824 trained; the warm-started
+# base, never trained to judge, answers near-constantly (kappa about 0). The margin leaves room
+# for another CPU's float rounding.
+MIN_GAIN_OVER_BASE = 0.3
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory):
+    from calibrl.demo.domain import generate_domain, write_domain
+    from calibrl.demo.judge_model import LLM_RUBRIC_ID, JudgeModelSettings, build_and_validate_judge, distill_llm_rubric
+
+    out = tmp_path_factory.mktemp("demo-judge")
+    domain = generate_domain(0)
+    files = write_domain(domain, out / "data")
+    rubrics = out / "rubrics"
+    _, golden = demo_cli.distill_rubric(files.sme_feedback, domain.glossary_terms(), rubrics / "demo-rewriter.yaml",
+                                        out / "golden.jsonl")
+    rubric_path = rubrics / f"{LLM_RUBRIC_ID}.yaml"
+    rubric = distill_llm_rubric(files.sme_feedback, domain.glossary_terms(), rubric_path)
+    settings = JudgeModelSettings(warm_steps=demo_cli.QUICK.judge_warm_steps, epochs=demo_cli.QUICK.judge_epochs)
+    judge = build_and_validate_judge(domain, files.sme_feedback, rubric, rubric_path, golden, out / "golden.jsonl",
+                                     out / "judge_model", settings, pass_threshold=demo_cli.PASS_THRESHOLD,
+                                     progress=False)
+    return out, rubric, rubric_path, golden, judge
+
+
+def test_llm_rubric_asks_one_question_per_sme_tag(built):
+    _, rubric, _, _, _ = built
+    assert rubric.criteria and all(c.kind == "llm" and c.scale == "yes_no" for c in rubric.criteria)
+    assert {t for c in rubric.criteria for t in c.tags} == {"underspecified", "missing_entity", "missed_intent",
+                                                            "invented_entity"}
+
+
+def test_golden_reviews_are_never_trained_on(built):
+    _, _, _, golden, judge = built
+    trained = {r.record_hash for r in judge.training.train}
+    assert trained and not trained & {r.record_hash for r in golden}
+    assert len(judge.training.train) + len(golden) == 300  # every review is one or the other
+
+
+def test_trained_judge_passes_its_gate_and_beats_its_untrained_base(built):
+    from calibrl.demo.judge_model import judge_config
+    from calibrl.judge_server.validation import ValidationOptions, validate_judge
+
+    _, rubric, _, golden, judge = built
+    assert judge.validation.passed and judge.validation.n_items == len(golden)
+    base = validate_judge(rubric, golden, judge_config(f"transformers:{judge.folder.parent / 'judge_base'}",
+                                                       allow_unvalidated=True, cache_size=0),
+                          ValidationOptions(pass_threshold=demo_cli.PASS_THRESHOLD))
+    assert judge.validation.kappa >= (base.kappa or 0.0) + MIN_GAIN_OVER_BASE, (judge.validation.kappa, base.kappa)
+
+
+def test_the_served_judge_finds_the_validation_record(built):
+    """A judge configured as `calibrl serve judge` is in the demo (same SPEC and prompt
+    options) serves the LLM rubric as validated, and the programmatic rubric beside it."""
+    from calibrl.demo.judge_model import judge_config
+    from calibrl.judge_server.judge import Judge
+
+    out, rubric, rubric_path, golden, judge = built
+    demo_cli.validate_rubric(*_programmatic(out), out / "rubrics" / "demo-rewriter.yaml")
+    served = Judge.from_config(judge_config(judge.spec), rubric_path.parent)
+    assert served.model_id == judge.model_id == judge.validation.model_id
+    assert served.status(rubric.id).validated and served.status("demo-rewriter").validated
+    scores = served.score(rubric.id, [r.to_item() for r in golden[:4]])
+    assert all(0.0 <= s.total <= 1.0 and s.model_id == judge.model_id for s in scores)
+
+
+def _programmatic(out: pathlib.Path):
+    from calibrl.judge_server.feedback import read_feedback
+    from calibrl.judge_server.rubric import load_rubric
+
+    return load_rubric(out / "rubrics" / "demo-rewriter.yaml"), read_feedback(out / "golden.jsonl")
+
+
+# --- the report's judge part ----------------------------------------------------------------------------------------
+
+
+def _steps(n: int, **series: float) -> list[dict]:
+    return [{"step": s, **{k: v for k, v in series.items()}} for s in range(1, n + 1)]
+
+
+def test_dynamic_sampling_lines_compare_the_three_arms():
+    binary = RunResult("binary", "binary", "rewrite", {"hit": 0.25}, steps=_steps(3))
+    dynamic = RunResult("binary_ds", "binary+ds", "rewrite", {"hit": 0.30},
+                        steps=_steps(3, **{"sampling/kept_groups": 6.0, "sampling/extra_rollouts": 32.0}))
+    dense = RunResult("dense", "dense", "rewrite", {"hit": 0.45}, steps=_steps(3))
+    lines = jr.dynamic_sampling_lines(binary, dynamic, dense, k=1, n_tasks=100)
+    assert "kept 6.0 groups" in lines[0] and "drew 32.0 extra rollouts" in lines[0]
+    assert "30.0% against 25.0%" in lines[0] and "(+5.0 points)" in lines[0]
+    assert "still beat binary + dynamic sampling by 15.0 points" in lines[1]
+    assert jr.dynamic_sampling_lines(binary, None, dense, k=1, n_tasks=100) == []
+    # one task of 119 apart is one seed's noise, not a finding
+    close = RunResult("dense", "dense", "rewrite", {"hit": 0.412}, steps=_steps(3))
+    dynamic.heldout["hit"] = 0.403
+    level = jr.dynamic_sampling_lines(binary, dynamic, close, k=1, n_tasks=119)[1]
+    assert "ended level (+0.9 points, within two of the 119 held-out tasks)" in level
+
+
+def test_disagreement_plot_and_lines(tmp_path):
+    values = [0.1, 0.4, 0.2, 0.5]
+    dense = RunResult("dense", "dense", "rewrite", {"hit": 0.4},
+                      steps=[{"step": s + 1, jr.DISAGREEMENT_KEY: v} for s, v in enumerate(values)])
+    path = jr.plot_disagreement([dense], 0.3, tmp_path / "d.png")
+    assert path is not None and path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and path.stat().st_size > 5000
+    (line,) = jr.disagreement_lines([dense], 0.3)
+    assert "30.0% of rewrites on average (last step 50.0%)" in line and "2 of 4 steps" in line
+    assert jr.plot_disagreement([RunResult("binary", "b", "rewrite", {}, steps=_steps(2))], 0.3,
+                                tmp_path / "none.png") is None
+
+
+def test_server_section_lists_every_served_rubric():
+    stats = {"llm": jr.RubricServerStats(calls=4, batches=2, batch_items=30, cache_hits=2, cache_misses=30)}
+    lines = jr.server_section(stats, {"llm": "LLM judge x", "steps": "programmatic criteria"}, {"llm": ["dense"]})
+    assert "| llm | LLM judge x | dense | 4 | 2 | 15.0 | 2 | 30 |" in lines
+    assert "| steps | programmatic criteria | none in this run | 0 | 0 | - | 0 | 0 |" in lines
