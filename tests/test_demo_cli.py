@@ -117,7 +117,8 @@ def test_quick_demo_end_to_end(tmp_path: pathlib.Path) -> None:
     # the search agent's error analysis: every held-out question of every agent in one category,
     # and each trained agent's paired F1 gain over the base with its interval
     analysis = results["search_analysis"]
-    assert analysis["questions"] >= 100 and "## Two-search agent: where the trajectories fail" in report
+    assert analysis["questions"] == demo_cli.QUICK.search.eval_questions
+    assert "## Two-search agent: where the trajectories fail" in report
     for name in ("base_agent", "grpo", "calibadv"):
         assert sum(analysis["categories"][name]["counts"].values()) == analysis["questions"]
     for name in ("grpo", "calibadv"):

@@ -100,8 +100,8 @@ def test_search_trajectories_follow_the_search_r1_format(examples) -> None:
 def test_the_teacher_swaps_values_and_makes_the_careless_second_search(domain: Domain) -> None:
     """Value-swapped copies state another value in the answer passage and answer it (the
     answer must be read, not recalled); careless plans search the question's entity again
-    and guess; no plan asks a held-out question."""
-    teacher = pol.AgentTeacher(single_hop=40, value_swaps=1, shortcut_share=0.5)
+    and guess; verbose plans answer with the quoted phrase; no plan asks a held-out question."""
+    teacher = pol.AgentTeacher(single_hop=40, value_swaps=1, shortcut_share=0.5, verbose_share=0.5)
     plans = pol.reference_trajectories(domain, teacher, seed=0)
     train = {t.question: t for t in domain.multistep("train")}
     assert not {p.question for p in plans} & {t.question for t in domain.multistep("heldout")}
@@ -131,6 +131,17 @@ def test_the_teacher_swaps_values_and_makes_the_careless_second_search(domain: D
             assert text in last_observation and passages[doc_id] not in last_observation
             shown += 1
     assert shown > len(swapped) // 2
+    # every careful plan quotes its evidence before answering; verbose ones answer with the whole quote
+    verbose = 0
+    for plan, example in zip(plans, examples):
+        answer_turn = example.pieces[-1][0]
+        if plan.evidence:
+            assert plan.answer in plan.evidence and f"It says {plan.evidence}." in answer_turn
+            assert f"<answer> {plan.evidence if plan.verbose else plan.answer} </answer>" in answer_turn
+            verbose += plan.verbose
+        else:  # a careless plan guesses
+            assert f"The answer is {plan.answer}." in answer_turn and not plan.verbose
+    assert 0.35 < verbose / sum(1 for p in plans if p.evidence) < 0.65
 
 
 def test_tokenizer_keeps_tags_and_prompt_constants_whole(tokenizer) -> None:

@@ -355,7 +355,7 @@ def _train_and_evaluate(settings: DemoSettings, out: pathlib.Path, domain: Any, 
                   f"loss {result.losses[0]:.2f} -> {result.losses[-1]:.3f} in {result.seconds:.0f}s")
 
     heldout_rewrites = load_tasks(files.heldout_tasks)
-    heldout_search = load_tasks(files.multistep_heldout)
+    heldout_search = load_tasks(files.multistep_heldout)[: settings.search.eval_questions or None]
     rewrite_eval = _eval_settings(settings, "rewrite")
     search_eval = search_eval_settings(settings.search)
 

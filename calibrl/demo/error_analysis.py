@@ -128,16 +128,17 @@ def summary_metrics(records: Sequence[SearchRecord]) -> dict[str, float]:
 
 def greedy_search_records(model: str, tasks: Sequence[Any], retrieval: Any, settings: "EvalSettings",
                           run_async: Callable[[Any], Any]) -> list[SearchRecord]:
-    """Greedy trajectories of the model folder ``model`` on search ``tasks``, one record each
+    """Greedy trajectories of the model folder (or training checkpoint) ``model`` on search ``tasks``, one record each
     (built-in search template, no chat template: how the demo's agent is trained)."""
     import gc
 
     from calibrl.text import exact_match, token_f1
     from calibrl.trainer.engines import make_engine
+    from calibrl.trainer.eval import resolve_model_path
     from calibrl.trainer.policy import load_policy
     from calibrl.trainer.rollout import rollout_search
 
-    policy = load_policy(str(model), device=settings.device, dtype="auto")
+    policy = load_policy(str(resolve_model_path(model)), device=settings.device, dtype="auto")
     policy.model.eval()
     records: list[SearchRecord] = []
     try:

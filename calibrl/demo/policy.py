@@ -231,16 +231,19 @@ def evidence_of(text: str, value: str, words: int = 4) -> str:
 class AgentTeacher:
     """How the base search agent's reference trajectories are drawn (its warm start).
 
-    The teacher shows the format and how to read an answer out of an observation,
-    and, in a share of its two-search demonstrations, makes the careless agent's
-    mistake of searching the question's own entity a second time instead of the
-    bridge entity the first search revealed; having missed the answer document, it
-    then guesses a plausible value. RL can fix that mistake from the answer reward:
-    the careful second search is in the base agent's samples."""
+    The teacher shows the format and how to read an answer out of an observation
+    (it quotes the passage's words that state the answer, then answers). It makes
+    two mistakes that RL can fix from the answer reward, since the right move is in
+    the base agent's samples too: in a ``shortcut_share`` of its two-search
+    demonstrations it searches the question's own entity a second time instead of
+    the bridge entity the first search revealed, misses the answer document and
+    guesses; and in a ``verbose_share`` of its answers it answers with the whole
+    quoted phrase instead of the value (right document, inexact answer)."""
 
     single_hop: int = 200  # one-search trajectories on facts no held-out question asks for
     value_swaps: int = 1  # extra copies of each trajectory whose answer passage states another value
     shortcut_share: float = 0.0  # share of two-search demonstrations with the careless second search
+    verbose_share: float = 0.0  # share of answers that give the whole quoted phrase rather than the value
 
 
 @dataclass(frozen=True)
@@ -253,6 +256,7 @@ class Plan:
     answer: str
     rewritten: tuple[tuple[str, str], ...] = ()
     evidence: str = ""  # the answer passage's words that state the answer ("" when it was not found)
+    verbose: bool = False  # answer with the evidence instead of the value
 
 
 def reference_trajectories(domain: Domain, teacher: AgentTeacher = AgentTeacher(), seed: int = 0) -> list[Plan]:
@@ -272,7 +276,8 @@ def reference_trajectories(domain: Domain, teacher: AgentTeacher = AgentTeacher(
             plans.append(Plan(task.question, (steps[0], (steps[1][0], task.shortcut_query)), guess))
             continue
         text = passage_text(fact.entity, fact.aspect, fact.value)
-        plan = Plan(task.question, steps, task.answers[0], evidence=evidence_of(text, task.answers[0]))
+        plan = Plan(task.question, steps, task.answers[0], evidence=evidence_of(text, task.answers[0]),
+                    verbose=rng.random() < teacher.verbose_share)
         plans.append(plan)
         careful.append((plan, fact))
     heldout_docs = {doc for t in domain.multistep("heldout") for doc in t.gold_doc_ids}
@@ -287,7 +292,8 @@ def reference_trajectories(domain: Domain, teacher: AgentTeacher = AgentTeacher(
         question = question[0].upper() + question[1:]
         think = f"I need the {fact.aspect.title} of the {fact.entity.name}."
         plan = Plan(question, ((think, f"{fact.entity.name} {fact.aspect.terms}"),), fact.value,
-                    evidence=evidence_of(passage_text(fact.entity, fact.aspect, fact.value), fact.value))
+                    evidence=evidence_of(passage_text(fact.entity, fact.aspect, fact.value), fact.value),
+                    verbose=rng.random() < teacher.verbose_share)
         plans.append(plan)
         careful.append((plan, fact))
     for plan, fact in careful:
@@ -295,7 +301,8 @@ def reference_trajectories(domain: Domain, teacher: AgentTeacher = AgentTeacher(
         for value in rng.sample(others, min(teacher.value_swaps, len(others))):
             text = passage_text(fact.entity, fact.aspect, value)
             answer = answer_of(fact.aspect.key, value)
-            plans.append(Plan(plan.question, plan.steps, answer, ((fact.doc_id, text),), evidence_of(text, answer)))
+            plans.append(Plan(plan.question, plan.steps, answer, ((fact.doc_id, text),), evidence_of(text, answer),
+                              rng.random() < teacher.verbose_share))
     return plans
 
 
@@ -321,7 +328,7 @@ def search_examples(domain: Domain, search_many: SearchManyFn, teacher: AgentTea
 
     return [
         trajectory_example(plan.question, [(think, query, shown(plan, query)) for think, query in plan.steps],
-                           plan.answer, plan.evidence)
+                           plan.evidence if plan.verbose else plan.answer, plan.evidence)
         for plan in plans
     ]
 

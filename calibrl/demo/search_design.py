@@ -43,15 +43,17 @@ class SearchDesign:
     max_obs_tokens: int = 200  # retrieved tokens per observation
     temperature: float = 1.0  # sampling temperature of the rollouts
     checkpoints: int = 2  # held-out evaluations per arm (the curve's points)
+    eval_questions: int = 0  # held-out questions evaluated, the first ones of the file (0 = all)
     value_swaps: int = 2  # warm start: copies of each careful trajectory whose answer passage states another value
-    shortcut_share: float = 0.5  # warm start: share of two-search demonstrations with the careless second search
+    shortcut_share: float = 0.4  # warm start: share of two-search demonstrations with the careless second search
+    verbose_share: float = 0.0  # warm start: share of answers giving the whole quoted phrase instead of the value
 
     def teacher(self) -> "AgentTeacher":
         """The warm start's reference trajectories (:class:`calibrl.demo.policy.AgentTeacher`)."""
         from calibrl.demo.policy import AgentTeacher
 
         return AgentTeacher(single_hop=self.single_hop, value_swaps=self.value_swaps,
-                            shortcut_share=self.shortcut_share)
+                            shortcut_share=self.shortcut_share, verbose_share=self.verbose_share)
 
     def with_overrides(self, **changes: object) -> "SearchDesign":
         """A copy with some fields changed (a stress setting, a pilot)."""
@@ -59,7 +61,8 @@ class SearchDesign:
 
 
 FULL_SEARCH = SearchDesign(warm_steps=300, single_hop=200, steps=30, prompts_per_step=8, group_size=4, lr=2e-4)
-QUICK_SEARCH = SearchDesign(warm_steps=100, single_hop=60, steps=3, prompts_per_step=4, group_size=4, lr=2e-4)
+QUICK_SEARCH = SearchDesign(warm_steps=100, single_hop=60, steps=3, prompts_per_step=4, group_size=4, lr=2e-4,
+                            checkpoints=1, eval_questions=24)
 
 
 def describe_design(design: SearchDesign) -> str:
