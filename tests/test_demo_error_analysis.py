@@ -98,6 +98,28 @@ def test_paired_bootstrap_sees_a_consistent_gain_and_not_a_coin_flip() -> None:
     assert gain.n == 120 and gain.resamples == 2000 and gain.confidence == 0.95
 
 
+def test_clustered_bootstrap_resamples_whole_questions_and_is_wider() -> None:
+    """Six phrasings of each question score alike: resampling phrasings one by one
+    overstates the evidence; resampling whole questions gives the honest, wider interval."""
+    import random
+
+    rng = random.Random(1)
+    per_question = [rng.choice((-1.0, 0.0, 0.0, 1.0, 1.0)) for _ in range(20)]
+    base = [0.0] * 120
+    other = [per_question[i // 6] for i in range(120)]
+    clusters = [f"q{i // 6}" for i in range(120)]
+    loose = ea.paired_bootstrap(base, other, resamples=4000)
+    honest = ea.paired_bootstrap(base, other, resamples=4000, clusters=clusters)
+    assert loose.mean == pytest.approx(honest.mean)
+    assert honest.high - honest.low > 1.8 * (loose.high - loose.low)
+    # singleton clusters are the plain bootstrap
+    assert ea.paired_bootstrap(base, other, resamples=500, clusters=[str(i) for i in range(120)]) == \
+        ea.paired_bootstrap(base, other, resamples=500)
+    assert ea.question_of("ms-roth-expense-ratio-3") == "ms-roth-expense-ratio"
+    with pytest.raises(ValueError, match="cluster labels"):
+        ea.paired_bootstrap([1.0, 0.0], [0.0, 1.0], clusters=["a"])
+
+
 def test_paired_bootstrap_rejects_unpaired_input() -> None:
     with pytest.raises(ValueError, match="differ in length"):
         ea.paired_bootstrap([1.0], [1.0, 0.0])
