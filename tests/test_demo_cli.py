@@ -121,7 +121,11 @@ def test_quick_demo_end_to_end(tmp_path: pathlib.Path) -> None:
     assert "## Two-search agent: where the trajectories fail" in report
     for name in ("base_agent", "grpo", "calibadv"):
         assert sum(analysis["categories"][name]["counts"].values()) == analysis["questions"]
+    lines = [json.loads(line) for line in (out / "search_records.jsonl").read_text().splitlines()]
+    assert len(lines) == 3 * analysis["questions"] and {r["model"] for r in lines} == {"base_agent", "grpo", "calibadv"}
     for name in ("grpo", "calibadv"):
+        by_question = analysis["paired_f1_vs_base_by_question"][name]
+        assert by_question["low"] <= by_question["mean"] <= by_question["high"]
         diff = analysis["paired_f1_vs_base"][name]
         assert diff["low"] <= diff["mean"] <= diff["high"] and diff["n"] == analysis["questions"]
     # the dense reward really used the judge: a rubric component was logged, the binary run has none

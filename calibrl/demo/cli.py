@@ -452,6 +452,7 @@ def _train_and_evaluate(settings: DemoSettings, out: pathlib.Path, domain: Any, 
         "held-out": f"{len(heldout_rewrites)} rewrite tasks, {len(heldout_search)} two-search questions "
                     "(entity x aspect pairs never seen in training); greedy decoding",
     }
+    _write_search_records(out / "search_records.jsonl", search_records)
     notes = []
     if settings.name == "quick":
         notes.append("--quick runs every stage with very few steps: it checks that the system works, and its "
@@ -487,6 +488,17 @@ def _eval_settings(settings: DemoSettings, kind: str) -> Any:
 
     return EvalSettings(top_k=settings.hit_k, mode=RETRIEVAL_MODE, max_new_tokens=settings.max_new_tokens,
                         device="cpu")
+
+
+def _write_search_records(path: pathlib.Path, records: dict[str, list[Any]]) -> None:
+    """Every evaluated agent's greedy trajectory of every held-out question, one JSON line
+    each (``model``, question, queries, answer, F1, category): what a study pairs."""
+    import json
+
+    with path.open("w", encoding="utf-8") as out:
+        for model, recs in records.items():
+            for record in recs:
+                out.write(json.dumps({"model": model, **record.as_dict()}, ensure_ascii=False) + "\n")
 
 
 def _search_records(clients: _Clients, model: Any, tasks: list[Any], eval_settings: Any) -> list[Any]:
