@@ -285,7 +285,7 @@ def _interval(diff: dict[str, Any]) -> str:
 
 
 __all__ = [
-    "CATEGORIES", "CATEGORY_LABELS", "CORRECT", "ErrorAnalysis", "analysis_markdown", "analysis_results", "MALFORMED", "MISSED_ANSWER_DOC", "MISSED_BRIDGE",
-    "PairedDifference", "SearchRecord", "WRONG_ANSWER", "analyse", "classify", "greedy_search_records",
-    "paired_bootstrap", "paired_f1", "question_of", "summary_metrics",
+    "CATEGORIES", "CATEGORY_LABELS", "CORRECT", "ErrorAnalysis", "MALFORMED", "MISSED_ANSWER_DOC", "MISSED_BRIDGE",
+    "PairedDifference", "SearchRecord", "WRONG_ANSWER", "analyse", "analysis_markdown", "analysis_results", "classify",
+    "greedy_search_records", "paired_bootstrap", "paired_f1", "question_of", "summary_metrics",
 ]

@@ -509,7 +509,8 @@ def build_base_agent(
 
 
 __all__ = [
-    "AgentTeacher", "BasePolicies", "EOS", "Plan", "build_base_agent", "Example", "PAD", "PolicySpec", "RewriteMix", "WarmStartResult", "build_base_policies",
-    "build_model", "encode_example", "prompt_constants", "rewrite_examples", "rewrite_prompt", "search_examples",
-    "reference_trajectories", "search_prompt", "train_tokenizer", "trajectory_example", "warm_start",
+    "AgentTeacher", "BasePolicies", "build_base_agent", "build_base_policies", "build_model", "encode_example", "EOS",
+    "Example", "PAD", "Plan", "PolicySpec", "prompt_constants", "reference_trajectories", "rewrite_examples",
+    "rewrite_prompt", "RewriteMix", "search_examples", "search_prompt", "train_tokenizer", "trajectory_example",
+    "warm_start", "WarmStartResult",
 ]
