@@ -511,6 +511,6 @@ def build_base_agent(
 __all__ = [
     "AgentTeacher", "BasePolicies", "build_base_agent", "build_base_policies", "build_model", "encode_example", "EOS",
     "evidence_of", "Example", "PAD", "Plan", "PolicySpec", "prompt_constants", "reference_trajectories",
-    "rewrite_examples", "rewrite_prompt", "RewriteMix", "search_examples", "search_prompt", "train_tokenizer", "trajectory_example",
-    "warm_start", "WarmStartResult",
+    "rewrite_examples", "rewrite_prompt", "RewriteMix", "search_examples", "search_prompt", "train_tokenizer",
+    "trajectory_example", "warm_start", "WarmStartResult",
 ]
