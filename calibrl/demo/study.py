@@ -1,0 +1,423 @@
+"""`calibrl study`: the search-agent arms over several seeds, with intervals.
+
+    calibrl study                       # seeds 0,1,2, the full demo's sizes, normal + stress setting
+    calibrl study --seeds 0,1 --jobs 2  # two seeds, each in its own process
+    calibrl study --quick               # every stage with few steps (the test's size)
+
+For each seed the study builds what ``calibrl demo --seed N`` builds for its search
+agent, with the demo's own functions: the domain (so every seed has its own corpus
+and questions), the index, the retrieval service and the base search agent. A judge
+service serves the search-step rubric (``configs/rubrics/search-steps.yaml``) for the
+step-rewarded arms. From that one base it trains four arms with the demo's search
+settings, differing only in what the arm names:
+
+* ``grpo``: GRPO advantages, reward answer F1 x format;
+* ``calibadv``: CalibAdv (gold documents as silver, as the demo);
+* ``grpo_steps`` / ``calibadv_steps``: the same, with per-step dense rewards from both
+  services in the trajectory reward (``reward.w_steps``; the one way both estimators take);
+
+once under the demo's learning rate (``normal``) and once under a stress setting,
+the same for every arm (``stress``: the learning rate times ``STRESS_LR_FACTOR``).
+Every final policy and the base answer every held-out question greedily; the
+per-question answer F1 feeds ``calibrl.stats``: each arm's mean with a 95% bootstrap
+interval over questions (resampled within each seed: the seeds have different
+questions) and the paired bootstrap of every pair of arms and of each arm vs the base.
+
+Each seed writes ``seed_<N>/seed_result.json``; ``--jobs 2`` runs two seeds at a time
+as subprocesses (``calibrl study --worker``); the parent then writes ``results.json``,
+``report.md`` and ``plots/`` (``calibrl.demo.study_report``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import json
+import os
+import pathlib
+import shutil
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+from calibrl.errors import CalibrlError
+
+STUDY_MARKER = ".calibrl-study"  # marks a folder as a study's output, which a later study may replace
+STEP_RUBRIC_ID = "search-steps"
+STEP_RUBRIC = pathlib.Path(__file__).resolve().parents[2] / "configs" / "rubrics" / f"{STEP_RUBRIC_ID}.yaml"
+STRESS_LR_FACTOR = 5.0  # the stress setting's learning rate, in multiples of the demo's search_lr
+W_STEPS = 0.5  # weight of the mean step reward in the step-rewarded arms' trajectory reward
+SEED_RESULT = "seed_result.json"
+# Per-step metrics kept from each run's metrics.jsonl (the collapse signals and the reward).
+KEPT_METRICS = ("reward", "reward_std", "frac_reward_zero_std", "kl", "entropy", "grad_norm", "policy/ref_ppl",
+                "search/well_formed", "search/answered", "search/searches_per_trajectory", "search/repeated_share",
+                "steps/reward/mean", "steps/new_gold_share", "completions/mean_length")
+
+
+@dataclass(frozen=True)
+class Arm:
+    """One training recipe of the comparison."""
+
+    name: str
+    label: str
+    estimator: str  # advantage.type, as the demo's _train_overrides takes it
+    step_rewards: bool
+
+
+ARMS = (
+    Arm("grpo", "GRPO", "grpo", False),
+    Arm("calibadv", "CalibAdv", "calibadv", False),
+    Arm("grpo_steps", "GRPO + step rewards", "grpo", True),
+    Arm("calibadv_steps", "CalibAdv + step rewards", "calibadv", True),
+)
+SETTINGS = ("normal", "stress")
+
+
+@dataclass(frozen=True)
+class StudyPlan:
+    """What one study runs."""
+
+    demo: Any  # calibrl.demo.cli.DemoSettings (FULL or QUICK)
+    seeds: tuple[int, ...]
+    heldout_limit: int = 0  # evaluate only the first N held-out questions (0 = all; tests use a few)
+    arms: tuple[Arm, ...] = ARMS
+    settings: tuple[str, ...] = SETTINGS
+
+    def demo_for(self, setting: str) -> Any:
+        """The demo's settings under ``setting`` (stress: a larger search learning rate)."""
+        if setting == "stress":
+            return dataclasses.replace(self.demo, search_lr=self.demo.search_lr * STRESS_LR_FACTOR)
+        return self.demo
+
+    def describe(self) -> dict[str, Any]:
+        demo = self.demo
+        return {
+            "mode": demo.name, "seeds": list(self.seeds), "arms": [a.name for a in self.arms],
+            "settings": list(self.settings), "search_steps": demo.search_steps,
+            "questions_per_step": demo.search_prompts_per_step, "group_size": demo.search_group_size,
+            "lr": demo.search_lr, "stress_lr": demo.search_lr * STRESS_LR_FACTOR, "kl_beta": demo.kl_beta,
+            "max_turns": demo.max_turns, "search_top_k": demo.search_top_k, "w_steps": W_STEPS,
+            "warm_agent_steps": demo.warm_agent_steps, "heldout_limit": self.heldout_limit,
+        }
+
+
+# --------------------------------------------------------------------------- one seed
+
+
+def run_seed(plan: StudyPlan, seed: int, out: pathlib.Path, progress: bool = False) -> dict[str, Any]:
+    """Everything of one seed; writes and returns its ``seed_result.json`` record."""
+    import torch
+
+    from calibrl.demo.cli import _Clients, _log_to_file, build_demo_index
+    from calibrl.demo.domain import generate_domain, write_domain
+    from calibrl.trainer.aio import BackgroundLoop
+
+    torch.set_num_threads(1)
+    out.mkdir(parents=True, exist_ok=True)
+    _log_to_file(out / "study.log")
+    timings: dict[str, float] = {}
+    started = time.perf_counter()
+    domain = generate_domain(seed)
+    files = write_domain(domain, out / "data")
+    build_demo_index(files.corpus, out / "index")
+    timings["domain_and_index_s"] = time.perf_counter() - started
+    with _services(out) as (retrieval_target, judge_target), BackgroundLoop(name=f"study-{seed}") as background:
+        clients = _Clients(retrieval_target, judge_target, background)
+        try:
+            record = _train_and_score(plan, seed, out, domain, files, clients, timings, progress)
+        finally:
+            clients.close()
+    timings["seed_s"] = time.perf_counter() - started
+    record["timings"] = timings
+    (out / SEED_RESULT).write_text(json.dumps(record, indent=1), encoding="utf-8")
+    return record
+
+
+@contextlib.contextmanager
+def _services(out: pathlib.Path) -> Any:
+    """The demo's retrieval service over ``out/index`` and a judge serving the search-step
+    rubric (no SME golden set exists for it, so it is served unvalidated)."""
+    from calibrl.demo.cli import RETRIEVAL_MODE
+    from calibrl.demo.services import Service, free_port
+
+    if not STEP_RUBRIC.is_file():
+        raise StudyError(f"{STEP_RUBRIC}: the search-step rubric is missing; the study runs from a source checkout "
+                         "(pip install -e .), where configs/rubrics/ holds it")
+    rubrics = out / "rubrics"
+    rubrics.mkdir(exist_ok=True)
+    shutil.copy(STEP_RUBRIC, rubrics / STEP_RUBRIC.name)
+    retrieval_port, judge_port = free_port(), free_port()
+    services = [
+        Service("retrieval server", [
+            "serve", "retrieval", "--index", str(out / "index"), "--port", str(retrieval_port),
+            f"default_mode={RETRIEVAL_MODE}", "device=cpu", "torch_threads=1", "serving.grace_seconds=2",
+            "serving.drain_seconds=0"], retrieval_port, out / "logs" / "serve_retrieval.log"),
+        Service("judge server", [
+            "serve", "judge", "--rubrics", str(rubrics), "--backend", "programmatic", "--allow-unvalidated",
+            "--port", str(judge_port), "serving.grace_seconds=2", "serving.drain_seconds=0"],
+            judge_port, out / "logs" / "serve_judge.log"),
+    ]
+    try:
+        for service in services:
+            service.start()
+        for service in services:
+            service.wait_healthy()
+        yield services[0].target, services[1].target
+    finally:
+        for service in services:
+            service.stop()
+
+
+def _train_and_score(plan: StudyPlan, seed: int, out: pathlib.Path, domain: Any, files: Any, clients: Any,
+                     timings: dict[str, float], progress: bool) -> dict[str, Any]:
+    from calibrl.demo.cli import _eval_settings
+    from calibrl.trainer.tasks import load_tasks
+
+    started = time.perf_counter()
+    base_agent = build_base_agent(plan.demo, domain, out, clients, seed, progress)
+    timings["base_agent_s"] = time.perf_counter() - started
+    heldout = load_tasks(files.multistep_heldout)
+    if plan.heldout_limit:
+        heldout = heldout[: plan.heldout_limit]
+    eval_settings = _eval_settings(plan.demo, "search")
+    record: dict[str, Any] = {
+        "seed": seed, "questions": [{"task_id": t.task_id, "question": t.query} for t in heldout],
+        "train_questions": len(load_tasks(files.multistep_train)),
+        "base": question_scores(base_agent, heldout, clients, eval_settings), "runs": {},
+    }
+    for setting in plan.settings:
+        record["runs"][setting] = {}
+        for arm in plan.arms:
+            run = train_arm(plan, setting, arm, base_agent, files, clients, out, seed, progress)
+            run["scores"] = question_scores(run.pop("model"), heldout, clients, eval_settings)
+            record["runs"][setting][arm.name] = run
+            print(f"    seed {seed} {setting} {arm.name}: {run['wall_s']:.0f}s, held-out F1 "
+                  f"{sum(run['scores']['f1']) / len(heldout):.3f}", flush=True)
+    timings["arms_s"] = time.perf_counter() - started - timings["base_agent_s"]
+    return record
+
+
+def build_base_agent(demo: Any, domain: Any, out: pathlib.Path, clients: Any, seed: int, progress: bool) -> pathlib.Path:
+    """The demo's base search agent of this seed (``build_base_policies`` with the demo's
+    arguments; its rewriter is built too, as the demo builds both from one tokenizer)."""
+    from calibrl.demo.policy import PolicySpec, RewriteMix, build_base_policies
+
+    bases = build_base_policies(
+        domain, out / "policies", lambda queries: clients.search_many(queries, demo.search_top_k),
+        spec=PolicySpec(), rewriter_steps=demo.warm_rewriter_steps, agent_steps=demo.warm_agent_steps,
+        rewrite_count=demo.rewrite_examples, single_hop=demo.single_hop, mix=RewriteMix(), seed=seed,
+        progress=progress,
+    )
+    return bases.agent
+
+
+def arm_overrides(plan: StudyPlan, setting: str, arm: Arm, base_agent: pathlib.Path, files: Any, clients: Any,
+                  run_dir: pathlib.Path, seed: int, progress: bool) -> list[str]:
+    """The demo's training overrides of the arm's estimator, plus the arm's step rewards;
+    only the final checkpoint is written (the study evaluates the final policy)."""
+    from calibrl.demo.cli import _train_overrides
+
+    overrides = _train_overrides(plan.demo_for(setting), run_dir.parent, base_agent, files.multistep_train, clients,
+                                 arm.estimator, seed, progress)
+    overrides += [f"output_dir={run_dir}", "checkpoint_every=0"]
+    if arm.step_rewards:
+        overrides += [f"reward.w_steps={W_STEPS}", f"reward.step_rubric_id={STEP_RUBRIC_ID}",
+                      f"services.judge={clients.judge_target}"]
+    return overrides
+
+
+def train_arm(plan: StudyPlan, setting: str, arm: Arm, base_agent: pathlib.Path, files: Any, clients: Any,
+              out: pathlib.Path, seed: int, progress: bool) -> dict[str, Any]:
+    """Train one arm; its kept per-step metrics, wall time and final checkpoint."""
+    from calibrl.demo.cli import _train
+    from calibrl.trainer.checkpoint import find_checkpoint
+
+    run_dir = out / "runs" / setting / arm.name
+    overrides = arm_overrides(plan, setting, arm, base_agent, files, clients, run_dir, seed, progress)
+    history, seconds, tracker = _train(overrides, clients, ("none",))
+    tracker.close()
+    steps = [{"step": n + 1, **{k: float(h[k]) for k in KEPT_METRICS if k in h}} for n, h in enumerate(history)]
+    return {"steps": steps, "wall_s": seconds, "model": str(find_checkpoint(run_dir))}
+
+
+def question_scores(model: str | pathlib.Path, tasks: Sequence[Any], clients: Any, settings: Any) -> dict[str, list]:
+    """Per held-out question, one greedy trajectory of ``model`` scored as
+    ``calibrl.trainer.eval.evaluate_search`` scores it: answer ``f1`` and ``em`` (0 without
+    an answer), ``well_formed`` (0/1) and ``searches``. Their means are that function's."""
+    import gc
+
+    from calibrl.text import exact_match, token_f1
+    from calibrl.trainer.engines import make_engine
+    from calibrl.trainer.eval import choose_prompt, resolve_model_path
+    from calibrl.trainer.policy import load_policy
+    from calibrl.trainer.rollout import rollout_search
+
+    kind = tasks[0].kind
+    prompt = choose_prompt(model, kind).rollout_config()
+    policy = load_policy(str(resolve_model_path(model)), device=settings.device, dtype="auto")
+    policy.model.eval()
+    engine = make_engine("transformers", policy)
+    scores: dict[str, list] = {"f1": [], "em": [], "well_formed": [], "searches": []}
+    try:
+        for start in range(0, len(tasks), settings.batch_size):
+            batch = rollout_search(
+                engine, policy.tokenizer, tasks[start : start + settings.batch_size], group_size=1,
+                retrieval=clients.retrieval, run_async=clients.background.run, max_turns=settings.max_turns,
+                top_k=settings.search_top_k, max_new_tokens_per_turn=settings.max_new_tokens,
+                max_obs_tokens=settings.max_obs_tokens, temperature=0.0, prompt_template=prompt.template_for(kind),
+                chat_template=prompt.chat_template_flag(),
+            )
+            for rollout in batch.rollouts:
+                answer = (rollout.answer or "").strip()
+                scores["f1"].append(token_f1(answer, rollout.task.answers) if answer else 0.0)
+                scores["em"].append(float(exact_match(answer, rollout.task.answers)) if answer else 0.0)
+                scores["well_formed"].append(float(rollout.well_formed))
+                scores["searches"].append(len(rollout.steps))
+    finally:
+        del engine, policy
+        gc.collect()
+    return scores
+
+
+# --------------------------------------------------------------------------- the study
+
+
+def run_study(plan: StudyPlan, out: pathlib.Path, *, jobs: int = 1, progress: bool = False,
+              command: str = "calibrl study") -> pathlib.Path:
+    """Every seed (``jobs`` at a time, each in its own process when > 1), then the
+    report; returns the path of report.md."""
+    from calibrl.demo import study_report
+
+    started = time.perf_counter()
+    out.mkdir(parents=True, exist_ok=True)
+    (out / STUDY_MARKER).write_text(f"{command}\n", encoding="utf-8")
+    if jobs == 1:
+        records = [run_seed(plan, seed, out / f"seed_{seed}", progress) for seed in plan.seeds]
+    else:
+        records = _run_seeds_in_processes(plan, out, jobs)
+    wall = time.perf_counter() - started
+    return study_report.write_study(plan.describe(), records, out, command=command, wall_s=wall,
+                                    arm_labels={a.name: a.label for a in plan.arms})
+
+
+def _run_seeds_in_processes(plan: StudyPlan, out: pathlib.Path, jobs: int) -> list[dict[str, Any]]:
+    """``calibrl study --worker`` per seed, at most ``jobs`` at once; their seed results in seed order."""
+    from calibrl.demo.services import calibrl_command, service_env
+
+    waiting = list(plan.seeds)
+    running: list[tuple[int, subprocess.Popen, Any]] = []
+    while waiting or running:
+        while waiting and len(running) < jobs:
+            seed = waiting.pop(0)
+            (out / f"seed_{seed}").mkdir(parents=True, exist_ok=True)
+            log = open(out / f"seed_{seed}" / "worker.log", "w", encoding="utf-8")
+            args = [*calibrl_command(), "study", "--worker", "--seeds", str(seed), "--out", str(out / f"seed_{seed}"),
+                    *(["--quick"] if plan.demo.name == "quick" else []),
+                    *(["--heldout-limit", str(plan.heldout_limit)] if plan.heldout_limit else [])]
+            running.append((seed, subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=service_env(1)),
+                            log))
+        time.sleep(1.0)
+        for entry in list(running):
+            seed, process, log = entry
+            if process.poll() is None:
+                continue
+            running.remove(entry)
+            log.close()
+            if process.returncode != 0:
+                for _, other, other_log in running:
+                    other.terminate()
+                    other.wait(30)
+                    other_log.close()
+                tail = (out / f"seed_{seed}" / "worker.log").read_text(encoding="utf-8", errors="replace")[-3000:]
+                raise StudyError(f"seed {seed} failed (exit {process.returncode}); its log ends:\n{tail}")
+            print(f"    seed {seed} done", flush=True)
+    return [json.loads((out / f"seed_{seed}" / SEED_RESULT).read_text(encoding="utf-8")) for seed in plan.seeds]
+
+
+class StudyError(CalibrlError):
+    """A seed of the study failed; the message shows its log."""
+
+
+# --------------------------------------------------------------------------- entry point
+
+
+def parse_seeds(text: str) -> tuple[int, ...]:
+    """``"0,1,2"`` -> (0, 1, 2); a clear error for anything else."""
+    try:
+        seeds = tuple(int(part) for part in text.split(",") if part.strip())
+    except ValueError:
+        raise ValueError(f"--seeds {text!r}: expected comma-separated integers, e.g. 0,1,2") from None
+    if not seeds or len(set(seeds)) != len(seeds) or min(seeds) < 0:
+        raise ValueError(f"--seeds {text!r}: give at least one seed, each >= 0 and once")
+    return seeds
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="calibrl study",
+        description="Train the search agent's four arms (GRPO, CalibAdv, each with and without per-step dense "
+        "rewards) from the demo's base over several seeds, under the demo's learning rate and a stress setting; "
+        "report each arm's held-out answer F1 with 95%% intervals, paired bootstraps over questions, and the "
+        "collapse signals per step.",
+    )
+    parser.add_argument("--seeds", default="0,1,2", help="comma-separated seeds (default 0,1,2)")
+    parser.add_argument("--quick", action="store_true", help="the demo's --quick sizes: a smoke run")
+    parser.add_argument("--out", default="calibrl_study_out", help="output folder (default calibrl_study_out)")
+    parser.add_argument("--jobs", type=int, default=1, help="seeds run at once, each in its own process (default 1)")
+    parser.add_argument("--heldout-limit", type=int, default=0,
+                        help="evaluate only the first N held-out questions of each seed (0 = all; for smoke runs)")
+    parser.add_argument("--overwrite", action="store_true", help="replace --out even if it holds something else")
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)  # one seed, no report
+    args = parser.parse_args(list(argv) if argv is not None else None)
+
+    for name, value in (("HF_HUB_OFFLINE", "1"), ("TRANSFORMERS_OFFLINE", "1"), ("TOKENIZERS_PARALLELISM", "false")):
+        os.environ.setdefault(name, value)
+    try:
+        seeds = parse_seeds(args.seeds)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    for flag, value, low in (("--jobs", args.jobs, 1), ("--heldout-limit", args.heldout_limit, 0)):
+        if value < low:
+            print(f"error: {flag}={value}: must be >= {low}", file=sys.stderr)
+            return 2
+    from calibrl.demo.cli import FULL, QUICK
+    from calibrl.retrieval_server.cli import hide_library_progress_bars
+
+    hide_library_progress_bars()  # the study prints one line per run; its logs hold the rest
+
+    plan = StudyPlan(QUICK if args.quick else FULL, seeds, heldout_limit=args.heldout_limit)
+    out = pathlib.Path(args.out)
+    if args.worker:
+        run_seed(plan, seeds[0], out)
+        return 0
+    problem = _prepare_out(out, args.overwrite)
+    if problem:
+        print(f"error: {problem}", file=sys.stderr)
+        return 2
+    command = "calibrl study " + " ".join(a for a in (argv if argv is not None else sys.argv[2:]))
+    started = time.perf_counter()
+    try:
+        path = run_study(plan, out, jobs=min(args.jobs, len(seeds)), command=command.strip())
+    except CalibrlError as exc:
+        print(f"\nstudy failed: {exc}", file=sys.stderr)
+        return 1
+    print(f"\ncalibrl study finished in {time.perf_counter() - started:.0f}s; report: {path}")
+    return 0
+
+
+def _prepare_out(out: pathlib.Path, overwrite: bool) -> str | None:
+    """Empty ``out`` for a new study; the reason it may not, or None."""
+    if out.exists() and not out.is_dir():
+        return f"--out {out} is a file, not a folder"
+    if out.exists() and any(out.iterdir()):
+        if not (overwrite or (out / STUDY_MARKER).exists()):
+            return f"--out {out} is not empty and holds no earlier study; pass --overwrite or choose another folder"
+        shutil.rmtree(out)
+    return None
+
+
+__all__ = ["ARMS", "Arm", "StudyPlan", "main", "parse_seeds", "question_scores", "run_seed", "run_study"]

@@ -1,0 +1,328 @@
+"""The study's results: ``results.json``, ``report.md`` and ``plots/``.
+
+Input: one record per seed (``calibrl.demo.study.run_seed``): the held-out questions,
+the base agent's and every trained arm's per-question scores, and each run's per-step
+collapse signals. Intervals and paired differences come from ``calibrl.stats`` over
+questions: when every seed has its own questions (the demo generates a domain per
+seed) each unit is a (seed, question) pair, resampled within its seed; when the
+seeds share their questions each question's F1 is first averaged over seeds.
+The verdict lines are computed from these numbers, never written in advance.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+import pathlib
+from typing import Any, Mapping, Sequence
+
+from calibrl.stats import Interval, average_over_seeds, mean_interval, paired_difference
+
+BASE = "base"
+# Collapse signals drawn per step: (metric key in the run's step records, title, file stem).
+SIGNALS = (
+    ("search/well_formed", "Well-formed trajectories (training rollouts)", "well_formed"),
+    ("search/searches_per_trajectory", "Searches per trajectory", "searches_per_trajectory"),
+    ("search/repeated_share", "Share of repeated searches", "repeated_share"),
+    ("entropy", "Token entropy of generated tokens", "entropy"),
+    ("policy/ref_ppl", "Perplexity of generated tokens under the frozen reference", "ref_ppl"),
+    ("reward", "Mean reward", "reward"),
+)
+SIGNAL_COLUMNS = {"search/well_formed": "well-formed", "search/searches_per_trajectory": "searches/traj",
+                  "search/repeated_share": "repeated", "entropy": "entropy", "policy/ref_ppl": "reference PPL",
+                  "reward": "reward"}
+LAST_STEPS = 5  # the collapse table averages each signal over the last this many steps
+COLLAPSED_WELL_FORMED = 0.5  # a final policy below this held-out well-formed rate is called collapsed
+
+
+# --------------------------------------------------------------------------- numbers
+
+
+def shared_questions(records: Sequence[Mapping[str, Any]]) -> bool:
+    """Whether every seed evaluated the same questions in the same order."""
+    return all(r["questions"] == records[0]["questions"] for r in records)
+
+
+def scores_of(record: Mapping[str, Any], setting: str, arm: str, metric: str = "f1") -> list[float]:
+    """Per-question ``metric`` of ``arm`` (or the base) under ``setting`` in one seed's record."""
+    source = record["base"] if arm == BASE else record["runs"][setting][arm]["scores"]
+    return [float(v) for v in source[metric]]
+
+
+def units(records: Sequence[Mapping[str, Any]], setting: str, arm: str,
+          metric: str = "f1") -> tuple[list[float], list[int] | None]:
+    """The resampling units of an arm: (values, strata). Shared questions: one value per
+    question, averaged over seeds, no strata; else one per (seed, question), stratum = seed."""
+    per_seed = [scores_of(r, setting, arm, metric) for r in records]
+    if shared_questions(records):
+        return average_over_seeds(per_seed), None
+    values = [v for scores in per_seed for v in scores]
+    strata = [r["seed"] for r, scores in zip(records, per_seed) for _ in scores]
+    return values, strata
+
+
+def arm_summary(records: Sequence[Mapping[str, Any]], setting: str, arm: str, seed: int = 0) -> dict[str, Any]:
+    """An arm's mean held-out F1 with its interval, every seed's mean, and its EM and
+    well-formed rates (means over the same units)."""
+    values, strata = units(records, setting, arm)
+    interval = mean_interval(values, strata=strata, seed=seed)
+    per_seed = {str(r["seed"]): _mean(scores_of(r, setting, arm)) for r in records}
+    return {
+        "f1": interval.as_dict(), "per_seed_f1": per_seed,
+        "em": _mean(units(records, setting, arm, "em")[0]),
+        "well_formed": _mean(units(records, setting, arm, "well_formed")[0]),
+        "searches": _mean(units(records, setting, arm, "searches")[0]),
+    }
+
+
+def paired(records: Sequence[Mapping[str, Any]], setting: str, a: str, b: str, seed: int = 0) -> Interval:
+    """Paired bootstrap of ``a - b`` over the same questions (and seeds)."""
+    left, strata = units(records, setting, a)
+    right, _ = units(records, setting, b)
+    return paired_difference(left, right, strata=strata, seed=seed)
+
+
+def pairs_of(arms: Sequence[str]) -> list[tuple[str, str]]:
+    """Every pair of arms, then every arm against the base."""
+    return list(itertools.combinations(arms, 2)) + [(arm, BASE) for arm in arms]
+
+
+def signal_curves(records: Sequence[Mapping[str, Any]], setting: str, arm: str, key: str) -> list[float]:
+    """Per training step, ``key`` averaged over the seeds that logged it (NaN where none did)."""
+    runs = [r["runs"][setting][arm]["steps"] for r in records]
+    length = max((len(steps) for steps in runs), default=0)
+    curve = []
+    for n in range(length):
+        values = [steps[n][key] for steps in runs if n < len(steps) and _finite(steps[n].get(key))]
+        curve.append(_mean(values) if values else math.nan)
+    return curve
+
+
+def summarize(plan: Mapping[str, Any], records: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    """Everything ``results.json`` holds beyond the raw per-question scores."""
+    arms = plan["arms"]
+    out: dict[str, Any] = {"shared_questions": shared_questions(records),
+                           "questions_per_seed": {str(r["seed"]): len(r["questions"]) for r in records},
+                           "base": arm_summary(records, plan["settings"][0], BASE), "settings": {}}
+    for setting in plan["settings"]:
+        out["settings"][setting] = {
+            "arms": {arm: arm_summary(records, setting, arm) for arm in arms},
+            "paired": [{"a": a, "b": b, **paired(records, setting, a, b).as_dict()} for a, b in pairs_of(arms)],
+            "signals": {arm: {key: signal_curves(records, setting, arm, key) for key, _, _ in SIGNALS}
+                        for arm in arms},
+        }
+    return out
+
+
+# --------------------------------------------------------------------------- report
+
+
+def write_study(plan: Mapping[str, Any], records: Sequence[Mapping[str, Any]], out: pathlib.Path, *, command: str,
+                wall_s: float, arm_labels: Mapping[str, str]) -> pathlib.Path:
+    """Write results.json, plots/ and report.md under ``out``; returns report.md's path."""
+    summary = summarize(plan, records)
+    labels = {BASE: "base search agent (untrained)", **arm_labels}
+    results = {"command": command, "wall_s": wall_s, "plan": dict(plan), "summary": summary,
+               "seeds": [_seed_json(r) for r in records]}
+    (out / "results.json").write_text(json.dumps(_json_safe(results), indent=1), encoding="utf-8")
+    plots = write_plots(plan, summary, labels, out / "plots")
+    lines = [f"# calibrl study: the search agent's arms over seeds {', '.join(map(str, plan['seeds']))}", "",
+             f"Command: `{command}`; wall time {wall_s:.0f} s.", "", *settings_lines(plan, summary), "",
+             "## What the data shows", "", *(f"- {line}" for line in verdict(plan, summary, labels)), ""]
+    for setting in plan["settings"]:
+        lines += [f"## Held-out answer F1, {setting} setting", "", arm_table(plan, summary, setting, labels), "",
+                  f"Paired bootstrap over questions ({setting}): difference of held-out answer F1, a - b", "",
+                  paired_table(summary, setting, labels), ""]
+    lines += ["## Collapse signals per step", "",
+              f"Training rollouts, mean over seeds: first step -> mean of the last {LAST_STEPS} steps.", "",
+              collapse_table(plan, summary, labels), ""]
+    lines += [f"![{p.stem}](plots/{p.name})" for p in plots]
+    path = out / "report.md"
+    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    return path
+
+
+def settings_lines(plan: Mapping[str, Any], summary: Mapping[str, Any]) -> list[str]:
+    questions = ", ".join(f"seed {s}: {n}" for s, n in summary["questions_per_seed"].items())
+    if len(summary["questions_per_seed"]) == 1:
+        unit = "one seed: its questions resampled"
+    elif summary["shared_questions"]:
+        unit = "questions shared by every seed; each question's F1 averaged over seeds, then questions resampled"
+    else:
+        unit = (
+            "each seed has its own questions (its own domain); units are (seed, question) pairs, resampled within "
+            "their seed")
+    return [
+        f"Mode {plan['mode']}; per arm and seed: {plan['search_steps']} steps x {plan['questions_per_step']} "
+        f"questions x G={plan['group_size']}, up to {plan['max_turns']} turns, {plan['search_top_k']} documents per "
+        f"search, KL beta {plan['kl_beta']:g}, from the demo's base agent ({plan['warm_agent_steps']} warm-start "
+        f"steps). Learning rate: normal {plan['lr']:g}, stress {plan['stress_lr']:g} (the same for every arm). "
+        f"Step-rewarded arms: reward = F1 x format + {plan['w_steps']:g} x mean step reward (0.7 retrieval + "
+        "0.3 search-step rubric).",
+        f"Held-out questions (never trained on), greedy decoding: {questions}. Intervals: 95% bootstrap "
+        f"percentile, 10,000 resamples, seeded; {unit}.",
+    ]
+
+
+def _pct(value: float) -> str:
+    return "-" if not _finite(value) else f"{round(100 * value, 1) + 0.0:.1f}"  # + 0.0: never "-0.0"
+
+
+def _points(value: float) -> str:
+    return f"{round(100 * value, 1) + 0.0:+.1f}"
+
+
+def _ci(interval: Mapping[str, float]) -> str:
+    return f"{_pct(interval['estimate'])} [{_pct(interval['low'])}, {_pct(interval['high'])}]"
+
+
+def arm_table(plan: Mapping[str, Any], summary: Mapping[str, Any], setting: str, labels: Mapping[str, str]) -> str:
+    seeds = [str(s) for s in plan["seeds"]]
+    header = ["policy", "answer F1 % [95% CI]", *(f"seed {s}" for s in seeds), "EM %", "well-formed %", "searches"]
+    rows = []
+    for name, arm in [(BASE, summary["base"]), *summary["settings"][setting]["arms"].items()]:
+        rows.append([labels[name], _ci(arm["f1"]), *(_pct(arm["per_seed_f1"][s]) for s in seeds), _pct(arm["em"]),
+                     _pct(arm["well_formed"]), f"{arm['searches']:.2f}"])
+    return _markdown(header, rows)
+
+
+def paired_table(summary: Mapping[str, Any], setting: str, labels: Mapping[str, str]) -> str:
+    rows = [[labels[p["a"]], labels[p["b"]], _ci(p), "yes" if p["low"] > 0 or p["high"] < 0 else "no"]
+            for p in summary["settings"][setting]["paired"]]
+    return _markdown(["a", "b", "a - b, points [95% CI]", "interval excludes 0"], rows)
+
+
+def collapse_table(plan: Mapping[str, Any], summary: Mapping[str, Any], labels: Mapping[str, str]) -> str:
+    header = ["setting", "arm", *(SIGNAL_COLUMNS[key] for key, _, _ in SIGNALS)]
+    rows = []
+    for setting in plan["settings"]:
+        for arm, signals in summary["settings"][setting]["signals"].items():
+            cells = []
+            for key, _, _ in SIGNALS:
+                curve = signals[key]
+                cells.append(f"{_num(curve[0] if curve else math.nan)} -> {_num(_tail_mean(curve))}")
+            rows.append([setting, labels[arm], *cells])
+    return _markdown(header, rows)
+
+
+def verdict(plan: Mapping[str, Any], summary: Mapping[str, Any], labels: Mapping[str, str]) -> list[str]:
+    """Plain sentences computed from the numbers."""
+    lines = []
+    normal = summary["settings"][plan["settings"][0]]
+    by_pair = {(p["a"], p["b"]): p for p in normal["paired"]}
+    if ("grpo", "calibadv") in by_pair:
+        lines.append(_compare(by_pair[("grpo", "calibadv")], labels, "normal setting", reverse=True))
+    best = max(normal["arms"], key=lambda a: normal["arms"][a]["f1"]["estimate"])
+    lines.append(_compare(by_pair[(best, BASE)], labels, "normal setting, best arm vs the untrained base"))
+    for plain, stepped in (("grpo", "grpo_steps"), ("calibadv", "calibadv_steps")):
+        if (plain, stepped) in by_pair:
+            lines.append(_compare(by_pair[(plain, stepped)], labels, "normal setting", reverse=True))
+    if "stress" in summary["settings"]:
+        lines.append(stress_line(summary, labels))
+    return lines
+
+
+def _compare(pair: Mapping[str, Any], labels: Mapping[str, str], where: str, reverse: bool = False) -> str:
+    """One sentence on a paired difference (``reverse``: state it as b - a)."""
+    a, b = (pair["b"], pair["a"]) if reverse else (pair["a"], pair["b"])
+    sign = -1.0 if reverse else 1.0
+    estimate, low, high = (sign * pair[k] for k in ("estimate", "low", "high"))
+    low, high = min(low, high), max(low, high)
+    span = f"{_points(estimate)} points of answer F1 [95% CI {_points(low)}, {_points(high)}]"
+    if low > 0:
+        return f"{labels[a]} beats {labels[b]} ({where}): {span}."
+    if high < 0:
+        return f"{labels[a]} does worse than {labels[b]} ({where}): {span}."
+    return f"{labels[a]} vs {labels[b]} ({where}): {span}; the interval includes 0, so the study cannot tell them apart."
+
+
+def stress_line(summary: Mapping[str, Any], labels: Mapping[str, str]) -> str:
+    stress = summary["settings"]["stress"]
+    parts, collapsed = [], []
+    for arm, data in stress["arms"].items():
+        well_formed = stress["signals"][arm]["search/well_formed"]
+        ppl = stress["signals"][arm]["policy/ref_ppl"]
+        parts.append(f"{labels[arm]} F1 {_pct(data['f1']['estimate'])}%, held-out well-formed "
+                     f"{_pct(data['well_formed'])}%, training well-formed {_pct(_tail_mean(well_formed))}% and "
+                     f"reference PPL {_num(_tail_mean(ppl))} over the last {LAST_STEPS} steps")
+        if data["well_formed"] < COLLAPSED_WELL_FORMED:
+            collapsed.append(labels[arm])
+    verdict_text = (f"collapsed (held-out well-formed below {COLLAPSED_WELL_FORMED:.0%}): {', '.join(collapsed)}"
+                    if collapsed else f"no arm collapsed (every held-out well-formed rate >= "
+                                      f"{COLLAPSED_WELL_FORMED:.0%})")
+    return "Stress setting: " + "; ".join(parts) + f". {verdict_text[0].upper()}{verdict_text[1:]}."
+
+
+# --------------------------------------------------------------------------- plots
+
+
+def write_plots(plan: Mapping[str, Any], summary: Mapping[str, Any], labels: Mapping[str, str],
+                folder: pathlib.Path) -> list[pathlib.Path]:
+    """One PNG per collapse signal: a panel per setting, a line per arm (mean over seeds)."""
+    from calibrl.demo.report import _pyplot
+
+    folder.mkdir(parents=True, exist_ok=True)
+    plt = _pyplot()
+    paths = []
+    for key, title, stem in SIGNALS:
+        settings = plan["settings"]
+        figure, axes = plt.subplots(1, len(settings), figsize=(5.2 * len(settings), 3.4), dpi=100, squeeze=False,
+                                    sharey=True)
+        for axis, setting in zip(axes[0], settings):
+            for arm, signals in summary["settings"][setting]["signals"].items():
+                curve = signals[key]
+                axis.plot(range(1, len(curve) + 1), curve, label=labels[arm], linewidth=1.4)
+            axis.set_title(f"{setting}", fontsize=9)
+            axis.set_xlabel("training step")
+            axis.grid(alpha=0.3)
+        axes[0][0].legend(fontsize=7)
+        figure.suptitle(f"{title} (mean over seeds)", fontsize=10)
+        figure.tight_layout()
+        path = folder / f"{stem}.png"
+        figure.savefig(path)
+        plt.close(figure)
+        paths.append(path)
+    return paths
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def _seed_json(record: Mapping[str, Any]) -> dict[str, Any]:
+    return {key: record[key] for key in ("seed", "questions", "base", "runs", "timings") if key in record}
+
+
+def _markdown(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join(" --- " for _ in header) + "|"]
+    return "\n".join(lines + ["| " + " | ".join(row) + " |" for row in rows])
+
+
+def _mean(values: Sequence[float]) -> float:
+    return math.fsum(values) / len(values) if values else math.nan
+
+
+def _tail_mean(curve: Sequence[float]) -> float:
+    tail = [v for v in curve[-LAST_STEPS:] if _finite(v)]
+    return _mean(tail)
+
+
+def _finite(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _num(value: float) -> str:
+    return "-" if not _finite(value) else f"{value:.3g}"
+
+
+def _json_safe(value: Any) -> Any:
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _json_safe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_json_safe(v) for v in value]
+    return value
+
+
+__all__ = ["arm_summary", "paired", "shared_questions", "signal_curves", "summarize", "units", "write_study"]
