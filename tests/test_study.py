@@ -108,7 +108,9 @@ def _record(seed: int, questions: list[str], base: list[float], arms: dict[str, 
                 "searches": [2] * len(f1)}
 
     step = {"step": 1, "search/well_formed": 1.0, "search/searches_per_trajectory": 2.0,
-            "search/repeated_share": 0.0, "entropy": 1.0, "policy/ref_ppl": 3.0, "reward": 0.5}
+            "search/repeated_share": 0.0, "entropy": 1.0, "policy/ref_ppl": 3.0, "reward": 0.5,
+            "frac_reward_zero_std": 0.25, "calibadv/frac_tokens_softened": 0.125,
+            "calibadv/frac_groups_answer_zeroed": 0.5}
     runs = {setting: {name: {"scores": scores(f1), "steps": [dict(step)], "wall_s": 1.0} for name, f1 in arms.items()}
             for setting in ("normal", "stress")}
     return {"seed": seed, "questions": [{"task_id": q, "question": q} for q in questions], "base": scores(base),
@@ -162,6 +164,8 @@ def test_aggregation_over_seeds_on_hand_made_records(shared, tmp_path):
     assert "GRPO beats base search agent (untrained)" in verdict
     assert "GRPO + step rewards does worse than GRPO" in verdict
     assert "No arm collapsed" in verdict
+    assert "12.5% of the trained tokens" in verdict and "answer advantages of 50.0% of the groups" in verdict
+    assert "25.0% of the groups had all-equal rewards" in verdict
 
 
 def test_question_scores_average_to_the_evaluators_metrics(trainer_world: TrainerWorld):

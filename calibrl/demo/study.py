@@ -54,7 +54,8 @@ SEED_RESULT = "seed_result.json"
 # Per-step metrics kept from each run's metrics.jsonl (the collapse signals and the reward).
 KEPT_METRICS = ("reward", "reward_std", "frac_reward_zero_std", "kl", "entropy", "grad_norm", "policy/ref_ppl",
                 "search/well_formed", "search/answered", "search/searches_per_trajectory", "search/repeated_share",
-                "steps/reward/mean", "steps/new_gold_share", "completions/mean_length")
+                "steps/reward/mean", "steps/new_gold_share", "completions/mean_length",
+                "calibadv/frac_tokens_softened", "calibadv/frac_groups_answer_zeroed", "calibadv/mean_step_score")
 
 
 @dataclass(frozen=True)

@@ -32,6 +32,8 @@ SIGNALS = (
 SIGNAL_COLUMNS = {"search/well_formed": "well-formed", "search/searches_per_trajectory": "searches/traj",
                   "search/repeated_share": "repeated", "entropy": "entropy", "policy/ref_ppl": "reference PPL",
                   "reward": "reward"}
+# What CalibAdv changed, per step (the verdict's "why" when it does not beat GRPO).
+CALIBADV_SIGNALS = ("calibadv/frac_tokens_softened", "calibadv/frac_groups_answer_zeroed", "frac_reward_zero_std")
 LAST_STEPS = 5  # the collapse table averages each signal over the last this many steps
 COLLAPSED_WELL_FORMED = 0.5  # a final policy below this held-out well-formed rate is called collapsed
 
@@ -112,6 +114,9 @@ def summarize(plan: Mapping[str, Any], records: Sequence[Mapping[str, Any]]) -> 
             "signals": {arm: {key: signal_curves(records, setting, arm, key) for key, _, _ in SIGNALS}
                         for arm in arms},
         }
+        if "calibadv" in arms:
+            out["settings"][setting]["calibadv_signals"] = {
+                key: signal_curves(records, setting, "calibadv", key) for key in CALIBADV_SIGNALS}
     return out
 
 
@@ -213,6 +218,8 @@ def verdict(plan: Mapping[str, Any], summary: Mapping[str, Any], labels: Mapping
     by_pair = {(p["a"], p["b"]): p for p in normal["paired"]}
     if ("grpo", "calibadv") in by_pair:
         lines.append(_compare(by_pair[("grpo", "calibadv")], labels, "normal setting", reverse=True))
+        if not by_pair[("grpo", "calibadv")]["high"] < 0:  # CalibAdv did not beat GRPO: show what it changed
+            lines.append(calibadv_line(normal, labels))
     best = max(normal["arms"], key=lambda a: normal["arms"][a]["f1"]["estimate"])
     lines.append(_compare(by_pair[(best, BASE)], labels, "normal setting, best arm vs the untrained base"))
     for plain, stepped in (("grpo", "grpo_steps"), ("calibadv", "calibadv_steps")):
@@ -235,6 +242,19 @@ def _compare(pair: Mapping[str, Any], labels: Mapping[str, str], where: str, rev
     if high < 0:
         return f"{labels[a]} does worse than {labels[b]} ({where}): {span}."
     return f"{labels[a]} vs {labels[b]} ({where}): {span}; the interval includes 0, so the study cannot tell them apart."
+
+
+def calibadv_line(setting: Mapping[str, Any], labels: Mapping[str, str]) -> str:
+    """What CalibAdv changed over GRPO's advantages during training (means over steps and seeds)."""
+    curves = setting["calibadv_signals"]
+    softened = _mean_finite(curves["calibadv/frac_tokens_softened"])
+    zeroed = _mean_finite(curves["calibadv/frac_groups_answer_zeroed"])
+    no_signal = _mean_finite(curves["frac_reward_zero_std"])
+    return (f"Why CalibAdv and GRPO end close: during {labels['calibadv']} training {_pct(softened)}% of the trained "
+            f"tokens had their negative advantage softened by a step score, the answer advantages of "
+            f"{_pct(zeroed)}% of the groups were zeroed by the rebalance (no positive or no negative answer in the "
+            f"group), and {_pct(no_signal)}% of the groups had all-equal rewards (no signal for either estimator); "
+            "everywhere else CalibAdv's advantages are GRPO's.")
 
 
 def stress_line(summary: Mapping[str, Any], labels: Mapping[str, str]) -> str:
@@ -300,6 +320,10 @@ def _markdown(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
 
 def _mean(values: Sequence[float]) -> float:
     return math.fsum(values) / len(values) if values else math.nan
+
+
+def _mean_finite(curve: Sequence[float]) -> float:
+    return _mean([v for v in curve if _finite(v)])
 
 
 def _tail_mean(curve: Sequence[float]) -> float:
