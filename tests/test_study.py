@@ -211,3 +211,31 @@ def test_a_folder_holding_something_else_is_not_replaced(tmp_path, capsys):
     assert main(["--out", str(tmp_path)]) == 2
     assert "not empty and holds no earlier study" in capsys.readouterr().err
     assert (tmp_path / "keep.txt").read_text() == "mine"
+
+
+def test_a_study_stopped_part_way_reports_the_runs_every_seed_finished(tmp_path):
+    from calibrl.demo.study import SEED_RESULT, STUDY_FILE
+
+    records = _hand_records(shared=False)
+    del records[1]["runs"]["stress"]  # seed 1 stopped after the normal setting ...
+    del records[0]["runs"]["normal"]["calibadv_steps"]  # ... and seed 0 lacks one normal run
+    (tmp_path / STUDY_FILE).write_text(json.dumps({"command": "calibrl study --seeds 0,1", "plan": PLAN,
+                                                    "started": 0.0, "jobs": 2}))
+    for record in records:
+        (tmp_path / f"seed_{record['seed']}").mkdir()
+        (tmp_path / f"seed_{record['seed']}" / SEED_RESULT).write_text(json.dumps(record))
+    assert main(["--report-only", "--out", str(tmp_path)]) == 0
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert list(results["summary"]["settings"]) == ["normal"]
+    assert list(results["summary"]["settings"]["normal"]["arms"]) == ["grpo", "calibadv", "grpo_steps"]
+    assert results["summary"]["missing_runs"] == [
+        "normal/calibadv_steps (seed 0)", "stress/grpo (seed 1)", "stress/calibadv (seed 1)",
+        "stress/grpo_steps (seed 1)", "stress/calibadv_steps (seed 1)"]
+    text = (tmp_path / "report.md").read_text()
+    assert "**Stopped part way**" in text and "## Held-out answer F1, stress setting" not in text
+    assert "CalibAdv + step rewards" not in text.split("## Held-out answer F1, normal setting")[1]
+
+
+def test_report_only_needs_a_study_folder(tmp_path, capsys):
+    assert main(["--report-only", "--out", str(tmp_path)]) == 1
+    assert "study.json is missing" in capsys.readouterr().err

@@ -51,6 +51,7 @@ STEP_RUBRIC = pathlib.Path(__file__).resolve().parents[2] / "configs" / "rubrics
 STRESS_LR_FACTOR = 5.0  # the stress setting's learning rate, in multiples of the demo's search_lr
 W_STEPS = 0.5  # weight of the mean step reward in the step-rewarded arms' trajectory reward
 SEED_RESULT = "seed_result.json"
+STUDY_FILE = "study.json"  # the command, the plan and the start time (calibrl study --report-only reads it)
 # Per-step metrics kept from each run's metrics.jsonl (the collapse signals and the reward).
 KEPT_METRICS = ("reward", "reward_std", "frac_reward_zero_std", "kl", "entropy", "grad_norm", "policy/ref_ppl",
                 "search/well_formed", "search/answered", "search/searches_per_trajectory", "search/repeated_share",
@@ -132,9 +133,17 @@ def run_seed(plan: StudyPlan, seed: int, out: pathlib.Path, progress: bool = Fal
         finally:
             clients.close()
     timings["seed_s"] = time.perf_counter() - started
-    record["timings"] = timings
-    (out / SEED_RESULT).write_text(json.dumps(record, indent=1), encoding="utf-8")
+    record["complete"] = True
+    save_seed_result(out, record)
     return record
+
+
+def save_seed_result(out: pathlib.Path, record: dict[str, Any]) -> None:
+    """Write ``seed_result.json`` (after the base and after every arm, so a study stopped
+    part way still reports the arms every seed finished: ``calibrl study --report-only``)."""
+    partial = out / f"{SEED_RESULT}.partial"
+    partial.write_text(json.dumps(record, indent=1), encoding="utf-8")
+    partial.replace(out / SEED_RESULT)
 
 
 @contextlib.contextmanager
@@ -187,17 +196,22 @@ def _train_and_score(plan: StudyPlan, seed: int, out: pathlib.Path, domain: Any,
     record: dict[str, Any] = {
         "seed": seed, "questions": [{"task_id": t.task_id, "question": t.query} for t in heldout],
         "train_questions": len(load_tasks(files.multistep_train)),
-        "base": question_scores(base_agent, heldout, clients, eval_settings), "runs": {},
+        "base": question_scores(base_agent, heldout, clients, eval_settings), "runs": {}, "timings": timings,
+        "complete": False,
     }
+    save_seed_result(out, record)
     for setting in plan.settings:
         record["runs"][setting] = {}
         for arm in plan.arms:
             run = train_arm(plan, setting, arm, base_agent, files, clients, out, seed, progress)
+            eval_started = time.perf_counter()
             run["scores"] = question_scores(run.pop("model"), heldout, clients, eval_settings)
+            run["eval_s"] = time.perf_counter() - eval_started
             record["runs"][setting][arm.name] = run
-            print(f"    seed {seed} {setting} {arm.name}: {run['wall_s']:.0f}s, held-out F1 "
+            timings["arms_s"] = time.perf_counter() - started - timings["base_agent_s"]
+            save_seed_result(out, record)
+            print(f"    seed {seed} {setting} {arm.name}: trained in {run['wall_s']:.0f}s, held-out F1 "
                   f"{sum(run['scores']['f1']) / len(heldout):.3f}", flush=True)
-    timings["arms_s"] = time.perf_counter() - started - timings["base_agent_s"]
     return record
 
 
@@ -295,6 +309,8 @@ def run_study(plan: StudyPlan, out: pathlib.Path, *, jobs: int = 1, progress: bo
     started = time.perf_counter()
     out.mkdir(parents=True, exist_ok=True)
     (out / STUDY_MARKER).write_text(f"{command}\n", encoding="utf-8")
+    (out / STUDY_FILE).write_text(json.dumps({"command": command, "plan": plan.describe(), "started": time.time(),
+                                              "jobs": jobs}, indent=1), encoding="utf-8")
     if jobs == 1:
         records = [run_seed(plan, seed, out / f"seed_{seed}", progress) for seed in plan.seeds]
     else:
@@ -302,6 +318,25 @@ def run_study(plan: StudyPlan, out: pathlib.Path, *, jobs: int = 1, progress: bo
     wall = time.perf_counter() - started
     return study_report.write_study(plan.describe(), records, out, command=command, wall_s=wall,
                                     arm_labels={a.name: a.label for a in plan.arms})
+
+
+def report_only(out: pathlib.Path) -> pathlib.Path:
+    """The report of a study stopped part way (or finished): every seed's latest
+    ``seed_result.json``; the wall time runs from the start to the last result written."""
+    from calibrl.demo import study_report
+
+    meta_path = out / STUDY_FILE
+    if not meta_path.is_file():
+        raise StudyError(f"{meta_path} is missing: --out {out} holds no study started by this version")
+    meta = json.loads(meta_path.read_text(encoding="utf-8"))
+    paths = [out / f"seed_{seed}" / SEED_RESULT for seed in meta["plan"]["seeds"]]
+    found = [path for path in paths if path.is_file()]
+    if not found:
+        raise StudyError(f"no seed of {out} has written {SEED_RESULT} yet (the base agent comes first)")
+    records = [json.loads(path.read_text(encoding="utf-8")) for path in found]
+    wall = max(path.stat().st_mtime for path in found) - meta["started"]
+    return study_report.write_study(meta["plan"], records, out, command=meta["command"], wall_s=wall,
+                                    arm_labels={a.name: a.label for a in ARMS})
 
 
 def _run_seeds_in_processes(plan: StudyPlan, out: pathlib.Path, jobs: int) -> list[dict[str, Any]]:
@@ -371,6 +406,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--heldout-limit", type=int, default=0,
                         help="evaluate only the first N held-out questions of each seed (0 = all; for smoke runs)")
     parser.add_argument("--overwrite", action="store_true", help="replace --out even if it holds something else")
+    parser.add_argument("--report-only", action="store_true",
+                        help="write the report of --out from the runs its seeds have finished so far (a study stopped "
+                        "part way, or still running), and stop")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)  # one seed, no report
     args = parser.parse_args(list(argv) if argv is not None else None)
 
@@ -392,6 +430,13 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     plan = StudyPlan(QUICK if args.quick else FULL, seeds, heldout_limit=args.heldout_limit)
     out = pathlib.Path(args.out)
+    if args.report_only:
+        try:
+            print(f"report: {report_only(out)}")
+        except CalibrlError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 1
+        return 0
     if args.worker:
         run_seed(plan, seeds[0], out)
         return 0

@@ -101,20 +101,44 @@ def signal_curves(records: Sequence[Mapping[str, Any]], setting: str, arm: str, 
     return curve
 
 
+def finished_arms(plan: Mapping[str, Any], records: Sequence[Mapping[str, Any]]) -> dict[str, list[str]]:
+    """Per setting, the arms every seed finished (a study stopped part way reports
+    those); settings no arm finished in every seed are left out."""
+    finished = {}
+    for setting in plan["settings"]:
+        arms = [a for a in plan["arms"] if all(a in r.get("runs", {}).get(setting, {}) for r in records)]
+        if arms:
+            finished[setting] = arms
+    return finished
+
+
+def missing_runs(plan: Mapping[str, Any], records: Sequence[Mapping[str, Any]]) -> list[str]:
+    """``setting/arm (seeds ...)`` of every planned run some seed did not finish."""
+    missing = []
+    for setting in plan["settings"]:
+        for arm in plan["arms"]:
+            seeds = [str(r["seed"]) for r in records if arm not in r.get("runs", {}).get(setting, {})]
+            seeds += [str(s) for s in plan["seeds"] if s not in {r["seed"] for r in records}]
+            if seeds:
+                missing.append(f"{setting}/{arm} (seed {', '.join(sorted(seeds, key=int))})")
+    return missing
+
+
 def summarize(plan: Mapping[str, Any], records: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
-    """Everything ``results.json`` holds beyond the raw per-question scores."""
-    arms = plan["arms"]
+    """Everything ``results.json`` holds beyond the raw per-question scores, over the
+    arms every seed finished (:func:`finished_arms`)."""
     out: dict[str, Any] = {"shared_questions": shared_questions(records),
                            "questions_per_seed": {str(r["seed"]): len(r["questions"]) for r in records},
-                           "base": arm_summary(records, plan["settings"][0], BASE), "settings": {}}
-    for setting in plan["settings"]:
+                           "base": arm_summary(records, plan["settings"][0], BASE), "settings": {},
+                           "missing_runs": missing_runs(plan, records)}
+    for setting, arms in finished_arms(plan, records).items():
         out["settings"][setting] = {
             "arms": {arm: arm_summary(records, setting, arm) for arm in arms},
             "paired": [{"a": a, "b": b, **paired(records, setting, a, b).as_dict()} for a, b in pairs_of(arms)],
             "signals": {arm: {key: signal_curves(records, setting, arm, key) for key, _, _ in SIGNALS}
                         for arm in arms},
         }
-        if "calibadv" in arms:
+        if "calibadv" in arms and "grpo" in arms:
             out["settings"][setting]["calibadv_signals"] = {
                 key: signal_curves(records, setting, "calibadv", key) for key in CALIBADV_SIGNALS}
     return out
@@ -135,7 +159,10 @@ def write_study(plan: Mapping[str, Any], records: Sequence[Mapping[str, Any]], o
     lines = [f"# calibrl study: the search agent's arms over seeds {', '.join(map(str, plan['seeds']))}", "",
              f"Command: `{command}`; wall time {wall_s:.0f} s.", "", *settings_lines(plan, summary), "",
              "## What the data shows", "", *(f"- {line}" for line in verdict(plan, summary, labels)), ""]
-    for setting in plan["settings"]:
+    if summary["missing_runs"]:
+        lines += ["**Stopped part way**: the tables cover the runs every seed finished; not run: "
+                  + "; ".join(summary["missing_runs"]) + ".", ""]
+    for setting in summary["settings"]:
         lines += [f"## Held-out answer F1, {setting} setting", "", arm_table(plan, summary, setting, labels), "",
                   f"Paired bootstrap over questions ({setting}): difference of held-out answer F1, a - b", "",
                   paired_table(summary, setting, labels), ""]
@@ -201,7 +228,7 @@ def paired_table(summary: Mapping[str, Any], setting: str, labels: Mapping[str, 
 def collapse_table(plan: Mapping[str, Any], summary: Mapping[str, Any], labels: Mapping[str, str]) -> str:
     header = ["setting", "arm", *(SIGNAL_COLUMNS[key] for key, _, _ in SIGNALS)]
     rows = []
-    for setting in plan["settings"]:
+    for setting in summary["settings"]:
         for arm, signals in summary["settings"][setting]["signals"].items():
             cells = []
             for key, _, _ in SIGNALS:
@@ -214,17 +241,20 @@ def collapse_table(plan: Mapping[str, Any], summary: Mapping[str, Any], labels: 
 def verdict(plan: Mapping[str, Any], summary: Mapping[str, Any], labels: Mapping[str, str]) -> list[str]:
     """Plain sentences computed from the numbers."""
     lines = []
-    normal = summary["settings"][plan["settings"][0]]
+    if not summary["settings"]:
+        return ["No arm finished in every seed: nothing to compare yet."]
+    first = next(iter(summary["settings"]))
+    normal = summary["settings"][first]
     by_pair = {(p["a"], p["b"]): p for p in normal["paired"]}
     if ("grpo", "calibadv") in by_pair:
-        lines.append(_compare(by_pair[("grpo", "calibadv")], labels, "normal setting", reverse=True))
+        lines.append(_compare(by_pair[("grpo", "calibadv")], labels, f"{first} setting", reverse=True))
         if not by_pair[("grpo", "calibadv")]["high"] < 0:  # CalibAdv did not beat GRPO: show what it changed
             lines.append(calibadv_line(normal, labels))
     best = max(normal["arms"], key=lambda a: normal["arms"][a]["f1"]["estimate"])
-    lines.append(_compare(by_pair[(best, BASE)], labels, "normal setting, best arm vs the untrained base"))
+    lines.append(_compare(by_pair[(best, BASE)], labels, f"{first} setting, best arm vs the untrained base"))
     for plain, stepped in (("grpo", "grpo_steps"), ("calibadv", "calibadv_steps")):
         if (plain, stepped) in by_pair:
-            lines.append(_compare(by_pair[(plain, stepped)], labels, "normal setting", reverse=True))
+            lines.append(_compare(by_pair[(plain, stepped)], labels, f"{first} setting", reverse=True))
     if "stress" in summary["settings"]:
         lines.append(stress_line(summary, labels))
     return lines
@@ -285,8 +315,10 @@ def write_plots(plan: Mapping[str, Any], summary: Mapping[str, Any], labels: Map
     folder.mkdir(parents=True, exist_ok=True)
     plt = _pyplot()
     paths = []
+    settings = list(summary["settings"])
+    if not settings:
+        return []
     for key, title, stem in SIGNALS:
-        settings = plan["settings"]
         figure, axes = plt.subplots(1, len(settings), figsize=(5.2 * len(settings), 3.4), dpi=100, squeeze=False,
                                     sharey=True)
         for axis, setting in zip(axes[0], settings):
