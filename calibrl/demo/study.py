@@ -37,6 +37,7 @@ import json
 import os
 import pathlib
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -215,7 +216,8 @@ def _train_and_score(plan: StudyPlan, seed: int, out: pathlib.Path, domain: Any,
     return record
 
 
-def build_base_agent(demo: Any, domain: Any, out: pathlib.Path, clients: Any, seed: int, progress: bool) -> pathlib.Path:
+def build_base_agent(demo: Any, domain: Any, out: pathlib.Path, clients: Any, seed: int,
+                     progress: bool) -> pathlib.Path:
     """The demo's base search agent of this seed (``build_base_policies`` with the demo's
     arguments; its rewriter is built too, as the demo builds both from one tokenizer)."""
     from calibrl.demo.policy import PolicySpec, RewriteMix, build_base_policies
@@ -254,6 +256,9 @@ def train_arm(plan: StudyPlan, setting: str, arm: Arm, base_agent: pathlib.Path,
     overrides = arm_overrides(plan, setting, arm, base_agent, files, clients, run_dir, seed, progress)
     history, seconds, tracker = _train(overrides, clients, ("none",))
     tracker.close()
+    planned = plan.demo_for(setting).search_steps
+    if len(history) < planned:  # the trainer caught a SIGTERM: it checkpointed and returned early
+        raise StudyError(f"{run_dir}: training stopped after {len(history)} of {planned} steps (SIGTERM)")
     steps = [{"step": n + 1, **{k: float(h[k]) for k in KEPT_METRICS if k in h}} for n, h in enumerate(history)]
     return {"steps": steps, "wall_s": seconds, "model": str(find_checkpoint(run_dir))}
 
@@ -345,16 +350,30 @@ def _run_seeds_in_processes(plan: StudyPlan, out: pathlib.Path, jobs: int) -> li
 
     waiting = list(plan.seeds)
     running: list[tuple[int, subprocess.Popen, Any]] = []
+    try:
+        _supervise(plan, out, jobs, waiting, running, calibrl_command(), service_env(1))
+    finally:  # a failed seed, or SIGTERM / Ctrl-C here: stop the other workers (they stop their services)
+        for _, process, log in running:
+            if process.poll() is None:
+                process.terminate()
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    process.wait(60)
+            log.close()
+    return [json.loads((out / f"seed_{seed}" / SEED_RESULT).read_text(encoding="utf-8")) for seed in plan.seeds]
+
+
+def _supervise(plan: StudyPlan, out: pathlib.Path, jobs: int, waiting: list[int],
+               running: list[tuple[int, subprocess.Popen, Any]], command: list[str], env: dict[str, str]) -> None:
+    """Start workers while fewer than ``jobs`` run; raise StudyError when one fails."""
     while waiting or running:
         while waiting and len(running) < jobs:
             seed = waiting.pop(0)
             (out / f"seed_{seed}").mkdir(parents=True, exist_ok=True)
             log = open(out / f"seed_{seed}" / "worker.log", "w", encoding="utf-8")
-            args = [*calibrl_command(), "study", "--worker", "--seeds", str(seed), "--out", str(out / f"seed_{seed}"),
+            args = [*command, "study", "--worker", "--seeds", str(seed), "--out", str(out / f"seed_{seed}"),
                     *(["--quick"] if plan.demo.name == "quick" else []),
                     *(["--heldout-limit", str(plan.heldout_limit)] if plan.heldout_limit else [])]
-            running.append((seed, subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=service_env(1)),
-                            log))
+            running.append((seed, subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=env), log))
         time.sleep(1.0)
         for entry in list(running):
             seed, process, log = entry
@@ -363,14 +382,9 @@ def _run_seeds_in_processes(plan: StudyPlan, out: pathlib.Path, jobs: int) -> li
             running.remove(entry)
             log.close()
             if process.returncode != 0:
-                for _, other, other_log in running:
-                    other.terminate()
-                    other.wait(30)
-                    other_log.close()
                 tail = (out / f"seed_{seed}" / "worker.log").read_text(encoding="utf-8", errors="replace")[-3000:]
                 raise StudyError(f"seed {seed} failed (exit {process.returncode}); its log ends:\n{tail}")
             print(f"    seed {seed} done", flush=True)
-    return [json.loads((out / f"seed_{seed}" / SEED_RESULT).read_text(encoding="utf-8")) for seed in plan.seeds]
 
 
 class StudyError(CalibrlError):
@@ -414,6 +428,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     for name, value in (("HF_HUB_OFFLINE", "1"), ("TRANSFORMERS_OFFLINE", "1"), ("TOKENIZERS_PARALLELISM", "false")):
         os.environ.setdefault(name, value)
+    # SIGTERM unwinds like Ctrl-C, so the services and workers are stopped on the way out
+    # (during training the trainer's own handler checkpoints first; train_arm then raises).
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)
     try:
         seeds = parse_seeds(args.seeds)
     except ValueError as exc:
@@ -453,6 +470,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 1
     print(f"\ncalibrl study finished in {time.perf_counter() - started:.0f}s; report: {path}")
     return 0
+
+
+def _exit_on_sigterm(signum: int, frame: Any) -> None:
+    raise SystemExit(128 + signum)
 
 
 def _prepare_out(out: pathlib.Path, overwrite: bool) -> str | None:

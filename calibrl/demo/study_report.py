@@ -271,7 +271,8 @@ def _compare(pair: Mapping[str, Any], labels: Mapping[str, str], where: str, rev
         return f"{labels[a]} beats {labels[b]} ({where}): {span}."
     if high < 0:
         return f"{labels[a]} does worse than {labels[b]} ({where}): {span}."
-    return f"{labels[a]} vs {labels[b]} ({where}): {span}; the interval includes 0, so the study cannot tell them apart."
+    return (f"{labels[a]} vs {labels[b]} ({where}): {span}; the interval includes 0, so the study cannot tell them "
+            "apart.")
 
 
 def calibadv_line(setting: Mapping[str, Any], labels: Mapping[str, str]) -> str:
