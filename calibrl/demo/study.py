@@ -428,9 +428,6 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     for name, value in (("HF_HUB_OFFLINE", "1"), ("TRANSFORMERS_OFFLINE", "1"), ("TOKENIZERS_PARALLELISM", "false")):
         os.environ.setdefault(name, value)
-    # SIGTERM unwinds like Ctrl-C, so the services and workers are stopped on the way out
-    # (during training the trainer's own handler checkpoints first; train_arm then raises).
-    signal.signal(signal.SIGTERM, _exit_on_sigterm)
     try:
         seeds = parse_seeds(args.seeds)
     except ValueError as exc:
@@ -454,20 +451,26 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"error: {exc}", file=sys.stderr)
             return 1
         return 0
-    if args.worker:
-        run_seed(plan, seeds[0], out)
-        return 0
-    problem = _prepare_out(out, args.overwrite)
-    if problem:
-        print(f"error: {problem}", file=sys.stderr)
-        return 2
+    if not args.worker:
+        problem = _prepare_out(out, args.overwrite)
+        if problem:
+            print(f"error: {problem}", file=sys.stderr)
+            return 2
     command = "calibrl study " + " ".join(a for a in (argv if argv is not None else sys.argv[2:]))
     started = time.perf_counter()
+    # SIGTERM unwinds like Ctrl-C, so the services and workers are stopped on the way out
+    # (during training the trainer's own handler checkpoints first; train_arm then raises).
+    previous = signal.signal(signal.SIGTERM, _exit_on_sigterm)
     try:
+        if args.worker:
+            run_seed(plan, seeds[0], out)
+            return 0
         path = run_study(plan, out, jobs=min(args.jobs, len(seeds)), command=command.strip())
     except CalibrlError as exc:
         print(f"\nstudy failed: {exc}", file=sys.stderr)
         return 1
+    finally:
+        signal.signal(signal.SIGTERM, previous)
     print(f"\ncalibrl study finished in {time.perf_counter() - started:.0f}s; report: {path}")
     return 0
 
