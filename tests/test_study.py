@@ -239,3 +239,9 @@ def test_a_study_stopped_part_way_reports_the_runs_every_seed_finished(tmp_path)
 def test_report_only_needs_a_study_folder(tmp_path, capsys):
     assert main(["--report-only", "--out", str(tmp_path)]) == 1
     assert "study.json is missing" in capsys.readouterr().err
+
+
+def test_the_headline_arms_run_first_under_every_setting():
+    order = [(setting, arm.name) for setting, arm in _tiny_plan().run_order()]
+    assert order[:4] == [("normal", "grpo"), ("normal", "calibadv"), ("stress", "grpo"), ("stress", "calibadv")]
+    assert sorted(order) == sorted((s, a) for s in ("normal", "stress") for a in ARM_NAMES)

@@ -95,6 +95,13 @@ class StudyPlan:
             return dataclasses.replace(self.demo, search_lr=self.demo.search_lr * STRESS_LR_FACTOR)
         return self.demo
 
+    def run_order(self) -> list[tuple[str, Arm]]:
+        """(setting, arm) in the order they run: the plain arms first under every setting
+        (GRPO vs CalibAdv, normal and stress: the headline), then the step-rewarded ones,
+        so a study stopped part way has the headline in every seed."""
+        return [(setting, arm) for group in (False, True) for setting in self.settings
+                for arm in self.arms if arm.step_rewards == group]
+
     def describe(self) -> dict[str, Any]:
         demo = self.demo
         return {
@@ -201,18 +208,16 @@ def _train_and_score(plan: StudyPlan, seed: int, out: pathlib.Path, domain: Any,
         "complete": False,
     }
     save_seed_result(out, record)
-    for setting in plan.settings:
-        record["runs"][setting] = {}
-        for arm in plan.arms:
-            run = train_arm(plan, setting, arm, base_agent, files, clients, out, seed, progress)
-            eval_started = time.perf_counter()
-            run["scores"] = question_scores(run.pop("model"), heldout, clients, eval_settings)
-            run["eval_s"] = time.perf_counter() - eval_started
-            record["runs"][setting][arm.name] = run
-            timings["arms_s"] = time.perf_counter() - started - timings["base_agent_s"]
-            save_seed_result(out, record)
-            print(f"    seed {seed} {setting} {arm.name}: trained in {run['wall_s']:.0f}s, held-out F1 "
-                  f"{sum(run['scores']['f1']) / len(heldout):.3f}", flush=True)
+    for setting, arm in plan.run_order():
+        run = train_arm(plan, setting, arm, base_agent, files, clients, out, seed, progress)
+        eval_started = time.perf_counter()
+        run["scores"] = question_scores(run.pop("model"), heldout, clients, eval_settings)
+        run["eval_s"] = time.perf_counter() - eval_started
+        record["runs"].setdefault(setting, {})[arm.name] = run
+        timings["arms_s"] = time.perf_counter() - started - timings["base_agent_s"]
+        save_seed_result(out, record)
+        print(f"    seed {seed} {setting} {arm.name}: trained in {run['wall_s']:.0f}s, held-out F1 "
+              f"{sum(run['scores']['f1']) / len(heldout):.3f}", flush=True)
     return record
 
 
