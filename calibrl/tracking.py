@@ -45,6 +45,7 @@ TRACKERS: dict[str, tuple[str, str | None]] = {
     "trackio": ("trackio", "trackio"),
 }
 _IDS_FILE = "trackers.json"
+HELDOUT_TABLE = "heldout"  # the table of held-out metrics by step (the demo's and `calibrl train`'s eval.*)
 
 
 def check_report_to(names: Sequence[str], field: str = "report_to") -> list[str]:
@@ -244,11 +245,14 @@ class Trackers(Tracker):
 
 def open_trackers(report_to: Sequence[str], run_dir: str | pathlib.Path, *, run_name: str = "",
                   project: str = "calibrl", config: Mapping[str, Any] | None = None,
-                  resume_step: int = 0) -> Trackers:
+                  resume_step: int = 0, append: bool = False) -> Trackers:
     """Open every tracker of ``report_to`` for the run in ``run_dir`` (logging ``config``).
 
     ``resume_step`` > 0 continues the tracker runs recorded in ``run_dir`` (a resumed
-    training run); otherwise new ones are started."""
+    training run; TensorBoard drops what was logged after ``resume_step``); otherwise
+    new ones are started. ``append`` reopens the tracker runs of a run that has
+    ended, to add to them (``calibrl eval --run-dir``): nothing logged is dropped, the
+    config is not logged again, and a tracker the run did not use is a ConfigError."""
     names = check_report_to(report_to)
     run_dir = pathlib.Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -256,8 +260,11 @@ def open_trackers(report_to: Sequence[str], run_dir: str | pathlib.Path, *, run_
     config = dict(config or {})
     ids_path = run_dir / _IDS_FILE
     known: dict[str, str] = {}
-    if resume_step > 0 and ids_path.exists():
+    if (resume_step > 0 or append) and ids_path.exists():
         known = json.loads(ids_path.read_text(encoding="utf-8"))
+    if append:
+        config, resume_step = {}, 0  # TensorBoard: no purge step, no second config text
+        _check_recorded(names, run_dir)
     opened = Trackers()
     try:
         for name in names:
@@ -278,6 +285,34 @@ def open_trackers(report_to: Sequence[str], run_dir: str | pathlib.Path, *, run_
     return opened
 
 
+def log_heldout_table(tracker: Tracker, curve: Sequence[tuple[int, Mapping[str, Any]]],
+                      name: str = HELDOUT_TABLE) -> None:
+    """A run's held-out evaluation as the tracker table ``name`` (default ``heldout``): one
+    row per evaluated step, columns ``step`` and every numeric metric name, sorted (a
+    metric a row lacks, or that is undefined there (None), is an empty cell)."""
+    names = sorted({k for _, metrics in curve for k, v in metrics.items()
+                    if v is None or (isinstance(v, (int, float)) and not isinstance(v, bool))})
+    tracker.log_table(name, ["step", *names],
+                      [[step, *(metrics.get(k) for k in names)] for step, metrics in curve])
+
+
+def recorded_trackers(run_dir: str | pathlib.Path) -> list[str]:
+    """The trackers the run in ``run_dir`` has runs in (``trackers.json``, ``tensorboard/``)."""
+    run_dir = pathlib.Path(run_dir)
+    ids_path = run_dir / _IDS_FILE
+    known = json.loads(ids_path.read_text(encoding="utf-8")) if ids_path.exists() else {}
+    return sorted([*known, *(["tensorboard"] if (run_dir / "tensorboard").is_dir() else [])])
+
+
+def _check_recorded(names: Sequence[str], run_dir: pathlib.Path) -> None:
+    """Every tracker of ``names`` has a run of ``run_dir`` to append to."""
+    recorded = recorded_trackers(run_dir)
+    for name in names:
+        if name not in recorded:
+            raise ConfigError(f"{name!r} is named but the run in {run_dir} has no {name} run to add to "
+                              f"(it logged to: {', '.join(recorded) or 'no tracker'}; {_IDS_FILE} holds the ids)")
+
+
 def _flatten(config: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
     flat: dict[str, Any] = {}
     for key, value in config.items():
@@ -294,7 +329,10 @@ def _mlflow_key(name: str) -> str:
 
 
 def _cell(value: Any) -> str:
+    if value is None:
+        return ""
     return f"{value:.4g}" if isinstance(value, float) else str(value)
 
 
-__all__ = ["NONE", "TRACKERS", "Tracker", "Trackers", "check_report_to", "open_trackers"]
+__all__ = ["HELDOUT_TABLE", "NONE", "TRACKERS", "Tracker", "Trackers", "check_report_to", "log_heldout_table",
+           "open_trackers", "recorded_trackers"]

@@ -6,6 +6,7 @@
     torchrun --nproc_per_node 2 -m calibrl train --config run.yaml    # several processes
 
     calibrl eval --model runs/rewriter --model base/ --tasks heldout.jsonl --retrieval 127.0.0.1:50051
+    calibrl eval --run-dir runs/rewriter --tasks heldout.jsonl --retrieval 127.0.0.1:50051   # table -> its trackers
 
 This module only parses arguments and builds the service clients the loop
 receives (gRPC clients, or in-process ones over a local index and rubric
@@ -158,6 +159,10 @@ def train(argv: Sequence[str]) -> int:
         finally:
             background.run(close())
     print(f"{result.stopped}: {result.steps_done} steps; checkpoint {result.last_checkpoint}", file=sys.stderr)
+    if result.heldout:
+        from calibrl.trainer.heldout import HELDOUT_FILE, format_heldout
+
+        print(f"held-out ({config.run_dir / HELDOUT_FILE}):\n{format_heldout(result.heldout)}", file=sys.stderr)
     return 0
 
 
@@ -172,8 +177,9 @@ def _eval_parser() -> argparse.ArgumentParser:
         "all-gold@k, recall@k, MRR, nDCG@k through the retrieval service) or a search agent's answer EM/F1. "
         "Several --model values are evaluated on the same tasks and printed side by side.",
     )
-    parser.add_argument("--model", action="append", required=True,
-                        help="policy folder, LoRA adapter folder, checkpoint folder or run dir (repeatable)")
+    parser.add_argument("--model", action="append", default=[],
+                        help="policy folder, LoRA adapter folder, checkpoint folder or run dir (repeatable); "
+                        "with --run-dir, default: every checkpoint of that run")
     parser.add_argument("--name", action="append", default=[], help="row label of each --model, in order")
     parser.add_argument("--tasks", required=True, help="JSONL tasks file")
     parser.add_argument("--format", default="auto", choices=["auto", "rewrite", "search", "hotpotqa"])
@@ -204,6 +210,13 @@ def _eval_parser() -> argparse.ArgumentParser:
     parser.add_argument("--out", help="write the results as JSON here")
     parser.add_argument("--sme-items", metavar="FILE",
                         help="also write each model's outputs as items for 'calibrl sme sample' (README: SME review)")
+    parser.add_argument("--run-dir", metavar="RUN",
+                        help="a `calibrl train` output_dir: add the results, one row per checkpoint of it, as a table "
+                        "to the run's own tracker runs (ids in RUN/trackers.json; nothing they hold is dropped)")
+    parser.add_argument("--report-to", metavar="TRACKERS",
+                        help="with --run-dir: which of the run's trackers get the table, comma-separated "
+                        "(default: every tracker the run logged to)")
+    parser.add_argument("--table", default="heldout", help="with --run-dir: the table's name (default heldout)")
     parser.add_argument("--api-key", default="", help="API key for the retrieval service (or CALIBRL_API_KEY)")
     parser.add_argument("--log-level", default="WARNING")
     return parser
@@ -220,6 +233,14 @@ def evaluate(argv: Sequence[str]) -> int:
     from calibrl.trainer.config import ServicesConfig, resolve_prompt_template
     from calibrl.trainer.eval import EvalSettings, evaluate_models, format_table, load_eval_tasks
 
+    try:
+        steps, trackers, project = _run_dir_target(args)
+    except CalibrlError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    if not args.model:
+        print("error: give --model (or --run-dir to evaluate a training run's checkpoints)", file=sys.stderr)
+        return 2
     if args.name and len(args.name) != len(args.model):
         print(f"error: {len(args.name)} --name for {len(args.model)} --model; give one per model or none",
               file=sys.stderr)
@@ -247,6 +268,14 @@ def evaluate(argv: Sequence[str]) -> int:
             rows = evaluate_models(args.model, tasks, retrieval, settings, run_async=background.run,
                                    names=args.name or None, raw_query_baseline=args.raw_query_baseline,
                                    prompt_template=prompt_template, chat_template=args.chat_template)
+            if args.run_dir:
+                from calibrl.trainer.eval_report import log_to_run
+
+                model_rows = rows[len(rows) - len(args.model):]  # the raw-query row has no step
+                log_to_run(args.run_dir, [(s, r.metrics) for s, r in zip(steps, model_rows)], trackers, project,
+                           table=args.table)
+                print(f"table {args.table!r} ({len(steps)} rows) added to the run's trackers: "
+                      f"{', '.join(trackers) or 'none'}", file=sys.stderr)
             if args.sme_items:  # SME review: the outputs as sample-input items (calibrl/sme/eval_items.py)
                 from calibrl.sme.eval_items import write_eval_items
 
@@ -265,6 +294,22 @@ def evaluate(argv: Sequence[str]) -> int:
         pathlib.Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         pathlib.Path(args.out).write_text(json.dumps(payload, indent=2) + "\n", encoding="utf-8")
     return 0
+
+
+def _run_dir_target(args: argparse.Namespace) -> tuple[list[int], list[str], str]:
+    """With ``--run-dir``, checked before anything is evaluated: each ``--model``'s step
+    (default models: every checkpoint of the run), the trackers that get the table and
+    the run's tracking project. Without it: nothing (and ``--report-to`` is an error)."""
+    if not args.run_dir:
+        if args.report_to is not None:
+            raise ConfigError("--report-to needs --run-dir (the training run whose tracker runs get the table)")
+        return [], [], ""
+    from calibrl.trainer.eval_report import checkpoint_step, run_checkpoints, run_trackers
+
+    args.model = args.model or [str(p) for p in run_checkpoints(args.run_dir)]
+    steps = [checkpoint_step(model, args.run_dir) for model in args.model]
+    trackers, project = run_trackers(args.run_dir, args.report_to.split(",") if args.report_to is not None else None)
+    return steps, trackers, project
 
 
 def _setup_logging(level: str) -> None:

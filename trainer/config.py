@@ -88,7 +88,9 @@ class TasksConfig:
     kind: Literal["auto", "rewrite", "search"] = option(
         "auto", "Agent to train: rewrite (query rewriter) or search (multi-step agent); auto = the format's kind."
     )
-    heldout_fraction: float = option(0.0, "Fraction held out of training (for `calibrl eval`); 0 trains on all.")
+    heldout_fraction: float = option(
+        0.0, "Fraction held out of training (for `calibrl eval` or eval.heldout_split); 0 trains on all."
+    )
     limit: int = option(0, "Use only the first N tasks (0 = all); handy for smoke runs.")
     shuffle: bool = option(True, "Visit tasks in a fresh seeded permutation each epoch.")
 
@@ -399,6 +401,46 @@ class OptimizerConfig:
 
 
 @dataclass
+class EvalConfig:
+    """Held-out evaluation during training (greedy decoding, as `calibrl eval` does)."""
+
+    tasks: str = option("", "JSONL of held-out tasks, same kind as the training tasks ('' = no evaluation).")
+    heldout_split: bool = option(
+        False, "Evaluate the part of tasks.path that tasks.heldout_fraction holds out (instead of eval.tasks)."
+    )
+    every: int = option(0, "Evaluate every N steps (0 = only at the end); the last step is always evaluated.")
+    on_start: bool = option(False, "Also evaluate the untrained policy, as step 0.")
+    limit: int = option(0, "Evaluate the first N held-out tasks only (0 = all).")
+    top_k: int = option(5, "Cut-off k of the rewriter's retrieval metrics (hit@k, recall@k, nDCG@k).")
+    batch_size: int = option(32, "Held-out tasks generated together.")
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.tasks.strip()) or self.heldout_split
+
+    def validate(self) -> None:
+        if self.tasks.strip() and self.heldout_split:
+            raise ConfigError(
+                f"eval.tasks={self.tasks} with eval.heldout_split=true: give one source of held-out tasks"
+            )
+        if self.every < 0:
+            raise ConfigError(f"eval.every={self.every}: must be >= 0 (0 = only at the end)")
+        if self.limit < 0:
+            raise ConfigError(f"eval.limit={self.limit}: must be >= 0 (0 = all held-out tasks)")
+        for name in ("top_k", "batch_size"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"eval.{name}={getattr(self, name)}: must be >= 1")
+
+    def due(self, step: int, last_step: int) -> bool:
+        """Whether the policy after ``step`` optimizer steps is evaluated."""
+        if not self.enabled:
+            return False
+        if step == 0:
+            return self.on_start
+        return step == last_step or (self.every > 0 and step % self.every == 0)
+
+
+@dataclass
 class DistributedConfig:
     """Multi-process runs under torchrun (ignored in a single process)."""
 
@@ -422,6 +464,7 @@ class TrainConfig:
     optimizer: OptimizerConfig = option(factory=OptimizerConfig, doc="Optimizer and schedule.")
     health: HealthConfig = option(factory=HealthConfig, doc="Healthy bands; leaving one logs a warning.")
     distributed: DistributedConfig = option(factory=DistributedConfig, doc="torchrun settings.")
+    eval: EvalConfig = option(factory=EvalConfig, doc="Held-out evaluation: heldout.jsonl and the trackers' table.")
     steps: int = option(100, "Optimizer steps of the run.")
     gradient_accumulation_steps: int = option(
         1, "Micro-batches per optimizer step (the step's rollouts are split into this many backward passes)."
@@ -495,6 +538,18 @@ class TrainConfig:
             )
         if self.rollout.engine == "vllm" and self.policy.device == "cpu":
             raise ConfigError("rollout.engine=vllm with policy.device=cpu: vLLM needs a GPU; use engine=transformers")
+        if self.eval.heldout_split and self.tasks.heldout_fraction == 0:
+            raise ConfigError(
+                "eval.heldout_split=true but tasks.heldout_fraction=0 holds nothing out: set "
+                "tasks.heldout_fraction (e.g. 0.1), or name a held-out file with eval.tasks"
+            )
+        if self.eval.enabled and self.distributed.strategy == "fsdp":
+            raise ConfigError(
+                "eval.tasks / eval.heldout_split with distributed.strategy=fsdp: a sharded policy cannot "
+                "generate on one rank; evaluate the run's checkpoints afterwards with `calibrl eval --run-dir "
+                "<output_dir> --tasks <held-out tasks> ...` (it adds the table to the run's trackers), or use "
+                "distributed.strategy=ddp"
+            )
         if not self.tracking_project.strip():
             raise ConfigError("tracking_project is empty: name the project the runs are filed under, e.g. calibrl")
         self.trackers()
@@ -526,6 +581,7 @@ __all__ = [
     "CHAT_TEMPLATE_CHOICES",
     "CalibAdvAdvantage",
     "DistributedConfig",
+    "EvalConfig",
     "GrpoAdvantage",
     "LoraConfig",
     "LossConfig",

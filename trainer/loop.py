@@ -23,6 +23,8 @@
     step        gradient all-reduce (multi-process), grad-norm clip, AdamW, schedule
     log         TRL-named metrics to JSONL + the report_to trackers, health warnings, tqdm
     checkpoint  every ``checkpoint_every`` steps, at the end, and on SIGTERM
+    held-out    every ``eval.every`` steps and at the end, greedy, on rank 0
+                (``calibrl.trainer.heldout``: heldout.jsonl, ``eval/*``, the table)
 
 Each phase is a stage with a typed hand-off, in its own module::
 
@@ -79,6 +81,7 @@ from calibrl.trainer.scoring import PendingBatch, settled
 
 if TYPE_CHECKING:  # pragma: no cover
     from calibrl import tracking
+    from calibrl.trainer.heldout import HeldoutEvaluator
     from calibrl.trainer.pipeline import RolloutPipeline
     from calibrl.trainer.rewards import RewardBreakdown
     from calibrl.trainer.rollout import RolloutBatch
@@ -99,6 +102,8 @@ class TrainResult:
     stopped: str  # "completed", "sigterm" or "stop_after"
     last_checkpoint: pathlib.Path | None
     history: list[dict[str, float]] = field(default_factory=list)  # the metrics logged by this process
+    # (step, held-out metrics) of every evaluation of the run so far (eval.*; rank 0), earlier processes' included
+    heldout: list[tuple[int, dict[str, Any]]] = field(default_factory=list)
 
 
 def train(
@@ -124,6 +129,7 @@ def train(
     are opened and closed here.
     Raises RewardError (after writing a checkpoint) when a reward cannot be computed.
     """
+    from calibrl.trainer.heldout import HeldoutEvaluator, load_heldout_tasks
     from calibrl.trainer.pipeline import RolloutPipeline
     from calibrl.trainer.rewards import RewardModel
     from calibrl.trainer.run_checkpoints import Checkpointer
@@ -159,12 +165,18 @@ def train(
         if run.checkpoint_from is not None:
             pending = restore_pending(run.checkpoint_from, ctx.rank, run.state.step + 1, background, score, run.device)
         pipeline = RolloutPipeline(sampler, config.rollout.off_policy_steps, config.steps, pending)
-        loop = _Loop(config, run, pipeline, updater, checkpointer, step_log, stop_signal)
+        heldout = None
+        if config.eval.enabled:
+            tasks, source = load_heldout_tasks(config, run.kind.name)
+            heldout = HeldoutEvaluator(config, tasks, source, retrieval, background.run, step_log.tracker,
+                                       is_main=ctx.is_main, resume_step=run.state.step)
+        loop = _Loop(config, run, pipeline, updater, checkpointer, step_log, stop_signal, heldout)
         stopped, last_checkpoint = loop.run_steps(stop_after)
+        heldout_curve = heldout.finish(stopped) if heldout is not None else []
     if stopped == "sigterm":
         log.warning("SIGTERM: stopped after step %d; checkpoint %s", run.state.step, last_checkpoint)
     return TrainResult(steps_done=run.state.step, stopped=stopped, last_checkpoint=last_checkpoint,
-                       history=step_log.history)
+                       history=step_log.history, heldout=heldout_curve)
 
 
 @dataclass
@@ -178,12 +190,14 @@ class _Loop:
     checkpointer: "Checkpointer"
     step_log: "StepLog"
     stop_signal: "StopSignal"
+    heldout: "HeldoutEvaluator | None" = None
 
     def run_steps(self, stop_after: int | None) -> tuple[str, pathlib.Path | None]:
         """Steps until ``config.steps``, a SIGTERM or ``stop_after``; returns (why it
         stopped, the last checkpoint written)."""
         config, state, ctx = self.config, self.run.state, self.run.ctx
         last_checkpoint, steps_this_call = self.run.checkpoint_from, 0
+        self.evaluate_heldout(state.step)  # step 0 (eval.on_start), or a due one a stopped run left undone
         while state.step < config.steps:
             self.step(state.step + 1)
             steps_this_call += 1
@@ -197,7 +211,15 @@ class _Loop:
                 last_checkpoint = self.checkpointer.save(state, "final")
             elif config.checkpoint_every and state.step % config.checkpoint_every == 0:
                 last_checkpoint = self.checkpointer.save(state, "interval", pending=settled(self.pipeline.pending))
+            # ---------------------------------------------------------- held-out evaluation
+            self.evaluate_heldout(state.step)
         return "completed", last_checkpoint
+
+    def evaluate_heldout(self, step: int) -> None:
+        """The held-out evaluation of the policy after ``step`` steps, when ``eval.*`` asks for one
+        (rank 0 evaluates; the other ranks go on to the next collective and wait there)."""
+        if self.heldout is not None:
+            self.heldout.evaluate_if_due(step, self.run.policy)
 
     def step(self, step: int) -> None:
         """One step: rollout -> reference forward -> rewards -> advantages -> update -> log."""

@@ -88,6 +88,11 @@ class StepLog:
                                        close_tracker=own_tracker)
         self.progress = _progress_bar(config, ctx, initial=resume_step)
 
+    @property
+    def tracker(self) -> "tracking.Tracker | None":
+        """The trackers this log writes to (rank 0), for other records of the run; None elsewhere."""
+        return self.run_log.tracker if self.run_log is not None else None
+
     def record(self, step: int, metrics: dict[str, float], state: TrainState) -> dict[str, float]:
         """Average ``metrics`` over ranks, add the health warnings, write them everywhere."""
         metrics = dist_util.reduce_metrics(metrics, self.ctx)

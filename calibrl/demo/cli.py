@@ -40,6 +40,7 @@ from dataclasses import dataclass
 from typing import Any, Iterator, Sequence
 
 from calibrl.errors import CalibrlError
+from calibrl.tracking import log_heldout_table as _log_heldout_table
 
 RUBRIC_ID = "demo-rewriter"
 MARKER = ".calibrl-demo"  # marks a folder as a demo run's output, which a later run may replace
@@ -558,12 +559,6 @@ def _train(overrides: list[str], clients: _Clients, report_to: Sequence[str]) ->
         tracker.close()
         raise
     return list(result.history), time.perf_counter() - started, tracker
-
-
-def _log_heldout_table(tracker: Any, curve: list[tuple[int, dict[str, float]]]) -> None:
-    """The run's held-out evaluation, one row per checkpoint, as the tracker table ``heldout``."""
-    names = sorted({k for _, metrics in curve for k, v in metrics.items() if isinstance(v, (int, float))})
-    tracker.log_table("heldout", ["step", *names], [[step, *(metrics.get(k) for k in names)] for step, metrics in curve])
 
 
 # --- entry point ----------------------------------------------------------------------------------------------------
