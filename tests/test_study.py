@@ -105,7 +105,7 @@ def test_every_run_logged_its_collapse_signals_each_step(tiny_study):
 def _record(seed: int, questions: list[str], base: list[float], arms: dict[str, list[float]]) -> dict:
     def scores(f1):
         return {"f1": f1, "em": [float(v == 1.0) for v in f1], "well_formed": [1.0] * len(f1),
-                "searches": [2] * len(f1)}
+                "searches": [2] * len(f1), "category": ["correct" if v > 0.5 else "wrong_answer" for v in f1]}
 
     step = {"step": 1, "search/well_formed": 1.0, "search/searches_per_trajectory": 2.0,
             "search/repeated_share": 0.0, "entropy": 1.0, "policy/ref_ppl": 3.0, "reward": 0.5,
@@ -166,6 +166,9 @@ def test_aggregation_over_seeds_on_hand_made_records(shared, tmp_path):
     assert "No arm collapsed" in verdict
     assert "12.5% of the trained tokens" in verdict and "answer advantages of 50.0% of the groups" in verdict
     assert "25.0% of the groups had all-equal rewards" in verdict
+    base_correct = sum(v > 0.5 for r in records for v in r["base"]["f1"]) / sum(len(r["base"]["f1"]) for r in records)
+    assert summary["base"]["categories"]["correct"] == pytest.approx(base_correct, abs=SUM_TOL)
+    assert "| policy | correct % | wrong_answer % |" in path.read_text(encoding="utf-8")
 
 
 def test_question_scores_average_to_the_evaluators_metrics(trainer_world: TrainerWorld):

@@ -75,7 +75,16 @@ def arm_summary(records: Sequence[Mapping[str, Any]], setting: str, arm: str, se
         "em": _mean(units(records, setting, arm, "em")[0]),
         "well_formed": _mean(units(records, setting, arm, "well_formed")[0]),
         "searches": _mean(units(records, setting, arm, "searches")[0]),
+        "categories": category_shares(records, setting, arm),
     }
+
+
+def category_shares(records: Sequence[Mapping[str, Any]], setting: str, arm: str) -> dict[str, float]:
+    """Share of each error-analysis category (``calibrl.demo.error_analysis``) over every
+    (seed, question); empty when the scores carry no categories."""
+    labels = [c for r in records
+              for c in (r["base"] if arm == BASE else r["runs"][setting][arm]["scores"]).get("category", [])]
+    return {c: labels.count(c) / len(labels) for c in sorted(set(labels))} if labels else {}
 
 
 def paired(records: Sequence[Mapping[str, Any]], setting: str, a: str, b: str, seed: int = 0) -> Interval:
@@ -166,6 +175,10 @@ def write_study(plan: Mapping[str, Any], records: Sequence[Mapping[str, Any]], o
         lines += [f"## Held-out answer F1, {setting} setting", "", arm_table(plan, summary, setting, labels), "",
                   f"Paired bootstrap over questions ({setting}): difference of held-out answer F1, a - b", "",
                   paired_table(summary, setting, labels), ""]
+        categories = category_table(summary, setting, labels)
+        if categories:
+            lines += [f"Where the trajectories fail ({setting}; error analysis of every held-out question):", "",
+                      categories, ""]
     lines += ["## Collapse signals per step", "",
               f"Training rollouts, mean over seeds: first step -> mean of the last {LAST_STEPS} steps.", "",
               collapse_table(plan, summary, labels), ""]
@@ -217,6 +230,16 @@ def arm_table(plan: Mapping[str, Any], summary: Mapping[str, Any], setting: str,
         rows.append([labels[name], _ci(arm["f1"]), *(_pct(arm["per_seed_f1"][s]) for s in seeds), _pct(arm["em"]),
                      _pct(arm["well_formed"]), f"{arm['searches']:.2f}"])
     return _markdown(header, rows)
+
+
+def category_table(summary: Mapping[str, Any], setting: str, labels: Mapping[str, str]) -> str:
+    """Where the final policies' trajectories fail (shares of every seed's questions); "" without categories."""
+    arms = [(BASE, summary["base"]), *summary["settings"][setting]["arms"].items()]
+    names = sorted({c for _, arm in arms for c in arm.get("categories", {})})
+    if not names:
+        return ""
+    rows = [[labels[name], *(_pct(arm["categories"].get(c, 0.0)) for c in names)] for name, arm in arms]
+    return _markdown(["policy", *(f"{c} %" for c in names)], rows)
 
 
 def paired_table(summary: Mapping[str, Any], setting: str, labels: Mapping[str, str]) -> str:
