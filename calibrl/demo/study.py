@@ -319,15 +319,18 @@ def run_study(plan: StudyPlan, out: pathlib.Path, *, jobs: int = 1, progress: bo
     started = time.perf_counter()
     out.mkdir(parents=True, exist_ok=True)
     (out / STUDY_MARKER).write_text(f"{command}\n", encoding="utf-8")
+    from calibrl.demo.cli import machine_description
+
+    machine = machine_description()
     (out / STUDY_FILE).write_text(json.dumps({"command": command, "plan": plan.describe(), "started": time.time(),
-                                              "jobs": jobs}, indent=1), encoding="utf-8")
+                                              "jobs": jobs, "machine": machine}, indent=1), encoding="utf-8")
     if jobs == 1:
         records = [run_seed(plan, seed, out / f"seed_{seed}", progress) for seed in plan.seeds]
     else:
         records = _run_seeds_in_processes(plan, out, jobs)
     wall = time.perf_counter() - started
     return study_report.write_study(plan.describe(), records, out, command=command, wall_s=wall,
-                                    arm_labels={a.name: a.label for a in plan.arms})
+                                    arm_labels={a.name: a.label for a in plan.arms}, machine=machine)
 
 
 def report_only(out: pathlib.Path) -> pathlib.Path:
@@ -346,7 +349,7 @@ def report_only(out: pathlib.Path) -> pathlib.Path:
     records = [json.loads(path.read_text(encoding="utf-8")) for path in found]
     wall = max(path.stat().st_mtime for path in found) - meta["started"]
     return study_report.write_study(meta["plan"], records, out, command=meta["command"], wall_s=wall,
-                                    arm_labels={a.name: a.label for a in ARMS})
+                                    arm_labels={a.name: a.label for a in ARMS}, machine=meta.get("machine", ""))
 
 
 def _run_seeds_in_processes(plan: StudyPlan, out: pathlib.Path, jobs: int) -> list[dict[str, Any]]:

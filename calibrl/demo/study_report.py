@@ -157,16 +157,17 @@ def summarize(plan: Mapping[str, Any], records: Sequence[Mapping[str, Any]]) -> 
 
 
 def write_study(plan: Mapping[str, Any], records: Sequence[Mapping[str, Any]], out: pathlib.Path, *, command: str,
-                wall_s: float, arm_labels: Mapping[str, str]) -> pathlib.Path:
+                wall_s: float, arm_labels: Mapping[str, str], machine: str = "") -> pathlib.Path:
     """Write results.json, plots/ and report.md under ``out``; returns report.md's path."""
     summary = summarize(plan, records)
     labels = {BASE: "base search agent (untrained)", **arm_labels}
-    results = {"command": command, "wall_s": wall_s, "plan": dict(plan), "summary": summary,
+    results = {"command": command, "wall_s": wall_s, "machine": machine, "plan": dict(plan), "summary": summary,
                "seeds": [_seed_json(r) for r in records]}
     (out / "results.json").write_text(json.dumps(_json_safe(results), indent=1), encoding="utf-8")
     plots = write_plots(plan, summary, labels, out / "plots")
     lines = [f"# calibrl study: the search agent's arms over seeds {', '.join(map(str, plan['seeds']))}", "",
-             f"Command: `{command}`; wall time {wall_s:.0f} s.", "", *settings_lines(plan, summary), "",
+             f"Command: `{command}`; wall time {wall_s:.0f} s" + (f"; {machine}." if machine else "."), "",
+             *timing_lines(records), *settings_lines(plan, summary), "",
              "## What the data shows", "", *(f"- {line}" for line in verdict(plan, summary, labels)), ""]
     if summary["missing_runs"]:
         lines += ["**Stopped part way**: the tables cover the runs every seed finished; not run: "
@@ -186,6 +187,20 @@ def write_study(plan: Mapping[str, Any], records: Sequence[Mapping[str, Any]], o
     path = out / "report.md"
     path.write_text("\n".join(lines) + "\n", encoding="utf-8")
     return path
+
+
+def timing_lines(records: Sequence[Mapping[str, Any]]) -> list[str]:
+    """Where each seed's time went (seconds)."""
+    parts = []
+    for record in records:
+        timings = record.get("timings", {})
+        runs = [run for runs in record.get("runs", {}).values() for run in runs.values()]
+        train = [run["wall_s"] for run in runs]
+        evaluation = _mean([run.get("eval_s", math.nan) for run in runs])
+        parts.append(f"seed {record['seed']}: domain + index {_num(timings.get('domain_and_index_s', math.nan))}, "
+                     f"base agent {_num(timings.get('base_agent_s', math.nan))}, {len(train)} runs trained in "
+                     f"{_num(_mean(train))} each on average, held-out evaluation {_num(evaluation)} each")
+    return ["Seconds per seed: " + "; ".join(parts) + ".", ""] if parts else []
 
 
 def settings_lines(plan: Mapping[str, Any], summary: Mapping[str, Any]) -> list[str]:
