@@ -45,8 +45,10 @@ def test_an_earlier_demo_run_is_replaced_anything_else_needs_overwrite(tmp_path:
 
 def test_quick_settings_are_smaller_than_full() -> None:
     quick, full = demo_cli.QUICK, demo_cli.FULL
-    for field in ("warm_rewriter_steps", "warm_agent_steps", "rewrite_steps", "search_steps"):
+    for field in ("warm_rewriter_steps", "rewrite_steps"):
         assert 0 < getattr(quick, field) < getattr(full, field), field
+    for field in ("warm_steps", "steps"):
+        assert 0 < getattr(quick.search, field) < getattr(full.search, field), field
 
 
 def test_a_service_that_exits_early_is_reported_with_its_log(tmp_path: pathlib.Path) -> None:
@@ -108,10 +110,20 @@ def test_quick_demo_end_to_end(tmp_path: pathlib.Path) -> None:
     for name in ("binary", "dense", "grpo", "calibadv"):
         run = by_name[name]
         assert run["steps"] == (demo_cli.QUICK.rewrite_steps if name in ("binary", "dense")
-                                else demo_cli.QUICK.search_steps)
+                                else demo_cli.QUICK.search.steps)
         assert len(run["heldout_curve"]) >= 2 and run["wall_s"] > 0
         records = [json.loads(line) for line in (out / "runs" / name / "metrics.jsonl").read_text().splitlines()]
         assert all(0.0 <= r["frac_reward_zero_std"] <= 1.0 and r["grad_norm"] >= 0 for r in records)
+    # the search agent's error analysis: every held-out question of every agent in one category,
+    # and each trained agent's paired F1 gain over the base with its interval
+    analysis = results["search_analysis"]
+    assert analysis["questions"] == demo_cli.QUICK.search.eval_questions
+    assert "## Two-search agent: where the trajectories fail" in report
+    for name in ("base_agent", "grpo", "calibadv"):
+        assert sum(analysis["categories"][name]["counts"].values()) == analysis["questions"]
+    for name in ("grpo", "calibadv"):
+        diff = analysis["paired_f1_vs_base"][name]
+        assert diff["low"] <= diff["mean"] <= diff["high"] and diff["n"] == analysis["questions"]
     # the dense reward really used the judge: a rubric component was logged, the binary run has none
     dense_log = (out / "runs" / "dense" / "metrics.jsonl").read_text()
     assert "rewards/rubric/mean" in dense_log

@@ -48,10 +48,35 @@ def test_heldout_pairs_never_train_but_their_parts_do(domain: dm.Domain) -> None
     assert heldout and not heldout & train
     assert {e for e, _ in heldout} <= {e for e, _ in train}
     assert {a for _, a in heldout} <= {a for _, a in train}
-    # two-search questions: both phrasings of a question sit on the same side
+    # two-search questions: all phrasings of a question sit on the same side
     train_ids = {t.task_id.rsplit("-", 1)[0] for t in domain.multistep("train")}
     heldout_ids = {t.task_id.rsplit("-", 1)[0] for t in domain.multistep("heldout")}
     assert heldout_ids and not train_ids & heldout_ids
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_at_least_a_hundred_heldout_two_search_questions_whose_answers_never_train(seed: int) -> None:
+    domain = generate_domain(seed)
+    heldout, train = domain.multistep("heldout"), domain.multistep("train")
+    assert len(heldout) >= 100 and len(train) >= 1.8 * len(heldout)
+    assert len({t.question for t in heldout}) == len(heldout)  # distinct phrasings
+    # no held-out answer document is the answer document of a training question, and both chain
+    # types (account -> default fund -> fact; fund -> manager -> fact) are held out
+    assert not {t.gold_doc_ids[1] for t in heldout} & {t.gold_doc_ids[1] for t in train}
+    assert {t.gold_doc_ids[0].endswith("-default-investment") for t in heldout} == {True, False}
+    # the careless second search names the question's entity, never the bridge entity it needed
+    for task in heldout + train:
+        assert task.shortcut_query and task.shortcut_query != task.steps[1].query
+        assert task.shortcut_query.split()[0] in task.question
+
+
+def test_passage_text_and_value_choices_regenerate_the_corpus(domain: dm.Domain) -> None:
+    passages = {p.doc_id: p.text for p in domain.passages}
+    for fact in domain.facts:
+        assert dm.passage_text(fact.entity, fact.aspect, fact.value) == passages[fact.doc_id]
+        assert fact.value in dm.value_choices(fact.aspect.key)
+    assert dm.answer_of("education", "Calder University, earning a doctorate in economics") == "Calder University"
+    assert dm.answer_of("risk_rating", "3") == "3"
 
 
 def test_aliases_and_colloquial_phrasings_share_no_indexed_word_with_the_corpus(domain: dm.Domain) -> None:

@@ -49,7 +49,8 @@ def fake_search_many(domain: Domain):
 def examples(domain: Domain):
     search_many, calls = fake_search_many(domain)
     rewrites = pol.rewrite_examples(domain, 400, seed=0)
-    trajectories = pol.search_examples(domain, search_many, single_hop=20, seed=0)
+    trajectories = pol.search_examples(domain, search_many, pol.AgentTeacher(single_hop=20, shortcut_share=0.5),
+                                       seed=0)
     assert len(calls) == 1  # one batched call for every reference search
     return rewrites, trajectories
 
@@ -94,6 +95,53 @@ def test_search_trajectories_follow_the_search_r1_format(examples) -> None:
         assert all(t.well_formed for t in turns)
         trajectory = "<think>" + "".join(text for text, _ in example.pieces[1:])
         assert is_well_formed(trajectory)
+
+
+def test_the_teacher_swaps_values_and_makes_the_careless_second_search(domain: Domain) -> None:
+    """Value-swapped copies state another value in the answer passage and answer it (the
+    answer must be read, not recalled); careless plans search the question's entity again
+    and guess; verbose plans answer with the quoted phrase; no plan asks a held-out question."""
+    teacher = pol.AgentTeacher(single_hop=40, value_swaps=1, shortcut_share=0.5, verbose_share=0.5)
+    plans = pol.reference_trajectories(domain, teacher, seed=0)
+    train = {t.question: t for t in domain.multistep("train")}
+    assert not {p.question for p in plans} & {t.question for t in domain.multistep("heldout")}
+    two_search = [p for p in plans if p.question in train and not p.rewritten]
+    careless = [p for p in two_search if p.steps[1][1] == train[p.question].shortcut_query]
+    assert len(two_search) == len(train) and 0.35 < len(careless) / len(two_search) < 0.65
+    careful = [p for p in two_search if p not in careless]
+    assert all(p.steps == tuple((s.think, s.query) for s in train[p.question].steps) for p in careful)
+    assert all(p.answer == train[p.question].answers[0] for p in careful)
+    swapped = [p for p in plans if p.rewritten]
+    assert len(swapped) == len(careful) + 40  # one copy of each careful plan
+    passages = {x.doc_id: x.text for x in domain.passages}
+    for plan in swapped:
+        (doc_id, text), = plan.rewritten
+        assert text != passages[doc_id] and plan.answer in text
+    # the observations show the swapped text in place of the corpus text (examples follow the plans' order)
+    search_many, _ = fake_search_many(domain)
+    examples = pol.search_examples(domain, search_many, teacher, seed=0)
+    assert len(examples) == len(plans)
+    shown = 0
+    for plan, example in zip(plans, examples):
+        if not plan.rewritten:
+            continue
+        (doc_id, text), = plan.rewritten
+        last_observation = example.pieces[-2][0]
+        if passages[doc_id] in last_observation or text in last_observation:
+            assert text in last_observation and passages[doc_id] not in last_observation
+            shown += 1
+    assert shown > len(swapped) // 2
+    # every careful plan quotes its evidence before answering; verbose ones answer with the whole quote
+    verbose = 0
+    for plan, example in zip(plans, examples):
+        answer_turn = example.pieces[-1][0]
+        if plan.evidence:
+            assert plan.answer in plan.evidence and f"It says {plan.evidence}." in answer_turn
+            assert f"<answer> {plan.evidence if plan.verbose else plan.answer} </answer>" in answer_turn
+            verbose += plan.verbose
+        else:  # a careless plan guesses
+            assert f"The answer is {plan.answer}." in answer_turn and not plan.verbose
+    assert 0.35 < verbose / sum(1 for p in plans if p.evidence) < 0.65
 
 
 def test_tokenizer_keeps_tags_and_prompt_constants_whole(tokenizer) -> None:

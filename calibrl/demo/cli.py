@@ -39,6 +39,9 @@ import time
 from dataclasses import dataclass
 from typing import Any, Iterator, Sequence
 
+from calibrl.demo.search_design import FULL_SEARCH, QUICK_SEARCH, SearchDesign, describe_design
+from calibrl.demo.search_design import eval_settings as search_eval_settings
+from calibrl.demo.search_design import train_overrides as search_train_overrides
 from calibrl.errors import CalibrlError
 from calibrl.tracking import log_heldout_table as _log_heldout_table
 
@@ -54,35 +57,26 @@ class DemoSettings:
 
     name: str
     warm_rewriter_steps: int
-    warm_agent_steps: int
     rewrite_steps: int
-    search_steps: int
     group_size: int
     prompts_per_step: int
-    search_group_size: int
-    search_prompts_per_step: int
-    checkpoints: int  # held-out evaluations per training run (the curve's points)
+    checkpoints: int  # held-out evaluations per rewriter training run (the curve's points)
+    search: SearchDesign  # the search agent's warm start, arms and evaluation (calibrl.demo.search_design)
     lr: float = 2e-4
-    search_lr: float = 2e-4
     kl_beta: float = 0.08  # weight of the KL penalty to the frozen reference
     hit_k: int = 1  # held-out hit@k and the binary reward's k
     dense_k: int = 10  # cut-off of the dense retrieval signal (MRR@k)
-    search_top_k: int = 2  # documents per <search>
-    max_turns: int = 3
     max_new_tokens: int = 24  # per rewrite
-    search_max_new_tokens: int = 40  # per search-agent turn
-    single_hop: int = 200  # one-search warm-start trajectories
     rewrite_examples: int = 4000
 
 
 FULL = DemoSettings(
-    name="full", warm_rewriter_steps=400, warm_agent_steps=300, rewrite_steps=100, search_steps=30,
-    group_size=4, prompts_per_step=16, search_group_size=4, search_prompts_per_step=8, checkpoints=4,
+    name="full", warm_rewriter_steps=400, rewrite_steps=100, group_size=4, prompts_per_step=16, checkpoints=4,
+    search=FULL_SEARCH,
 )
 QUICK = DemoSettings(
-    name="quick", warm_rewriter_steps=120, warm_agent_steps=100, rewrite_steps=12, search_steps=3,
-    group_size=4, prompts_per_step=8, search_group_size=4, search_prompts_per_step=4, checkpoints=2,
-    single_hop=60, rewrite_examples=1500,
+    name="quick", warm_rewriter_steps=120, rewrite_steps=12, group_size=4, prompts_per_step=8, checkpoints=2,
+    search=QUICK_SEARCH, rewrite_examples=1500,
 )
 
 
@@ -345,15 +339,16 @@ def _train_and_evaluate(settings: DemoSettings, out: pathlib.Path, domain: Any, 
     from calibrl.demo import report as rep
     from calibrl.demo.policy import PolicySpec, RewriteMix, build_base_policies
     from calibrl.trainer.diagnostics import read_log
+    from calibrl.demo.error_analysis import analysis_results, summary_metrics
     from calibrl.trainer.tasks import load_tasks
 
     # 6 -------------------------------------------------------------------- policies
     with stages.stage("build the tiny policies: tokenizer, model, supervised warm start"):
         bases = build_base_policies(
-            domain, out / "policies", lambda queries: clients.search_many(queries, settings.search_top_k),
+            domain, out / "policies", lambda queries: clients.search_many(queries, settings.search.top_k),
             spec=PolicySpec(),
-            rewriter_steps=settings.warm_rewriter_steps, agent_steps=settings.warm_agent_steps,
-            rewrite_count=settings.rewrite_examples, single_hop=settings.single_hop, mix=RewriteMix(), seed=seed,
+            rewriter_steps=settings.warm_rewriter_steps, agent_steps=settings.search.warm_steps,
+            rewrite_count=settings.rewrite_examples, teacher=settings.search.teacher(), mix=RewriteMix(), seed=seed,
             progress=progress,
         )
         for name, result in (("base rewriter", bases.rewriter_result), ("base search agent", bases.agent_result)):
@@ -361,19 +356,20 @@ def _train_and_evaluate(settings: DemoSettings, out: pathlib.Path, domain: Any, 
                   f"loss {result.losses[0]:.2f} -> {result.losses[-1]:.3f} in {result.seconds:.0f}s")
 
     heldout_rewrites = load_tasks(files.heldout_tasks)
-    heldout_search = load_tasks(files.multistep_heldout)
+    heldout_search = load_tasks(files.multistep_heldout)[: settings.search.eval_questions or None]
     rewrite_eval = _eval_settings(settings, "rewrite")
-    search_eval = _eval_settings(settings, "search")
+    search_eval = search_eval_settings(settings.search)
 
     # 7 -------------------------------------------------------------------- base evaluation
     with stages.stage("evaluate the untrained bases on held-out tasks"):
         base_rows = _evaluate(clients, [str(bases.rewriter)], heldout_rewrites, rewrite_eval, ["base"],
                               raw_query=True)
-        agent_rows = _evaluate(clients, [str(bases.agent)], heldout_search, search_eval, ["base agent"])
+        search_records = {"base_agent": _search_records(clients, bases.agent, heldout_search, search_eval)}
+        base_agent = summary_metrics(search_records["base_agent"])
         raw, base = base_rows
         print(f"    raw query (no rewrite): hit@{settings.hit_k} {raw.metrics['hit@k']:.3f}; base rewriter: "
               f"hit@{settings.hit_k} {base.metrics['hit@k']:.3f}; base search agent: answer F1 "
-              f"{agent_rows[0].metrics['f1']:.3f}, well-formed {agent_rows[0].metrics['well_formed']:.3f}")
+              f"{base_agent['f1']:.3f}, well-formed {base_agent['well_formed']:.3f} on {len(heldout_search)} questions")
 
     # 8 -------------------------------------------------------------------- training
     runs = {
@@ -401,11 +397,15 @@ def _train_and_evaluate(settings: DemoSettings, out: pathlib.Path, domain: Any, 
             for name in runs:
                 run_dir = out / "runs" / name
                 checkpoints = sorted((run_dir / "checkpoints").glob("step_*"), key=lambda p: int(p.name.split("_")[1]))
-                tasks, settings_for = (heldout_rewrites, rewrite_eval) if name in ("binary", "dense") else (
-                    heldout_search, search_eval)
-                rows = _evaluate(clients, [str(c) for c in checkpoints], tasks, settings_for,
-                                 [c.name for c in checkpoints])
-                curves[name] = [(int(c.name.split("_")[1]), row.metrics) for c, row in zip(checkpoints, rows)]
+                if name in ("binary", "dense"):
+                    rows = _evaluate(clients, [str(c) for c in checkpoints], heldout_rewrites, rewrite_eval,
+                                     [c.name for c in checkpoints])
+                    metrics = [row.metrics for row in rows]
+                else:  # one record per question, so that the final checkpoint pairs with the base
+                    records = [_search_records(clients, c, heldout_search, search_eval) for c in checkpoints]
+                    search_records[name] = records[-1]
+                    metrics = [summary_metrics(r) for r in records]
+                curves[name] = [(int(c.name.split("_")[1]), m) for c, m in zip(checkpoints, metrics)]
                 final = curves[name][-1][1]
                 key = "hit@k" if name in ("binary", "dense") else "f1"
                 print(f"    {name}: held-out {key} by step " + ", ".join(f"{s}: {m[key]:.3f}" for s, m in curves[name])
@@ -422,9 +422,9 @@ def _train_and_evaluate(settings: DemoSettings, out: pathlib.Path, domain: Any, 
     }
     raw_result = rep.RunResult("raw", "raw query, no rewrite", "rewrite", _rewrite_heldout(raw.metrics))
     rewrite_runs = [raw_result, rep.RunResult("base", labels["base"], "rewrite", _rewrite_heldout(base.metrics))]
-    search_runs = [rep.RunResult("base_agent", labels["base_agent"], "search", _search_heldout(agent_rows[0].metrics))]
+    search_runs = [rep.RunResult("base_agent", labels["base_agent"], "search", _search_heldout(base_agent))]
     base_hit = base.metrics["hit@k"]
-    base_f1 = agent_rows[0].metrics["f1"]
+    base_f1 = base_agent["f1"]
     for name in runs:
         _, seconds = trained[name]
         history = read_log(out / "runs" / name / "metrics.jsonl")
@@ -444,14 +444,12 @@ def _train_and_evaluate(settings: DemoSettings, out: pathlib.Path, domain: Any, 
         "seed": seed,
         "retrieval": f"BM25 over {len(domain.passages)} passages (index also holds MiniLM dense vectors)",
         "policy": "Llama-architecture causal LM, 3 layers, hidden 96, byte-level BPE trained on the domain",
-        "warm start (rewriter / agent)": f"{settings.warm_rewriter_steps} / {settings.warm_agent_steps} steps",
+        "warm start (rewriter / agent)": f"{settings.warm_rewriter_steps} / {settings.search.warm_steps} steps",
         "rewriter GRPO": f"{settings.rewrite_steps} steps x {settings.prompts_per_step} tasks x G={settings.group_size}, "
                          f"lr {settings.lr:g}, KL beta {settings.kl_beta:g}, grad norm clip 0.5",
         "binary reward": f"hit@{settings.hit_k} (0 or 1); no judge call",
         "dense reward": f"0.7 x MRR@{settings.dense_k} + 0.3 x rubric total ({RUBRIC_ID}, programmatic judge)",
-        "search agent GRPO / CalibAdv": f"{settings.search_steps} steps x {settings.search_prompts_per_step} questions "
-                                        f"x G={settings.search_group_size}, up to {settings.max_turns} turns, "
-                                        f"{settings.search_top_k} documents per search, reward answer F1",
+        "search agent GRPO / CalibAdv": describe_design(settings.search),
         "held-out": f"{len(heldout_rewrites)} rewrite tasks, {len(heldout_search)} two-search questions "
                     "(entity x aspect pairs never seen in training); greedy decoding",
     }
@@ -463,6 +461,7 @@ def _train_and_evaluate(settings: DemoSettings, out: pathlib.Path, domain: Any, 
         title="calibrl demo: SME-calibrated rewards and calibrated advantages on a built-in domain",
         command="calibrl demo", machine="", settings=settings_table, rewrite_runs=rewrite_runs,
         search_runs=search_runs, top_k=settings.hit_k, stages=[], notes=notes,
+        search_analysis=analysis_results(search_records, labels),
     )
 
 
@@ -487,12 +486,14 @@ def _search_heldout(metrics: dict[str, float]) -> dict[str, float]:
 def _eval_settings(settings: DemoSettings, kind: str) -> Any:
     from calibrl.trainer.eval import EvalSettings
 
-    if kind == "rewrite":
-        return EvalSettings(top_k=settings.hit_k, mode=RETRIEVAL_MODE, max_new_tokens=settings.max_new_tokens,
-                            device="cpu")
-    return EvalSettings(top_k=settings.search_top_k, mode=RETRIEVAL_MODE, max_new_tokens=settings.search_max_new_tokens,
-                        max_turns=settings.max_turns, search_top_k=settings.search_top_k, max_obs_tokens=200,
+    return EvalSettings(top_k=settings.hit_k, mode=RETRIEVAL_MODE, max_new_tokens=settings.max_new_tokens,
                         device="cpu")
+
+
+def _search_records(clients: _Clients, model: Any, tasks: list[Any], eval_settings: Any) -> list[Any]:
+    from calibrl.demo.error_analysis import greedy_search_records
+
+    return greedy_search_records(str(model), tasks, clients.retrieval, eval_settings, clients.background.run)
 
 
 def _evaluate(clients: _Clients, models: list[str], tasks: list[Any], eval_settings: Any, names: list[str],
@@ -506,7 +507,10 @@ def _evaluate(clients: _Clients, models: list[str], tasks: list[Any], eval_setti
 def _train_overrides(settings: DemoSettings, out: pathlib.Path, policy: pathlib.Path, tasks: pathlib.Path,
                      clients: _Clients, name: str, seed: int, progress: bool) -> list[str]:
     is_rewrite = name in ("binary", "dense")
-    steps = settings.rewrite_steps if is_rewrite else settings.search_steps
+    if not is_rewrite:
+        return search_train_overrides(settings.search, name, policy=policy, tasks=tasks, output_dir=out / "runs" / name,
+                                      retrieval=clients.retrieval_target, seed=seed, progress=progress)
+    steps = settings.rewrite_steps
     overrides = [
         f"policy.path={policy}", "policy.device=cpu", f"tasks.path={tasks}", f"seed={seed}", f"steps={steps}",
         f"services.retrieval={clients.retrieval_target}", f"reward.mode={RETRIEVAL_MODE}",
@@ -525,17 +529,6 @@ def _train_overrides(settings: DemoSettings, out: pathlib.Path, policy: pathlib.
             overrides += ["reward.retrieval_signal=mrr", f"reward.top_k={settings.dense_k}", "reward.w_retrieval=0.7",
                           "reward.w_rubric=0.3", f"reward.rubric_id={RUBRIC_ID}",
                           f"services.judge={clients.judge_target}"]
-    else:
-        overrides += [
-            f"rollout.group_size={settings.search_group_size}",
-            f"rollout.prompts_per_step={settings.search_prompts_per_step}",
-            f"rollout.max_new_tokens={settings.search_max_new_tokens}", f"rollout.max_turns={settings.max_turns}",
-            f"rollout.search_top_k={settings.search_top_k}", "rollout.max_obs_tokens=200",
-            f"optimizer.lr={settings.search_lr}", "services.judge=none", "reward.answer_metric=f1", "reward.w_rubric=0",
-            f"advantage.type={name}",
-        ]
-        if name == "calibadv":
-            overrides += ["advantage.use_gold=true"]
     return overrides
 
 

@@ -243,6 +243,14 @@ _UNIVERSITIES = ("Calder University", "Norland Institute", "Veradis College", "A
 _DEGREES = ("a master's degree in finance", "a doctorate in economics", "a bachelor's degree in mathematics")
 
 
+_VALUE_POOLS = {
+    "expense_ratio": _EXPENSE, "minimum_investment": _MINIMUM, "dividend_schedule": _DIVIDEND,
+    "redemption_fee": _HOLDING, "risk_rating": _RISK, "benchmark": _BENCHMARKS, "contribution_limit": _LIMITS,
+    "early_withdrawal": _PENALTIES, "maintenance_fee": _MAINTENANCE, "eligibility": _ELIGIBILITY,
+    "transfer_process": _TRANSFER,
+}
+
+
 @dataclass(frozen=True)
 class Passage:
     """One corpus passage (BEIR ``corpus.jsonl`` record)."""
@@ -309,6 +317,9 @@ class MultiStepTask:
     gold_doc_ids: tuple[str, ...]
     steps: tuple[SearchStep, ...]  # reference trajectory (warm start only; never shown to the trainer)
     split: str
+    # The careless second search: the question's own entity and the fact's terms, instead of the
+    # bridge entity the first search revealed (it never finds the answer document).
+    shortcut_query: str = ""
 
     def record(self) -> dict:
         """The trainer's search-task JSONL record."""
@@ -463,8 +474,14 @@ _GENERAL_PASSAGES = (
 )
 
 
-def generate_domain(seed: int = 0, heldout_fraction: float = 0.25) -> Domain:
-    """Generate the whole domain from ``seed`` (same seed, same domain, byte for byte)."""
+MULTISTEP_HELDOUT_FRACTION = 1 / 3  # of the 60 two-search questions: 20 held out, 6 phrasings each (120 tasks)
+
+
+def generate_domain(seed: int = 0, heldout_fraction: float = 0.25,
+                    multistep_heldout_fraction: float = MULTISTEP_HELDOUT_FRACTION) -> Domain:
+    """Generate the whole domain from ``seed`` (same seed, same domain, byte for byte).
+    ``heldout_fraction``: of the rewrite (product, topic) pairs; ``multistep_heldout_fraction``:
+    of the two-search questions (each with all its phrasings)."""
     rng = random.Random(seed)
     passages: list[Passage] = []
     facts: list[Fact] = []
@@ -538,7 +555,7 @@ def generate_domain(seed: int = 0, heldout_fraction: float = 0.25) -> Domain:
                 split=split,
             ))
 
-    multistep = _multistep_tasks(facts, default_funds, fund_managers, heldout_fraction, rng)
+    multistep = _multistep_tasks(facts, default_funds, fund_managers, multistep_heldout_fraction, rng)
     sme = _sme_feedback([t for t in rewrite_tasks if t.split == "train"], rng)
     return Domain(
         seed=seed,
@@ -586,6 +603,32 @@ def _answer_of(fact: Fact) -> str:
     return fact.value
 
 
+def answer_of(aspect_key: str, value: str) -> str:
+    """The short answer a question about a fact with ``value`` expects (a manager's
+    education: the university only)."""
+    return value.split(",")[0] if aspect_key == "education" else value
+
+
+def passage_text(entity: Entity, aspect: Aspect, value: str) -> str:
+    """The corpus text of the passage of (entity, aspect) stating ``value``."""
+    if entity.kind == "fund":
+        return _fund_text(entity, aspect, value)
+    if entity.kind == "account":
+        return _account_text(entity, aspect, value)
+    return _manager_text(entity, aspect, value)
+
+
+def value_choices(aspect_key: str) -> tuple[str, ...]:
+    """Every value a fact of the aspect may take (the generator draws from these)."""
+    if aspect_key == "tenure":
+        return tuple(str(year) for year in range(1994, 2020))
+    if aspect_key == "education":
+        return tuple(f"{u}, earning {d}" for u in _UNIVERSITIES for d in _DEGREES)
+    if aspect_key == "default_investment":
+        return tuple(f.name for f in FUNDS)
+    return _VALUE_POOLS[aspect_key]
+
+
 def _mention(entity: Entity, canonical: bool, rng: random.Random) -> str:
     if canonical:
         if entity.ticker and rng.random() < 0.15:
@@ -603,25 +646,59 @@ def user_query(entity: Entity, aspect: Aspect, mode: str, rng: random.Random) ->
     return query[0].upper() + query[1:]
 
 
+# Six phrasings of each two-search question; the held-out split is by question (all
+# phrasings of one question on the same side), so what transfers is reading, not recall.
 _DEFAULT_FUND_QUESTIONS = {
     "expense_ratio": ("What is the expense ratio of the default investment of the {a}?",
-                      "How high is the annual fee of the fund the {a} invests in by default?"),
+                      "How high is the annual fee of the fund the {a} invests in by default?",
+                      "What expense ratio does the default fund of the {a} charge?",
+                      "If I put money in the {a} and choose nothing, what annual fee does that fund charge?",
+                      "Tell me the expense ratio of the fund the {a} uses by default.",
+                      "What does the default investment of the {a} charge as its expense ratio?"),
     "minimum_investment": ("What is the minimum initial investment of the fund that the {a} invests in by default?",
-                           "What minimum investment does the default fund of the {a} require?"),
+                           "What minimum investment does the default fund of the {a} require?",
+                           "How much must I invest at first in the default investment of the {a}?",
+                           "What is the smallest initial investment the default fund of the {a} accepts?",
+                           "Tell me the minimum initial investment of the fund the {a} uses by default.",
+                           "If I choose nothing in the {a}, what minimum investment does that fund require?"),
     "dividend_schedule": ("How often does the default fund of the {a} pay dividends?",
-                          "What dividend schedule does the default investment of the {a} follow?"),
+                          "What dividend schedule does the default investment of the {a} follow?",
+                          "On what schedule does the fund the {a} invests in by default distribute dividends?",
+                          "Tell me the dividend distribution schedule of the default fund of the {a}.",
+                          "How frequently are dividends paid by the default investment of the {a}?",
+                          "If I choose nothing in the {a}, how often does that fund pay dividends?"),
     "redemption_fee": ("What is the holding period of the redemption fee of the default fund of the {a}?",
-                       "For how long does the default investment of the {a} charge a redemption fee?"),
+                       "For how long does the default investment of the {a} charge a redemption fee?",
+                       "How long must I hold the default fund of the {a} to avoid its redemption fee?",
+                       "Tell me the redemption fee holding period of the fund the {a} invests in by default.",
+                       "What holding period applies to the redemption fee of the default investment of the {a}?",
+                       "If I choose nothing in the {a}, how long is that fund's redemption fee holding period?"),
     "risk_rating": ("What is the risk rating of the default investment of the {a}?",
-                    "How risky, on the 1 to 5 scale, is the default fund of the {a}?"),
+                    "How risky, on the 1 to 5 scale, is the default fund of the {a}?",
+                    "What risk rating does the fund the {a} invests in by default carry?",
+                    "Tell me the risk rating of the default fund of the {a}.",
+                    "How volatile is the default investment of the {a}, by its risk rating?",
+                    "If I choose nothing in the {a}, what risk rating does that fund have?"),
     "benchmark": ("Which benchmark index does the default fund of the {a} track?",
-                  "What index is the default investment of the {a} measured against?"),
+                  "What index is the default investment of the {a} measured against?",
+                  "What is the benchmark index of the fund the {a} invests in by default?",
+                  "Tell me the benchmark of the default fund of the {a}.",
+                  "Which index does the default investment of the {a} follow as its benchmark?",
+                  "If I choose nothing in the {a}, which benchmark index does that fund track?"),
 }
 _MANAGER_QUESTIONS = {
     "tenure": ("In what year did the portfolio manager of the {f} join the firm?",
-               "When did the person who manages the {f} join the firm?"),
+               "When did the person who manages the {f} join the firm?",
+               "What year did the manager of the {f} start at the firm?",
+               "Tell me when the portfolio manager of the {f} joined the firm.",
+               "Since what year has the manager of the {f} been with the firm?",
+               "How long ago, by year joined, did the person running the {f} come to the firm?"),
     "education": ("Where did the portfolio manager of the {f} study?",
-                  "Which university did the manager of the {f} attend?"),
+                  "Which university did the manager of the {f} attend?",
+                  "At which school did the person who manages the {f} study?",
+                  "Tell me where the portfolio manager of the {f} was educated.",
+                  "What university did the manager of the {f} graduate from?",
+                  "Where was the person running the {f} educated?"),
 }
 
 
@@ -629,10 +706,10 @@ def _multistep_tasks(
     facts: list[Fact], default_funds: list[Entity], fund_managers: list[Entity], fraction: float,
     rng: random.Random,
 ) -> list[MultiStepTask]:
-    """Two phrasings of every two-search question; the held-out split is by question
-    (both phrasings on the same side), so a held-out answer never appears in training."""
+    """Every phrasing of every two-search question; the held-out split is by question
+    (all its phrasings on the same side), so a held-out answer never appears in training."""
     by_pair = {(f.entity.key, f.aspect.key): f for f in facts}
-    combos: list[tuple[str, tuple[str, ...], tuple[str, ...], tuple[str, str], tuple[SearchStep, ...]]] = []
+    combos: list[tuple[str, tuple[str, ...], tuple[str, ...], tuple[str, str], tuple[SearchStep, ...], str]] = []
     # account -> its default fund -> a fact of that fund
     for account, fund in zip(ACCOUNTS, default_funds):
         bridge_id = f"{account.key}-default-investment"
@@ -646,13 +723,13 @@ def _multistep_tasks(
             )
             questions = tuple(q.format(a=account.name) for q in _DEFAULT_FUND_QUESTIONS[aspect.key])
             combos.append((f"ms-{account.key}-{aspect.key.replace('_', '-')}", questions, (fact.value,),
-                           (bridge_id, fact.doc_id), steps))
+                           (bridge_id, fact.doc_id), steps, f"{account.name} {aspect.terms}"))
     # fund -> its manager -> a fact of that manager
     for fund, manager in zip(FUNDS, fund_managers):
         bridge_id = f"{fund.key}-manager"
         for aspect in MANAGER_ASPECTS:
             fact = by_pair[(manager.key, aspect.key)]
-            answer = fact.value.split(",")[0] if aspect.key == "education" else fact.value
+            answer = answer_of(aspect.key, fact.value)
             steps = (
                 SearchStep(f"{fund.name} portfolio manager", bridge_id,
                            f"I need the portfolio manager of the {fund.name} first."),
@@ -660,13 +737,23 @@ def _multistep_tasks(
                            f"The manager is {manager.name}; now the {aspect.title}."),
             )
             questions = tuple(q.format(f=fund.name) for q in _MANAGER_QUESTIONS[aspect.key])
-            combos.append((f"ms-{fund.key}-{aspect.key}", questions, (answer,), (bridge_id, fact.doc_id), steps))
+            combos.append((f"ms-{fund.key}-{aspect.key}", questions, (answer,), (bridge_id, fact.doc_id), steps,
+                           f"{fund.name} {aspect.terms}"))
     order = list(range(len(combos)))
     rng.shuffle(order)
-    heldout = set(order[: int(round(fraction * len(combos)))])
+    # Hold out whole answer documents: a manager manages two funds, and both questions about
+    # one of their facts share its answer, so they go to the same side.
+    target = int(round(fraction * len(combos)))
+    heldout_docs: set[str] = set()
+    for i in order:
+        if sum(combos[j][3][1] in heldout_docs for j in order) >= target:
+            break
+        heldout_docs.add(combos[i][3][1])
+    heldout = {i for i in order if combos[i][3][1] in heldout_docs}
     return [
-        MultiStepTask(f"{task_id}-{n}", question, answers, gold, steps, "heldout" if i in heldout else "train")
-        for i, (task_id, questions, answers, gold, steps) in enumerate(combos)
+        MultiStepTask(f"{task_id}-{n}", question, answers, gold, steps, "heldout" if i in heldout else "train",
+                      shortcut)
+        for i, (task_id, questions, answers, gold, steps, shortcut) in enumerate(combos)
         for n, question in enumerate(questions)
     ]
 
@@ -885,5 +972,6 @@ def _write_jsonl(path: pathlib.Path, records: Iterable[dict]) -> None:
 
 __all__ = [
     "Aspect", "Domain", "DomainFiles", "Entity", "ERROR_TAGS", "FAILURE_MODES", "MultiStepTask", "Passage",
-    "RewriteTask", "SMEFeedback", "SearchStep", "generate_domain", "rewrite_errors", "sme_grade", "write_domain",
+    "RewriteTask", "SMEFeedback", "SearchStep", "answer_of", "generate_domain", "passage_text", "rewrite_errors",
+    "sme_grade", "value_choices", "write_domain",
 ]

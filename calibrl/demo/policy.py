@@ -42,8 +42,11 @@ from calibrl.demo.domain import (
     Domain,
     Fact,
     RewriteTask,
+    answer_of,
     candidate_rewrite,
+    passage_text,
     user_query,
+    value_choices,
 )
 from calibrl.tiny_lm import TinyLMSpec
 
@@ -202,25 +205,81 @@ def _observation(hits: Sequence[Any]) -> str:
     return format_observation(hits)
 
 
-def trajectory_example(question: str, steps: Sequence[tuple[str, str, Sequence[Any]]], answer: str) -> Example:
+def trajectory_example(question: str, steps: Sequence[tuple[str, str, Sequence[Any]]], answer: str,
+                       evidence: str = "") -> Example:
     """A reference Search-R1 trajectory: for each (think, query, hits) a search turn
-    and its observation, then the answer. The ``<think>`` opening each turn belongs to
+    and its observation, then the answer, after the ``evidence`` (the words of the
+    passage that state it) when given. The ``<think>`` opening each turn belongs to
     the prompt or the observation, never to a generated piece."""
     pieces: list[tuple[str, bool]] = [(search_prompt(question), False)]
     for think, query, hits in steps:
         pieces.append((f" {think} </think>\n<search> {query} </search>", True))
         pieces.append((_observation(hits), False))
-    pieces.append((f" The answer is {answer}. </think>\n<answer> {answer} </answer>", True))
+    reason = f"It says {evidence}." if evidence else f"The answer is {answer}."
+    pieces.append((f" {reason} </think>\n<answer> {answer} </answer>", True))
     return Example(tuple(pieces), "search")
 
 
-def reference_trajectories(domain: Domain, single_hop: int = 200, seed: int = 0) -> list[tuple[str, list[tuple[str, str]], str]]:
-    """(question, [(think, query), ...], answer) of the warm-start trajectories: every
-    training two-search question, plus ``single_hop`` one-search questions on facts
-    that no held-out task asks for (they teach the agent to copy an answer out of an
-    observation)."""
+def evidence_of(text: str, value: str, words: int = 4) -> str:
+    """The ``words`` words of a passage before ``value``, and the value: what a reader
+    quotes before answering (copying the value is then a short look-up)."""
+    before = text[: text.index(value)].split()
+    return " ".join([*before[-words:], value])
+
+
+@dataclass(frozen=True)
+class AgentTeacher:
+    """How the base search agent's reference trajectories are drawn (its warm start).
+
+    The teacher shows the format and how to read an answer out of an observation
+    (it quotes the passage's words that state the answer, then answers). It makes
+    two mistakes that RL can fix from the answer reward, since the right move is in
+    the base agent's samples too: in a ``shortcut_share`` of its two-search
+    demonstrations it searches the question's own entity a second time instead of
+    the bridge entity the first search revealed, misses the answer document and
+    guesses; and in a ``verbose_share`` of its answers it answers with the whole
+    quoted phrase instead of the value (right document, inexact answer)."""
+
+    single_hop: int = 200  # one-search trajectories on facts no held-out question asks for
+    value_swaps: int = 1  # extra copies of each trajectory whose answer passage states another value
+    shortcut_share: float = 0.0  # share of two-search demonstrations with the careless second search
+    verbose_share: float = 0.0  # share of answers that give the whole quoted phrase rather than the value
+
+
+@dataclass(frozen=True)
+class Plan:
+    """One reference trajectory before retrieval: its searches, its answer, and the
+    passages whose text the observation shows changed (doc id -> text)."""
+
+    question: str
+    steps: tuple[tuple[str, str], ...]  # (think, query)
+    answer: str
+    rewritten: tuple[tuple[str, str], ...] = ()
+    evidence: str = ""  # the answer passage's words that state the answer ("" when it was not found)
+    verbose: bool = False  # answer with the evidence instead of the value
+
+
+def reference_trajectories(domain: Domain, teacher: AgentTeacher = AgentTeacher(), seed: int = 0) -> list[Plan]:
+    """The warm-start plans: every training two-search question (a ``shortcut_share`` of
+    them with the careless second search), ``single_hop`` one-search questions on facts
+    that no held-out task asks for, and ``value_swaps`` copies of each careful plan whose
+    answer passage states another value (so the answer is read, not recalled)."""
     rng = random.Random(seed)
-    plans = [(t.question, [(s.think, s.query) for s in t.steps], t.answers[0]) for t in domain.multistep("train")]
+    facts_by_doc = {f.doc_id: f for f in domain.facts}
+    plans: list[Plan] = []
+    careful: list[tuple[Plan, Fact]] = []
+    for task in domain.multistep("train"):
+        fact = facts_by_doc[task.gold_doc_ids[-1]]
+        steps = tuple((s.think, s.query) for s in task.steps)
+        if task.shortcut_query and rng.random() < teacher.shortcut_share:
+            guess = answer_of(fact.aspect.key, rng.choice(value_choices(fact.aspect.key)))
+            plans.append(Plan(task.question, (steps[0], (steps[1][0], task.shortcut_query)), guess))
+            continue
+        text = passage_text(fact.entity, fact.aspect, fact.value)
+        plan = Plan(task.question, steps, task.answers[0], evidence=evidence_of(text, task.answers[0]),
+                    verbose=rng.random() < teacher.verbose_share)
+        plans.append(plan)
+        careful.append((plan, fact))
     heldout_docs = {doc for t in domain.multistep("heldout") for doc in t.gold_doc_ids}
     heldout_pairs = {(t.entity_key, t.aspect_key) for t in domain.tasks("heldout")}
     facts: list[Fact] = [
@@ -228,23 +287,49 @@ def reference_trajectories(domain: Domain, single_hop: int = 200, seed: int = 0)
         if f.doc_id not in heldout_docs and (f.entity.key, f.aspect.key) not in heldout_pairs
         and f.entity.kind in ("fund", "account") and f.aspect.key != "default_investment"
     ]
-    for fact in rng.sample(facts, min(single_hop, len(facts))):
+    for fact in rng.sample(facts, min(teacher.single_hop, len(facts))):
         question = rng.choice(fact.aspect.formal).format(e=f"the {fact.entity.name}")
         question = question[0].upper() + question[1:]
         think = f"I need the {fact.aspect.title} of the {fact.entity.name}."
-        plans.append((question, [(think, f"{fact.entity.name} {fact.aspect.terms}")], fact.value))
+        plan = Plan(question, ((think, f"{fact.entity.name} {fact.aspect.terms}"),), fact.value,
+                    evidence=evidence_of(passage_text(fact.entity, fact.aspect, fact.value), fact.value),
+                    verbose=rng.random() < teacher.verbose_share)
+        plans.append(plan)
+        careful.append((plan, fact))
+    for plan, fact in careful:
+        others = [v for v in value_choices(fact.aspect.key) if v != fact.value]
+        for value in rng.sample(others, min(teacher.value_swaps, len(others))):
+            text = passage_text(fact.entity, fact.aspect, value)
+            answer = answer_of(fact.aspect.key, value)
+            plans.append(Plan(plan.question, plan.steps, answer, ((fact.doc_id, text),), evidence_of(text, answer),
+                              rng.random() < teacher.verbose_share))
     return plans
 
 
-def search_examples(domain: Domain, search_many: SearchManyFn, single_hop: int = 200, seed: int = 0) -> list[Example]:
+@dataclass(frozen=True)
+class _ShownHit:
+    doc_id: str
+    title: str
+    text: str
+
+
+def search_examples(domain: Domain, search_many: SearchManyFn, teacher: AgentTeacher = AgentTeacher(),
+                    seed: int = 0) -> list[Example]:
     """The reference trajectories of :func:`reference_trajectories`, their observations
     retrieved with one call of ``search_many`` (the demo's retrieval service)."""
-    plans = reference_trajectories(domain, single_hop, seed)
-    queries = sorted({query for _, steps, _ in plans for _, query in steps})
+    plans = reference_trajectories(domain, teacher, seed)
+    queries = sorted({query for plan in plans for _, query in plan.steps})
     found = dict(zip(queries, search_many(queries)))
+
+    def shown(plan: Plan, query: str) -> list[Any]:
+        rewritten = dict(plan.rewritten)
+        return [_ShownHit(h.doc_id, h.title, rewritten[h.doc_id]) if h.doc_id in rewritten else h
+                for h in found[query]]
+
     return [
-        trajectory_example(question, [(think, query, found[query]) for think, query in steps], answer)
-        for question, steps, answer in plans
+        trajectory_example(plan.question, [(think, query, shown(plan, query)) for think, query in plan.steps],
+                           plan.evidence if plan.verbose else plan.answer, plan.evidence)
+        for plan in plans
     ]
 
 
@@ -371,7 +456,7 @@ def build_base_policies(
     rewriter_steps: int = 400,
     agent_steps: int = 200,
     rewrite_count: int = 4000,
-    single_hop: int = 200,
+    teacher: AgentTeacher = AgentTeacher(),
     mix: RewriteMix = RewriteMix(),
     seed: int = 0,
     progress: bool = True,
@@ -382,7 +467,7 @@ def build_base_policies(
     search agent on reference trajectories (observations from ``search``)."""
     out = pathlib.Path(out_dir)
     rewrites = rewrite_examples(domain, rewrite_count, mix, seed)
-    trajectories = search_examples(domain, search_many, single_hop, seed)
+    trajectories = search_examples(domain, search_many, teacher, seed)
     tokenizer = train_tokenizer(tokenizer_corpus(domain, rewrites + trajectories), spec.vocab_size)
     results = {}
     for name, examples, steps, batch in (("base_rewriter", rewrites, rewriter_steps, 32),
@@ -396,8 +481,35 @@ def build_base_policies(
     return BasePolicies(out / "base_rewriter", out / "base_agent", results["base_rewriter"], results["base_agent"])
 
 
+def build_base_agent(
+    domain: Domain,
+    out_dir: str | pathlib.Path,
+    search_many: SearchManyFn,
+    *,
+    tokenizer: Any = None,
+    spec: PolicySpec = PolicySpec(),
+    steps: int = 300,
+    teacher: AgentTeacher = AgentTeacher(),
+    seed: int = 0,
+    progress: bool = True,
+) -> tuple[pathlib.Path, WarmStartResult]:
+    """Warm-start the base search agent alone, saved as ``out_dir/base_agent``; with no
+    ``tokenizer``, one is trained on the domain and the agent's examples."""
+    out = pathlib.Path(out_dir) / "base_agent"
+    trajectories = search_examples(domain, search_many, teacher, seed)
+    if tokenizer is None:
+        tokenizer = train_tokenizer(tokenizer_corpus(domain, trajectories), spec.vocab_size)
+    model = build_model(tokenizer, spec, seed)
+    result = warm_start(model, tokenizer, trajectories, steps=steps, batch_size=8, seed=seed, progress=progress,
+                        desc="warm start base_agent")
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    return out, result
+
+
 __all__ = [
-    "BasePolicies", "EOS", "Example", "PAD", "PolicySpec", "RewriteMix", "WarmStartResult", "build_base_policies",
+    "AgentTeacher", "BasePolicies", "EOS", "Plan", "build_base_agent", "Example", "PAD", "PolicySpec", "RewriteMix", "WarmStartResult", "build_base_policies",
     "build_model", "encode_example", "prompt_constants", "rewrite_examples", "rewrite_prompt", "search_examples",
     "reference_trajectories", "search_prompt", "train_tokenizer", "trajectory_example", "warm_start",
 ]

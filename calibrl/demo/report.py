@@ -250,6 +250,7 @@ class DemoReport:
     top_k: int
     stages: list[tuple[str, float]]  # (stage, seconds)
     notes: list[str] = field(default_factory=list)
+    search_analysis: dict[str, Any] = field(default_factory=dict)  # calibrl.demo.error_analysis.analysis_results
 
 
 def write_report(report: DemoReport, out_dir: str | pathlib.Path) -> pathlib.Path:
@@ -299,6 +300,10 @@ def write_report(report: DemoReport, out_dir: str | pathlib.Path) -> pathlib.Pat
         path = plot_heldout(report.search_runs, "answer F1", plots_dir / "search_heldout_f1.png")
         if path:
             plots.append(("Search agent: held-out answer F1 over training", path))
+    if report.search_analysis:
+        from calibrl.demo.error_analysis import analysis_markdown
+
+        sections += analysis_markdown(report.search_analysis)
 
     if plots:
         sections += ["## Plots", ""]
@@ -342,6 +347,7 @@ def _results_json(report: DemoReport) -> dict[str, Any]:
         "settings": {k: str(v) for k, v in report.settings.items()},
         "rewrite": [run_json(r) for r in report.rewrite_runs],
         "search": [run_json(r) for r in report.search_runs],
+        "search_analysis": report.search_analysis,
         "stages": [[stage, round(s, 2)] for stage, s in report.stages],
     }
 
