@@ -24,8 +24,8 @@ SUM_TOL = 1e-12
 def _tiny_plan() -> StudyPlan:
     from calibrl.demo.cli import QUICK
 
-    demo = dataclasses.replace(QUICK, name="tiny", search_steps=2, search_prompts_per_step=2, warm_agent_steps=20,
-                               warm_rewriter_steps=1, rewrite_examples=200, single_hop=20)
+    design = QUICK.search.with_overrides(steps=2, prompts_per_step=2, warm_steps=20, single_hop=20)
+    demo = dataclasses.replace(QUICK, name="tiny", search=design, rewrite_examples=200)
     return StudyPlan(demo, seeds=(0,), heldout_limit=4)
 
 

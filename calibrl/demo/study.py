@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import dataclasses
 import json
 import os
 import pathlib
@@ -83,17 +82,22 @@ SETTINGS = ("normal", "stress")
 class StudyPlan:
     """What one study runs."""
 
-    demo: Any  # calibrl.demo.cli.DemoSettings (FULL or QUICK)
+    demo: Any  # calibrl.demo.cli.DemoSettings (FULL or QUICK); its ``search`` design is every arm's
     seeds: tuple[int, ...]
     heldout_limit: int = 0  # evaluate only the first N held-out questions (0 = all; tests use a few)
     arms: tuple[Arm, ...] = ARMS
     settings: tuple[str, ...] = SETTINGS
 
-    def demo_for(self, setting: str) -> Any:
-        """The demo's settings under ``setting`` (stress: a larger search learning rate)."""
+    @property
+    def design(self) -> Any:
+        """The demo's search design (``calibrl.demo.search_design.SearchDesign``)."""
+        return self.demo.search
+
+    def design_for(self, setting: str) -> Any:
+        """The design under ``setting`` (stress: the learning rate times ``STRESS_LR_FACTOR``)."""
         if setting == "stress":
-            return dataclasses.replace(self.demo, search_lr=self.demo.search_lr * STRESS_LR_FACTOR)
-        return self.demo
+            return self.design.with_overrides(lr=self.design.lr * STRESS_LR_FACTOR)
+        return self.design
 
     def run_order(self) -> list[tuple[str, Arm]]:
         """(setting, arm) in the order they run: the plain arms first under every setting
@@ -103,14 +107,17 @@ class StudyPlan:
                 for arm in self.arms if arm.step_rewards == group]
 
     def describe(self) -> dict[str, Any]:
-        demo = self.demo
+        from calibrl.demo.search_design import describe_design
+
+        design = self.design
         return {
-            "mode": demo.name, "seeds": list(self.seeds), "arms": [a.name for a in self.arms],
-            "settings": list(self.settings), "search_steps": demo.search_steps,
-            "questions_per_step": demo.search_prompts_per_step, "group_size": demo.search_group_size,
-            "lr": demo.search_lr, "stress_lr": demo.search_lr * STRESS_LR_FACTOR, "kl_beta": demo.kl_beta,
-            "max_turns": demo.max_turns, "search_top_k": demo.search_top_k, "w_steps": W_STEPS,
-            "warm_agent_steps": demo.warm_agent_steps, "heldout_limit": self.heldout_limit,
+            "mode": self.demo.name, "seeds": list(self.seeds), "arms": [a.name for a in self.arms],
+            "settings": list(self.settings), "search_steps": design.steps,
+            "questions_per_step": design.prompts_per_step, "group_size": design.group_size,
+            "lr": design.lr, "stress_lr": design.lr * STRESS_LR_FACTOR, "kl_beta": design.kl_beta,
+            "max_turns": design.max_turns, "search_top_k": design.top_k, "w_steps": W_STEPS,
+            "warm_agent_steps": design.warm_steps, "heldout_limit": self.heldout_limit,
+            "design": describe_design(design),
         }
 
 
@@ -191,16 +198,15 @@ def _services(out: pathlib.Path) -> Any:
 
 def _train_and_score(plan: StudyPlan, seed: int, out: pathlib.Path, domain: Any, files: Any, clients: Any,
                      timings: dict[str, float], progress: bool) -> dict[str, Any]:
-    from calibrl.demo.cli import _eval_settings
+    from calibrl.demo.search_design import eval_settings as search_eval_settings
     from calibrl.trainer.tasks import load_tasks
 
     started = time.perf_counter()
     base_agent = build_base_agent(plan.demo, domain, out, clients, seed, progress)
     timings["base_agent_s"] = time.perf_counter() - started
     heldout = load_tasks(files.multistep_heldout)
-    if plan.heldout_limit:
-        heldout = heldout[: plan.heldout_limit]
-    eval_settings = _eval_settings(plan.demo, "search")
+    heldout = heldout[: plan.heldout_limit or plan.design.eval_questions or None]
+    eval_settings = search_eval_settings(plan.design)
     record: dict[str, Any] = {
         "seed": seed, "questions": [{"task_id": t.task_id, "question": t.query} for t in heldout],
         "train_questions": len(load_tasks(files.multistep_train)),
@@ -223,32 +229,47 @@ def _train_and_score(plan: StudyPlan, seed: int, out: pathlib.Path, domain: Any,
 
 def build_base_agent(demo: Any, domain: Any, out: pathlib.Path, clients: Any, seed: int,
                      progress: bool) -> pathlib.Path:
-    """The demo's base search agent of this seed (``build_base_policies`` with the demo's
-    arguments; its rewriter is built too, as the demo builds both from one tokenizer)."""
-    from calibrl.demo.policy import PolicySpec, RewriteMix, build_base_policies
-
-    bases = build_base_policies(
-        domain, out / "policies", lambda queries: clients.search_many(queries, demo.search_top_k),
-        spec=PolicySpec(), rewriter_steps=demo.warm_rewriter_steps, agent_steps=demo.warm_agent_steps,
-        rewrite_count=demo.rewrite_examples, single_hop=demo.single_hop, mix=RewriteMix(), seed=seed,
-        progress=progress,
+    """The demo's base search agent of this seed, without the demo's rewriter: the same
+    tokenizer (trained on the rewrite and search examples, as ``build_base_policies``
+    trains it), the same seeded model and the same warm start; the rewriter's own
+    warm start (which the agent does not depend on) is skipped."""
+    from calibrl.demo.policy import (
+        PolicySpec,
+        RewriteMix,
+        rewrite_examples,
+        search_examples,
+        tokenizer_corpus,
+        train_tokenizer,
     )
-    return bases.agent
+    from calibrl.demo.policy import build_base_agent as warm_start_agent
+
+    design, spec = demo.search, PolicySpec()
+
+    def search_many(queries: Sequence[str]) -> list[list[Any]]:
+        return clients.search_many(queries, design.top_k)
+
+    rewrites = rewrite_examples(domain, demo.rewrite_examples, RewriteMix(), seed)
+    trajectories = search_examples(domain, search_many, design.teacher(), seed)
+    tokenizer = train_tokenizer(tokenizer_corpus(domain, rewrites + trajectories), spec.vocab_size)
+    agent, _ = warm_start_agent(domain, out / "policies", search_many, tokenizer=tokenizer, spec=spec,
+                                steps=design.warm_steps, teacher=design.teacher(), seed=seed, progress=progress)
+    return agent
 
 
 def arm_overrides(plan: StudyPlan, setting: str, arm: Arm, base_agent: pathlib.Path, files: Any, clients: Any,
                   run_dir: pathlib.Path, seed: int, progress: bool) -> list[str]:
-    """The demo's training overrides of the arm's estimator, plus the arm's step rewards;
-    only the final checkpoint is written (the study evaluates the final policy)."""
-    from calibrl.demo.cli import _train_overrides
+    """The demo's training overrides of the arm's estimator (``search_design.train_overrides``)
+    under the setting's design, plus the arm's step rewards; only the final checkpoint is
+    written (the study evaluates the final policy)."""
+    from calibrl.demo.search_design import train_overrides
 
-    overrides = _train_overrides(plan.demo_for(setting), run_dir.parent, base_agent, files.multistep_train, clients,
-                                 arm.estimator, seed, progress)
-    overrides += [f"output_dir={run_dir}", "checkpoint_every=0"]
+    extra = ["checkpoint_every=0"]
     if arm.step_rewards:
-        overrides += [f"reward.w_steps={W_STEPS}", f"reward.step_rubric_id={STEP_RUBRIC_ID}",
-                      f"services.judge={clients.judge_target}"]
-    return overrides
+        extra += [f"reward.w_steps={W_STEPS}", f"reward.step_rubric_id={STEP_RUBRIC_ID}",
+                  f"services.judge={clients.judge_target}"]
+    return train_overrides(plan.design_for(setting), arm.estimator, policy=base_agent, tasks=files.multistep_train,
+                           output_dir=run_dir, retrieval=clients.retrieval_target, seed=seed, progress=progress,
+                           extra=extra)
 
 
 def train_arm(plan: StudyPlan, setting: str, arm: Arm, base_agent: pathlib.Path, files: Any, clients: Any,
@@ -261,7 +282,7 @@ def train_arm(plan: StudyPlan, setting: str, arm: Arm, base_agent: pathlib.Path,
     overrides = arm_overrides(plan, setting, arm, base_agent, files, clients, run_dir, seed, progress)
     history, seconds, tracker = _train(overrides, clients, ("none",))
     tracker.close()
-    planned = plan.demo_for(setting).search_steps
+    planned = plan.design_for(setting).steps
     if len(history) < planned:  # the trainer caught a SIGTERM: it checkpointed and returned early
         raise StudyError(f"{run_dir}: training stopped after {len(history)} of {planned} steps (SIGTERM)")
     steps = [{"step": n + 1, **{k: float(h[k]) for k in KEPT_METRICS if k in h}} for n, h in enumerate(history)]
@@ -269,42 +290,25 @@ def train_arm(plan: StudyPlan, setting: str, arm: Arm, base_agent: pathlib.Path,
 
 
 def question_scores(model: str | pathlib.Path, tasks: Sequence[Any], clients: Any, settings: Any) -> dict[str, list]:
-    """Per held-out question, one greedy trajectory of ``model`` scored as
-    ``calibrl.trainer.eval.evaluate_search`` scores it: answer ``f1`` and ``em`` (0 without
-    an answer), ``well_formed`` (0/1) and ``searches``. Their means are that function's."""
-    import gc
+    """Per held-out question, the demo's greedy record (``error_analysis.greedy_search_records``):
+    answer ``f1`` and ``em``, ``well_formed`` (0/1), ``searches`` and the error ``category``;
+    their means are ``calibrl.trainer.eval.evaluate_search``'s."""
+    from calibrl.demo.error_analysis import greedy_search_records
+    from calibrl.trainer.eval import resolve_model_path
 
-    from calibrl.text import exact_match, token_f1
-    from calibrl.trainer.engines import make_engine
-    from calibrl.trainer.eval import choose_prompt, resolve_model_path
-    from calibrl.trainer.policy import load_policy
-    from calibrl.trainer.rollout import rollout_search
+    records = greedy_search_records(str(resolve_model_path(model)), tasks, clients.retrieval, settings,
+                                    clients.background.run)
+    return {"f1": [r.f1 for r in records], "em": [float(r.em) for r in records],
+            "well_formed": [float(r.well_formed) for r in records], "searches": [len(r.queries) for r in records],
+            "category": [_category(r) for r in records]}
 
-    kind = tasks[0].kind
-    prompt = choose_prompt(model, kind).rollout_config()
-    policy = load_policy(str(resolve_model_path(model)), device=settings.device, dtype="auto")
-    policy.model.eval()
-    engine = make_engine("transformers", policy)
-    scores: dict[str, list] = {"f1": [], "em": [], "well_formed": [], "searches": []}
+
+def _category(record: Any) -> str:
+    """The record's error category; ``unclassified`` for a question without two gold documents."""
     try:
-        for start in range(0, len(tasks), settings.batch_size):
-            batch = rollout_search(
-                engine, policy.tokenizer, tasks[start : start + settings.batch_size], group_size=1,
-                retrieval=clients.retrieval, run_async=clients.background.run, max_turns=settings.max_turns,
-                top_k=settings.search_top_k, max_new_tokens_per_turn=settings.max_new_tokens,
-                max_obs_tokens=settings.max_obs_tokens, temperature=0.0, prompt_template=prompt.template_for(kind),
-                chat_template=prompt.chat_template_flag(),
-            )
-            for rollout in batch.rollouts:
-                answer = (rollout.answer or "").strip()
-                scores["f1"].append(token_f1(answer, rollout.task.answers) if answer else 0.0)
-                scores["em"].append(float(exact_match(answer, rollout.task.answers)) if answer else 0.0)
-                scores["well_formed"].append(float(rollout.well_formed))
-                scores["searches"].append(len(rollout.steps))
-    finally:
-        del engine, policy
-        gc.collect()
-    return scores
+        return record.category
+    except ValueError:
+        return "unclassified"
 
 
 # --------------------------------------------------------------------------- the study
