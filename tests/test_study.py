@@ -163,7 +163,8 @@ def test_aggregation_over_seeds_on_hand_made_records(shared, tmp_path):
     assert "the study cannot tell them apart" in verdict  # CalibAdv vs GRPO: identical arms
     assert "GRPO beats base search agent (untrained)" in verdict
     assert "GRPO + step rewards does worse than GRPO" in verdict
-    assert "No arm collapsed" in verdict
+    # Under stress too, GRPO + step rewards sits 0.1 below the base on every question: flagged, and only it.
+    assert "Signs of collapse: GRPO + step rewards (held-out F1 below the base's (paired interval below 0))." in verdict
     assert "12.5% of the trained tokens" in verdict and "answer advantages of 50.0% of the groups" in verdict
     assert "25.0% of the groups had all-equal rewards" in verdict
     base_correct = sum(v > 0.5 for r in records for v in r["base"]["f1"]) / sum(len(r["base"]["f1"]) for r in records)

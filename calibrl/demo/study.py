@@ -323,9 +323,12 @@ def run_study(plan: StudyPlan, out: pathlib.Path, *, jobs: int = 1, progress: bo
     started = time.perf_counter()
     out.mkdir(parents=True, exist_ok=True)
     (out / STUDY_MARKER).write_text(f"{command}\n", encoding="utf-8")
+    import torch
+
     from calibrl.demo.cli import machine_description
 
-    machine = machine_description()
+    torch.set_num_threads(1)  # as every seed process runs
+    machine = machine_description().replace("in the demo process", "in each study process")
     (out / STUDY_FILE).write_text(json.dumps({"command": command, "plan": plan.describe(), "started": time.time(),
                                               "jobs": jobs, "machine": machine}, indent=1), encoding="utf-8")
     if jobs == 1:

@@ -35,7 +35,8 @@ SIGNAL_COLUMNS = {"search/well_formed": "well-formed", "search/searches_per_traj
 # What CalibAdv changed, per step (the verdict's "why" when it does not beat GRPO).
 CALIBADV_SIGNALS = ("calibadv/frac_tokens_softened", "calibadv/frac_groups_answer_zeroed", "frac_reward_zero_std")
 LAST_STEPS = 5  # the collapse table averages each signal over the last this many steps
-COLLAPSED_WELL_FORMED = 0.5  # a final policy below this held-out well-formed rate is called collapsed
+COLLAPSED_WELL_FORMED = 0.9  # a sign of collapse: held-out well-formed rate below this share of the base's
+PPL_GROWTH = 2.0  # a sign of collapse: reference PPL over the last steps above this multiple of the first step's
 
 
 # --------------------------------------------------------------------------- numbers
@@ -230,11 +231,15 @@ def _pct(value: float) -> str:
 
 
 def _points(value: float) -> str:
-    return f"{round(100 * value, 1) + 0.0:+.1f}"
+    return f"{round(100 * value, 2) + 0.0:+.2f}"  # two decimals: a bound near 0 shows its side
 
 
 def _ci(interval: Mapping[str, float]) -> str:
     return f"{_pct(interval['estimate'])} [{_pct(interval['low'])}, {_pct(interval['high'])}]"
+
+
+def _ci_points(interval: Mapping[str, float]) -> str:
+    return f"{_points(interval['estimate'])} [{_points(interval['low'])}, {_points(interval['high'])}]"
 
 
 def arm_table(plan: Mapping[str, Any], summary: Mapping[str, Any], setting: str, labels: Mapping[str, str]) -> str:
@@ -258,7 +263,7 @@ def category_table(summary: Mapping[str, Any], setting: str, labels: Mapping[str
 
 
 def paired_table(summary: Mapping[str, Any], setting: str, labels: Mapping[str, str]) -> str:
-    rows = [[labels[p["a"]], labels[p["b"]], _ci(p), "yes" if p["low"] > 0 or p["high"] < 0 else "no"]
+    rows = [[labels[p["a"]], labels[p["b"]], _ci_points(p), "yes" if p["low"] > 0 or p["high"] < 0 else "no"]
             for p in summary["settings"][setting]["paired"]]
     return _markdown(["a", "b", "a - b, points [95% CI]", "interval excludes 0"], rows)
 
@@ -319,7 +324,7 @@ def calibadv_line(setting: Mapping[str, Any], labels: Mapping[str, str]) -> str:
     softened = _mean_finite(curves["calibadv/frac_tokens_softened"])
     zeroed = _mean_finite(curves["calibadv/frac_groups_answer_zeroed"])
     no_signal = _mean_finite(curves["frac_reward_zero_std"])
-    return (f"Why CalibAdv and GRPO end close: during {labels['calibadv']} training {_pct(softened)}% of the trained "
+    return (f"What CalibAdv changed: during {labels['calibadv']} training {_pct(softened)}% of the trained "
             f"tokens had their negative advantage softened by a step score, the answer advantages of "
             f"{_pct(zeroed)}% of the groups were zeroed by the rebalance (no positive or no negative answer in the "
             f"group), and {_pct(no_signal)}% of the groups had all-equal rewards (no signal for either estimator); "
@@ -327,20 +332,33 @@ def calibadv_line(setting: Mapping[str, Any], labels: Mapping[str, str]) -> str:
 
 
 def stress_line(summary: Mapping[str, Any], labels: Mapping[str, str]) -> str:
-    stress = summary["settings"]["stress"]
+    """The stress setting per arm: held-out F1 against the base, and the signs of collapse
+    (each named with the rule that flags it)."""
+    stress, base = summary["settings"]["stress"], summary["base"]
+    by_pair = {(p["a"], p["b"]): p for p in stress["paired"]}
     parts, collapsed = [], []
     for arm, data in stress["arms"].items():
-        well_formed = stress["signals"][arm]["search/well_formed"]
+        vs_base = by_pair[(arm, BASE)]
         ppl = stress["signals"][arm]["policy/ref_ppl"]
-        parts.append(f"{labels[arm]} F1 {_pct(data['f1']['estimate'])}%, held-out well-formed "
-                     f"{_pct(data['well_formed'])}%, training well-formed {_pct(_tail_mean(well_formed))}% and "
-                     f"reference PPL {_num(_tail_mean(ppl))} over the last {LAST_STEPS} steps")
-        if data["well_formed"] < COLLAPSED_WELL_FORMED:
-            collapsed.append(labels[arm])
-    verdict_text = (f"collapsed (held-out well-formed below {COLLAPSED_WELL_FORMED:.0%}): {', '.join(collapsed)}"
-                    if collapsed else f"no arm collapsed (every held-out well-formed rate >= "
-                                      f"{COLLAPSED_WELL_FORMED:.0%})")
-    return "Stress setting: " + "; ".join(parts) + f". {verdict_text[0].upper()}{verdict_text[1:]}."
+        signs = []
+        if vs_base["high"] < 0:
+            signs.append("held-out F1 below the base's (paired interval below 0)")
+        if data["well_formed"] < COLLAPSED_WELL_FORMED * base["well_formed"]:
+            signs.append(f"held-out well-formed rate under {COLLAPSED_WELL_FORMED:.0%} of the base's")
+        if ppl and _finite(ppl[0]) and _tail_mean(ppl) > PPL_GROWTH * ppl[0]:
+            signs.append(f"reference PPL over {PPL_GROWTH:g}x its first step's")
+        if signs:
+            collapsed.append(f"{labels[arm]} ({'; '.join(signs)})")
+        parts.append(f"{labels[arm]} F1 {_pct(data['f1']['estimate'])}% ({_points(vs_base['estimate'])} points vs the "
+                     f"base [{_points(vs_base['low'])}, {_points(vs_base['high'])}]), held-out well-formed "
+                     f"{_pct(data['well_formed'])}% (base {_pct(base['well_formed'])}%), training well-formed "
+                     f"{_pct(_tail_mean(stress['signals'][arm]['search/well_formed']))}% and reference PPL "
+                     f"{_num(ppl[0] if ppl else math.nan)} -> {_num(_tail_mean(ppl))} (first step -> last "
+                     f"{LAST_STEPS})")
+    verdict_text = ("Signs of collapse: " + "; ".join(collapsed)) if collapsed else (
+        "No arm shows a sign of collapse (F1 below the base, well-formed rate under "
+        f"{COLLAPSED_WELL_FORMED:.0%} of the base's, reference PPL over {PPL_GROWTH:g}x its first step's)")
+    return "Stress setting: " + "; ".join(parts) + f". {verdict_text}."
 
 
 # --------------------------------------------------------------------------- plots
