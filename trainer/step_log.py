@@ -63,6 +63,7 @@ def step_metrics(training: TrainingBatch, update: UpdateResult, times: StepTimes
         **diag.component_metrics([b.components for b in training.breakdowns]),
         **diag.judge_retrieval_disagreement(training.breakdowns, rubric_high),
         **step_reward_metrics(training.breakdowns),
+        **diag.search_metrics(batch.rollouts),
         **diag.completion_metrics(batch.completion_mask),
         **times.metrics(),
         "rollout/staleness": 0.0 if batch.old_logp is None else 1.0,

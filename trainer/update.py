@@ -23,7 +23,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, ContextManager
 
 from calibrl.trainer import distributed as dist_util
@@ -113,6 +113,26 @@ def token_weighted_mean(parts: list[tuple[float, dict[str, float]]]) -> dict[str
     return out
 
 
+def reference_perplexity(ref_logps: "list[torch.Tensor | None]", masks: "list[torch.Tensor]") -> dict[str, float]:
+    """``policy/ref_ppl``: the perplexity of the generated tokens under the frozen
+    reference, ``exp(-mean log p_ref)`` over every micro-batch's completion tokens
+    (``ref_logps[i]``, ``masks[i]``: (b, L - start)), at the sampling temperature (the
+    log-probs of the KL term). Gibberish the reference would never write drives it up
+    (the CalibAdv paper's collapse signal). ``{}`` without a reference (``loss.beta`` = 0
+    loads none) or without a generated token."""
+    if not ref_logps or any(logp is None for logp in ref_logps):
+        return {}
+    total, count = 0.0, 0.0
+    for logp, mask in zip(ref_logps, masks):
+        weights = mask.to(logp.dtype)
+        total += float((logp.detach() * weights).sum())
+        count += float(weights.sum())
+    if not count:
+        return {}
+    mean = total / count
+    return {"policy/ref_ppl": math.exp(min(-mean, 700.0)), "policy/ref_logp_mean": mean}
+
+
 def policy_loss_for(loss: "LossConfig", max_completion_length: int, logp: "torch.Tensor",
                     old_logp: "torch.Tensor", token_adv: "torch.Tensor", mask: "torch.Tensor",
                     ref_logp: "torch.Tensor | None") -> "tuple[torch.Tensor, dict[str, float]]":
@@ -144,6 +164,7 @@ class EarlyForward:
     parts: list[list[int]]  # the micro-batches' rows
     ref_logps: "list[torch.Tensor | None]"  # per micro-batch, None without a KL term
     first: "tuple[torch.Tensor, float | None] | None"  # the policy's (logp, entropy) of micro-batch 0
+    reference_metrics: dict[str, float] = field(default_factory=dict)  # reference_perplexity's, {} without a reference
 
 
 @dataclass
@@ -190,16 +211,17 @@ class PolicyUpdate:
 
         temperature = self.config.rollout.temperature
         parts = micro_batches(len(batch), self.config.gradient_accumulation_steps)
-        ref_logps = []
+        ref_logps, masks = [], []
         for rows in parts:
-            ref_logp = None
+            ref_logp, micro = None, micro_batch(batch, None, rows)
             if self.reference is not None:
                 with torch.no_grad(), self.autocast:
-                    ref_logp, _ = micro_logprobs(self.reference, micro_batch(batch, None, rows), temperature)
+                    ref_logp, _ = micro_logprobs(self.reference, micro, temperature)
             ref_logps.append(ref_logp)
+            masks.append(micro.mask)
         with self.autocast:
             first = micro_logprobs(self.model, micro_batch(batch, None, parts[0]), temperature, with_entropy=True)
-        return EarlyForward(parts, ref_logps, first)
+        return EarlyForward(parts, ref_logps, first, reference_perplexity(ref_logps, masks))
 
     def apply(self, training: "TrainingBatch", early: EarlyForward) -> UpdateResult:
         """Loss and backward over the micro-batches, then one optimizer step."""
@@ -210,7 +232,7 @@ class PolicyUpdate:
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         metrics = {"loss": loss_value, "grad_norm": grad_norm, "learning_rate": learning_rate,
-                   **token_weighted_mean(loss_metrics)}
+                   **token_weighted_mean(loss_metrics), **early.reference_metrics}
         return UpdateResult(metrics, stepped)
 
     def _backward(self, training: "TrainingBatch", early: EarlyForward) -> tuple[float, list[tuple[float, dict]]]:
@@ -265,5 +287,6 @@ def use_bf16(config: "TrainConfig", device: str) -> bool:
 
 __all__ = [
     "EarlyForward", "MicroBatch", "PolicyUpdate", "UpdateResult", "apply_update", "autocast_for", "micro_batch",
-    "micro_batch_weight", "micro_batches", "micro_logprobs", "policy_loss_for", "token_weighted_mean", "use_bf16",
+    "micro_batch_weight", "micro_batches", "micro_logprobs", "policy_loss_for", "reference_perplexity",
+    "token_weighted_mean", "use_bf16",
 ]

@@ -1,0 +1,508 @@
+"""`calibrl study`: the search-agent arms over several seeds, with intervals.
+
+    calibrl study                       # seeds 0,1,2, the full demo's sizes, normal + stress setting
+    calibrl study --seeds 0,1 --jobs 2  # two seeds, each in its own process
+    calibrl study --quick               # every stage with few steps (the test's size)
+
+For each seed the study builds what ``calibrl demo --seed N`` builds for its search
+agent, with the demo's own functions: the domain (so every seed has its own corpus
+and questions), the index, the retrieval service and the base search agent. A judge
+service serves the search-step rubric (``configs/rubrics/search-steps.yaml``) for the
+step-rewarded arms. From that one base it trains four arms with the demo's search
+settings, differing only in what the arm names:
+
+* ``grpo``: GRPO advantages, reward answer F1 x format;
+* ``calibadv``: CalibAdv (gold documents as silver, as the demo);
+* ``grpo_steps`` / ``calibadv_steps``: the same, with per-step dense rewards from both
+  services in the trajectory reward (``reward.w_steps``; the one way both estimators take);
+
+once under the demo's learning rate (``normal``) and once under a stress setting,
+the same for every arm (``stress``: the learning rate times ``STRESS_LR_FACTOR``).
+Every final policy and the base answer every held-out question greedily; the
+per-question answer F1 feeds ``calibrl.stats``: each arm's mean with a 95% bootstrap
+interval over questions (resampled within each seed: the seeds have different
+questions) and the paired bootstrap of every pair of arms and of each arm vs the base.
+
+Each seed writes ``seed_<N>/seed_result.json``; ``--jobs 2`` runs two seeds at a time
+as subprocesses (``calibrl study --worker``); the parent then writes ``results.json``,
+``report.md`` and ``plots/`` (``calibrl.demo.study_report``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import pathlib
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+from calibrl.errors import CalibrlError
+
+STUDY_MARKER = ".calibrl-study"  # marks a folder as a study's output, which a later study may replace
+STEP_RUBRIC_ID = "search-steps"
+STEP_RUBRIC = pathlib.Path(__file__).resolve().parents[2] / "configs" / "rubrics" / f"{STEP_RUBRIC_ID}.yaml"
+STRESS_LR_FACTOR = 5.0  # the stress setting's learning rate, in multiples of the demo's search_lr
+W_STEPS = 0.5  # weight of the mean step reward in the step-rewarded arms' trajectory reward
+SEED_RESULT = "seed_result.json"
+STUDY_FILE = "study.json"  # the command, the plan and the start time (calibrl study --report-only reads it)
+# Per-step metrics kept from each run's metrics.jsonl (the collapse signals and the reward).
+KEPT_METRICS = ("reward", "reward_std", "frac_reward_zero_std", "kl", "entropy", "grad_norm", "policy/ref_ppl",
+                "search/well_formed", "search/answered", "search/searches_per_trajectory", "search/repeated_share",
+                "steps/reward/mean", "steps/new_gold_share", "completions/mean_length",
+                "calibadv/frac_tokens_softened", "calibadv/frac_groups_answer_zeroed", "calibadv/mean_step_score")
+
+
+@dataclass(frozen=True)
+class Arm:
+    """One training recipe of the comparison."""
+
+    name: str
+    label: str
+    estimator: str  # advantage.type, as the demo's _train_overrides takes it
+    step_rewards: bool
+
+
+ARMS = (
+    Arm("grpo", "GRPO", "grpo", False),
+    Arm("calibadv", "CalibAdv", "calibadv", False),
+    Arm("grpo_steps", "GRPO + step rewards", "grpo", True),
+    Arm("calibadv_steps", "CalibAdv + step rewards", "calibadv", True),
+)
+SETTINGS = ("normal", "stress")
+
+
+@dataclass(frozen=True)
+class StudyPlan:
+    """What one study runs."""
+
+    demo: Any  # calibrl.demo.cli.DemoSettings (FULL or QUICK); its ``search`` design is every arm's
+    seeds: tuple[int, ...]
+    heldout_limit: int = 0  # evaluate only the first N held-out questions (0 = all; tests use a few)
+    arms: tuple[Arm, ...] = ARMS
+    settings: tuple[str, ...] = SETTINGS
+
+    @property
+    def design(self) -> Any:
+        """The demo's search design (``calibrl.demo.search_design.SearchDesign``)."""
+        return self.demo.search
+
+    def design_for(self, setting: str) -> Any:
+        """The design under ``setting`` (stress: the learning rate times ``STRESS_LR_FACTOR``)."""
+        if setting == "stress":
+            return self.design.with_overrides(lr=self.design.lr * STRESS_LR_FACTOR)
+        return self.design
+
+    def run_order(self) -> list[tuple[str, Arm]]:
+        """(setting, arm) in the order they run: the plain arms first under every setting
+        (GRPO vs CalibAdv, normal and stress: the headline), then the step-rewarded ones,
+        so a study stopped part way has the headline in every seed."""
+        return [(setting, arm) for group in (False, True) for setting in self.settings
+                for arm in self.arms if arm.step_rewards == group]
+
+    def describe(self) -> dict[str, Any]:
+        from calibrl.demo.search_design import describe_design
+
+        design = self.design
+        return {
+            "mode": self.demo.name, "seeds": list(self.seeds), "arms": [a.name for a in self.arms],
+            "settings": list(self.settings), "search_steps": design.steps,
+            "questions_per_step": design.prompts_per_step, "group_size": design.group_size,
+            "lr": design.lr, "stress_lr": design.lr * STRESS_LR_FACTOR, "kl_beta": design.kl_beta,
+            "max_turns": design.max_turns, "search_top_k": design.top_k, "w_steps": W_STEPS,
+            "warm_agent_steps": design.warm_steps, "heldout_limit": self.heldout_limit,
+            "design": describe_design(design),
+        }
+
+
+# --------------------------------------------------------------------------- one seed
+
+
+def run_seed(plan: StudyPlan, seed: int, out: pathlib.Path, progress: bool = False) -> dict[str, Any]:
+    """Everything of one seed; writes and returns its ``seed_result.json`` record."""
+    import torch
+
+    from calibrl.demo.cli import _Clients, _log_to_file, build_demo_index
+    from calibrl.demo.domain import generate_domain, write_domain
+    from calibrl.trainer.aio import BackgroundLoop
+
+    torch.set_num_threads(1)
+    out.mkdir(parents=True, exist_ok=True)
+    _log_to_file(out / "study.log")
+    timings: dict[str, float] = {}
+    started = time.perf_counter()
+    domain = generate_domain(seed)
+    files = write_domain(domain, out / "data")
+    build_demo_index(files.corpus, out / "index")
+    timings["domain_and_index_s"] = time.perf_counter() - started
+    with _services(out) as (retrieval_target, judge_target), BackgroundLoop(name=f"study-{seed}") as background:
+        clients = _Clients(retrieval_target, judge_target, background)
+        try:
+            record = _train_and_score(plan, seed, out, domain, files, clients, timings, progress)
+        finally:
+            clients.close()
+    timings["seed_s"] = time.perf_counter() - started
+    record["complete"] = True
+    save_seed_result(out, record)
+    return record
+
+
+def save_seed_result(out: pathlib.Path, record: dict[str, Any]) -> None:
+    """Write ``seed_result.json`` (after the base and after every arm, so a study stopped
+    part way still reports the arms every seed finished: ``calibrl study --report-only``)."""
+    partial = out / f"{SEED_RESULT}.partial"
+    partial.write_text(json.dumps(record, indent=1), encoding="utf-8")
+    partial.replace(out / SEED_RESULT)
+
+
+@contextlib.contextmanager
+def _services(out: pathlib.Path) -> Any:
+    """The demo's retrieval service over ``out/index`` and a judge serving the search-step
+    rubric (no SME golden set exists for it, so it is served unvalidated)."""
+    from calibrl.demo.cli import RETRIEVAL_MODE
+    from calibrl.demo.services import Service, free_port
+
+    if not STEP_RUBRIC.is_file():
+        raise StudyError(f"{STEP_RUBRIC}: the search-step rubric is missing; the study runs from a source checkout "
+                         "(pip install -e .), where configs/rubrics/ holds it")
+    rubrics = out / "rubrics"
+    rubrics.mkdir(exist_ok=True)
+    shutil.copy(STEP_RUBRIC, rubrics / STEP_RUBRIC.name)
+    retrieval_port, judge_port = free_port(), free_port()
+    services = [
+        Service("retrieval server", [
+            "serve", "retrieval", "--index", str(out / "index"), "--port", str(retrieval_port),
+            f"default_mode={RETRIEVAL_MODE}", "device=cpu", "torch_threads=1", "serving.grace_seconds=2",
+            "serving.drain_seconds=0"], retrieval_port, out / "logs" / "serve_retrieval.log"),
+        Service("judge server", [
+            "serve", "judge", "--rubrics", str(rubrics), "--backend", "programmatic", "--allow-unvalidated",
+            "--port", str(judge_port), "serving.grace_seconds=2", "serving.drain_seconds=0"],
+            judge_port, out / "logs" / "serve_judge.log"),
+    ]
+    try:
+        for service in services:
+            service.start()
+        for service in services:
+            service.wait_healthy()
+        yield services[0].target, services[1].target
+    finally:
+        for service in services:
+            service.stop()
+
+
+def _train_and_score(plan: StudyPlan, seed: int, out: pathlib.Path, domain: Any, files: Any, clients: Any,
+                     timings: dict[str, float], progress: bool) -> dict[str, Any]:
+    from calibrl.demo.search_design import eval_settings as search_eval_settings
+    from calibrl.trainer.tasks import load_tasks
+
+    started = time.perf_counter()
+    base_agent = build_base_agent(plan.demo, domain, out, clients, seed, progress)
+    timings["base_agent_s"] = time.perf_counter() - started
+    heldout = load_tasks(files.multistep_heldout)
+    heldout = heldout[: plan.heldout_limit or plan.design.eval_questions or None]
+    eval_settings = search_eval_settings(plan.design)
+    record: dict[str, Any] = {
+        "seed": seed, "questions": [{"task_id": t.task_id, "question": t.query} for t in heldout],
+        "train_questions": len(load_tasks(files.multistep_train)),
+        "base": question_scores(base_agent, heldout, clients, eval_settings), "runs": {}, "timings": timings,
+        "complete": False,
+    }
+    save_seed_result(out, record)
+    for setting, arm in plan.run_order():
+        run = train_arm(plan, setting, arm, base_agent, files, clients, out, seed, progress)
+        eval_started = time.perf_counter()
+        run["scores"] = question_scores(run.pop("model"), heldout, clients, eval_settings)
+        run["eval_s"] = time.perf_counter() - eval_started
+        record["runs"].setdefault(setting, {})[arm.name] = run
+        timings["arms_s"] = time.perf_counter() - started - timings["base_agent_s"]
+        save_seed_result(out, record)
+        print(f"    seed {seed} {setting} {arm.name}: trained in {run['wall_s']:.0f}s, held-out F1 "
+              f"{sum(run['scores']['f1']) / len(heldout):.3f}", flush=True)
+    return record
+
+
+def build_base_agent(demo: Any, domain: Any, out: pathlib.Path, clients: Any, seed: int,
+                     progress: bool) -> pathlib.Path:
+    """The demo's base search agent of this seed, without the demo's rewriter: the same
+    tokenizer (trained on the rewrite and search examples, as ``build_base_policies``
+    trains it), the same seeded model and the same warm start; the rewriter's own
+    warm start (which the agent does not depend on) is skipped."""
+    from calibrl.demo.policy import (
+        PolicySpec,
+        RewriteMix,
+        rewrite_examples,
+        search_examples,
+        tokenizer_corpus,
+        train_tokenizer,
+    )
+    from calibrl.demo.policy import build_base_agent as warm_start_agent
+
+    design, spec = demo.search, PolicySpec()
+
+    def search_many(queries: Sequence[str]) -> list[list[Any]]:
+        return clients.search_many(queries, design.top_k)
+
+    rewrites = rewrite_examples(domain, demo.rewrite_examples, RewriteMix(), seed)
+    trajectories = search_examples(domain, search_many, design.teacher(), seed)
+    tokenizer = train_tokenizer(tokenizer_corpus(domain, rewrites + trajectories), spec.vocab_size)
+    agent, _ = warm_start_agent(domain, out / "policies", search_many, tokenizer=tokenizer, spec=spec,
+                                steps=design.warm_steps, teacher=design.teacher(), seed=seed, progress=progress)
+    return agent
+
+
+def arm_overrides(plan: StudyPlan, setting: str, arm: Arm, base_agent: pathlib.Path, files: Any, clients: Any,
+                  run_dir: pathlib.Path, seed: int, progress: bool) -> list[str]:
+    """The demo's training overrides of the arm's estimator (``search_design.train_overrides``)
+    under the setting's design, plus the arm's step rewards; only the final checkpoint is
+    written (the study evaluates the final policy)."""
+    from calibrl.demo.search_design import train_overrides
+
+    extra = ["checkpoint_every=0"]
+    if arm.step_rewards:
+        extra += [f"reward.w_steps={W_STEPS}", f"reward.step_rubric_id={STEP_RUBRIC_ID}",
+                  f"services.judge={clients.judge_target}"]
+    return train_overrides(plan.design_for(setting), arm.estimator, policy=base_agent, tasks=files.multistep_train,
+                           output_dir=run_dir, retrieval=clients.retrieval_target, seed=seed, progress=progress,
+                           extra=extra)
+
+
+def train_arm(plan: StudyPlan, setting: str, arm: Arm, base_agent: pathlib.Path, files: Any, clients: Any,
+              out: pathlib.Path, seed: int, progress: bool) -> dict[str, Any]:
+    """Train one arm; its kept per-step metrics, wall time and final checkpoint."""
+    from calibrl.demo.cli import _train
+    from calibrl.trainer.checkpoint import find_checkpoint
+
+    run_dir = out / "runs" / setting / arm.name
+    overrides = arm_overrides(plan, setting, arm, base_agent, files, clients, run_dir, seed, progress)
+    history, seconds, tracker = _train(overrides, clients, ("none",))
+    tracker.close()
+    planned = plan.design_for(setting).steps
+    if len(history) < planned:  # the trainer caught a SIGTERM: it checkpointed and returned early
+        raise StudyError(f"{run_dir}: training stopped after {len(history)} of {planned} steps (SIGTERM)")
+    steps = [{"step": n + 1, **{k: float(h[k]) for k in KEPT_METRICS if k in h}} for n, h in enumerate(history)]
+    return {"steps": steps, "wall_s": seconds, "model": str(find_checkpoint(run_dir))}
+
+
+def question_scores(model: str | pathlib.Path, tasks: Sequence[Any], clients: Any, settings: Any) -> dict[str, list]:
+    """Per held-out question, the demo's greedy record (``error_analysis.greedy_search_records``):
+    answer ``f1`` and ``em``, ``well_formed`` (0/1), ``searches`` and the error ``category``;
+    their means are ``calibrl.trainer.eval.evaluate_search``'s."""
+    from calibrl.demo.error_analysis import greedy_search_records
+    from calibrl.trainer.eval import resolve_model_path
+
+    records = greedy_search_records(str(resolve_model_path(model)), tasks, clients.retrieval, settings,
+                                    clients.background.run)
+    return {"f1": [r.f1 for r in records], "em": [float(r.em) for r in records],
+            "well_formed": [float(r.well_formed) for r in records], "searches": [len(r.queries) for r in records],
+            "category": [_category(r) for r in records]}
+
+
+def _category(record: Any) -> str:
+    """The record's error category; ``unclassified`` for a question without two gold documents."""
+    try:
+        return record.category
+    except ValueError:
+        return "unclassified"
+
+
+# --------------------------------------------------------------------------- the study
+
+
+def run_study(plan: StudyPlan, out: pathlib.Path, *, jobs: int = 1, progress: bool = False,
+              command: str = "calibrl study") -> pathlib.Path:
+    """Every seed (``jobs`` at a time, each in its own process when > 1), then the
+    report; returns the path of report.md."""
+    from calibrl.demo import study_report
+
+    started = time.perf_counter()
+    out.mkdir(parents=True, exist_ok=True)
+    (out / STUDY_MARKER).write_text(f"{command}\n", encoding="utf-8")
+    import torch
+
+    from calibrl.demo.cli import machine_description
+
+    torch.set_num_threads(1)  # as every seed process runs
+    machine = machine_description().replace("in the demo process", "in each study process")
+    (out / STUDY_FILE).write_text(json.dumps({"command": command, "plan": plan.describe(), "started": time.time(),
+                                              "jobs": jobs, "machine": machine}, indent=1), encoding="utf-8")
+    if jobs == 1:
+        records = [run_seed(plan, seed, out / f"seed_{seed}", progress) for seed in plan.seeds]
+    else:
+        records = _run_seeds_in_processes(plan, out, jobs)
+    wall = time.perf_counter() - started
+    return study_report.write_study(plan.describe(), records, out, command=command, wall_s=wall,
+                                    arm_labels={a.name: a.label for a in plan.arms}, machine=machine)
+
+
+def report_only(out: pathlib.Path) -> pathlib.Path:
+    """The report of a study stopped part way (or finished): every seed's latest
+    ``seed_result.json``; the wall time runs from the start to the last result written."""
+    from calibrl.demo import study_report
+
+    meta_path = out / STUDY_FILE
+    if not meta_path.is_file():
+        raise StudyError(f"{meta_path} is missing: --out {out} holds no study started by this version")
+    meta = json.loads(meta_path.read_text(encoding="utf-8"))
+    paths = [out / f"seed_{seed}" / SEED_RESULT for seed in meta["plan"]["seeds"]]
+    found = [path for path in paths if path.is_file()]
+    if not found:
+        raise StudyError(f"no seed of {out} has written {SEED_RESULT} yet (the base agent comes first)")
+    records = [json.loads(path.read_text(encoding="utf-8")) for path in found]
+    wall = max(path.stat().st_mtime for path in found) - meta["started"]
+    return study_report.write_study(meta["plan"], records, out, command=meta["command"], wall_s=wall,
+                                    arm_labels={a.name: a.label for a in ARMS}, machine=meta.get("machine", ""))
+
+
+def _run_seeds_in_processes(plan: StudyPlan, out: pathlib.Path, jobs: int) -> list[dict[str, Any]]:
+    """``calibrl study --worker`` per seed, at most ``jobs`` at once; their seed results in seed order."""
+    from calibrl.demo.services import calibrl_command, service_env
+
+    waiting = list(plan.seeds)
+    running: list[tuple[int, subprocess.Popen, Any]] = []
+    try:
+        _supervise(plan, out, jobs, waiting, running, calibrl_command(), service_env(1))
+    finally:  # a failed seed, or SIGTERM / Ctrl-C here: stop the other workers (they stop their services)
+        for _, process, log in running:
+            if process.poll() is None:
+                process.terminate()
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    process.wait(60)
+            log.close()
+    return [json.loads((out / f"seed_{seed}" / SEED_RESULT).read_text(encoding="utf-8")) for seed in plan.seeds]
+
+
+def _supervise(plan: StudyPlan, out: pathlib.Path, jobs: int, waiting: list[int],
+               running: list[tuple[int, subprocess.Popen, Any]], command: list[str], env: dict[str, str]) -> None:
+    """Start workers while fewer than ``jobs`` run; raise StudyError when one fails."""
+    while waiting or running:
+        while waiting and len(running) < jobs:
+            seed = waiting.pop(0)
+            (out / f"seed_{seed}").mkdir(parents=True, exist_ok=True)
+            log = open(out / f"seed_{seed}" / "worker.log", "w", encoding="utf-8")
+            args = [*command, "study", "--worker", "--seeds", str(seed), "--out", str(out / f"seed_{seed}"),
+                    *(["--quick"] if plan.demo.name == "quick" else []),
+                    *(["--heldout-limit", str(plan.heldout_limit)] if plan.heldout_limit else [])]
+            running.append((seed, subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=env), log))
+        time.sleep(1.0)
+        for entry in list(running):
+            seed, process, log = entry
+            if process.poll() is None:
+                continue
+            running.remove(entry)
+            log.close()
+            if process.returncode != 0:
+                tail = (out / f"seed_{seed}" / "worker.log").read_text(encoding="utf-8", errors="replace")[-3000:]
+                raise StudyError(f"seed {seed} failed (exit {process.returncode}); its log ends:\n{tail}")
+            print(f"    seed {seed} done", flush=True)
+
+
+class StudyError(CalibrlError):
+    """A seed of the study failed; the message shows its log."""
+
+
+# --------------------------------------------------------------------------- entry point
+
+
+def parse_seeds(text: str) -> tuple[int, ...]:
+    """``"0,1,2"`` -> (0, 1, 2); a clear error for anything else."""
+    try:
+        seeds = tuple(int(part) for part in text.split(",") if part.strip())
+    except ValueError:
+        raise ValueError(f"--seeds {text!r}: expected comma-separated integers, e.g. 0,1,2") from None
+    if not seeds or len(set(seeds)) != len(seeds) or min(seeds) < 0:
+        raise ValueError(f"--seeds {text!r}: give at least one seed, each >= 0 and once")
+    return seeds
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="calibrl study",
+        description="Train the search agent's four arms (GRPO, CalibAdv, each with and without per-step dense "
+        "rewards) from the demo's base over several seeds, under the demo's learning rate and a stress setting; "
+        "report each arm's held-out answer F1 with 95%% intervals, paired bootstraps over questions, and the "
+        "collapse signals per step.",
+    )
+    parser.add_argument("--seeds", default="0,1,2", help="comma-separated seeds (default 0,1,2)")
+    parser.add_argument("--quick", action="store_true", help="the demo's --quick sizes: a smoke run")
+    parser.add_argument("--out", default="calibrl_study_out", help="output folder (default calibrl_study_out)")
+    parser.add_argument("--jobs", type=int, default=1, help="seeds run at once, each in its own process (default 1)")
+    parser.add_argument("--heldout-limit", type=int, default=0,
+                        help="evaluate only the first N held-out questions of each seed (0 = all; for smoke runs)")
+    parser.add_argument("--overwrite", action="store_true", help="replace --out even if it holds something else")
+    parser.add_argument("--report-only", action="store_true",
+                        help="write the report of --out from the runs its seeds have finished so far (a study stopped "
+                        "part way, or still running), and stop")
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)  # one seed, no report
+    args = parser.parse_args(list(argv) if argv is not None else None)
+
+    for name, value in (("HF_HUB_OFFLINE", "1"), ("TRANSFORMERS_OFFLINE", "1"), ("TOKENIZERS_PARALLELISM", "false")):
+        os.environ.setdefault(name, value)
+    try:
+        seeds = parse_seeds(args.seeds)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    for flag, value, low in (("--jobs", args.jobs, 1), ("--heldout-limit", args.heldout_limit, 0)):
+        if value < low:
+            print(f"error: {flag}={value}: must be >= {low}", file=sys.stderr)
+            return 2
+    from calibrl.demo.cli import FULL, QUICK
+    from calibrl.retrieval_server.cli import hide_library_progress_bars
+
+    hide_library_progress_bars()  # the study prints one line per run; its logs hold the rest
+
+    plan = StudyPlan(QUICK if args.quick else FULL, seeds, heldout_limit=args.heldout_limit)
+    out = pathlib.Path(args.out)
+    if args.report_only:
+        try:
+            print(f"report: {report_only(out)}")
+        except CalibrlError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 1
+        return 0
+    if not args.worker:
+        problem = _prepare_out(out, args.overwrite)
+        if problem:
+            print(f"error: {problem}", file=sys.stderr)
+            return 2
+    command = "calibrl study " + " ".join(a for a in (argv if argv is not None else sys.argv[2:]))
+    started = time.perf_counter()
+    # SIGTERM unwinds like Ctrl-C, so the services and workers are stopped on the way out
+    # (during training the trainer's own handler checkpoints first; train_arm then raises).
+    previous = signal.signal(signal.SIGTERM, _exit_on_sigterm)
+    try:
+        if args.worker:
+            run_seed(plan, seeds[0], out)
+            return 0
+        path = run_study(plan, out, jobs=min(args.jobs, len(seeds)), command=command.strip())
+    except CalibrlError as exc:
+        print(f"\nstudy failed: {exc}", file=sys.stderr)
+        return 1
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    print(f"\ncalibrl study finished in {time.perf_counter() - started:.0f}s; report: {path}")
+    return 0
+
+
+def _exit_on_sigterm(signum: int, frame: Any) -> None:
+    raise SystemExit(128 + signum)
+
+
+def _prepare_out(out: pathlib.Path, overwrite: bool) -> str | None:
+    """Empty ``out`` for a new study; the reason it may not, or None."""
+    if out.exists() and not out.is_dir():
+        return f"--out {out} is a file, not a folder"
+    if out.exists() and any(out.iterdir()):
+        if not (overwrite or (out / STUDY_MARKER).exists()):
+            return f"--out {out} is not empty and holds no earlier study; pass --overwrite or choose another folder"
+        shutil.rmtree(out)
+    return None
+
+
+__all__ = ["ARMS", "Arm", "StudyPlan", "main", "parse_seeds", "question_scores", "run_seed", "run_study"]

@@ -1,0 +1,441 @@
+"""The study's results: ``results.json``, ``report.md`` and ``plots/``.
+
+Input: one record per seed (``calibrl.demo.study.run_seed``): the held-out questions,
+the base agent's and every trained arm's per-question scores, and each run's per-step
+collapse signals. Intervals and paired differences come from ``calibrl.stats`` over
+questions: when every seed has its own questions (the demo generates a domain per
+seed) each unit is a (seed, question) pair, resampled within its seed; when the
+seeds share their questions each question's F1 is first averaged over seeds.
+The verdict lines are computed from these numbers, never written in advance.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+import pathlib
+from typing import Any, Mapping, Sequence
+
+from calibrl.stats import Interval, average_over_seeds, mean_interval, paired_difference
+
+BASE = "base"
+# Collapse signals drawn per step: (metric key in the run's step records, title, file stem).
+SIGNALS = (
+    ("search/well_formed", "Well-formed trajectories (training rollouts)", "well_formed"),
+    ("search/searches_per_trajectory", "Searches per trajectory", "searches_per_trajectory"),
+    ("search/repeated_share", "Share of repeated searches", "repeated_share"),
+    ("entropy", "Token entropy of generated tokens", "entropy"),
+    ("policy/ref_ppl", "Perplexity of generated tokens under the frozen reference", "ref_ppl"),
+    ("reward", "Mean reward", "reward"),
+)
+SIGNAL_COLUMNS = {"search/well_formed": "well-formed", "search/searches_per_trajectory": "searches/traj",
+                  "search/repeated_share": "repeated", "entropy": "entropy", "policy/ref_ppl": "reference PPL",
+                  "reward": "reward"}
+# What CalibAdv changed, per step (the verdict's "why" when it does not beat GRPO).
+CALIBADV_SIGNALS = ("calibadv/frac_tokens_softened", "calibadv/frac_groups_answer_zeroed", "frac_reward_zero_std")
+LAST_STEPS = 5  # the collapse table averages each signal over the last this many steps
+COLLAPSED_WELL_FORMED = 0.9  # a sign of collapse: held-out well-formed rate below this share of the base's
+PPL_GROWTH = 2.0  # a sign of collapse: reference PPL over the last steps above this multiple of the first step's
+
+
+# --------------------------------------------------------------------------- numbers
+
+
+def shared_questions(records: Sequence[Mapping[str, Any]]) -> bool:
+    """Whether every seed evaluated the same questions in the same order."""
+    return all(r["questions"] == records[0]["questions"] for r in records)
+
+
+def scores_of(record: Mapping[str, Any], setting: str, arm: str, metric: str = "f1") -> list[float]:
+    """Per-question ``metric`` of ``arm`` (or the base) under ``setting`` in one seed's record."""
+    source = record["base"] if arm == BASE else record["runs"][setting][arm]["scores"]
+    return [float(v) for v in source[metric]]
+
+
+def units(records: Sequence[Mapping[str, Any]], setting: str, arm: str,
+          metric: str = "f1") -> tuple[list[float], list[int] | None]:
+    """The resampling units of an arm: (values, strata). Shared questions: one value per
+    question, averaged over seeds, no strata; else one per (seed, question), stratum = seed."""
+    per_seed = [scores_of(r, setting, arm, metric) for r in records]
+    if shared_questions(records):
+        return average_over_seeds(per_seed), None
+    values = [v for scores in per_seed for v in scores]
+    strata = [r["seed"] for r, scores in zip(records, per_seed) for _ in scores]
+    return values, strata
+
+
+def arm_summary(records: Sequence[Mapping[str, Any]], setting: str, arm: str, seed: int = 0) -> dict[str, Any]:
+    """An arm's mean held-out F1 with its interval, every seed's mean, and its EM and
+    well-formed rates (means over the same units)."""
+    values, strata = units(records, setting, arm)
+    interval = mean_interval(values, strata=strata, seed=seed)
+    per_seed = {str(r["seed"]): _mean(scores_of(r, setting, arm)) for r in records}
+    return {
+        "f1": interval.as_dict(), "per_seed_f1": per_seed,
+        "em": _mean(units(records, setting, arm, "em")[0]),
+        "well_formed": _mean(units(records, setting, arm, "well_formed")[0]),
+        "searches": _mean(units(records, setting, arm, "searches")[0]),
+        "categories": category_shares(records, setting, arm),
+    }
+
+
+def category_shares(records: Sequence[Mapping[str, Any]], setting: str, arm: str) -> dict[str, float]:
+    """Share of each error-analysis category (``calibrl.demo.error_analysis``) over every
+    (seed, question); empty when the scores carry no categories."""
+    labels = [c for r in records
+              for c in (r["base"] if arm == BASE else r["runs"][setting][arm]["scores"]).get("category", [])]
+    return {c: labels.count(c) / len(labels) for c in sorted(set(labels))} if labels else {}
+
+
+def paired(records: Sequence[Mapping[str, Any]], setting: str, a: str, b: str, seed: int = 0) -> Interval:
+    """Paired bootstrap of ``a - b`` over the same questions (and seeds)."""
+    left, strata = units(records, setting, a)
+    right, _ = units(records, setting, b)
+    return paired_difference(left, right, strata=strata, seed=seed)
+
+
+def pairs_of(arms: Sequence[str]) -> list[tuple[str, str]]:
+    """Every pair of arms, then every arm against the base."""
+    return list(itertools.combinations(arms, 2)) + [(arm, BASE) for arm in arms]
+
+
+def signal_curves(records: Sequence[Mapping[str, Any]], setting: str, arm: str, key: str) -> list[float]:
+    """Per training step, ``key`` averaged over the seeds that logged it (NaN where none did)."""
+    runs = [r["runs"][setting][arm]["steps"] for r in records]
+    length = max((len(steps) for steps in runs), default=0)
+    curve = []
+    for n in range(length):
+        values = [steps[n][key] for steps in runs if n < len(steps) and _finite(steps[n].get(key))]
+        curve.append(_mean(values) if values else math.nan)
+    return curve
+
+
+def finished_arms(plan: Mapping[str, Any], records: Sequence[Mapping[str, Any]]) -> dict[str, list[str]]:
+    """Per setting, the arms every seed finished (a study stopped part way reports
+    those); settings no arm finished in every seed are left out."""
+    finished = {}
+    for setting in plan["settings"]:
+        arms = [a for a in plan["arms"] if all(a in r.get("runs", {}).get(setting, {}) for r in records)]
+        if arms:
+            finished[setting] = arms
+    return finished
+
+
+def missing_runs(plan: Mapping[str, Any], records: Sequence[Mapping[str, Any]]) -> list[str]:
+    """``setting/arm (seeds ...)`` of every planned run some seed did not finish."""
+    missing = []
+    for setting in plan["settings"]:
+        for arm in plan["arms"]:
+            seeds = [str(r["seed"]) for r in records if arm not in r.get("runs", {}).get(setting, {})]
+            seeds += [str(s) for s in plan["seeds"] if s not in {r["seed"] for r in records}]
+            if seeds:
+                missing.append(f"{setting}/{arm} (seed {', '.join(sorted(seeds, key=int))})")
+    return missing
+
+
+def summarize(plan: Mapping[str, Any], records: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    """Everything ``results.json`` holds beyond the raw per-question scores, over the
+    arms every seed finished (:func:`finished_arms`)."""
+    out: dict[str, Any] = {"shared_questions": shared_questions(records),
+                           "questions_per_seed": {str(r["seed"]): len(r["questions"]) for r in records},
+                           "base": arm_summary(records, plan["settings"][0], BASE), "settings": {},
+                           "missing_runs": missing_runs(plan, records)}
+    for setting, arms in finished_arms(plan, records).items():
+        out["settings"][setting] = {
+            "arms": {arm: arm_summary(records, setting, arm) for arm in arms},
+            "paired": [{"a": a, "b": b, **paired(records, setting, a, b).as_dict()} for a, b in pairs_of(arms)],
+            "signals": {arm: {key: signal_curves(records, setting, arm, key) for key, _, _ in SIGNALS}
+                        for arm in arms},
+        }
+        if "calibadv" in arms and "grpo" in arms:
+            out["settings"][setting]["calibadv_signals"] = {
+                key: signal_curves(records, setting, "calibadv", key) for key in CALIBADV_SIGNALS}
+    return out
+
+
+# --------------------------------------------------------------------------- report
+
+
+def write_study(plan: Mapping[str, Any], records: Sequence[Mapping[str, Any]], out: pathlib.Path, *, command: str,
+                wall_s: float, arm_labels: Mapping[str, str], machine: str = "") -> pathlib.Path:
+    """Write results.json, plots/ and report.md under ``out``; returns report.md's path."""
+    summary = summarize(plan, records)
+    labels = {BASE: "base search agent (untrained)", **arm_labels}
+    results = {"command": command, "wall_s": wall_s, "machine": machine, "plan": dict(plan), "summary": summary,
+               "seeds": [_seed_json(r) for r in records]}
+    (out / "results.json").write_text(json.dumps(_json_safe(results), indent=1), encoding="utf-8")
+    plots = write_plots(plan, summary, labels, out / "plots")
+    lines = [f"# calibrl study: the search agent's arms over seeds {', '.join(map(str, plan['seeds']))}", "",
+             f"Command: `{command}`; wall time {wall_s:.0f} s" + (f"; {machine}." if machine else "."), "",
+             *timing_lines(records), *settings_lines(plan, summary), "",
+             "## What the data shows", "", *(f"- {line}" for line in verdict(plan, summary, labels)), ""]
+    if summary["missing_runs"]:
+        lines += ["**Stopped part way**: the tables cover the runs every seed finished; not run: "
+                  + "; ".join(summary["missing_runs"]) + ".", ""]
+    for setting in summary["settings"]:
+        lines += [f"## Held-out answer F1, {setting} setting", "", arm_table(plan, summary, setting, labels), "",
+                  f"Paired bootstrap over questions ({setting}): difference of held-out answer F1, a - b", "",
+                  paired_table(summary, setting, labels), ""]
+        categories = category_table(summary, setting, labels)
+        if categories:
+            lines += [f"Where the trajectories fail ({setting}; error analysis of every held-out question):", "",
+                      categories, ""]
+    lines += ["## Collapse signals per step", "",
+              f"Training rollouts, mean over seeds: first step -> mean of the last {LAST_STEPS} steps.", "",
+              collapse_table(plan, summary, labels), ""]
+    lines += [f"![{p.stem}](plots/{p.name})" for p in plots]
+    path = out / "report.md"
+    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    return path
+
+
+def timing_lines(records: Sequence[Mapping[str, Any]]) -> list[str]:
+    """Where each seed's time went (seconds)."""
+    parts = []
+    for record in records:
+        timings = record.get("timings", {})
+        runs = [run for runs in record.get("runs", {}).values() for run in runs.values()]
+        train = [run["wall_s"] for run in runs]
+        evaluation = _mean([run.get("eval_s", math.nan) for run in runs])
+        parts.append(f"seed {record['seed']}: domain + index {_num(timings.get('domain_and_index_s', math.nan))}, "
+                     f"base agent {_num(timings.get('base_agent_s', math.nan))}, {len(train)} runs trained in "
+                     f"{_num(_mean(train))} each on average, held-out evaluation {_num(evaluation)} each")
+    return ["Seconds per seed: " + "; ".join(parts) + ".", ""] if parts else []
+
+
+def settings_lines(plan: Mapping[str, Any], summary: Mapping[str, Any]) -> list[str]:
+    questions = ", ".join(f"seed {s}: {n}" for s, n in summary["questions_per_seed"].items())
+    if len(summary["questions_per_seed"]) == 1:
+        unit = "one seed: its questions resampled"
+    elif summary["shared_questions"]:
+        unit = "questions shared by every seed; each question's F1 averaged over seeds, then questions resampled"
+    else:
+        unit = (
+            "each seed has its own questions (its own domain); units are (seed, question) pairs, resampled within "
+            "their seed")
+    return [
+        f"Mode {plan['mode']}; per arm and seed: {plan['search_steps']} steps x {plan['questions_per_step']} "
+        f"questions x G={plan['group_size']}, up to {plan['max_turns']} turns, {plan['search_top_k']} documents per "
+        f"search, KL beta {plan['kl_beta']:g}, from the demo's base agent ({plan['warm_agent_steps']} warm-start "
+        f"steps). Learning rate: normal {plan['lr']:g}, stress {plan['stress_lr']:g} (the same for every arm). "
+        f"Step-rewarded arms: reward = F1 x format + {plan['w_steps']:g} x mean step reward (0.7 retrieval + "
+        "0.3 search-step rubric).",
+        f"Held-out questions (never trained on), greedy decoding: {questions}. Intervals: 95% bootstrap "
+        f"percentile, 10,000 resamples, seeded; {unit}.",
+    ]
+
+
+def _pct(value: float) -> str:
+    return "-" if not _finite(value) else f"{round(100 * value, 1) + 0.0:.1f}"  # + 0.0: never "-0.0"
+
+
+def _points(value: float) -> str:
+    return f"{round(100 * value, 2) + 0.0:+.2f}"  # two decimals: a bound near 0 shows its side
+
+
+def _ci(interval: Mapping[str, float]) -> str:
+    return f"{_pct(interval['estimate'])} [{_pct(interval['low'])}, {_pct(interval['high'])}]"
+
+
+def _ci_points(interval: Mapping[str, float]) -> str:
+    return f"{_points(interval['estimate'])} [{_points(interval['low'])}, {_points(interval['high'])}]"
+
+
+def arm_table(plan: Mapping[str, Any], summary: Mapping[str, Any], setting: str, labels: Mapping[str, str]) -> str:
+    seeds = [str(s) for s in plan["seeds"]]
+    header = ["policy", "answer F1 % [95% CI]", *(f"seed {s}" for s in seeds), "EM %", "well-formed %", "searches"]
+    rows = []
+    for name, arm in [(BASE, summary["base"]), *summary["settings"][setting]["arms"].items()]:
+        rows.append([labels[name], _ci(arm["f1"]), *(_pct(arm["per_seed_f1"][s]) for s in seeds), _pct(arm["em"]),
+                     _pct(arm["well_formed"]), f"{arm['searches']:.2f}"])
+    return _markdown(header, rows)
+
+
+def category_table(summary: Mapping[str, Any], setting: str, labels: Mapping[str, str]) -> str:
+    """Where the final policies' trajectories fail (shares of every seed's questions); "" without categories."""
+    arms = [(BASE, summary["base"]), *summary["settings"][setting]["arms"].items()]
+    names = sorted({c for _, arm in arms for c in arm.get("categories", {})})
+    if not names:
+        return ""
+    rows = [[labels[name], *(_pct(arm["categories"].get(c, 0.0)) for c in names)] for name, arm in arms]
+    return _markdown(["policy", *(f"{c} %" for c in names)], rows)
+
+
+def paired_table(summary: Mapping[str, Any], setting: str, labels: Mapping[str, str]) -> str:
+    rows = [[labels[p["a"]], labels[p["b"]], _ci_points(p), "yes" if p["low"] > 0 or p["high"] < 0 else "no"]
+            for p in summary["settings"][setting]["paired"]]
+    return _markdown(["a", "b", "a - b, points [95% CI]", "interval excludes 0"], rows)
+
+
+def collapse_table(plan: Mapping[str, Any], summary: Mapping[str, Any], labels: Mapping[str, str]) -> str:
+    header = ["setting", "arm", *(SIGNAL_COLUMNS[key] for key, _, _ in SIGNALS)]
+    rows = []
+    for setting in summary["settings"]:
+        for arm, signals in summary["settings"][setting]["signals"].items():
+            cells = []
+            for key, _, _ in SIGNALS:
+                curve = signals[key]
+                cells.append(f"{_num(curve[0] if curve else math.nan)} -> {_num(_tail_mean(curve))}")
+            rows.append([setting, labels[arm], *cells])
+    return _markdown(header, rows)
+
+
+def verdict(plan: Mapping[str, Any], summary: Mapping[str, Any], labels: Mapping[str, str]) -> list[str]:
+    """Plain sentences computed from the numbers."""
+    lines = []
+    if not summary["settings"]:
+        return ["No arm finished in every seed: nothing to compare yet."]
+    first = next(iter(summary["settings"]))
+    normal = summary["settings"][first]
+    by_pair = {(p["a"], p["b"]): p for p in normal["paired"]}
+    if ("grpo", "calibadv") in by_pair:
+        lines.append(_compare(by_pair[("grpo", "calibadv")], labels, f"{first} setting", reverse=True))
+        if not by_pair[("grpo", "calibadv")]["high"] < 0:  # CalibAdv did not beat GRPO: show what it changed
+            lines.append(calibadv_line(normal, labels))
+    best = max(normal["arms"], key=lambda a: normal["arms"][a]["f1"]["estimate"])
+    lines.append(_compare(by_pair[(best, BASE)], labels, f"{first} setting, best arm vs the untrained base"))
+    for plain, stepped in (("grpo", "grpo_steps"), ("calibadv", "calibadv_steps")):
+        if (plain, stepped) in by_pair:
+            lines.append(_compare(by_pair[(plain, stepped)], labels, f"{first} setting", reverse=True))
+    if "stress" in summary["settings"]:
+        lines.append(stress_line(summary, labels))
+    return lines
+
+
+def _compare(pair: Mapping[str, Any], labels: Mapping[str, str], where: str, reverse: bool = False) -> str:
+    """One sentence on a paired difference (``reverse``: state it as b - a)."""
+    a, b = (pair["b"], pair["a"]) if reverse else (pair["a"], pair["b"])
+    sign = -1.0 if reverse else 1.0
+    estimate, low, high = (sign * pair[k] for k in ("estimate", "low", "high"))
+    low, high = min(low, high), max(low, high)
+    span = f"{_points(estimate)} points of answer F1 [95% CI {_points(low)}, {_points(high)}]"
+    if low > 0:
+        return f"{labels[a]} beats {labels[b]} ({where}): {span}."
+    if high < 0:
+        return f"{labels[a]} does worse than {labels[b]} ({where}): {span}."
+    return (f"{labels[a]} vs {labels[b]} ({where}): {span}; the interval includes 0, so the study cannot tell them "
+            "apart.")
+
+
+def calibadv_line(setting: Mapping[str, Any], labels: Mapping[str, str]) -> str:
+    """What CalibAdv changed over GRPO's advantages during training (means over steps and seeds)."""
+    curves = setting["calibadv_signals"]
+    softened = _mean_finite(curves["calibadv/frac_tokens_softened"])
+    zeroed = _mean_finite(curves["calibadv/frac_groups_answer_zeroed"])
+    no_signal = _mean_finite(curves["frac_reward_zero_std"])
+    return (f"What CalibAdv changed: during {labels['calibadv']} training {_pct(softened)}% of the trained "
+            f"tokens had their negative advantage softened by a step score, the answer advantages of "
+            f"{_pct(zeroed)}% of the groups were zeroed by the rebalance (no positive or no negative answer in the "
+            f"group), and {_pct(no_signal)}% of the groups had all-equal rewards (no signal for either estimator); "
+            "everywhere else CalibAdv's advantages are GRPO's.")
+
+
+def stress_line(summary: Mapping[str, Any], labels: Mapping[str, str]) -> str:
+    """The stress setting per arm: held-out F1 against the base, and the signs of collapse
+    (each named with the rule that flags it)."""
+    stress, base = summary["settings"]["stress"], summary["base"]
+    by_pair = {(p["a"], p["b"]): p for p in stress["paired"]}
+    parts, collapsed = [], []
+    for arm, data in stress["arms"].items():
+        vs_base = by_pair[(arm, BASE)]
+        ppl = stress["signals"][arm]["policy/ref_ppl"]
+        signs = []
+        if vs_base["high"] < 0:
+            signs.append("held-out F1 below the base's (paired interval below 0)")
+        if data["well_formed"] < COLLAPSED_WELL_FORMED * base["well_formed"]:
+            signs.append(f"held-out well-formed rate under {COLLAPSED_WELL_FORMED:.0%} of the base's")
+        if ppl and _finite(ppl[0]) and _tail_mean(ppl) > PPL_GROWTH * ppl[0]:
+            signs.append(f"reference PPL over {PPL_GROWTH:g}x its first step's")
+        if signs:
+            collapsed.append(f"{labels[arm]} ({'; '.join(signs)})")
+        parts.append(f"{labels[arm]} F1 {_pct(data['f1']['estimate'])}% ({_points(vs_base['estimate'])} points vs the "
+                     f"base [{_points(vs_base['low'])}, {_points(vs_base['high'])}]), held-out well-formed "
+                     f"{_pct(data['well_formed'])}% (base {_pct(base['well_formed'])}%), training well-formed "
+                     f"{_pct(_tail_mean(stress['signals'][arm]['search/well_formed']))}% and reference PPL "
+                     f"{_num(ppl[0] if ppl else math.nan)} -> {_num(_tail_mean(ppl))} (first step -> last "
+                     f"{LAST_STEPS})")
+    verdict_text = ("Signs of collapse: " + "; ".join(collapsed)) if collapsed else (
+        "No arm shows a sign of collapse (F1 below the base, well-formed rate under "
+        f"{COLLAPSED_WELL_FORMED:.0%} of the base's, reference PPL over {PPL_GROWTH:g}x its first step's)")
+    return "Stress setting: " + "; ".join(parts) + f". {verdict_text}."
+
+
+# --------------------------------------------------------------------------- plots
+
+
+def write_plots(plan: Mapping[str, Any], summary: Mapping[str, Any], labels: Mapping[str, str],
+                folder: pathlib.Path) -> list[pathlib.Path]:
+    """One PNG per collapse signal: a panel per setting, a line per arm (mean over seeds)."""
+    from calibrl.demo.report import _pyplot
+
+    folder.mkdir(parents=True, exist_ok=True)
+    plt = _pyplot()
+    paths = []
+    settings = list(summary["settings"])
+    if not settings:
+        return []
+    for key, title, stem in SIGNALS:
+        figure, axes = plt.subplots(1, len(settings), figsize=(5.2 * len(settings), 3.4), dpi=100, squeeze=False,
+                                    sharey=True)
+        for axis, setting in zip(axes[0], settings):
+            for arm, signals in summary["settings"][setting]["signals"].items():
+                curve = signals[key]
+                axis.plot(range(1, len(curve) + 1), curve, label=labels[arm], linewidth=1.4)
+            axis.set_title(f"{setting}", fontsize=9)
+            axis.set_xlabel("training step")
+            axis.grid(alpha=0.3)
+        axes[0][0].legend(fontsize=7)
+        figure.suptitle(f"{title} (mean over seeds)", fontsize=10)
+        figure.tight_layout()
+        path = folder / f"{stem}.png"
+        figure.savefig(path)
+        plt.close(figure)
+        paths.append(path)
+    return paths
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def _seed_json(record: Mapping[str, Any]) -> dict[str, Any]:
+    return {key: record[key] for key in ("seed", "questions", "base", "runs", "timings") if key in record}
+
+
+def _markdown(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join(" --- " for _ in header) + "|"]
+    return "\n".join(lines + ["| " + " | ".join(row) + " |" for row in rows])
+
+
+def _mean(values: Sequence[float]) -> float:
+    return math.fsum(values) / len(values) if values else math.nan
+
+
+def _mean_finite(curve: Sequence[float]) -> float:
+    return _mean([v for v in curve if _finite(v)])
+
+
+def _tail_mean(curve: Sequence[float]) -> float:
+    tail = [v for v in curve[-LAST_STEPS:] if _finite(v)]
+    return _mean(tail)
+
+
+def _finite(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _num(value: float) -> str:
+    return "-" if not _finite(value) else f"{value:.3g}"
+
+
+def _json_safe(value: Any) -> Any:
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _json_safe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_json_safe(v) for v in value]
+    return value
+
+
+__all__ = ["arm_summary", "paired", "shared_questions", "signal_curves", "summarize", "units", "write_study"]

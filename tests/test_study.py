@@ -1,0 +1,251 @@
+"""`calibrl study` (issue 11, "A study with power"): one tiny seed end to end with the
+real retrieval and judge servers, the report's structure and the consistency of its
+numbers; the aggregation over seeds on hand-made records; the per-question scores
+against ``calibrl.trainer.eval``; the command line's errors."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+import types
+
+import pytest
+
+from calibrl.demo import study_report
+from calibrl.demo.study import ARMS, StudyPlan, main, parse_seeds, question_scores, run_study
+from tests.test_trainer_support import TrainerWorld, one_torch_thread, trainer_world  # noqa: F401  (fixtures)
+
+ARM_NAMES = [a.name for a in ARMS]
+# Means of a few dozen numbers in [0, 1], summed in different orders: equal to 1e-12.
+SUM_TOL = 1e-12
+
+
+def _tiny_plan() -> StudyPlan:
+    from calibrl.demo.cli import QUICK
+
+    design = QUICK.search.with_overrides(steps=2, prompts_per_step=2, warm_steps=20, single_hop=20)
+    demo = dataclasses.replace(QUICK, name="tiny", search=design, rewrite_examples=200)
+    return StudyPlan(demo, seeds=(0,), heldout_limit=4)
+
+
+@pytest.fixture(scope="module")
+def tiny_study(tmp_path_factory):
+    out = tmp_path_factory.mktemp("study")
+    report = run_study(_tiny_plan(), out, command="calibrl study (test)")
+    return out, report
+
+
+def test_the_study_writes_its_report_tables_and_plots(tiny_study):
+    out, report = tiny_study
+    text = report.read_text(encoding="utf-8")
+    for heading in ("## What the data shows", "## Held-out answer F1, normal setting",
+                    "## Held-out answer F1, stress setting", "## Collapse signals per step"):
+        assert heading in text
+    lines = text.splitlines()
+    for label in [a.label for a in ARMS] + ["base search agent (untrained)"]:
+        # per setting, a row of the F1 table ("| label | 41.7 [35.0, 48.3] | ...")
+        assert sum(bool(re.match(rf"\| {re.escape(label)} \| [\d.]+ \[", line)) for line in lines) == 2
+    for arm in ARMS:  # and a row of the collapse table per setting
+        assert sum(line.startswith((f"| normal | {arm.label} | ", f"| stress | {arm.label} | ")) for line in lines) == 2
+    # Six pairs of arms and four arm-vs-base rows per setting.
+    assert sum(line.endswith(("| yes |", "| no |")) for line in lines) == 2 * (6 + 4)
+    assert "CalibAdv" in text.split("## What the data shows")[1].split("##")[0]
+    for stem in ("well_formed", "searches_per_trajectory", "repeated_share", "entropy", "ref_ppl", "reward"):
+        assert (out / "plots" / f"{stem}.png").stat().st_size > 1000
+        assert f"plots/{stem}.png" in text
+
+
+def test_the_numbers_are_consistent(tiny_study):
+    out, _ = tiny_study
+    results = json.loads((out / "results.json").read_text(encoding="utf-8"))
+    summary, seed = results["summary"], results["seeds"][0]
+    assert summary["questions_per_seed"] == {"0": 4} and len(seed["base"]["f1"]) == 4
+    base_mean = sum(seed["base"]["f1"]) / 4
+    assert summary["base"]["f1"]["estimate"] == pytest.approx(base_mean, abs=SUM_TOL)
+    for setting in ("normal", "stress"):
+        arms = summary["settings"][setting]["arms"]
+        means = {name: arm["f1"]["estimate"] for name, arm in arms.items()}
+        means["base"] = base_mean
+        for name, arm in arms.items():
+            scores = seed["runs"][setting][name]["scores"]
+            assert arm["per_seed_f1"]["0"] == pytest.approx(sum(scores["f1"]) / 4, abs=SUM_TOL)
+            assert arm["f1"]["low"] <= arm["f1"]["estimate"] <= arm["f1"]["high"]
+            assert all(0.0 <= v <= 1.0 for v in scores["f1"] + scores["well_formed"])
+        pairs = summary["settings"][setting]["paired"]
+        assert len(pairs) == 10
+        for pair in pairs:  # the paired difference is the difference of the means on the same questions
+            assert pair["estimate"] == pytest.approx(means[pair["a"]] - means[pair["b"]], abs=SUM_TOL)
+            assert pair["low"] <= pair["estimate"] <= pair["high"]
+
+
+def test_every_run_logged_its_collapse_signals_each_step(tiny_study):
+    out, _ = tiny_study
+    results = json.loads((out / "results.json").read_text(encoding="utf-8"))
+    plan = results["plan"]
+    assert plan["stress_lr"] == pytest.approx(5 * plan["lr"], rel=1e-12)
+    for setting in ("normal", "stress"):
+        for arm in ARMS:
+            steps = results["seeds"][0]["runs"][setting][arm.name]["steps"]
+            assert [s["step"] for s in steps] == [1, 2]
+            for record in steps:
+                assert 0.0 <= record["search/well_formed"] <= 1.0
+                assert record["search/searches_per_trajectory"] >= 0.0
+                assert record["policy/ref_ppl"] >= 1.0 and record["entropy"] >= 0.0
+                assert ("steps/reward/mean" in record) == arm.step_rewards
+            curve = results["summary"]["settings"][setting]["signals"][arm.name]["policy/ref_ppl"]
+            assert curve == pytest.approx([s["policy/ref_ppl"] for s in steps], rel=1e-12)
+    # The step-rewarded runs called the judge server for the search-step rubric.
+    assert (out / "seed_0" / "logs" / "serve_judge.log").exists()
+
+
+# --------------------------------------------------------------------------- aggregation on hand-made records
+
+
+def _record(seed: int, questions: list[str], base: list[float], arms: dict[str, list[float]]) -> dict:
+    def scores(f1):
+        return {"f1": f1, "em": [float(v == 1.0) for v in f1], "well_formed": [1.0] * len(f1),
+                "searches": [2] * len(f1), "category": ["correct" if v > 0.5 else "wrong_answer" for v in f1]}
+
+    step = {"step": 1, "search/well_formed": 1.0, "search/searches_per_trajectory": 2.0,
+            "search/repeated_share": 0.0, "entropy": 1.0, "policy/ref_ppl": 3.0, "reward": 0.5,
+            "frac_reward_zero_std": 0.25, "calibadv/frac_tokens_softened": 0.125,
+            "calibadv/frac_groups_answer_zeroed": 0.5}
+    runs = {setting: {name: {"scores": scores(f1), "steps": [dict(step)], "wall_s": 1.0} for name, f1 in arms.items()}
+            for setting in ("normal", "stress")}
+    return {"seed": seed, "questions": [{"task_id": q, "question": q} for q in questions], "base": scores(base),
+            "runs": runs}
+
+
+PLAN = {"mode": "hand", "seeds": [0, 1], "arms": ARM_NAMES, "settings": ["normal", "stress"], "search_steps": 1,
+        "questions_per_step": 1, "group_size": 2, "lr": 1e-4, "stress_lr": 5e-4, "kl_beta": 0.1, "max_turns": 3,
+        "search_top_k": 2, "w_steps": 0.5, "warm_agent_steps": 1, "heldout_limit": 0}
+
+
+def _hand_records(shared: bool) -> list[dict]:
+    import random
+
+    rng = random.Random(0)
+    records = []
+    for seed in (0, 1):
+        names = [f"q{i}" for i in range(40)] if shared else [f"s{seed}-q{i}" for i in range(40 + 10 * seed)]
+        base = [rng.random() * 0.6 for _ in names]
+        arms = {"grpo": [b + 0.2 for b in base], "calibadv": [b + 0.2 for b in base],
+                "grpo_steps": [max(0.0, b - 0.1) for b in base], "calibadv_steps": list(base)}
+        records.append(_record(seed, names, base, arms))
+    return records
+
+
+@pytest.mark.parametrize("shared", [True, False])
+def test_aggregation_over_seeds_on_hand_made_records(shared, tmp_path):
+    records = _hand_records(shared)
+    summary = study_report.summarize(PLAN, records)
+    assert summary["shared_questions"] is shared
+    normal = summary["settings"]["normal"]
+    by_pair = {(p["a"], p["b"]): p for p in normal["paired"]}
+    # GRPO and CalibAdv are identical: exactly 0. GRPO is the base + 0.2 on every question: the interval at 0.2.
+    assert (by_pair[("grpo", "calibadv")]["low"], by_pair[("grpo", "calibadv")]["high"]) == (0.0, 0.0)
+    grpo_vs_base = by_pair[("grpo", "base")]
+    assert grpo_vs_base["low"] == pytest.approx(0.2, abs=SUM_TOL) and grpo_vs_base["high"] == pytest.approx(
+        0.2, abs=SUM_TOL)
+    units = 40 if shared else 90  # shared: questions averaged over seeds; else every (seed, question)
+    assert normal["arms"]["grpo"]["f1"]["units"] == units
+    all_base = [v for r in records for v in r["base"]["f1"]]
+    if not shared:  # the pooled mean weighs each (seed, question) once
+        assert summary["base"]["f1"]["estimate"] == pytest.approx(sum(all_base) / 90, abs=SUM_TOL)
+    for seed in ("0", "1"):
+        record = records[int(seed)]
+        assert normal["arms"]["calibadv_steps"]["per_seed_f1"][seed] == pytest.approx(
+            sum(record["base"]["f1"]) / len(record["base"]["f1"]), abs=SUM_TOL)
+    path = study_report.write_study(PLAN, records, tmp_path, command="hand", wall_s=1.0,
+                                    arm_labels={a.name: a.label for a in ARMS})
+    verdict = path.read_text(encoding="utf-8").split("## What the data shows")[1].split("##")[0]
+    assert "the study cannot tell them apart" in verdict  # CalibAdv vs GRPO: identical arms
+    assert "GRPO beats base search agent (untrained)" in verdict
+    assert "GRPO + step rewards does worse than GRPO" in verdict
+    # Under stress too, GRPO + step rewards sits 0.1 below the base on every question: flagged, and only it.
+    assert "Signs of collapse: GRPO + step rewards (held-out F1 below the base's (paired interval below 0))." in verdict
+    assert "12.5% of the trained tokens" in verdict and "answer advantages of 50.0% of the groups" in verdict
+    assert "25.0% of the groups had all-equal rewards" in verdict
+    base_correct = sum(v > 0.5 for r in records for v in r["base"]["f1"]) / sum(len(r["base"]["f1"]) for r in records)
+    assert summary["base"]["categories"]["correct"] == pytest.approx(base_correct, abs=SUM_TOL)
+    assert "| policy | correct % | wrong_answer % |" in path.read_text(encoding="utf-8")
+
+
+def test_question_scores_average_to_the_evaluators_metrics(trainer_world: TrainerWorld):
+    from calibrl.trainer.aio import BackgroundLoop
+    from calibrl.trainer.eval import EvalSettings, evaluate_models
+    from calibrl.trainer.tasks import load_tasks
+
+    retrieval, _ = trainer_world.clients(judge=False)
+    tasks = load_tasks(trainer_world.search_tasks)
+    settings = EvalSettings(top_k=2, max_new_tokens=12, max_turns=2, search_top_k=2, max_obs_tokens=24,
+                            batch_size=3, device="cpu")
+    with BackgroundLoop(name="test-study") as background:
+        clients = types.SimpleNamespace(retrieval=retrieval, background=background)
+        scores = question_scores(trainer_world.policy_dir, tasks, clients, settings)
+        row = evaluate_models([str(trainer_world.policy_dir)], tasks, retrieval, settings, run_async=background.run)[0]
+    assert len(scores["f1"]) == len(tasks)
+    for name in ("f1", "em", "well_formed", "searches"):
+        assert sum(scores[name]) / len(tasks) == pytest.approx(row.metrics[name], abs=SUM_TOL), name
+
+
+# --------------------------------------------------------------------------- command line
+
+
+def test_parse_seeds():
+    assert parse_seeds("0,1,2") == (0, 1, 2) and parse_seeds("7") == (7,)
+    for bad in ("", "a,b", "1,1", "-1"):
+        with pytest.raises(ValueError, match="--seeds"):
+            parse_seeds(bad)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--seeds", "x"], "--seeds 'x': expected comma-separated integers"),
+    (["--jobs", "0"], "--jobs=0: must be >= 1"),
+    (["--heldout-limit", "-1"], "--heldout-limit=-1: must be >= 0"),
+])
+def test_bad_arguments_exit_2_with_a_message(argv, message, capsys, tmp_path):
+    assert main([*argv, "--out", str(tmp_path / "out")]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_a_folder_holding_something_else_is_not_replaced(tmp_path, capsys):
+    (tmp_path / "keep.txt").write_text("mine")
+    assert main(["--out", str(tmp_path)]) == 2
+    assert "not empty and holds no earlier study" in capsys.readouterr().err
+    assert (tmp_path / "keep.txt").read_text() == "mine"
+
+
+def test_a_study_stopped_part_way_reports_the_runs_every_seed_finished(tmp_path):
+    from calibrl.demo.study import SEED_RESULT, STUDY_FILE
+
+    records = _hand_records(shared=False)
+    del records[1]["runs"]["stress"]  # seed 1 stopped after the normal setting ...
+    del records[0]["runs"]["normal"]["calibadv_steps"]  # ... and seed 0 lacks one normal run
+    (tmp_path / STUDY_FILE).write_text(json.dumps({"command": "calibrl study --seeds 0,1", "plan": PLAN,
+                                                    "started": 0.0, "jobs": 2}))
+    for record in records:
+        (tmp_path / f"seed_{record['seed']}").mkdir()
+        (tmp_path / f"seed_{record['seed']}" / SEED_RESULT).write_text(json.dumps(record))
+    assert main(["--report-only", "--out", str(tmp_path)]) == 0
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert list(results["summary"]["settings"]) == ["normal"]
+    assert list(results["summary"]["settings"]["normal"]["arms"]) == ["grpo", "calibadv", "grpo_steps"]
+    assert results["summary"]["missing_runs"] == [
+        "normal/calibadv_steps (seed 0)", "stress/grpo (seed 1)", "stress/calibadv (seed 1)",
+        "stress/grpo_steps (seed 1)", "stress/calibadv_steps (seed 1)"]
+    text = (tmp_path / "report.md").read_text()
+    assert "**Stopped part way**" in text and "## Held-out answer F1, stress setting" not in text
+    assert "CalibAdv + step rewards" not in text.split("## Held-out answer F1, normal setting")[1]
+
+
+def test_report_only_needs_a_study_folder(tmp_path, capsys):
+    assert main(["--report-only", "--out", str(tmp_path)]) == 1
+    assert "study.json is missing" in capsys.readouterr().err
+
+
+def test_the_headline_arms_run_first_under_every_setting():
+    order = [(setting, arm.name) for setting, arm in _tiny_plan().run_order()]
+    assert order[:4] == [("normal", "grpo"), ("normal", "calibadv"), ("stress", "grpo"), ("stress", "calibadv")]
+    assert sorted(order) == sorted((s, a) for s in ("normal", "stress") for a in ARM_NAMES)
