@@ -138,34 +138,10 @@ DISAGREEMENT_KEY = "rewards/judge_retrieval_disagreement"
 def plot_disagreement(runs: Sequence[Any], band: float, path: pathlib.Path) -> pathlib.Path | None:
     """``rewards/judge_retrieval_disagreement`` per step of each run that logged it, with
     the warning band (above ``band`` the trainer warns)."""
-    series = []
-    for run in runs:
-        points = [(r["step"], float(r[DISAGREEMENT_KEY])) for r in run.steps
-                  if isinstance(r.get(DISAGREEMENT_KEY), (int, float)) and math.isfinite(r[DISAGREEMENT_KEY])]
-        if points:
-            series.append((run.label, points))
-    if not series:
-        return None
-    import matplotlib
+    from calibrl.demo.report import plot_step_metric
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    figure, axes = plt.subplots(figsize=(6.4, 3.6), dpi=100)
-    axes.axhspan(band, 1.0, color="tab:red", alpha=0.12, label=f"warning band (> {band:g})")
-    for label, points in series:
-        xs, ys = zip(*points)
-        axes.plot(xs, ys, label=label, linewidth=1.4)
-    axes.set_ylim(0.0, 1.0)
-    axes.set_xlabel("training step")
-    axes.set_ylabel("share of rewrites")
-    axes.set_title("Judge vs retrieval disagreement (rubric high & gold missed, or the reverse)", fontsize=9)
-    axes.grid(alpha=0.3)
-    axes.legend(fontsize=8)
-    figure.tight_layout()
-    figure.savefig(path)
-    plt.close(figure)
-    return path
+    return plot_step_metric(runs, DISAGREEMENT_KEY, "Judge vs retrieval disagreement (rubric high & gold missed, "
+                            "or the reverse)", path, band=band, ylabel="share of rewrites")
 
 
 def disagreement_lines(runs: Sequence[Any], band: float) -> list[str]:

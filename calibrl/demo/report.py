@@ -115,8 +115,10 @@ def text_table(runs: Sequence[RunResult], columns: Sequence[Column]) -> str:
 # --- plots ----------------------------------------------------------------------------------------------------------
 
 
-def plot_step_metric(runs: Sequence[RunResult], key: str, title: str, path: pathlib.Path) -> pathlib.Path | None:
-    """One line per trained run of ``key`` over training steps; None when no run logged it."""
+def plot_step_metric(runs: Sequence[RunResult], key: str, title: str, path: pathlib.Path, *,
+                     band: float | None = None, ylabel: str | None = None) -> pathlib.Path | None:
+    """One line per trained run of ``key`` over training steps; None when no run logged it.
+    ``band``: shade the warning band above it (a share: the axis then runs 0-1)."""
     series = []
     for run in runs:
         points = [(r["step"], float(r[key])) for r in run.steps if _is_number(r.get(key))]
@@ -126,11 +128,16 @@ def plot_step_metric(runs: Sequence[RunResult], key: str, title: str, path: path
         return None
     plt = _pyplot()
     figure, axes = plt.subplots(figsize=(6.4, 3.6), dpi=100)
+    if band is not None:
+        axes.axhspan(band, 1.0, color="tab:red", alpha=0.12, label=f"warning band (> {band:g})")
+        axes.set_ylim(0.0, 1.0)
     for label, points in series:
         xs, ys = zip(*points)
         axes.plot(xs, ys, label=label, linewidth=1.4)
     axes.set_xlabel("training step")
-    axes.set_title(title, fontsize=10)
+    if ylabel:
+        axes.set_ylabel(ylabel)
+    axes.set_title(title, fontsize=9 if band is not None else 10)
     axes.grid(alpha=0.3)
     axes.legend(fontsize=8)
     figure.tight_layout()
