@@ -11,6 +11,10 @@ it holds. Two ways of combining seeds are supported:
   domain per seed): resample questions *within* each seed (``strata`` = the seed
   of each unit), so every bootstrap sample keeps each seed's share of questions.
 
+Units that are not independent (several phrasings of one question) are resampled
+together: ``clusters`` labels each unit's cluster, a bootstrap sample draws whole
+clusters (within their stratum), and its mean is over the units drawn.
+
 Percentile intervals (the 2.5th and 97.5th percentiles of the resampled means,
 numpy's linear interpolation). Everything is seeded: the same inputs and seed
 give the same interval on every machine (numpy's PCG64 generator draws the same
@@ -66,27 +70,31 @@ def average_over_seeds(per_seed: Sequence[Sequence[float]]) -> list[float]:
 
 
 def mean_interval(values: Sequence[float], *, strata: Sequence[Any] | None = None,
-                  resamples: int = DEFAULT_RESAMPLES, confidence: float = DEFAULT_CONFIDENCE,
-                  seed: int = 0) -> Interval:
+                  clusters: Sequence[Any] | None = None, resamples: int = DEFAULT_RESAMPLES,
+                  confidence: float = DEFAULT_CONFIDENCE, seed: int = 0) -> Interval:
     """The mean of ``values`` (one per unit) with its bootstrap percentile interval;
-    ``strata`` (one label per unit, e.g. its seed) resamples within each label."""
+    ``strata`` (one label per unit, e.g. its seed) resamples within each label;
+    ``clusters`` (one label per unit, e.g. the question behind a phrasing) resamples
+    whole clusters."""
     data = _checked("values", values)
-    groups = _strata_indices(strata, len(data))
-    means = _bootstrap_means(data, groups, resamples, confidence, seed)
+    members = _cluster_members(clusters, len(data))
+    groups = _strata_of_clusters(strata, members, len(data))
+    means = _bootstrap_means(data, members, groups, resamples, confidence, seed)
     return _interval(data, means, confidence)
 
 
 def paired_difference(a: Sequence[float], b: Sequence[float], *, strata: Sequence[Any] | None = None,
-                      resamples: int = DEFAULT_RESAMPLES, confidence: float = DEFAULT_CONFIDENCE,
-                      seed: int = 0) -> Interval:
+                      clusters: Sequence[Any] | None = None, resamples: int = DEFAULT_RESAMPLES,
+                      confidence: float = DEFAULT_CONFIDENCE, seed: int = 0) -> Interval:
     """Mean of ``a - b`` over the same units (``a[i]`` and ``b[i]`` score the same
-    question) with its paired bootstrap interval: each resample draws units, and
-    both arms' scores of a drawn unit go in together."""
+    question) with its paired bootstrap interval: each resample draws units (or whole
+    ``clusters`` of units), and both arms' scores of a drawn unit go in together."""
     left, right = _checked("a", a), _checked("b", b)
     if len(left) != len(right):
         raise InvalidArgument("b", f"has {len(right)} scores but a has {len(left)}: a paired test needs the same units")
     differences = [x - y for x, y in zip(left, right)]
-    return mean_interval(differences, strata=strata, resamples=resamples, confidence=confidence, seed=seed)
+    return mean_interval(differences, strata=strata, clusters=clusters, resamples=resamples, confidence=confidence,
+                         seed=seed)
 
 
 # --------------------------------------------------------------------------- internals
@@ -102,20 +110,38 @@ def _checked(name: str, values: Sequence[float]) -> list[float]:
     return data
 
 
-def _strata_indices(strata: Sequence[Any] | None, count: int) -> list[list[int]]:
+def _cluster_members(clusters: Sequence[Any] | None, count: int) -> list[list[int]]:
+    """The units of each cluster, in order of first appearance (every unit its own without labels)."""
+    if clusters is None:
+        return [[i] for i in range(count)]
+    if len(clusters) != count:
+        raise InvalidArgument("clusters", f"has {len(clusters)} labels for {count} units")
+    members: dict[Any, list[int]] = {}
+    for i, label in enumerate(clusters):
+        members.setdefault(label, []).append(i)
+    return list(members.values())
+
+
+def _strata_of_clusters(strata: Sequence[Any] | None, members: list[list[int]], count: int) -> list[list[int]]:
+    """Cluster indices per stratum; a cluster must lie in one stratum."""
     if strata is None:
-        return [list(range(count))]
+        return [list(range(len(members)))]
     if len(strata) != count:
         raise InvalidArgument("strata", f"has {len(strata)} labels for {count} units")
     groups: dict[Any, list[int]] = {}
-    for i, label in enumerate(strata):
-        groups.setdefault(label, []).append(i)
+    for c, units in enumerate(members):
+        labels = {strata[i] for i in units}
+        if len(labels) != 1:
+            raise InvalidArgument("clusters", f"cluster {c} spans strata {sorted(map(str, labels))}: a cluster must "
+                                  "lie in one stratum")
+        groups.setdefault(strata[units[0]], []).append(c)
     return list(groups.values())
 
 
-def _bootstrap_means(data: list[float], groups: list[list[int]], resamples: int, confidence: float,
-                     seed: int) -> Any:
-    """(resamples,) means of stratified resamples of ``data``."""
+def _bootstrap_means(data: list[float], members: list[list[int]], groups: list[list[int]], resamples: int,
+                     confidence: float, seed: int) -> Any:
+    """(resamples,) means of stratified cluster resamples of ``data``: each stratum
+    draws as many clusters as it holds; a sample's mean is over the units drawn."""
     import numpy as np
 
     if resamples < 100:
@@ -123,13 +149,17 @@ def _bootstrap_means(data: list[float], groups: list[list[int]], resamples: int,
     if not 0 < confidence < 1:
         raise InvalidArgument("confidence", f"is {confidence}: must be in (0, 1)")
     values = np.asarray(data, dtype=np.float64)
+    sums = np.asarray([math.fsum(values[units]) for units in members], dtype=np.float64)
+    sizes = np.asarray([len(units) for units in members], dtype=np.float64)
     rng = np.random.default_rng(seed)
     totals = np.zeros(resamples, dtype=np.float64)
+    counts = np.zeros(resamples, dtype=np.float64)
     for group in groups:
-        members = values[np.asarray(group)]
-        draws = rng.integers(0, len(group), size=(resamples, len(group)))
-        totals += members[draws].sum(axis=1)
-    return totals / len(data)
+        index = np.asarray(group)
+        draws = index[rng.integers(0, len(group), size=(resamples, len(group)))]
+        totals += sums[draws].sum(axis=1)
+        counts += sizes[draws].sum(axis=1)
+    return totals / counts
 
 
 def _interval(data: list[float], means: Any, confidence: float) -> Interval:

@@ -125,9 +125,9 @@ def test_quick_demo_end_to_end(tmp_path: pathlib.Path) -> None:
     assert len(lines) == 3 * analysis["questions"] and {r["model"] for r in lines} == {"base_agent", "grpo", "calibadv"}
     for name in ("grpo", "calibadv"):
         by_question = analysis["paired_f1_vs_base_by_question"][name]
-        assert by_question["low"] <= by_question["mean"] <= by_question["high"]
+        assert by_question["low"] <= by_question["estimate"] <= by_question["high"]
         diff = analysis["paired_f1_vs_base"][name]
-        assert diff["low"] <= diff["mean"] <= diff["high"] and diff["n"] == analysis["questions"]
+        assert diff["low"] <= diff["estimate"] <= diff["high"] and diff["units"] == analysis["questions"]
     # the dense reward really used the judge: a rubric component was logged, the binary run has none
     dense_log = (out / "runs" / "dense" / "metrics.jsonl").read_text()
     assert "rewards/rubric/mean" in dense_log

@@ -83,54 +83,56 @@ def test_summary_metrics_match_the_trainer_eval_definitions() -> None:
         ea.summary_metrics([])
 
 
-def test_paired_bootstrap_sees_a_consistent_gain_and_not_a_coin_flip() -> None:
-    base = [0.0, 0.5, 1.0, 0.0] * 30
-    better = [1.0, 0.5, 1.0, 0.5] * 30  # never worse, often better
-    gain = ea.paired_bootstrap(base, better, resamples=2000)
-    assert gain.mean == pytest.approx(0.375)
-    assert 0 < gain.low < gain.mean < gain.high
-    swapped = [1.0, 0.0] * 60
-    noise = ea.paired_bootstrap(swapped, swapped[1:] + swapped[:1], resamples=2000)  # as often better as worse
-    assert noise.mean == pytest.approx(0.0)
+def _records(scores: list[float], phrasings: int = 1) -> list[ea.SearchRecord]:
+    """One record per score whose answer F1 is that score (1.0, 0.5 or 0.0), task ids
+    ``q<question>-<phrasing>`` with ``phrasings`` consecutive records per question."""
+    answers = {1.0: "90 days", 0.5: "90", 0.0: "none"}
+    return [record(BRIDGE, ANSWER_DOC, answer=answers[s], gold="90 days", task_id=f"q{i // phrasings}-{i % phrasings}")
+            for i, s in enumerate(scores)]
+
+
+def test_paired_f1_sees_a_consistent_gain_and_not_a_coin_flip() -> None:
+    base = _records([0.0, 0.5, 1.0, 0.0] * 30)
+    better = _records([1.0, 0.5, 1.0, 0.5] * 30)  # never worse, often better
+    assert [r.f1 for r in base[:4]] == [0.0, pytest.approx(2 / 3), 1.0, 0.0]  # "90" vs "90 days": F1 2/3
+    gain = ea.paired_f1(base, better, resamples=2000)
+    assert gain.estimate == pytest.approx(math.fsum(b.f1 - a.f1 for a, b in zip(base, better)) / 120)
+    assert 0 < gain.low < gain.estimate < gain.high
+    swapped = _records([1.0, 0.0] * 60)
+    shifted = _records([0.0, 1.0] * 60)
+    noise = ea.paired_f1(swapped, shifted, resamples=2000)  # as often better as worse
+    assert noise.estimate == pytest.approx(0.0)
     assert noise.low < 0 < noise.high
-    # the same seed gives the same interval; the interval is a percentile of the resampled means
-    assert ea.paired_bootstrap(base, better, resamples=2000) == gain
-    assert gain.n == 120 and gain.resamples == 2000 and gain.confidence == 0.95
+    assert ea.paired_f1(base, better, resamples=2000) == gain  # seeded
+    assert gain.units == 120 and gain.confidence == 0.95
 
 
-def test_clustered_bootstrap_resamples_whole_questions_and_is_wider() -> None:
+def test_by_question_resamples_whole_questions_and_is_wider() -> None:
     """Six phrasings of each question score alike: resampling phrasings one by one
     overstates the evidence; resampling whole questions gives the honest, wider interval."""
     import random
 
     rng = random.Random(1)
-    per_question = [rng.choice((-1.0, 0.0, 0.0, 1.0, 1.0)) for _ in range(20)]
-    base = [0.0] * 120
-    other = [per_question[i // 6] for i in range(120)]
-    clusters = [f"q{i // 6}" for i in range(120)]
-    loose = ea.paired_bootstrap(base, other, resamples=4000)
-    honest = ea.paired_bootstrap(base, other, resamples=4000, clusters=clusters)
-    assert loose.mean == pytest.approx(honest.mean)
+    per_question = [rng.choice((0.0, 0.0, 1.0, 1.0, 1.0)) for _ in range(20)]
+    base = _records([0.0] * 120, phrasings=6)
+    other = _records([per_question[i // 6] for i in range(120)], phrasings=6)
+    loose = ea.paired_f1(base, other, resamples=4000)
+    honest = ea.paired_f1(base, other, resamples=4000, by_question=True)
+    assert loose.estimate == pytest.approx(honest.estimate)
     assert honest.high - honest.low > 1.8 * (loose.high - loose.low)
-    # singleton clusters are the plain bootstrap
-    assert ea.paired_bootstrap(base, other, resamples=500, clusters=[str(i) for i in range(120)]) == \
-        ea.paired_bootstrap(base, other, resamples=500)
     assert ea.question_of("ms-roth-expense-ratio-3") == "ms-roth-expense-ratio"
-    with pytest.raises(ValueError, match="cluster labels"):
-        ea.paired_bootstrap([1.0, 0.0], [0.0, 1.0], clusters=["a"])
 
 
-def test_paired_bootstrap_rejects_unpaired_input() -> None:
-    with pytest.raises(ValueError, match="differ in length"):
-        ea.paired_bootstrap([1.0], [1.0, 0.0])
-    with pytest.raises(ValueError, match="no paired"):
-        ea.paired_bootstrap([], [])
+def test_paired_f1_rejects_unpaired_input() -> None:
     with pytest.raises(ValueError, match="same questions"):
         ea.paired_f1([record(task_id="a")], [record(task_id="b")])
+    from calibrl.errors import InvalidArgument
+
+    with pytest.raises(InvalidArgument, match="empty"):
+        ea.paired_f1([], [])
 
 
 def test_identical_scores_give_a_zero_width_interval() -> None:
-    same = [0.5] * 10
-    diff = ea.paired_bootstrap(same, same, resamples=100)
-    assert diff.mean == diff.low == diff.high == 0.0
-    assert not math.isnan(diff.mean)
+    same = _records([0.5] * 10)
+    diff = ea.paired_f1(same, same, resamples=100)
+    assert diff.estimate == diff.low == diff.high == 0.0

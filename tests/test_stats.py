@@ -125,3 +125,28 @@ def test_average_over_seeds():
 def test_bad_input_names_the_field(call, message):
     with pytest.raises(InvalidArgument, match=message.replace("(", r"\(")):
         call()
+
+
+def test_clusters_resample_whole_clusters() -> None:
+    """Units of one cluster move together: a cluster bootstrap of identical copies of
+    each value is as wide as the plain bootstrap of one copy each, and clearly wider than
+    a bootstrap that treats the copies as independent; a cluster split over two strata is refused."""
+    values = [float(v) for v in range(-20, 20)]
+    copies = [v for v in values for _ in range(6)]
+    labels = [i // 6 for i in range(len(copies))]
+    one_each = mean_interval(values, resamples=4000)
+    clustered = mean_interval(copies, clusters=labels, resamples=4000)
+    independent = mean_interval(copies, resamples=4000)
+    assert clustered.estimate == one_each.estimate == independent.estimate
+    assert clustered.units == len(copies)
+    # 40 clusters of 6 equal values: the cluster means are the 40 values, so the widths
+    # agree up to the bootstrap's own noise (4000 resamples: a few percent)
+    assert clustered.high - clustered.low == pytest.approx(one_each.high - one_each.low, rel=0.1)
+    assert clustered.high - clustered.low > 2 * (independent.high - independent.low)
+    # singleton clusters are the plain bootstrap, bit for bit
+    assert mean_interval(values, clusters=list(range(40)), resamples=500) == mean_interval(
+        values, resamples=500)
+    with pytest.raises(InvalidArgument, match="clusters"):
+        mean_interval([1.0, 2.0], clusters=["a"])
+    with pytest.raises(InvalidArgument, match="one stratum"):
+        paired_difference([1.0, 2.0], [0.0, 0.0], clusters=["a", "a"], strata=[0, 1])

@@ -17,14 +17,15 @@ this order:
 :func:`greedy_search_records` decodes each question greedily, exactly as
 :func:`calibrl.trainer.eval.evaluate_search` does, and keeps one
 :class:`SearchRecord` per question, so that two models can be compared question by
-question (:func:`paired_bootstrap`).
+question (:func:`paired_f1`, through :mod:`calibrl.stats`).
 """
 
 from __future__ import annotations
 
-import random
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any, Callable, Sequence
+
+from calibrl.stats import Interval, paired_difference
 
 if TYPE_CHECKING:  # pragma: no cover
     from calibrl.trainer.eval import EvalSettings
@@ -168,69 +169,20 @@ def greedy_search_records(model: str, tasks: Sequence[Any], retrieval: Any, sett
     return records
 
 
-@dataclass(frozen=True)
-class PairedDifference:
-    """Mean of ``b - a`` over paired questions, with a percentile bootstrap interval."""
-
-    mean: float
-    low: float
-    high: float
-    n: int
-    resamples: int
-    confidence: float
-
-    def as_dict(self) -> dict[str, float]:
-        return asdict(self)
-
-
-def paired_bootstrap(a: Sequence[float], b: Sequence[float], *, resamples: int = 10_000, confidence: float = 0.95,
-                     seed: int = 0, clusters: Sequence[str] | None = None) -> PairedDifference:
-    """Paired percentile bootstrap of mean(b - a): questions are resampled with
-    replacement, each keeping its pair of scores; with ``clusters`` (one label per
-    question, e.g. the question behind several phrasings) whole clusters are resampled."""
-    if len(a) != len(b):
-        raise ValueError(f"paired scores differ in length: {len(a)} vs {len(b)}")
-    if not a:
-        raise ValueError("no paired scores")
-    if not 0 < confidence < 1:
-        raise ValueError(f"confidence={confidence}: must be in (0, 1)")
-    if clusters is not None and len(clusters) != len(a):
-        raise ValueError(f"{len(clusters)} cluster labels for {len(a)} paired scores")
-    diffs = [y - x for x, y in zip(a, b)]
-    n = len(diffs)
-    groups: dict[str, list[float]] = {}
-    for i, diff in enumerate(diffs):
-        groups.setdefault(clusters[i] if clusters is not None else str(i), []).append(diff)
-    sums = [(sum(g), len(g)) for g in groups.values()]
-    rng = random.Random(seed)
-    means = []
-    for _ in range(resamples):
-        total = count = 0.0
-        for _ in range(len(sums)):
-            group_sum, group_size = sums[rng.randrange(len(sums))]
-            total += group_sum
-            count += group_size
-        means.append(total / count)
-    means.sort()
-    tail = (1 - confidence) / 2
-    low = means[min(resamples - 1, int(tail * resamples))]
-    high = means[min(resamples - 1, int((1 - tail) * resamples))]
-    return PairedDifference(sum(diffs) / n, low, high, n, resamples, confidence)
-
-
 def question_of(task_id: str) -> str:
     """The question behind a phrasing's task id (``ms-roth-expense-ratio-3`` -> ``ms-roth-expense-ratio``)."""
     return task_id.rsplit("-", 1)[0]
 
 
 def paired_f1(base: Sequence[SearchRecord], other: Sequence[SearchRecord], *, by_question: bool = False,
-              **options: Any) -> PairedDifference:
-    """Paired bootstrap of the answer-F1 gain of ``other`` over ``base`` (same questions);
-    ``by_question`` resamples questions with all their phrasings together."""
+              **options: Any) -> Interval:
+    """Paired bootstrap (:func:`calibrl.stats.paired_difference`) of the answer-F1 gain of
+    ``other`` over ``base`` on the same questions; ``by_question`` resamples questions
+    with all their phrasings together (the phrasings of one question are not independent)."""
     if [r.task_id for r in base] != [r.task_id for r in other]:
         raise ValueError("the two record lists are not over the same questions in the same order")
     clusters = [question_of(r.task_id) for r in base] if by_question else None
-    return paired_bootstrap([r.f1 for r in base], [r.f1 for r in other], clusters=clusters, **options)
+    return paired_difference([r.f1 for r in other], [r.f1 for r in base], clusters=clusters, **options)
 
 
 def analysis_results(records: dict[str, Sequence[SearchRecord]], labels: dict[str, str], base: str = "base_agent",
@@ -241,6 +193,7 @@ def analysis_results(records: dict[str, Sequence[SearchRecord]], labels: dict[st
         raise ValueError(f"no records of the base model {base!r}")
     return {
         "questions": len(records[base]),
+        "resamples": resamples,
         "labels": {name: labels.get(name, name) for name in records},
         "categories": {name: analyse(recs).as_dict() for name, recs in records.items()},
         "paired_f1_vs_base": {name: paired_f1(records[base], recs, resamples=resamples, seed=seed).as_dict()
@@ -269,10 +222,10 @@ def analysis_markdown(results: dict[str, Any]) -> list[str]:
     paired = results["paired_f1_vs_base"]
     if paired:
         lines += ["Answer F1 gain over the base agent, paired by question (percentile bootstrap, "
-                  f"{next(iter(paired.values()))['resamples']} resamples):", ""]
+                  f"{results['resamples']} resamples):", ""]
         by_question = results.get("paired_f1_vs_base_by_question", {})
         for name, diff in paired.items():
-            lines.append(f"- {labels[name]}: {100 * diff['mean']:+.1f} points, 95% interval {_interval(diff)}"
+            lines.append(f"- {labels[name]}: {100 * diff['estimate']:+.1f} points, 95% interval {_interval(diff)}"
                          + (f"; resampling whole questions (all phrasings together): {_interval(by_question[name])}"
                             if name in by_question else "") + ".")
         lines.append("")
@@ -286,6 +239,6 @@ def _interval(diff: dict[str, Any]) -> str:
 
 __all__ = [
     "CATEGORIES", "CATEGORY_LABELS", "CORRECT", "ErrorAnalysis", "MALFORMED", "MISSED_ANSWER_DOC", "MISSED_BRIDGE",
-    "PairedDifference", "SearchRecord", "WRONG_ANSWER", "analyse", "analysis_markdown", "analysis_results", "classify",
-    "greedy_search_records", "paired_bootstrap", "paired_f1", "question_of", "summary_metrics",
+    "SearchRecord", "WRONG_ANSWER", "analyse", "analysis_markdown", "analysis_results", "classify",
+    "greedy_search_records", "paired_f1", "question_of", "summary_metrics",
 ]
