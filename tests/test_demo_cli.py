@@ -148,6 +148,13 @@ def test_quick_demo_end_to_end(tmp_path: pathlib.Path) -> None:
     llm_server = judge["server"]["demo-rewriter-llm"]
     assert llm_server["calls"] >= dense_steps and 0 < llm_server["batch_items"] <= llm_server["cache_misses"]
     assert "## Two judges on the SME golden set" in report and "## One judge server, every rubric" in report
+    # the search agent is the second agent on that server: every search step scored on the step rubric
+    step_server = judge["server"]["search-steps"]
+    search_steps = sum(by_name[name]["steps"] for name in ("grpo", "calibadv"))
+    assert step_server["calls"] >= search_steps and step_server["batch_items"] > 0
+    assert "| search-steps | programmatic criteria | grpo, calibadv |" in report
+    search_log = (out / "runs" / "grpo" / "metrics.jsonl").read_text()
+    assert "steps/reward/mean" in search_log and "steps/new_gold_share" in search_log
     # both services were stopped at the end (SIGTERM: NOT_SERVING, drain, exit)
     for log in ("serve_retrieval.log", "serve_judge.log"):
         assert (out / "logs" / log).stat().st_size > 0

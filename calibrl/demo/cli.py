@@ -50,7 +50,8 @@ from calibrl.errors import CalibrlError
 from calibrl.tracking import log_heldout_table as _log_heldout_table
 
 RUBRIC_ID = "demo-rewriter"
-STEP_RUBRIC = pathlib.Path(__file__).resolve().parents[2] / "configs" / "rubrics" / "search-steps.yaml"
+STEP_RUBRIC_ID = "search-steps"  # the search agent's step rubric, served by the same judge as the rewriter's
+STEP_RUBRIC = pathlib.Path(__file__).resolve().parents[2] / "configs" / "rubrics" / f"{STEP_RUBRIC_ID}.yaml"
 REWRITE_ARMS = ("binary", "binary_ds", "dense")  # the rewriter's training runs
 MARKER = ".calibrl-demo"  # marks a folder as a demo run's output, which a later run may replace
 RETRIEVAL_MODE = "bm25"
@@ -217,7 +218,7 @@ def run_demo(settings: DemoSettings, out: pathlib.Path, *, seed: int = 0, thread
                           "--port", str(judge_port), "serving.grace_seconds=2", "serving.drain_seconds=0",
                           *serve_overrides()]
             if STEP_RUBRIC.is_file():  # no SME golden set exists for search steps: served unvalidated, by name
-                judge_args.append("judge.unvalidated_rubrics=search-steps")
+                judge_args.append(f"judge.unvalidated_rubrics={STEP_RUBRIC_ID}")
             metrics_port = free_port() if _has_prometheus() else 0
             if metrics_port:  # the report's per-rubric calls, batch sizes and cache hits come from /metrics
                 judge_args += ["serving.telemetry.enabled=true", f"serving.telemetry.prometheus_port={metrics_port}"]
@@ -390,11 +391,16 @@ def _add_judge_sections(report: Any, validations: dict[str, Any], judge_model: A
               for r in load_rubric_dir(rubrics)}
     runs = {r.name: r for r in report.rewrite_runs}
     callers = {dense_rubric: ["dense"]}
+    step_callers = [r.name for r in report.search_runs if any("steps/reward/mean" in s for s in r.steps)]
+    if step_callers:
+        callers[STEP_RUBRIC_ID] = step_callers
     lines = jr.validation_section(validations, min(v.min_kappa for v in validations.values()))
     scored_by = [f"{runs[n].label}: no judge (retrieval only)" for n in ("binary", "binary_ds") if n in runs]
     if "dense" in runs:
         scored_by.append(f"{runs['dense'].label}: rubric {dense_rubric}, {served.get(dense_rubric, '?')}")
-    scored_by.append("the search-agent runs: no judge (answer F1)")
+    scored_by.append(f"the search-agent runs ({', '.join(step_callers)}): trained on answer F1 x format; each "
+                     f"search step scored by rubric {STEP_RUBRIC_ID} (programmatic criteria) and retrieval, logged "
+                     "as steps/* with weight 0" if step_callers else "the search-agent runs: no judge (answer F1)")
     lines += ["Which judge scored which run: " + "; ".join(scored_by) + ".", ""]
     stats: dict[str, Any] = {}
     if metrics_port:
@@ -650,8 +656,13 @@ def _train_overrides(settings: DemoSettings, out: pathlib.Path, policy: pathlib.
                      clients: _Clients, name: str, seed: int, progress: bool,
                      dense_rubric: str = RUBRIC_ID) -> list[str]:
     if name not in REWRITE_ARMS:
+        # every search step is scored by both services and logged (steps/*), with weight 0: the trajectory
+        # reward stays answer F1 x format, and the judge server serves a second agent's rubric
+        step_scoring = [f"services.judge={clients.judge_target}", "reward.score_steps=true", "reward.w_steps=0",
+                        f"reward.step_rubric_id={STEP_RUBRIC_ID}"] if STEP_RUBRIC.is_file() else []
         return search_train_overrides(settings.search, name, policy=policy, tasks=tasks, output_dir=out / "runs" / name,
-                                      retrieval=clients.retrieval_target, seed=seed, progress=progress)
+                                      retrieval=clients.retrieval_target, seed=seed, progress=progress,
+                                      extra=step_scoring)
     steps = settings.rewrite_steps
     overrides = [
         f"policy.path={policy}", "policy.device=cpu", f"tasks.path={tasks}", f"seed={seed}", f"steps={steps}",
