@@ -205,7 +205,7 @@ def test_step_reward_config_is_validated(trainer_world, tmp_path):
         RewardModel(RewardConfig(w_rubric=0.0, w_steps=1.0), retrieval=None, judge=None)
     from calibrl.trainer.config import load_train_config
 
-    with pytest.raises(ConfigError, match="advantage.step_credit=true needs search tasks with step rewards"):
+    with pytest.raises(ConfigError, match="advantage.step_credit=true needs multi-step tasks with step rewards"):
         load_train_config(None, trainer_world.overrides(
             tmp_path, f"tasks.path={trainer_world.search_tasks}", "advantage.type=grpo", "advantage.step_credit=true",
             judge=False))
