@@ -93,6 +93,26 @@ def test_prefix_cache_equals_flat_equals_reference(arch, tiny_llama, tmp_path, i
     assert max(values) - min(values) > 0.05  # continuous scores that depend on the prompt
 
 
+def test_packed_suffixes_equal_the_cache_per_criterion_and_the_reference(tiny_llama, items):
+    """The default path packs an item's criterion suffixes into one row behind its prefix with a
+    block-causal mask; it must score what one row per criterion over a repeated cache scores (the
+    path kept for attention kernels without 4D masks), and the one-prompt reference, under sdpa and
+    eager attention alike, and an item alone as within any request."""
+    backend = load_llm(JudgeConfig(backend=f"transformers:{tiny_llama}", device="cpu"))
+    assert backend._packs_suffixes
+    tolerance = score_tolerance(backend, items)
+    reference = reference_scores(backend, items, CRITERIA)
+    packed = backend.score(items, CRITERIA, "")
+    assert [backend.score([item], CRITERIA, "")[0] for item in items] == packed  # bitwise: one item per forward
+    backend.model.set_attn_implementation("eager")
+    eager = backend.score(items, CRITERIA, "")
+    backend._packs_suffixes = False
+    per_criterion = backend.score(items, CRITERIA, "")
+    for rows in (packed, eager, per_criterion):
+        for row, row_r in zip(rows, reference):
+            assert row == pytest.approx(row_r, abs=tolerance)
+
+
 def test_good_answer_no_is_the_complement(tiny_llama, items):
     backend = load_llm(JudgeConfig(backend=f"transformers:{tiny_llama}", device="cpu"))
     question = "Does the output mention an entity that is not in the query?"

@@ -3,10 +3,16 @@
 LLM criteria are scored from the next-token distribution after each prompt (see
 ``calibrl.judge_server.prompts``), one item at a time, all its criteria together:
 
-- ``prefix_cache`` (default): an item's shared prefix runs once, keeping the KV
-  cache; the cache is repeated once per criterion and every criterion's suffix
-  (right-padded) runs on top of it in one more forward. The prefix, usually most of
-  the prompt, is computed once per item instead of once per criterion.
+- ``prefix_cache`` (default): an item's shared prefix runs once (causal, no mask),
+  keeping the KV cache; then all the criterion suffixes run on top of it in one more
+  forward, packed end to end into one row with a block-causal attention mask (each
+  suffix sees the prefix and its own earlier tokens, never another suffix; its
+  positions continue the prefix's), so there is no padding, no per-criterion copy of
+  the cache, and the LM head runs only on each suffix's last position. The prefix,
+  usually most of the prompt, is computed once per item instead of once per
+  criterion. Attention implementations that cannot take such a 4D mask (e.g.
+  flash-attention 2) repeat the cache once per criterion instead (right-padded
+  suffixes, one row each), as :meth:`TransformersJudge.next_token_logprobs` does.
 - ``flat``: the item's criterion prompts, left-padded, in one forward (no reuse).
 - ``generate``: greedy generation plus parsing, for comparison only (a parse failure
   raises RewardError; it never becomes a score).
@@ -23,6 +29,7 @@ that comparison.
 from __future__ import annotations
 
 import inspect
+from dataclasses import dataclass
 import logging
 import pathlib
 from typing import Any, Sequence
@@ -38,6 +45,7 @@ from calibrl.judge_server.types import JudgeItem
 log = logging.getLogger(__name__)
 
 PROMPT_MODES = ("prefix_cache", "flat", "generate")
+MASKABLE_ATTENTION = ("sdpa", "eager")
 
 
 def resolve_dtype(dtype: str, device: str) -> Any:
@@ -93,6 +101,8 @@ class TransformersJudge:
         forward_params = inspect.signature(self.model.forward).parameters
         self._cache_arg = "cache" if "cache" in forward_params else "past_key_values"
         self._keep_arg = "logits_to_keep" if "logits_to_keep" in forward_params else None
+        attention = getattr(self.model.config, "_attn_implementation", "eager")
+        self._packs_suffixes = attention in MASKABLE_ATTENTION  # takes a 4D additive mask (module doc)
         log.info("transformers judge %s on %s (%s mode)", self.model_id, self.device, mode)
 
     # ------------------------------------------------------------------ interface
@@ -115,9 +125,14 @@ class TransformersJudge:
                         raise RewardError(f"items[{row}]: the judge's generated answer to criterion "
                                           f"{criteria[col].name!r} could not be parsed (generate mode)")
             return [[float(v) for v in values] for values in answers]
+        packed = self.mode == "prefix_cache" and self._packs_suffixes
+        layout = SuffixLayout.build(encoded.suffix_ids, self._torch, self.device, self.model.dtype) if packed else None
         rows: list[list[float]] = []
         for prefix in encoded.prefix_ids:  # one item per forward: batch-invariant (module doc)
-            logprobs = self.next_token_logprobs(EncodedBatch([prefix], encoded.suffix_ids))  # (criteria, V)
+            if layout is not None:
+                logprobs = self.item_logprobs(prefix, layout)
+            else:
+                logprobs = self.next_token_logprobs(EncodedBatch([prefix], encoded.suffix_ids))  # (criteria, V)
             rows.extend(self._scores_from_rows(logprobs, criteria, 1))
         return rows
 
@@ -131,6 +146,22 @@ class TransformersJudge:
             if mode == "flat":
                 return self._flat(batch)
             return self._prefix_cache(batch)
+
+    def item_logprobs(self, prefix: Sequence[int], layout: "SuffixLayout") -> Any:
+        """Log-probabilities of the token after each of one item's criterion prompts, shared
+        prefix first, then the packed suffixes (module doc): float32 (criteria, vocab)."""
+        torch = self._torch
+        with torch.inference_mode():
+            ids = torch.tensor([list(prefix)], dtype=torch.long, device=self.device)
+            keep = {self._keep_arg: 1} if self._keep_arg else {}  # the prefix's own logits are not needed
+            cache = getattr(self.model(input_ids=ids, use_cache=True, **keep), self._cache_arg)
+            n = len(prefix)
+            mask = layout.mask(n)
+            keep = {self._keep_arg: layout.last} if self._keep_arg else {}
+            out = self.model(input_ids=layout.ids, attention_mask=mask, position_ids=layout.positions + n,
+                             use_cache=True, **{self._cache_arg: cache}, **keep)
+            logits = out.logits[0] if self._keep_arg else out.logits[0, layout.last]
+            return torch.log_softmax(logits.float(), dim=-1)
 
     def _prefix_cache(self, batch: EncodedBatch) -> Any:
         torch = self._torch
@@ -208,3 +239,39 @@ class TransformersJudge:
             texts = self.tokenizer.batch_decode(generated[:, ids.shape[1] :], skip_special_tokens=True)
             out_rows.append([prompts.parse_answer(criterion, text) for criterion, text in zip(criteria, texts)])
         return out_rows
+
+
+@dataclass(frozen=True)
+class SuffixLayout:
+    """A rubric's criterion suffixes packed end to end into one row (module doc), built once
+    per ``score`` call: ``ids`` (1, S) the S suffix tokens, ``positions`` (1, S) each token's
+    offset in its own suffix (the prefix length is added per item), ``last`` (C,) the index
+    of each suffix's last token, and ``block`` (S, S) additive mask among the suffix tokens:
+    0 where a token may attend (its own suffix, causally), the dtype's minimum elsewhere."""
+
+    ids: Any
+    positions: Any
+    last: Any
+    block: Any
+
+    @classmethod
+    def build(cls, suffix_ids: Sequence[Sequence[int]], torch: Any, device: str, dtype: Any) -> "SuffixLayout":
+        lengths = [len(s) for s in suffix_ids]
+        total = sum(lengths)
+        allowed = torch.zeros((total, total), dtype=torch.bool)
+        start = 0
+        for n in lengths:
+            allowed[start : start + n, start : start + n] = torch.ones((n, n), dtype=torch.bool).tril()
+            start += n
+        ids = torch.tensor([[t for s in suffix_ids for t in s]], dtype=torch.long)
+        positions = torch.cat([torch.arange(n) for n in lengths])[None, :]
+        last = torch.tensor(lengths).cumsum(0) - 1
+        block = torch.zeros((total, total), dtype=dtype).masked_fill_(~allowed, torch.finfo(dtype).min)
+        return cls(ids.to(device), positions.to(device), last.to(device), block.to(device))
+
+    def mask(self, prefix_length: int) -> Any:
+        """(1, 1, S, prefix_length + S) additive mask: every suffix token sees the whole prefix."""
+        import torch
+
+        seen = self.block.new_zeros((self.block.shape[0], prefix_length))
+        return torch.cat([seen, self.block], dim=1)[None, None]
