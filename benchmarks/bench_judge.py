@@ -7,7 +7,10 @@ with LLM criteria only, plus a 1-5 "quality" question learnt from the grades), s
 answers for real; ``--judge-model random`` keeps the untrained, randomly initialised model.
 Paths:
 
-- logprob scoring with the shared-prefix KV cache (``prefix_cache``, the default),
+- logprob scoring with the shared-prefix KV cache (``prefix_cache``, the default: the
+  criterion suffixes packed into one row behind the prefix),
+- the same with one cache row per criterion (``logprob_prefix_cache_rows``: the path for
+  attention kernels without 4D masks, and the default before the packing),
 - logprob scoring with every item x criterion prompt in one flat left-padded batch,
 - generate-and-parse (greedy, ``max_new_tokens`` tokens, then parse), with its
   parse-failure rate (logprob scoring cannot fail to parse),
@@ -147,17 +150,22 @@ def main() -> int:
     suffix_tokens = statistics.mean(len(s) for s in encoded.suffix_ids)
     n_params = sum(p.numel() for p in backend.model.parameters())
 
-    def logprob(mode: str):
+    packs = backend._packs_suffixes
+
+    def logprob(mode: str, packed: bool = True):
         def run():
-            backend.mode = mode
+            backend.mode, backend._packs_suffixes = mode, packs and packed
             return backend.score(items, llm_rubric.llm_criteria, llm_rubric.instructions)
         return run
 
-    measured = interleaved({"logprob_prefix_cache": logprob("prefix_cache"), "logprob_flat": logprob("flat"),
+    measured = interleaved({"logprob_prefix_cache": logprob("prefix_cache"),
+                            "logprob_prefix_cache_rows": logprob("prefix_cache", packed=False),
+                            "logprob_flat": logprob("flat"),
                             "generate_and_parse": lambda: backend.generate_answers(encoded, llm_rubric.llm_criteria)},
                            args.repeats)
+    backend._packs_suffixes = packs
     reference = measured["logprob_prefix_cache"][2]
-    for name in ("logprob_prefix_cache", "logprob_flat"):
+    for name in ("logprob_prefix_cache", "logprob_prefix_cache_rows", "logprob_flat"):
         wall, cpu, scores = measured[name]
         diff = max(abs(a - b) for ra, rb in zip(scores, reference) for a, b in zip(ra, rb))
         results[name] = row(n_scores, wall, cpu, max_abs_diff_vs_prefix_cache=diff)
@@ -200,7 +208,8 @@ def main() -> int:
               f"{r['cpu_seconds']:.4f} | {r['scores_per_cpu_s']:,.0f} | {r['scores_per_cpu_s'] / base_cpu:.2f}x | "
               f"{r['parse_failures']:.0%} |")
     print()
-    print(f"flat vs prefix-cache scores: max |diff| = {results['logprob_flat']['max_abs_diff_vs_prefix_cache']:.2e}")
+    for name in ("logprob_prefix_cache_rows", "logprob_flat"):
+        print(f"{name} vs prefix-cache scores: max |diff| = {results[name]['max_abs_diff_vs_prefix_cache']:.2e}")
     ratio = base / results["generate_and_parse"]["scores_per_s"]
     ratio_cpu = base_cpu / results["generate_and_parse"]["scores_per_cpu_s"]
     print(f"shared-prefix logprob vs generate-and-parse: {ratio:.1f}x wall, {ratio_cpu:.1f}x CPU (target >= 5x)")
