@@ -150,11 +150,11 @@ def main() -> int:
     suffix_tokens = statistics.mean(len(s) for s in encoded.suffix_ids)
     n_params = sum(p.numel() for p in backend.model.parameters())
 
-    packs = backend._packs_suffixes
+    packs = backend.packs_suffixes
 
     def logprob(mode: str, packed: bool = True):
         def run():
-            backend.mode, backend._packs_suffixes = mode, packs and packed
+            backend.mode, backend.packs_suffixes = mode, packs and packed
             return backend.score(items, llm_rubric.llm_criteria, llm_rubric.instructions)
         return run
 
@@ -163,7 +163,7 @@ def main() -> int:
                             "logprob_flat": logprob("flat"),
                             "generate_and_parse": lambda: backend.generate_answers(encoded, llm_rubric.llm_criteria)},
                            args.repeats)
-    backend._packs_suffixes = packs
+    backend.packs_suffixes = packs
     reference = measured["logprob_prefix_cache"][2]
     for name in ("logprob_prefix_cache", "logprob_prefix_cache_rows", "logprob_flat"):
         wall, cpu, scores = measured[name]

@@ -99,14 +99,14 @@ def test_packed_suffixes_equal_the_cache_per_criterion_and_the_reference(tiny_ll
     path kept for attention kernels without 4D masks), and the one-prompt reference, under sdpa and
     eager attention alike, and an item alone as within any request."""
     backend = load_llm(JudgeConfig(backend=f"transformers:{tiny_llama}", device="cpu"))
-    assert backend._packs_suffixes
+    assert backend.packs_suffixes
     tolerance = score_tolerance(backend, items)
     reference = reference_scores(backend, items, CRITERIA)
     packed = backend.score(items, CRITERIA, "")
     assert [backend.score([item], CRITERIA, "")[0] for item in items] == packed  # bitwise: one item per forward
     backend.model.set_attn_implementation("eager")
     eager = backend.score(items, CRITERIA, "")
-    backend._packs_suffixes = False
+    backend.packs_suffixes = False
     per_criterion = backend.score(items, CRITERIA, "")
     for rows in (packed, eager, per_criterion):
         for row, row_r in zip(rows, reference):

@@ -102,7 +102,8 @@ class TransformersJudge:
         self._cache_arg = "cache" if "cache" in forward_params else "past_key_values"
         self._keep_arg = "logits_to_keep" if "logits_to_keep" in forward_params else None
         attention = getattr(self.model.config, "_attn_implementation", "eager")
-        self._packs_suffixes = attention in MASKABLE_ATTENTION  # takes a 4D additive mask (module doc)
+        # the attention kernel takes a 4D additive mask: pack the suffixes (module doc); settable for comparisons
+        self.packs_suffixes = attention in MASKABLE_ATTENTION
         log.info("transformers judge %s on %s (%s mode)", self.model_id, self.device, mode)
 
     # ------------------------------------------------------------------ interface
@@ -125,7 +126,7 @@ class TransformersJudge:
                         raise RewardError(f"items[{row}]: the judge's generated answer to criterion "
                                           f"{criteria[col].name!r} could not be parsed (generate mode)")
             return [[float(v) for v in values] for values in answers]
-        packed = self.mode == "prefix_cache" and self._packs_suffixes
+        packed = self.mode == "prefix_cache" and self.packs_suffixes
         layout = SuffixLayout.build(encoded.suffix_ids, self._torch, self.device, self.model.dtype) if packed else None
         rows: list[list[float]] = []
         for prefix in encoded.prefix_ids:  # one item per forward: batch-invariant (module doc)
