@@ -29,9 +29,9 @@ that comparison.
 from __future__ import annotations
 
 import inspect
-from dataclasses import dataclass
 import logging
 import pathlib
+from dataclasses import dataclass
 from typing import Any, Sequence
 
 from calibrl.devices import resolve_device
