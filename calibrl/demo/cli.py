@@ -20,13 +20,18 @@ Stages, in order (each prints what it did; the report lists their times):
 7. evaluate the untrained bases on held-out tasks;
 8. train the rewriter with GRPO three times, binary hit@1 reward, binary + dynamic
    sampling, and the blended dense reward (0.7 MRR@10 + 0.3 rubric, the LLM rubric when
-   it passed its gate), and the search agent twice, GRPO vs CalibAdv;
-9. evaluate every checkpoint on held-out tasks; write the table, plots and report.
+   it passed its gate), and the search agent twice, GRPO vs CalibAdv (its search steps
+   scored on the step rubric): each run a ``calibrl train`` process, two at once, the
+   dense rewriter and the GRPO search agent first and together (two agents, two
+   rubrics, one judge server); each run's metrics are what it gives alone;
+9. evaluate every checkpoint on held-out tasks (the table goes into each run's own
+   tracker runs); write the table, plots and report, with when each process ran and
+   what the judge server did per rubric while the two agents ran at once.
 
-Stages 2-4 and 6-9 call the library in this process (the functions behind the CLI
+Stages 2-4, 6, 7 and 9 call the library in this process (the functions behind the CLI
 commands: ``calibrl.judge_server.distill``, ``calibrl.judge_server.validation``, ``calibrl.retrieval_server.index``,
-``calibrl.trainer.loop.train``, ``calibrl.trainer.eval``); the services are the real servers, in
-their own processes, reached over gRPC exactly as ``calibrl train`` reaches them.
+``calibrl.trainer.eval``); the services are the real servers and the training runs the
+real ``calibrl train``, each in its own process, reaching the services over gRPC.
 """
 
 from __future__ import annotations
@@ -38,6 +43,7 @@ import os
 import pathlib
 import platform
 import shutil
+import signal
 import sys
 import time
 from dataclasses import dataclass
@@ -47,12 +53,14 @@ from calibrl.demo.search_design import FULL_SEARCH, QUICK_SEARCH, SearchDesign, 
 from calibrl.demo.search_design import eval_settings as search_eval_settings
 from calibrl.demo.search_design import train_overrides as search_train_overrides
 from calibrl.errors import CalibrlError
-from calibrl.tracking import log_heldout_table as _log_heldout_table
 
 RUBRIC_ID = "demo-rewriter"
 STEP_RUBRIC_ID = "search-steps"  # the search agent's step rubric, served by the same judge as the rewriter's
 STEP_RUBRIC = pathlib.Path(__file__).resolve().parents[2] / "configs" / "rubrics" / f"{STEP_RUBRIC_ID}.yaml"
 REWRITE_ARMS = ("binary", "binary_ds", "dense")  # the rewriter's training runs
+TRAIN_JOBS = 2  # training processes at once (one torch thread each; the machine the demo targets has 2 cores)
+CONCURRENT_PAIR = ("dense", "grpo")  # two agents, two rubrics, one judge server: started together
+START_ORDER = ("dense", "grpo", "calibadv", "binary_ds", "binary")  # the longest runs first, within the pair's rule
 MARKER = ".calibrl-demo"  # marks a folder as a demo run's output, which a later run may replace
 RETRIEVAL_MODE = "bm25"
 PASS_THRESHOLD = 0.8  # the judge passes a golden item when its rubric total is at least this
@@ -243,7 +251,7 @@ def run_demo(settings: DemoSettings, out: pathlib.Path, *, seed: int = 0, thread
                     notes.append(f"The LLM rubric FAILED its validation gate ({judge_model.validation.reason}); the "
                                  f"dense reward used the programmatic rubric {RUBRIC_ID} instead.")
                 report = _train_and_evaluate(settings, out, domain, files, clients, stages, seed, progress, report_to,
-                                             dense_rubric=dense_rubric)
+                                             dense_rubric=dense_rubric, metrics_port=metrics_port)
                 with stages.stage("SME time: validation kappa vs expert reviews, representative vs random sampling"):
                     from calibrl.sme.study import run_demo_study  # the experiment lives in calibrl/sme/study.py
 
@@ -409,7 +417,12 @@ def _add_judge_sections(report: Any, validations: dict[str, Any], judge_model: A
         except OSError as exc:
             report.notes.append(f"The judge server's /metrics could not be read ({exc}); no per-rubric figures.")
         lines += jr.server_section(stats, served, callers)
-    else:
+    concurrency = report.concurrency
+    if concurrency is not None:
+        labels = {r.name: f"{r.name}: {r.label}" for r in [*report.rewrite_runs, *report.search_runs]}
+        lines += jr.concurrency_section(concurrency.spans, CONCURRENT_PAIR, labels, concurrency.during_pair,
+                                        TRAIN_JOBS)
+    if not metrics_port:
         report.notes.append("The judge server's per-rubric calls, batch sizes and cache hits come from its Prometheus "
                             "/metrics, which needs the prometheus extra: pip install 'calibrl[prometheus]'.")
     band = HealthConfig().max_judge_retrieval_disagreement
@@ -430,20 +443,36 @@ def _add_judge_sections(report: Any, validations: dict[str, Any], judge_model: A
         "served": served,
         "server": {rubric_id: entry.to_json() for rubric_id, entry in stats.items()},
         "judge_model_seconds": {k: round(v, 2) for k, v in judge_model.seconds.items()},
+        **(_concurrency_json(concurrency) if concurrency is not None else {}),
+    }
+
+
+def _concurrency_json(concurrency: _Concurrency) -> dict[str, Any]:
+    """results.json: when each training process ran and the server's figures while the pair did."""
+    from calibrl.demo.services import overlap_seconds
+
+    spans = concurrency.spans
+    pair = [spans[n] for n in CONCURRENT_PAIR if n in spans]
+    return {
+        "training_processes": {name: span.to_json() for name, span in spans.items()},
+        "pair": list(CONCURRENT_PAIR),
+        "pair_overlap_s": round(overlap_seconds(*pair), 2) if len(pair) == 2 else None,
+        "server_during_pair": ({r: e.to_json() for r, e in concurrency.during_pair.items() if e.calls}
+                               if concurrency.during_pair is not None else None),
     }
 
 
 class _Clients:
-    """gRPC clients of the two services, bound to the demo's background event loop."""
+    """The demo's gRPC client of the retrieval service (evaluation, warm start), bound to
+    its background event loop, and both services' targets (the training processes')."""
 
     def __init__(self, retrieval_target: str, judge_target: str, background: Any) -> None:
-        from calibrl.trainer.grpc_clients import GrpcJudgeClient, GrpcRetrievalClient
+        from calibrl.trainer.grpc_clients import GrpcRetrievalClient
 
         self.background = background
         self.retrieval_target = retrieval_target
         self.judge_target = judge_target
         self.retrieval = GrpcRetrievalClient(retrieval_target, timeout_s=60.0)
-        self.judge = GrpcJudgeClient(judge_target, timeout_s=60.0)
 
     def search_many(self, queries: Sequence[str], top_k: int) -> list[list[Any]]:
         from calibrl.retrieval_server.types import SearchMode
@@ -456,14 +485,13 @@ class _Clients:
         return results
 
     def close(self) -> None:
-        for client in (self.retrieval, self.judge):
-            with contextlib.suppress(Exception):
-                self.background.run(client.close(), timeout=10)
+        with contextlib.suppress(Exception):
+            self.background.run(self.retrieval.close(), timeout=10)
 
 
 def _train_and_evaluate(settings: DemoSettings, out: pathlib.Path, domain: Any, files: Any, clients: _Clients,
                         stages: Stages, seed: int, progress: bool, report_to: Sequence[str] = ("tensorboard",),
-                        dense_rubric: str = RUBRIC_ID) -> Any:
+                        dense_rubric: str = RUBRIC_ID, metrics_port: int = 0) -> Any:
     from calibrl.demo import report as rep
     from calibrl.demo.policy import PolicySpec, RewriteMix, build_base_policies
     from calibrl.trainer.diagnostics import read_log
@@ -501,45 +529,39 @@ def _train_and_evaluate(settings: DemoSettings, out: pathlib.Path, domain: Any, 
 
     # 8 -------------------------------------------------------------------- training
     runs = {
-        **{arm: _train_overrides(settings, out, bases.rewriter, files.train_tasks, clients, arm, seed, progress,
-                                 dense_rubric) for arm in REWRITE_ARMS},
-        "grpo": _train_overrides(settings, out, bases.agent, files.multistep_train, clients, "grpo", seed, progress),
-        "calibadv": _train_overrides(settings, out, bases.agent, files.multistep_train, clients, "calibadv", seed, progress),
+        **{arm: _train_overrides(settings, out, bases.rewriter, files.train_tasks, clients, arm, seed, False,
+                                 dense_rubric) for arm in REWRITE_ARMS},  # no bars: the processes write to logs
+        "grpo": _train_overrides(settings, out, bases.agent, files.multistep_train, clients, "grpo", seed, False),
+        "calibadv": _train_overrides(settings, out, bases.agent, files.multistep_train, clients, "calibadv", seed, False),
     }
-    trained: dict[str, tuple[list[dict[str, Any]], float]] = {}
-    trackers: dict[str, Any] = {}  # each run's trackers stay open for its held-out table
-    with contextlib.ExitStack() as open_trackers:
-        with stages.stage("GRPO training: rewriter (binary, binary + dynamic sampling, blended dense reward), agent "
-                          "(GRPO vs CalibAdv)"):
-            for name, overrides in runs.items():
-                print(f"    training {name}: {_describe_run(name, settings, dense_rubric)}", flush=True)
-                history, seconds, trackers[name] = _train(overrides, clients, report_to)
-                open_trackers.callback(trackers[name].close)
-                trained[name] = (history, seconds)
-                print(f"      {len(history)} steps in {trained[name][1]:.0f}s; reward {history[0]['reward']:.3f} -> "
-                      f"{history[-1]['reward']:.3f}; mean frac_reward_zero_std "
-                      f"{sum(h['frac_reward_zero_std'] for h in history) / len(history):.2f}", flush=True)
+    with stages.stage(f"GRPO training, {TRAIN_JOBS} `calibrl train` processes at once: rewriter (binary, binary + "
+                      "dynamic sampling, blended dense reward), agent (GRPO vs CalibAdv)"):
+        for name in START_ORDER:
+            print(f"    {name}: {_describe_run(name, settings, dense_rubric)}", flush=True)
+        concurrency = _train_in_processes(runs, out, report_to, metrics_port, progress)
+    trained = {name: (read_log(out / "runs" / name / "metrics.jsonl"), span.seconds)
+               for name, span in concurrency.spans.items()}
 
-        # 9 -------------------------------------------------------------------- evaluation
-        with stages.stage("evaluate every checkpoint on held-out tasks"):
-            curves: dict[str, list[tuple[int, dict[str, float]]]] = {}
-            for name in runs:
-                run_dir = out / "runs" / name
-                checkpoints = sorted((run_dir / "checkpoints").glob("step_*"), key=lambda p: int(p.name.split("_")[1]))
-                if name in REWRITE_ARMS:
-                    rows = _evaluate(clients, [str(c) for c in checkpoints], heldout_rewrites, rewrite_eval,
-                                     [c.name for c in checkpoints])
-                    metrics = [row.metrics for row in rows]
-                else:  # one record per question, so that the final checkpoint pairs with the base
-                    records = [_search_records(clients, c, heldout_search, search_eval) for c in checkpoints]
-                    search_records[name] = records[-1]
-                    metrics = [summary_metrics(r) for r in records]
-                curves[name] = [(int(c.name.split("_")[1]), m) for c, m in zip(checkpoints, metrics)]
-                final = curves[name][-1][1]
-                key = "hit@k" if name in REWRITE_ARMS else "f1"
-                print(f"    {name}: held-out {key} by step " + ", ".join(f"{s}: {m[key]:.3f}" for s, m in curves[name])
-                      + f" (final {final[key]:.3f})")
-                _log_heldout_table(trackers[name], curves[name])
+    # 9 -------------------------------------------------------------------- evaluation
+    with stages.stage("evaluate every checkpoint on held-out tasks"):
+        curves: dict[str, list[tuple[int, dict[str, float]]]] = {}
+        for name in runs:
+            run_dir = out / "runs" / name
+            checkpoints = sorted((run_dir / "checkpoints").glob("step_*"), key=lambda p: int(p.name.split("_")[1]))
+            if name in REWRITE_ARMS:
+                rows = _evaluate(clients, [str(c) for c in checkpoints], heldout_rewrites, rewrite_eval,
+                                 [c.name for c in checkpoints])
+                metrics = [row.metrics for row in rows]
+            else:  # one record per question, so that the final checkpoint pairs with the base
+                records = [_search_records(clients, c, heldout_search, search_eval) for c in checkpoints]
+                search_records[name] = records[-1]
+                metrics = [summary_metrics(r) for r in records]
+            curves[name] = [(int(c.name.split("_")[1]), m) for c, m in zip(checkpoints, metrics)]
+            final = curves[name][-1][1]
+            key = "hit@k" if name in REWRITE_ARMS else "f1"
+            print(f"    {name}: held-out {key} by step " + ", ".join(f"{s}: {m[key]:.3f}" for s, m in curves[name])
+                  + f" (final {final[key]:.3f})")
+            _log_heldout(out / "runs" / name, curves[name])
 
     labels = {
         "base": "base rewriter (untrained)",
@@ -596,7 +618,7 @@ def _train_and_evaluate(settings: DemoSettings, out: pathlib.Path, domain: Any, 
         title="calibrl demo: SME-calibrated rewards and calibrated advantages on a built-in domain",
         command="calibrl demo", machine="", settings=settings_table, rewrite_runs=rewrite_runs,
         search_runs=search_runs, top_k=settings.hit_k, stages=[], notes=notes,
-        search_analysis=analysis_results(search_records, labels),
+        search_analysis=analysis_results(search_records, labels), concurrency=concurrency,
     )
 
 
@@ -683,26 +705,75 @@ def _train_overrides(settings: DemoSettings, out: pathlib.Path, policy: pathlib.
     return overrides
 
 
-def _train(overrides: list[str], clients: _Clients, report_to: Sequence[str]) -> tuple[list[dict[str, Any]], float, Any]:
-    """Train one run; returns its metrics, its seconds and its trackers (still open)."""
-    from calibrl.config import to_dict
-    from calibrl.tracking import open_trackers
-    from calibrl.trainer.config import load_train_config
-    from calibrl.trainer.loop import train
+@dataclass
+class _Concurrency:
+    """The training stage's processes: when each ran, and the judge server's per-rubric
+    figures while both runs of ``CONCURRENT_PAIR`` ran (None without /metrics)."""
 
-    config = load_train_config(None, [*overrides, f"report_to={','.join(report_to) or 'none'}",
-                                      "tracking_project=calibrl-demo"])
-    tracker = open_trackers(config.trackers(), config.run_dir, project=config.tracking_project,
-                            config=to_dict(config))
-    judge = clients.judge if config.services.judge != "none" else None
-    started = time.perf_counter()
+    spans: dict[str, Any]  # name -> calibrl.demo.services.RunSpan
+    during_pair: dict[str, Any] | None = None  # rubric id -> judge_report.RubricServerStats
+
+
+def _train_in_processes(runs: dict[str, list[str]], out: pathlib.Path, report_to: Sequence[str], metrics_port: int,
+                        progress: bool) -> _Concurrency:
+    """Every training run as a `calibrl train` process, ``TRAIN_JOBS`` at once in
+    ``START_ORDER`` (the two agents of ``CONCURRENT_PAIR`` first, together); each logs
+    to its own trackers. A failed run is a DemoError with its log's tail."""
+    from calibrl.demo import judge_report as jr
+    from calibrl.demo.services import TrainingFailed, TrainingProcesses
+    from calibrl.trainer.diagnostics import read_log
+
+    tracking = [f"report_to={','.join(report_to) or 'none'}", "tracking_project=calibrl-demo"]
+    processes = TrainingProcesses({name: [*runs[name], *tracking] for name in START_ORDER}, out / "logs",
+                                  jobs=TRAIN_JOBS)
+    before = jr.scrape_judge_stats(metrics_port) if metrics_port else None
+    result = _Concurrency(spans={})
+
+    def on_exit(name: str, span: Any) -> None:
+        history = read_log(out / "runs" / name / "metrics.jsonl")
+        print(f"    {name} done at {span.end_s:.0f}s: {len(history)} steps in {span.seconds:.0f}s; reward "
+              f"{history[0]['reward']:.3f} -> {history[-1]['reward']:.3f}; mean frac_reward_zero_std "
+              f"{sum(h['frac_reward_zero_std'] for h in history) / len(history):.2f}", flush=True)
+        if before is not None and name in CONCURRENT_PAIR and result.during_pair is None:
+            after = jr.scrape_judge_stats(metrics_port)  # the first of the pair ended: the window closes
+            result.during_pair = {r: e.minus(before.get(r, jr.RubricServerStats())) for r, e in after.items()}
+
+    ticks = _ProgressTicks(out, runs) if progress else None
     try:
-        result = train(config, retrieval=clients.retrieval, judge=judge, background=clients.background,
-                       tracker=tracker)
-    except BaseException:
-        tracker.close()
-        raise
-    return list(result.history), time.perf_counter() - started, tracker
+        result.spans = processes.run(on_exit=on_exit, on_tick=ticks)
+    except TrainingFailed as exc:
+        raise DemoError(str(exc)) from None
+    return result
+
+
+class _ProgressTicks:
+    """Every ``every_s``, one line of steps done per running training run (from its metrics.jsonl)."""
+
+    def __init__(self, out: pathlib.Path, runs: dict[str, list[str]], every_s: float = 20.0) -> None:
+        self.out, self.every_s, self.next_s = out, every_s, every_s
+        self.steps = {name: next(o.split("=", 1)[1] for o in overrides if o.startswith("steps="))
+                      for name, overrides in runs.items()}
+
+    def __call__(self, seconds: float, running: list[str]) -> None:
+        if seconds < self.next_s or not running:
+            return
+        self.next_s = seconds + self.every_s
+        done = {}
+        for name in running:
+            path = self.out / "runs" / name / "metrics.jsonl"
+            done[name] = len(path.read_text(encoding="utf-8").splitlines()) if path.exists() else 0
+        print(f"    {seconds:.0f}s: " + ", ".join(f"{n} {d}/{self.steps[n]} steps" for n, d in done.items()),
+              flush=True)
+
+
+def _log_heldout(run_dir: pathlib.Path, curve: list[tuple[int, dict[str, float]]]) -> None:
+    """The held-out table into the run's own tracker runs (reopened to append, as
+    ``calibrl eval --run-dir`` does), under the run's tracking project."""
+    from calibrl.trainer.eval_report import log_to_run, run_trackers
+
+    names, project = run_trackers(run_dir)
+    if names:
+        log_to_run(run_dir, curve, names, project)
 
 
 # --- entry point ----------------------------------------------------------------------------------------------------
@@ -721,6 +792,10 @@ def prepare_out(out: pathlib.Path, overwrite: bool) -> str | None:
     return None
 
 
+def _exit_on_sigterm(signum: int, frame: Any) -> None:
+    raise SystemExit(128 + signum)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="calibrl demo",
@@ -733,7 +808,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--out", default="calibrl_demo_out", help="output folder (default: calibrl_demo_out)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the domain, the models and training (0)")
     parser.add_argument("--threads", type=int, default=1,
-                        help="torch threads of the demo process; each service gets one (default 1)")
+                        help="torch threads of the demo process; each service and training process gets one "
+                        "(default 1)")
     parser.add_argument("--overwrite", action="store_true",
                         help="replace --out even if it holds something other than an earlier demo run")
     parser.add_argument("--no-progress", action="store_true", help="hide progress bars")
@@ -767,12 +843,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         from calibrl.retrieval_server.cli import hide_library_progress_bars
 
         hide_library_progress_bars()
+    previous = signal.signal(signal.SIGTERM, _exit_on_sigterm)  # stop the children and services on the way out
     try:
         run_demo(settings, out, seed=args.seed, threads=args.threads, progress=not args.no_progress,
                  command=command, report_to=report_to)
     except CalibrlError as exc:
         print(f"\ndemo failed: {exc}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:
+        print("\ndemo interrupted: training processes and services stopped", file=sys.stderr)
+        return 130
+    finally:
+        signal.signal(signal.SIGTERM, previous)
     print(f"\ncalibrl demo ({settings.name}) finished in {time.perf_counter() - started:.0f}s")
     return 0
 
