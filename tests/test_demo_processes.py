@@ -17,7 +17,8 @@ from calibrl.demo.services import RunSpan, TrainingFailed, TrainingProcesses, ov
 from tests.test_trainer_support import RUBRIC_ID, one_torch_thread, trainer_world  # noqa: F401  (fixtures)
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-PYTHON = [sys.executable, "-c"]  # each run's "overrides" is a Python program: the supervisor, not the trainer, under test
+# each run's "overrides" is a Python program: the supervisor, not the trainer, is under test
+PYTHON = [sys.executable, "-c"]
 
 
 def test_runs_start_in_order_at_most_jobs_at_once(tmp_path: pathlib.Path) -> None:

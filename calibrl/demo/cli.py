@@ -21,17 +21,18 @@ Stages, in order (each prints what it did; the report lists their times):
 8. train the rewriter with GRPO three times, binary hit@1 reward, binary + dynamic
    sampling, and the blended dense reward (0.7 MRR@10 + 0.3 rubric, the LLM rubric when
    it passed its gate), and the search agent twice, GRPO vs CalibAdv (its search steps
-   scored on the step rubric): each run a ``calibrl train`` process, two at once, the
-   dense rewriter and the GRPO search agent first and together (two agents, two
-   rubrics, one judge server); each run's metrics are what it gives alone;
+   scored on the step rubric): the dense rewriter and the GRPO search agent first, as two
+   ``calibrl train`` processes at once (two agents, two rubrics, one judge server), then
+   the other three in this process; each run's metrics are what it gives alone;
 9. evaluate every checkpoint on held-out tasks (the table goes into each run's own
    tracker runs); write the table, plots and report, with when each process ran and
    what the judge server did per rubric while the two agents ran at once.
 
-Stages 2-4, 6, 7 and 9 call the library in this process (the functions behind the CLI
+Stages 2-4 and 6-9 call the library in this process (the functions behind the CLI
 commands: ``calibrl.judge_server.distill``, ``calibrl.judge_server.validation``, ``calibrl.retrieval_server.index``,
-``calibrl.trainer.eval``); the services are the real servers and the training runs the
-real ``calibrl train``, each in its own process, reaching the services over gRPC.
+``calibrl.trainer.loop.train``, ``calibrl.trainer.eval``); the services are the real servers, and
+two training runs the real ``calibrl train``, each in its own process, reaching the services
+over gRPC.
 """
 
 from __future__ import annotations
@@ -58,9 +59,11 @@ RUBRIC_ID = "demo-rewriter"
 STEP_RUBRIC_ID = "search-steps"  # the search agent's step rubric, served by the same judge as the rewriter's
 STEP_RUBRIC = pathlib.Path(__file__).resolve().parents[2] / "configs" / "rubrics" / f"{STEP_RUBRIC_ID}.yaml"
 REWRITE_ARMS = ("binary", "binary_ds", "dense")  # the rewriter's training runs
-TRAIN_JOBS = 2  # training processes at once (one torch thread each; the machine the demo targets has 2 cores)
-CONCURRENT_PAIR = ("dense", "grpo")  # two agents, two rubrics, one judge server: started together
-START_ORDER = ("dense", "grpo", "calibadv", "binary_ds", "binary")  # the longest runs first, within the pair's rule
+# Two agents, two rubrics, one judge server: these two runs are `calibrl train` processes, started together.
+CONCURRENT_PAIR = ("dense", "grpo")
+# Then these, one after another in the demo process: on 2 cores more processes at once did not cut the wall
+# time (the CPUs are already busy) and each process start (torch, transformers) costs 10-15 s (benchmarks/README).
+IN_PROCESS = ("binary", "binary_ds", "calibadv")
 MARKER = ".calibrl-demo"  # marks a folder as a demo run's output, which a later run may replace
 RETRIEVAL_MODE = "bm25"
 PASS_THRESHOLD = 0.8  # the judge passes a golden item when its rubric total is at least this
@@ -420,8 +423,7 @@ def _add_judge_sections(report: Any, validations: dict[str, Any], judge_model: A
     concurrency = report.concurrency
     if concurrency is not None:
         labels = {r.name: f"{r.name}: {r.label}" for r in [*report.rewrite_runs, *report.search_runs]}
-        lines += jr.concurrency_section(concurrency.spans, CONCURRENT_PAIR, labels, concurrency.during_pair,
-                                        TRAIN_JOBS)
+        lines += jr.concurrency_section(concurrency.spans, CONCURRENT_PAIR, labels, concurrency.during_pair)
     if not metrics_port:
         report.notes.append("The judge server's per-rubric calls, batch sizes and cache hits come from its Prometheus "
                             "/metrics, which needs the prometheus extra: pip install 'calibrl[prometheus]'.")
@@ -463,16 +465,17 @@ def _concurrency_json(concurrency: _Concurrency) -> dict[str, Any]:
 
 
 class _Clients:
-    """The demo's gRPC client of the retrieval service (evaluation, warm start), bound to
-    its background event loop, and both services' targets (the training processes')."""
+    """gRPC clients of the two services, bound to the demo's background event loop, and
+    their targets (what the training processes reach)."""
 
     def __init__(self, retrieval_target: str, judge_target: str, background: Any) -> None:
-        from calibrl.trainer.grpc_clients import GrpcRetrievalClient
+        from calibrl.trainer.grpc_clients import GrpcJudgeClient, GrpcRetrievalClient
 
         self.background = background
         self.retrieval_target = retrieval_target
         self.judge_target = judge_target
         self.retrieval = GrpcRetrievalClient(retrieval_target, timeout_s=60.0)
+        self.judge = GrpcJudgeClient(judge_target, timeout_s=60.0)
 
     def search_many(self, queries: Sequence[str], top_k: int) -> list[list[Any]]:
         from calibrl.retrieval_server.types import SearchMode
@@ -485,8 +488,9 @@ class _Clients:
         return results
 
     def close(self) -> None:
-        with contextlib.suppress(Exception):
-            self.background.run(self.retrieval.close(), timeout=10)
+        for client in (self.retrieval, self.judge):
+            with contextlib.suppress(Exception):
+                self.background.run(client.close(), timeout=10)
 
 
 def _train_and_evaluate(settings: DemoSettings, out: pathlib.Path, domain: Any, files: Any, clients: _Clients,
@@ -528,17 +532,19 @@ def _train_and_evaluate(settings: DemoSettings, out: pathlib.Path, domain: Any, 
               f"{base_agent['f1']:.3f}, well-formed {base_agent['well_formed']:.3f} on {len(heldout_search)} questions")
 
     # 8 -------------------------------------------------------------------- training
+    bars = {name: progress and name in IN_PROCESS for name in (*REWRITE_ARMS, "grpo", "calibadv")}  # processes: logs
     runs = {
-        **{arm: _train_overrides(settings, out, bases.rewriter, files.train_tasks, clients, arm, seed, False,
-                                 dense_rubric) for arm in REWRITE_ARMS},  # no bars: the processes write to logs
-        "grpo": _train_overrides(settings, out, bases.agent, files.multistep_train, clients, "grpo", seed, False),
-        "calibadv": _train_overrides(settings, out, bases.agent, files.multistep_train, clients, "calibadv", seed, False),
+        **{arm: _train_overrides(settings, out, bases.rewriter, files.train_tasks, clients, arm, seed, bars[arm],
+                                 dense_rubric) for arm in REWRITE_ARMS},
+        "grpo": _train_overrides(settings, out, bases.agent, files.multistep_train, clients, "grpo", seed,
+                                 bars["grpo"]),
+        "calibadv": _train_overrides(settings, out, bases.agent, files.multistep_train, clients, "calibadv", seed,
+                                     bars["calibadv"]),
     }
-    with stages.stage(f"GRPO training, {TRAIN_JOBS} `calibrl train` processes at once: rewriter (binary, binary + "
-                      "dynamic sampling, blended dense reward), agent (GRPO vs CalibAdv)"):
-        for name in START_ORDER:
-            print(f"    {name}: {_describe_run(name, settings, dense_rubric)}", flush=True)
-        concurrency = _train_in_processes(runs, out, report_to, metrics_port, progress)
+    with stages.stage("GRPO training: the dense rewriter and the GRPO search agent as two `calibrl train` processes at "
+                      "once, then binary, binary + dynamic sampling and CalibAdv"):
+        concurrency = _train_runs(runs, out, clients, report_to, metrics_port, progress,
+                                  describe=lambda name: _describe_run(name, settings, dense_rubric))
     trained = {name: (read_log(out / "runs" / name / "metrics.jsonl"), span.seconds)
                for name, span in concurrency.spans.items()}
 
@@ -714,36 +720,58 @@ class _Concurrency:
     during_pair: dict[str, Any] | None = None  # rubric id -> judge_report.RubricServerStats
 
 
-def _train_in_processes(runs: dict[str, list[str]], out: pathlib.Path, report_to: Sequence[str], metrics_port: int,
-                        progress: bool) -> _Concurrency:
-    """Every training run as a `calibrl train` process, ``TRAIN_JOBS`` at once in
-    ``START_ORDER`` (the two agents of ``CONCURRENT_PAIR`` first, together); each logs
-    to its own trackers. A failed run is a DemoError with its log's tail."""
+def _train_runs(runs: dict[str, list[str]], out: pathlib.Path, clients: _Clients, report_to: Sequence[str],
+                metrics_port: int, progress: bool, describe: Any) -> _Concurrency:
+    """The runs of ``CONCURRENT_PAIR`` as two `calibrl train` processes at once, then those
+    of ``IN_PROCESS`` one after another in this process; each logs to its own trackers.
+    A failed process is a DemoError with its log's tail."""
     from calibrl.demo import judge_report as jr
-    from calibrl.demo.services import TrainingFailed, TrainingProcesses
-    from calibrl.trainer.diagnostics import read_log
+    from calibrl.demo.services import RunSpan, TrainingFailed, TrainingProcesses
 
     tracking = [f"report_to={','.join(report_to) or 'none'}", "tracking_project=calibrl-demo"]
-    processes = TrainingProcesses({name: [*runs[name], *tracking] for name in START_ORDER}, out / "logs",
-                                  jobs=TRAIN_JOBS)
+    processes = TrainingProcesses({name: [*runs[name], *tracking] for name in CONCURRENT_PAIR}, out / "logs",
+                                  jobs=len(CONCURRENT_PAIR))
     before = jr.scrape_judge_stats(metrics_port) if metrics_port else None
     result = _Concurrency(spans={})
 
     def on_exit(name: str, span: Any) -> None:
-        history = read_log(out / "runs" / name / "metrics.jsonl")
-        print(f"    {name} done at {span.end_s:.0f}s: {len(history)} steps in {span.seconds:.0f}s; reward "
-              f"{history[0]['reward']:.3f} -> {history[-1]['reward']:.3f}; mean frac_reward_zero_std "
-              f"{sum(h['frac_reward_zero_std'] for h in history) / len(history):.2f}", flush=True)
-        if before is not None and name in CONCURRENT_PAIR and result.during_pair is None:
+        _print_run(out, name, span)
+        if before is not None and result.during_pair is None:
             after = jr.scrape_judge_stats(metrics_port)  # the first of the pair ended: the window closes
             result.during_pair = {r: e.minus(before.get(r, jr.RubricServerStats())) for r, e in after.items()}
 
-    ticks = _ProgressTicks(out, runs) if progress else None
+    for name in CONCURRENT_PAIR:
+        print(f"    {name} (`calibrl train` process, logs/train_{name}.log): {describe(name)}", flush=True)
     try:
-        result.spans = processes.run(on_exit=on_exit, on_tick=ticks)
+        result.spans = processes.run(on_exit=on_exit, on_tick=_ProgressTicks(out, runs) if progress else None)
     except TrainingFailed as exc:
         raise DemoError(str(exc)) from None
+    for name in IN_PROCESS:
+        print(f"    {name} (in the demo process): {describe(name)}", flush=True)
+        started = time.monotonic() - processes.started
+        _train(runs[name] + tracking, clients)
+        result.spans[name] = RunSpan(name, started, time.monotonic() - processes.started, 0, where="demo process")
+        _print_run(out, name, result.spans[name])
     return result
+
+
+def _train(overrides: list[str], clients: _Clients) -> None:
+    """Train one run in this process (its trackers opened and closed by the trainer)."""
+    from calibrl.trainer.config import load_train_config
+    from calibrl.trainer.loop import train
+
+    config = load_train_config(None, overrides)
+    judge = clients.judge if config.services.judge != "none" else None
+    train(config, retrieval=clients.retrieval, judge=judge, background=clients.background)
+
+
+def _print_run(out: pathlib.Path, name: str, span: Any) -> None:
+    from calibrl.trainer.diagnostics import read_log
+
+    history = read_log(out / "runs" / name / "metrics.jsonl")
+    print(f"      {name} done at {span.end_s:.0f}s: {len(history)} steps in {span.seconds:.0f}s; reward "
+          f"{history[0]['reward']:.3f} -> {history[-1]['reward']:.3f}; mean frac_reward_zero_std "
+          f"{sum(h['frac_reward_zero_std'] for h in history) / len(history):.2f}", flush=True)
 
 
 class _ProgressTicks:

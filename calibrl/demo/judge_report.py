@@ -153,18 +153,20 @@ def server_section(stats: Mapping[str, RubricServerStats], served: Mapping[str, 
 
 
 def concurrency_section(spans: Mapping[str, Any], pair: tuple[str, str], labels: Mapping[str, str],
-                        during: Mapping[str, RubricServerStats] | None, jobs: int) -> list[str]:
+                        during: Mapping[str, RubricServerStats] | None) -> list[str]:
     """Markdown: when each training process ran (``spans``: name -> :class:`calibrl.demo.services.RunSpan`),
     how long the two agents of ``pair`` overlapped, and what the judge server did for each
     rubric while both ran (``during``: the /metrics difference over that window)."""
     from calibrl.demo.services import overlap_seconds
 
     lines = ["## Two agents on one judge server at once", "",
-             f"Every training run was its own `calibrl train` process, at most {jobs} at once, each reaching the "
-             "retrieval and judge servers over gRPC. Times are seconds since the training stage started.", "",
-             "| run | process start (s) | end (s) | wall (s) |", "| --- | --- | --- | --- |"]
+             f"The `{pair[0]}` and `{pair[1]}` runs were two `calibrl train` processes started together, each "
+             "reaching the retrieval and judge servers over gRPC; the demo trained the others itself afterwards. "
+             "Times are seconds since the training stage started (a process's include its start-up).", "",
+             "| run | where | start (s) | end (s) | wall (s) |", "| --- | --- | --- | --- | --- |"]
     for name, span in spans.items():
-        lines.append(f"| {labels.get(name, name)} | {span.start_s:.1f} | {span.end_s:.1f} | {span.seconds:.1f} |")
+        lines.append(f"| {labels.get(name, name)} | {span.where} | {span.start_s:.1f} | {span.end_s:.1f} | "
+                     f"{span.seconds:.1f} |")
     first, second = (spans.get(name) for name in pair)
     if first is None or second is None:
         return lines + [""]
@@ -236,6 +238,7 @@ def dynamic_sampling_lines(binary: Any, dynamic: Any, dense: Any, k: int, n_task
 
 
 __all__ = [
-    "DISAGREEMENT_KEY", "RubricServerStats", "concurrency_section", "disagreement_lines", "dynamic_sampling_lines", "parse_judge_stats",
+    "DISAGREEMENT_KEY", "RubricServerStats", "concurrency_section", "disagreement_lines", "dynamic_sampling_lines",
+    "parse_judge_stats",
     "plot_disagreement", "scrape_judge_stats", "server_section", "validation_rows", "validation_section",
 ]

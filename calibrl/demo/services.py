@@ -144,13 +144,15 @@ class RunSpan:
     start_s: float
     end_s: float = math.nan
     returncode: int | None = None
+    where: str = "calibrl train process"  # or "demo process" (a run the demo trained itself)
 
     @property
     def seconds(self) -> float:
         return self.end_s - self.start_s
 
     def to_json(self) -> dict[str, Any]:
-        return {"start_s": round(self.start_s, 2), "end_s": round(self.end_s, 2), "seconds": round(self.seconds, 2)}
+        return {"where": self.where, "start_s": round(self.start_s, 2), "end_s": round(self.end_s, 2),
+                "seconds": round(self.seconds, 2)}
 
 
 def overlap_seconds(a: RunSpan, b: RunSpan) -> float:
@@ -177,7 +179,7 @@ class TrainingProcesses:
         self.command = list(command) if command is not None else [*calibrl_command(), "train", "--log-level", "INFO"]
         self.spans: dict[str, RunSpan] = {}
         self._running: dict[str, tuple[subprocess.Popen, Any]] = {}
-        self._started = 0.0
+        self.started = time.monotonic()  # reset when run() starts: the spans' zero
 
     def log_path(self, name: str) -> pathlib.Path:
         return self.logs / f"train_{name}.log"
@@ -188,7 +190,7 @@ class TrainingProcesses:
         run has finished well (the others may still run); ``on_tick(seconds, running)``
         about every ``poll_s``."""
         self.logs.mkdir(parents=True, exist_ok=True)
-        self._started = time.monotonic()
+        self.started = time.monotonic()
         waiting = list(self.runs)
         try:
             while waiting or self._running:
@@ -203,7 +205,7 @@ class TrainingProcesses:
                     if on_exit is not None:
                         on_exit(name, span)
                 if on_tick is not None:
-                    on_tick(time.monotonic() - self._started, list(self._running))
+                    on_tick(time.monotonic() - self.started, list(self._running))
         finally:
             self.stop()
         return dict(self.spans)
@@ -216,13 +218,13 @@ class TrainingProcesses:
         process = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=service_env(1),
                                    start_new_session=True)  # Ctrl-C reaches the demo, which stops the runs
         self._running[name] = (process, log)
-        self.spans[name] = RunSpan(name, time.monotonic() - self._started)
+        self.spans[name] = RunSpan(name, time.monotonic() - self.started)
 
     def _finish(self, name: str) -> RunSpan:
         process, log = self._running.pop(name)
         log.close()
         span = self.spans[name]
-        span.end_s, span.returncode = time.monotonic() - self._started, process.returncode
+        span.end_s, span.returncode = time.monotonic() - self.started, process.returncode
         return span
 
     def stop(self, grace_s: float = 30.0) -> None:
