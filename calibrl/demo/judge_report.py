@@ -154,7 +154,7 @@ def server_section(stats: Mapping[str, RubricServerStats], served: Mapping[str, 
 
 def concurrency_section(spans: Mapping[str, Any], pair: tuple[str, str], labels: Mapping[str, str],
                         during: Mapping[str, RubricServerStats] | None) -> list[str]:
-    """Markdown: when each training process ran (``spans``: name -> :class:`calibrl.demo.services.RunSpan`),
+    """Markdown: when and where each training run ran (``spans``: name -> :class:`calibrl.demo.services.RunSpan`),
     how long the two agents of ``pair`` overlapped, and what the judge server did for each
     rubric while both ran (``during``: the /metrics difference over that window)."""
     from calibrl.demo.services import overlap_seconds
@@ -162,7 +162,8 @@ def concurrency_section(spans: Mapping[str, Any], pair: tuple[str, str], labels:
     lines = ["## Two agents on one judge server at once", "",
              f"The `{pair[0]}` and `{pair[1]}` runs were two `calibrl train` processes started together, each "
              "reaching the retrieval and judge servers over gRPC; the demo trained the others itself afterwards. "
-             "Times are seconds since the training stage started (a process's include its start-up).", "",
+             "Times are seconds since the training stage started; a process's wall time includes its start-up "
+             "(torch, transformers, the policy).", "",
              "| run | where | start (s) | end (s) | wall (s) |", "| --- | --- | --- | --- | --- |"]
     for name, span in spans.items():
         lines.append(f"| {labels.get(name, name)} | {span.where} | {span.start_s:.1f} | {span.end_s:.1f} | "
