@@ -749,20 +749,33 @@ def _train_runs(runs: dict[str, list[str]], out: pathlib.Path, clients: _Clients
     for name in IN_PROCESS:
         print(f"    {name} (in the demo process): {describe(name)}", flush=True)
         started = time.monotonic() - processes.started
-        _train(runs[name] + tracking, clients)
+        _, _, tracker = _train(runs[name], clients, report_to)
+        tracker.close()  # the held-out table is appended after evaluation, as for the processes
         result.spans[name] = RunSpan(name, started, time.monotonic() - processes.started, 0, where="demo process")
         _print_run(out, name, result.spans[name])
     return result
 
 
-def _train(overrides: list[str], clients: _Clients) -> None:
-    """Train one run in this process (its trackers opened and closed by the trainer)."""
+def _train(overrides: list[str], clients: _Clients, report_to: Sequence[str]) -> tuple[list[dict[str, Any]], float, Any]:
+    """Train one run; returns its metrics, its seconds and its trackers (still open)."""
+    from calibrl.config import to_dict
+    from calibrl.tracking import open_trackers
     from calibrl.trainer.config import load_train_config
     from calibrl.trainer.loop import train
 
-    config = load_train_config(None, overrides)
+    config = load_train_config(None, [*overrides, f"report_to={','.join(report_to) or 'none'}",
+                                      "tracking_project=calibrl-demo"])
+    tracker = open_trackers(config.trackers(), config.run_dir, project=config.tracking_project,
+                            config=to_dict(config))
     judge = clients.judge if config.services.judge != "none" else None
-    train(config, retrieval=clients.retrieval, judge=judge, background=clients.background)
+    started = time.perf_counter()
+    try:
+        result = train(config, retrieval=clients.retrieval, judge=judge, background=clients.background,
+                       tracker=tracker)
+    except BaseException:
+        tracker.close()
+        raise
+    return list(result.history), time.perf_counter() - started, tracker
 
 
 def _print_run(out: pathlib.Path, name: str, span: Any) -> None:
