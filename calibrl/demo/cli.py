@@ -25,7 +25,7 @@ Stages, in order (each prints what it did; the report lists their times):
    ``calibrl train`` processes at once (two agents, two rubrics, one judge server), then
    the other three in this process; each run's metrics are what it gives alone;
 9. evaluate every checkpoint on held-out tasks (the table goes into each run's own
-   tracker runs); write the table, plots and report, with when each process ran and
+   tracker runs); write the table, plots and report, with when each run trained and
    what the judge server did per rubric while the two agents ran at once.
 
 Stages 2-4 and 6-9 call the library in this process (the functions behind the CLI
@@ -713,7 +713,7 @@ def _train_overrides(settings: DemoSettings, out: pathlib.Path, policy: pathlib.
 
 @dataclass
 class _Concurrency:
-    """The training stage's processes: when each ran, and the judge server's per-rubric
+    """The training stage: when and where each run trained, and the judge server's per-rubric
     figures while both runs of ``CONCURRENT_PAIR`` ran (None without /metrics)."""
 
     spans: dict[str, Any]  # name -> calibrl.demo.services.RunSpan
