@@ -20,6 +20,9 @@ The instruments, by the key :func:`record` takes (Prometheus name in brackets):
 - ``cache`` (``calibrl_cache_lookups_total``): judge cache lookups, by result (hit|miss) and rubric
 - ``judge_calls`` (``calibrl_judge_calls_total``): judge Score calls, by rubric
 - ``judge_batch_size`` (``calibrl_judge_batch_size``): items per computed judge batch (callers joined), by rubric
+- ``judge_batch_mix`` (``calibrl_judge_batch_mix_total``): computed judge batches, by rubric, by how many Score
+  calls they joined (calls: one|several) and whether a call of another rubric was waiting meanwhile
+  (other_rubric: waiting|none); batches never mix rubrics
 - ``tenant_requests`` (``calibrl_tenant_requests_total``): authenticated calls, by tenant and method
 - ``refusals`` (``calibrl_tenant_refusals_total``): calls refused before any work, by tenant and
   reason (unauthenticated, request_size, rate_limit, queue_full)
@@ -137,6 +140,11 @@ def configure(
         "judge_batch_size": meter.create_histogram(
             "calibrl.judge.batch.size", unit="{item}",
             description="Items per computed judge batch (concurrent callers joined), by rubric"
+        ),
+        "judge_batch_mix": meter.create_counter(
+            "calibrl.judge.batch.mix",
+            description="Computed judge batches by rubric, Score calls joined (one|several) and whether a call "
+            "of another rubric was waiting (waiting|none)"
         ),
         "tenant_requests": meter.create_counter(
             "calibrl.tenant.requests", description="Authenticated calls by tenant and method"

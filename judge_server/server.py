@@ -2,7 +2,8 @@
 
 Score checks the request, answers cached items at once, and sends the rest through
 a :class:`calibrl.batching.MicroBatcher` keyed by rubric hash, so concurrent callers
-of the same rubric share one scoring batch. Errors become status codes in
+of the same rubric share one scoring batch (:class:`BatchMix` counts what each batch
+joined). Errors become status codes in
 ``calibrl.serving.rpc_errors``; the server keeps serving.
 
 ``start(config)`` is what tests and other components use: it starts the server on
@@ -12,6 +13,7 @@ the current event loop and returns a ``RunningServer`` (``.port``, ``.stop()``).
 from __future__ import annotations
 
 import logging
+import threading
 from typing import Any, Callable, Sequence
 
 from calibrl import telemetry
@@ -67,18 +69,57 @@ def rubric_to_proto(status: RubricStatus) -> pb.Rubric:
     return message
 
 
+class BatchMix:
+    """Which Score calls wait on the batcher, to tell what each computed batch mixed: how
+    many calls it joined, and whether a call of another rubric was waiting meanwhile (two
+    agents on one server). The worker thread reads what the event loop writes: a lock."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._call_of: dict[int, int] = {}  # id(item) -> its call's number, for items on the batcher
+        self._waiting: dict[str, int] = {}  # rubric id -> its calls on the batcher
+        self._calls = 0
+
+    def enter(self, rubric_id: str, items: Sequence[JudgeItem]) -> None:
+        with self._lock:
+            self._calls += 1
+            self._call_of.update((id(item), self._calls) for item in items)
+            self._waiting[rubric_id] = self._waiting.get(rubric_id, 0) + 1
+
+    def leave(self, rubric_id: str, items: Sequence[JudgeItem]) -> None:
+        with self._lock:
+            for item in items:
+                self._call_of.pop(id(item), None)
+            self._waiting[rubric_id] -= 1
+
+    def record(self, rubric_id: str, batch: Sequence[JudgeItem]) -> tuple[int, bool]:
+        """Count one computed batch of ``rubric_id`` (``judge_batch_mix``); returns the number
+        of calls it joined and whether a call of another rubric was waiting."""
+        with self._lock:
+            calls = len({self._call_of.get(id(item)) for item in batch})
+            others = any(n > 0 for r, n in self._waiting.items() if r != rubric_id)
+        telemetry.record("judge_batch_mix", 1, rubric=rubric_id, calls="several" if calls > 1 else "one",
+                         other_rubric="waiting" if others else "none")
+        return calls, others
+
+
 class JudgeServicer(judge_pb2_grpc.JudgeServiceServicer):
     def __init__(self, judge: Judge, batcher: MicroBatcher, tenant_of: TenantResolver = _authenticated_tenant) -> None:
         self.judge = judge
         self.batcher = batcher
         self.tenant_of = tenant_of
+        self.mix = BatchMix()
 
     async def score_items(self, rubric: Rubric, items: Sequence[JudgeItem],
                           timeout_s: float | None = None) -> list[ItemScore]:
         results, missing = self.judge.lookup(rubric, items)
         if missing:
             unique = list(dict.fromkeys(items[i] for i in missing))
-            computed = dict(zip(unique, await self.batcher.submit(rubric.hash, unique, timeout_s=timeout_s)))
+            self.mix.enter(rubric.id, unique)
+            try:
+                computed = dict(zip(unique, await self.batcher.submit(rubric.hash, unique, timeout_s=timeout_s)))
+            finally:
+                self.mix.leave(rubric.id, unique)
             for i in missing:
                 results[i] = computed[items[i]]
         return results  # type: ignore[return-value]
@@ -127,7 +168,9 @@ async def start(config: JudgeServerConfig, judge: Judge | None = None,
     log_rubric_statuses(judge)
 
     def process(rubric_hash: Any, items: list[JudgeItem]) -> list[ItemScore]:
-        return judge.compute(judge.rubric_by_hash(rubric_hash), items)
+        rubric = judge.rubric_by_hash(rubric_hash)
+        servicer.mix.record(rubric.id, items)
+        return judge.compute(rubric, items)
 
     batcher: MicroBatcher = MicroBatcher(process, max_batch_items=config.max_batch_items,
                                          max_queue_items=config.max_queue_items, max_wait_ms=config.max_wait_ms,

@@ -12,9 +12,10 @@ import sys
 import pytest
 
 from calibrl.demo import cli as demo_cli
-from calibrl.demo.services import Service, free_port
+from calibrl.demo.services import Service, calibrl_command, free_port
 from calibrl.errors import Unavailable
 from calibrl.sme.items import read_items
+from tests.test_tracking import _tensorboard
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
@@ -155,6 +156,29 @@ def test_quick_demo_end_to_end(tmp_path: pathlib.Path) -> None:
     assert "| search-steps | programmatic criteria | grpo, calibadv |" in report
     search_log = (out / "runs" / "grpo" / "metrics.jsonl").read_text()
     assert "steps/reward/mean" in search_log and "steps/new_gold_share" in search_log
+    # two agents at once: the dense rewriter and the GRPO search agent were two `calibrl train`
+    # processes started together that overlapped; the demo trained the other three itself afterwards
+    spans = judge["training_processes"]
+    assert list(spans) == [*demo_cli.CONCURRENT_PAIR, *demo_cli.IN_PROCESS] and judge["pair"] == ["dense", "grpo"]
+    assert judge["pair_overlap_s"] > 0 and spans["dense"]["start_s"] < 5 and spans["grpo"]["start_s"] < 5
+    assert {n: s["where"] for n, s in spans.items()} == {
+        **{n: "calibrl train process" for n in demo_cli.CONCURRENT_PAIR},
+        **{n: "demo process" for n in demo_cli.IN_PROCESS}}
+    later = [spans[n] for n in demo_cli.IN_PROCESS]
+    assert all(a["end_s"] <= b["start_s"] for a, b in zip(later, later[1:]))
+    assert later[0]["start_s"] >= max(spans[n]["end_s"] for n in demo_cli.CONCURRENT_PAIR)
+    during = judge["server_during_pair"]
+    assert set(during) == {"demo-rewriter-llm", "search-steps"}  # both agents called the server while both ran
+    for rubric_id, figures in during.items():
+        whole = judge["server"][rubric_id]
+        assert 0 < figures["calls"] <= whole["calls"] and figures["beside_batches"] <= figures["batches"]
+    assert "## Two agents on one judge server at once" in report and "ran at the same time for" in report
+    for name in demo_cli.CONCURRENT_PAIR:
+        assert (out / "logs" / f"train_{name}.log").read_text().startswith(calibrl_command()[0])
+    for name in (*demo_cli.CONCURRENT_PAIR, *demo_cli.IN_PROCESS):
+        scalars, texts = _tensorboard(out / "runs" / name)  # the run's own tracker run: its steps, then the table
+        assert "reward" in scalars and texts["heldout"].startswith("| step |")
+        assert len(texts["heldout"].splitlines()) == 2 + len(by_name[name]["heldout_curve"]) - 1  # less step 0
     # both services were stopped at the end (SIGTERM: NOT_SERVING, drain, exit)
     for log in ("serve_retrieval.log", "serve_judge.log"):
         assert (out / "logs" / log).stat().st_size > 0

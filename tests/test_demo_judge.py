@@ -132,5 +132,5 @@ def test_disagreement_plot_and_lines(tmp_path):
 def test_server_section_lists_every_served_rubric():
     stats = {"llm": jr.RubricServerStats(calls=4, batches=2, batch_items=30, cache_hits=2, cache_misses=30)}
     lines = jr.server_section(stats, {"llm": "LLM judge x", "steps": "programmatic criteria"}, {"llm": ["dense"]})
-    assert "| llm | LLM judge x | dense | 4 | 2 | 15.0 | 2 | 30 |" in lines
-    assert "| steps | programmatic criteria | none in this run | 0 | 0 | - | 0 | 0 |" in lines
+    assert "| llm | LLM judge x | dense | 4 | 2 | 15.0 | 0 | 0 | 2 | 30 |" in lines
+    assert "| steps | programmatic criteria | none in this run | 0 | 0 | - | 0 | 0 | 0 | 0 |" in lines

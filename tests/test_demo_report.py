@@ -87,3 +87,22 @@ def test_read_log_missing_file_is_empty(tmp_path: pathlib.Path) -> None:
     assert read_log(tmp_path / "nope.jsonl") == []
     (tmp_path / "m.jsonl").write_text('{"step": 1, "reward": 0.5}\n\n{"step": 2, "reward": 0.7}\n')
     assert [r["step"] for r in read_log(tmp_path / "m.jsonl")] == [1, 2]
+
+
+def test_concurrency_section_shows_spans_overlap_and_server_figures_while_both_ran() -> None:
+    from calibrl.demo.judge_report import RubricServerStats, concurrency_section
+    from calibrl.demo.services import RunSpan
+
+    spans = {"dense": RunSpan("dense", 0.0, 40.0), "grpo": RunSpan("grpo", 0.5, 80.5),
+             "binary": RunSpan("binary", 80.5, 110.5, 0, where="demo process")}
+    during = {"llm": RubricServerStats(calls=30, batches=20, batch_items=400, shared_batches=5, beside_batches=7,
+                                       cache_misses=410),
+              "unused": RubricServerStats()}
+    text = "\n".join(concurrency_section(spans, ("dense", "grpo"), {"dense": "dense: blended"}, during))
+    assert "| dense: blended | calibrl train process | 0.0 | 40.0 | 40.0 |" in text
+    assert "| binary | demo process | 80.5 | 110.5 | 30.0 |" in text
+    assert "at the same time for 39.5 s (99% of `dense`'s wall time, 49% of `grpo`'s)" in text
+    assert "| llm | 30 | 20 | 20.0 | 5 | 7 | 0 | 410 |" in text and "| unused |" not in text
+    # without /metrics: the spans and the overlap only; without the pair: the spans only
+    assert "judge server did" not in "\n".join(concurrency_section(spans, ("dense", "grpo"), {}, None))
+    assert "at the same time" not in "\n".join(concurrency_section(spans, ("dense", "calibadv"), {}, None))

@@ -19,12 +19,12 @@ from tests.conftest import torch_threads_one
 from tests.test_judge_server import UNVALIDATED, VALIDATED
 
 from calibrl import telemetry
-from calibrl.demo.judge_report import parse_judge_stats, scrape_judge_stats
+from calibrl.demo.judge_report import RubricServerStats, parse_judge_stats, scrape_judge_stats
 from calibrl.judge_server import wire
 from calibrl.judge_server.config import JudgeConfig, JudgeServerConfig
 from calibrl.judge_server.judge import Judge
 from calibrl.judge_server.rubric import load_rubric
-from calibrl.judge_server.server import start
+from calibrl.judge_server.server import BatchMix, start
 from calibrl.judge_server.types import JudgeItem
 from calibrl.judge_server.validation import ValidationRecord, validation_path, write_record
 from calibrl.telemetry import TelemetryConfig
@@ -162,12 +162,35 @@ calibrl_judge_batch_size_sum{rubric="a"} 24.0
 calibrl_cache_lookups_total{result="hit",rubric="a"} 5.0
 calibrl_cache_lookups_total{result="miss",rubric="a"} 24.0
 calibrl_cache_lookups_total{result="miss"} 7.0
+# TYPE calibrl_judge_batch_mix_total counter
+calibrl_judge_batch_mix_total{calls="one",other_rubric="none",rubric="a"} 1.0
+calibrl_judge_batch_mix_total{calls="several",other_rubric="waiting",rubric="a"} 1.0
 """
     stats = parse_judge_stats(text)
     assert set(stats) == {"a", "b"}
     assert (stats["a"].calls, stats["a"].batches, stats["a"].mean_batch_size, stats["a"].cache_hits,
-            stats["a"].cache_misses) == (3, 2, 12.0, 5, 24)
+            stats["a"].cache_misses, stats["a"].shared_batches, stats["a"].beside_batches) == (3, 2, 12.0, 5, 24, 1, 1)
     assert stats["b"].calls == 1 and stats["b"].batches == 0 and stats["b"].to_json()["mean_batch_size"] is None
+    # the figures between two scrapes
+    later = parse_judge_stats(text.replace('rubric="a"} 3.0', 'rubric="a"} 7.0'))
+    assert later["a"].minus(stats["a"]).to_json() == {**RubricServerStats().to_json(), "calls": 4}
+
+
+def test_batch_mix_counts_the_calls_a_batch_joined_and_other_rubrics_waiting():
+    """A batch's items are told apart by call, not by content: two calls with equal items
+    are two calls."""
+    mix = BatchMix()
+    first, second = [JudgeItem.make("q", "same output")], [JudgeItem.make("q", "same output")]
+    steps = [JudgeItem.make("question", "step query")]
+    mix.enter("rewriter", first)
+    mix.enter("rewriter", second)
+    assert mix.record("rewriter", [*first, *second]) == (2, False)
+    mix.enter("search-steps", steps)
+    assert mix.record("rewriter", first) == (1, True)  # the search agent's call waited meanwhile
+    assert mix.record("search-steps", steps) == (1, True)
+    mix.leave("rewriter", first)
+    mix.leave("rewriter", second)
+    assert mix.record("search-steps", steps) == (1, False)
 
 
 def test_max_docs_zero_is_accepted_and_negative_refused():

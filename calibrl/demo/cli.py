@@ -20,13 +20,19 @@ Stages, in order (each prints what it did; the report lists their times):
 7. evaluate the untrained bases on held-out tasks;
 8. train the rewriter with GRPO three times, binary hit@1 reward, binary + dynamic
    sampling, and the blended dense reward (0.7 MRR@10 + 0.3 rubric, the LLM rubric when
-   it passed its gate), and the search agent twice, GRPO vs CalibAdv;
-9. evaluate every checkpoint on held-out tasks; write the table, plots and report.
+   it passed its gate), and the search agent twice, GRPO vs CalibAdv (its search steps
+   scored on the step rubric): the dense rewriter and the GRPO search agent first, as two
+   ``calibrl train`` processes at once (two agents, two rubrics, one judge server), then
+   the other three in this process; each run's metrics are what it gives alone;
+9. evaluate every checkpoint on held-out tasks (the table goes into each run's own
+   tracker runs); write the table, plots and report, with when each run trained and
+   what the judge server did per rubric while the two agents ran at once.
 
 Stages 2-4 and 6-9 call the library in this process (the functions behind the CLI
 commands: ``calibrl.judge_server.distill``, ``calibrl.judge_server.validation``, ``calibrl.retrieval_server.index``,
-``calibrl.trainer.loop.train``, ``calibrl.trainer.eval``); the services are the real servers, in
-their own processes, reached over gRPC exactly as ``calibrl train`` reaches them.
+``calibrl.trainer.loop.train``, ``calibrl.trainer.eval``); the services are the real servers, and
+two training runs the real ``calibrl train``, each in its own process, reaching the services
+over gRPC.
 """
 
 from __future__ import annotations
@@ -38,6 +44,7 @@ import os
 import pathlib
 import platform
 import shutil
+import signal
 import sys
 import time
 from dataclasses import dataclass
@@ -47,12 +54,16 @@ from calibrl.demo.search_design import FULL_SEARCH, QUICK_SEARCH, SearchDesign, 
 from calibrl.demo.search_design import eval_settings as search_eval_settings
 from calibrl.demo.search_design import train_overrides as search_train_overrides
 from calibrl.errors import CalibrlError
-from calibrl.tracking import log_heldout_table as _log_heldout_table
 
 RUBRIC_ID = "demo-rewriter"
 STEP_RUBRIC_ID = "search-steps"  # the search agent's step rubric, served by the same judge as the rewriter's
 STEP_RUBRIC = pathlib.Path(__file__).resolve().parents[2] / "configs" / "rubrics" / f"{STEP_RUBRIC_ID}.yaml"
 REWRITE_ARMS = ("binary", "binary_ds", "dense")  # the rewriter's training runs
+# Two agents, two rubrics, one judge server: these two runs are `calibrl train` processes, started together.
+CONCURRENT_PAIR = ("dense", "grpo")
+# Then these, one after another in the demo process: on 2 cores more processes at once did not cut the wall
+# time (the CPUs are already busy) and each process start (torch, transformers) costs 10-15 s (benchmarks/README).
+IN_PROCESS = ("binary", "binary_ds", "calibadv")
 MARKER = ".calibrl-demo"  # marks a folder as a demo run's output, which a later run may replace
 RETRIEVAL_MODE = "bm25"
 PASS_THRESHOLD = 0.8  # the judge passes a golden item when its rubric total is at least this
@@ -243,7 +254,7 @@ def run_demo(settings: DemoSettings, out: pathlib.Path, *, seed: int = 0, thread
                     notes.append(f"The LLM rubric FAILED its validation gate ({judge_model.validation.reason}); the "
                                  f"dense reward used the programmatic rubric {RUBRIC_ID} instead.")
                 report = _train_and_evaluate(settings, out, domain, files, clients, stages, seed, progress, report_to,
-                                             dense_rubric=dense_rubric)
+                                             dense_rubric=dense_rubric, metrics_port=metrics_port)
                 with stages.stage("SME time: validation kappa vs expert reviews, representative vs random sampling"):
                     from calibrl.sme.study import run_demo_study  # the experiment lives in calibrl/sme/study.py
 
@@ -409,7 +420,11 @@ def _add_judge_sections(report: Any, validations: dict[str, Any], judge_model: A
         except OSError as exc:
             report.notes.append(f"The judge server's /metrics could not be read ({exc}); no per-rubric figures.")
         lines += jr.server_section(stats, served, callers)
-    else:
+    concurrency = report.concurrency
+    if concurrency is not None:
+        labels = {r.name: f"{r.name}: {r.label}" for r in [*report.rewrite_runs, *report.search_runs]}
+        lines += jr.concurrency_section(concurrency.spans, CONCURRENT_PAIR, labels, concurrency.during_pair)
+    if not metrics_port:
         report.notes.append("The judge server's per-rubric calls, batch sizes and cache hits come from its Prometheus "
                             "/metrics, which needs the prometheus extra: pip install 'calibrl[prometheus]'.")
     band = HealthConfig().max_judge_retrieval_disagreement
@@ -430,11 +445,28 @@ def _add_judge_sections(report: Any, validations: dict[str, Any], judge_model: A
         "served": served,
         "server": {rubric_id: entry.to_json() for rubric_id, entry in stats.items()},
         "judge_model_seconds": {k: round(v, 2) for k, v in judge_model.seconds.items()},
+        **(_concurrency_json(concurrency) if concurrency is not None else {}),
+    }
+
+
+def _concurrency_json(concurrency: _Concurrency) -> dict[str, Any]:
+    """results.json: when each training process ran and the server's figures while the pair did."""
+    from calibrl.demo.services import overlap_seconds
+
+    spans = concurrency.spans
+    pair = [spans[n] for n in CONCURRENT_PAIR if n in spans]
+    return {
+        "training_processes": {name: span.to_json() for name, span in spans.items()},
+        "pair": list(CONCURRENT_PAIR),
+        "pair_overlap_s": round(overlap_seconds(*pair), 2) if len(pair) == 2 else None,
+        "server_during_pair": ({r: e.to_json() for r, e in concurrency.during_pair.items() if e.calls}
+                               if concurrency.during_pair is not None else None),
     }
 
 
 class _Clients:
-    """gRPC clients of the two services, bound to the demo's background event loop."""
+    """gRPC clients of the two services, bound to the demo's background event loop, and
+    their targets (what the training processes reach)."""
 
     def __init__(self, retrieval_target: str, judge_target: str, background: Any) -> None:
         from calibrl.trainer.grpc_clients import GrpcJudgeClient, GrpcRetrievalClient
@@ -463,7 +495,7 @@ class _Clients:
 
 def _train_and_evaluate(settings: DemoSettings, out: pathlib.Path, domain: Any, files: Any, clients: _Clients,
                         stages: Stages, seed: int, progress: bool, report_to: Sequence[str] = ("tensorboard",),
-                        dense_rubric: str = RUBRIC_ID) -> Any:
+                        dense_rubric: str = RUBRIC_ID, metrics_port: int = 0) -> Any:
     from calibrl.demo import report as rep
     from calibrl.demo.policy import PolicySpec, RewriteMix, build_base_policies
     from calibrl.trainer.diagnostics import read_log
@@ -500,46 +532,42 @@ def _train_and_evaluate(settings: DemoSettings, out: pathlib.Path, domain: Any, 
               f"{base_agent['f1']:.3f}, well-formed {base_agent['well_formed']:.3f} on {len(heldout_search)} questions")
 
     # 8 -------------------------------------------------------------------- training
+    bars = {name: progress and name in IN_PROCESS for name in (*REWRITE_ARMS, "grpo", "calibadv")}  # processes: logs
     runs = {
-        **{arm: _train_overrides(settings, out, bases.rewriter, files.train_tasks, clients, arm, seed, progress,
+        **{arm: _train_overrides(settings, out, bases.rewriter, files.train_tasks, clients, arm, seed, bars[arm],
                                  dense_rubric) for arm in REWRITE_ARMS},
-        "grpo": _train_overrides(settings, out, bases.agent, files.multistep_train, clients, "grpo", seed, progress),
-        "calibadv": _train_overrides(settings, out, bases.agent, files.multistep_train, clients, "calibadv", seed, progress),
+        "grpo": _train_overrides(settings, out, bases.agent, files.multistep_train, clients, "grpo", seed,
+                                 bars["grpo"]),
+        "calibadv": _train_overrides(settings, out, bases.agent, files.multistep_train, clients, "calibadv", seed,
+                                     bars["calibadv"]),
     }
-    trained: dict[str, tuple[list[dict[str, Any]], float]] = {}
-    trackers: dict[str, Any] = {}  # each run's trackers stay open for its held-out table
-    with contextlib.ExitStack() as open_trackers:
-        with stages.stage("GRPO training: rewriter (binary, binary + dynamic sampling, blended dense reward), agent "
-                          "(GRPO vs CalibAdv)"):
-            for name, overrides in runs.items():
-                print(f"    training {name}: {_describe_run(name, settings, dense_rubric)}", flush=True)
-                history, seconds, trackers[name] = _train(overrides, clients, report_to)
-                open_trackers.callback(trackers[name].close)
-                trained[name] = (history, seconds)
-                print(f"      {len(history)} steps in {trained[name][1]:.0f}s; reward {history[0]['reward']:.3f} -> "
-                      f"{history[-1]['reward']:.3f}; mean frac_reward_zero_std "
-                      f"{sum(h['frac_reward_zero_std'] for h in history) / len(history):.2f}", flush=True)
+    with stages.stage("GRPO training: the dense rewriter and the GRPO search agent as two `calibrl train` processes at "
+                      "once, then binary, binary + dynamic sampling and CalibAdv"):
+        concurrency = _train_runs(runs, out, clients, report_to, metrics_port, progress,
+                                  describe=lambda name: _describe_run(name, settings, dense_rubric))
+    trained = {name: (read_log(out / "runs" / name / "metrics.jsonl"), span.seconds)
+               for name, span in concurrency.spans.items()}
 
-        # 9 -------------------------------------------------------------------- evaluation
-        with stages.stage("evaluate every checkpoint on held-out tasks"):
-            curves: dict[str, list[tuple[int, dict[str, float]]]] = {}
-            for name in runs:
-                run_dir = out / "runs" / name
-                checkpoints = sorted((run_dir / "checkpoints").glob("step_*"), key=lambda p: int(p.name.split("_")[1]))
-                if name in REWRITE_ARMS:
-                    rows = _evaluate(clients, [str(c) for c in checkpoints], heldout_rewrites, rewrite_eval,
-                                     [c.name for c in checkpoints])
-                    metrics = [row.metrics for row in rows]
-                else:  # one record per question, so that the final checkpoint pairs with the base
-                    records = [_search_records(clients, c, heldout_search, search_eval) for c in checkpoints]
-                    search_records[name] = records[-1]
-                    metrics = [summary_metrics(r) for r in records]
-                curves[name] = [(int(c.name.split("_")[1]), m) for c, m in zip(checkpoints, metrics)]
-                final = curves[name][-1][1]
-                key = "hit@k" if name in REWRITE_ARMS else "f1"
-                print(f"    {name}: held-out {key} by step " + ", ".join(f"{s}: {m[key]:.3f}" for s, m in curves[name])
-                      + f" (final {final[key]:.3f})")
-                _log_heldout_table(trackers[name], curves[name])
+    # 9 -------------------------------------------------------------------- evaluation
+    with stages.stage("evaluate every checkpoint on held-out tasks"):
+        curves: dict[str, list[tuple[int, dict[str, float]]]] = {}
+        for name in runs:
+            run_dir = out / "runs" / name
+            checkpoints = sorted((run_dir / "checkpoints").glob("step_*"), key=lambda p: int(p.name.split("_")[1]))
+            if name in REWRITE_ARMS:
+                rows = _evaluate(clients, [str(c) for c in checkpoints], heldout_rewrites, rewrite_eval,
+                                 [c.name for c in checkpoints])
+                metrics = [row.metrics for row in rows]
+            else:  # one record per question, so that the final checkpoint pairs with the base
+                records = [_search_records(clients, c, heldout_search, search_eval) for c in checkpoints]
+                search_records[name] = records[-1]
+                metrics = [summary_metrics(r) for r in records]
+            curves[name] = [(int(c.name.split("_")[1]), m) for c, m in zip(checkpoints, metrics)]
+            final = curves[name][-1][1]
+            key = "hit@k" if name in REWRITE_ARMS else "f1"
+            print(f"    {name}: held-out {key} by step " + ", ".join(f"{s}: {m[key]:.3f}" for s, m in curves[name])
+                  + f" (final {final[key]:.3f})")
+            _log_heldout(out / "runs" / name, curves[name])
 
     labels = {
         "base": "base rewriter (untrained)",
@@ -596,7 +624,7 @@ def _train_and_evaluate(settings: DemoSettings, out: pathlib.Path, domain: Any, 
         title="calibrl demo: SME-calibrated rewards and calibrated advantages on a built-in domain",
         command="calibrl demo", machine="", settings=settings_table, rewrite_runs=rewrite_runs,
         search_runs=search_runs, top_k=settings.hit_k, stages=[], notes=notes,
-        search_analysis=analysis_results(search_records, labels),
+        search_analysis=analysis_results(search_records, labels), concurrency=concurrency,
     )
 
 
@@ -683,6 +711,51 @@ def _train_overrides(settings: DemoSettings, out: pathlib.Path, policy: pathlib.
     return overrides
 
 
+@dataclass
+class _Concurrency:
+    """The training stage: when and where each run trained, and the judge server's per-rubric
+    figures while both runs of ``CONCURRENT_PAIR`` ran (None without /metrics)."""
+
+    spans: dict[str, Any]  # name -> calibrl.demo.services.RunSpan
+    during_pair: dict[str, Any] | None = None  # rubric id -> judge_report.RubricServerStats
+
+
+def _train_runs(runs: dict[str, list[str]], out: pathlib.Path, clients: _Clients, report_to: Sequence[str],
+                metrics_port: int, progress: bool, describe: Any) -> _Concurrency:
+    """The runs of ``CONCURRENT_PAIR`` as two `calibrl train` processes at once, then those
+    of ``IN_PROCESS`` one after another in this process; each logs to its own trackers.
+    A failed process is a DemoError with its log's tail."""
+    from calibrl.demo import judge_report as jr
+    from calibrl.demo.services import RunSpan, TrainingFailed, TrainingProcesses
+
+    tracking = [f"report_to={','.join(report_to) or 'none'}", "tracking_project=calibrl-demo"]
+    processes = TrainingProcesses({name: [*runs[name], *tracking] for name in CONCURRENT_PAIR}, out / "logs",
+                                  jobs=len(CONCURRENT_PAIR))
+    before = jr.scrape_judge_stats(metrics_port) if metrics_port else None
+    result = _Concurrency(spans={})
+
+    def on_exit(name: str, span: Any) -> None:
+        _print_run(out, name, span)
+        if before is not None and result.during_pair is None:
+            after = jr.scrape_judge_stats(metrics_port)  # the first of the pair ended: the window closes
+            result.during_pair = {r: e.minus(before.get(r, jr.RubricServerStats())) for r, e in after.items()}
+
+    for name in CONCURRENT_PAIR:
+        print(f"    {name} (`calibrl train` process, logs/train_{name}.log): {describe(name)}", flush=True)
+    try:
+        result.spans = processes.run(on_exit=on_exit, on_tick=_ProgressTicks(out, runs) if progress else None)
+    except TrainingFailed as exc:
+        raise DemoError(str(exc)) from None
+    for name in IN_PROCESS:
+        print(f"    {name} (in the demo process): {describe(name)}", flush=True)
+        started = time.monotonic() - processes.started
+        _, _, tracker = _train(runs[name], clients, report_to)
+        tracker.close()  # the held-out table is appended after evaluation, as for the processes
+        result.spans[name] = RunSpan(name, started, time.monotonic() - processes.started, 0, where="demo process")
+        _print_run(out, name, result.spans[name])
+    return result
+
+
 def _train(overrides: list[str], clients: _Clients, report_to: Sequence[str]) -> tuple[list[dict[str, Any]], float, Any]:
     """Train one run; returns its metrics, its seconds and its trackers (still open)."""
     from calibrl.config import to_dict
@@ -705,6 +778,45 @@ def _train(overrides: list[str], clients: _Clients, report_to: Sequence[str]) ->
     return list(result.history), time.perf_counter() - started, tracker
 
 
+def _print_run(out: pathlib.Path, name: str, span: Any) -> None:
+    from calibrl.trainer.diagnostics import read_log
+
+    history = read_log(out / "runs" / name / "metrics.jsonl")
+    print(f"      {name} done at {span.end_s:.0f}s: {len(history)} steps in {span.seconds:.0f}s; reward "
+          f"{history[0]['reward']:.3f} -> {history[-1]['reward']:.3f}; mean frac_reward_zero_std "
+          f"{sum(h['frac_reward_zero_std'] for h in history) / len(history):.2f}", flush=True)
+
+
+class _ProgressTicks:
+    """Every ``every_s``, one line of steps done per running training run (from its metrics.jsonl)."""
+
+    def __init__(self, out: pathlib.Path, runs: dict[str, list[str]], every_s: float = 20.0) -> None:
+        self.out, self.every_s, self.next_s = out, every_s, every_s
+        self.steps = {name: next(o.split("=", 1)[1] for o in overrides if o.startswith("steps="))
+                      for name, overrides in runs.items()}
+
+    def __call__(self, seconds: float, running: list[str]) -> None:
+        if seconds < self.next_s or not running:
+            return
+        self.next_s = seconds + self.every_s
+        done = {}
+        for name in running:
+            path = self.out / "runs" / name / "metrics.jsonl"
+            done[name] = len(path.read_text(encoding="utf-8").splitlines()) if path.exists() else 0
+        print(f"    {seconds:.0f}s: " + ", ".join(f"{n} {d}/{self.steps[n]} steps" for n, d in done.items()),
+              flush=True)
+
+
+def _log_heldout(run_dir: pathlib.Path, curve: list[tuple[int, dict[str, float]]]) -> None:
+    """The held-out table into the run's own tracker runs (reopened to append, as
+    ``calibrl eval --run-dir`` does), under the run's tracking project."""
+    from calibrl.trainer.eval_report import log_to_run, run_trackers
+
+    names, project = run_trackers(run_dir)
+    if names:
+        log_to_run(run_dir, curve, names, project)
+
+
 # --- entry point ----------------------------------------------------------------------------------------------------
 
 
@@ -721,6 +833,10 @@ def prepare_out(out: pathlib.Path, overwrite: bool) -> str | None:
     return None
 
 
+def _exit_on_sigterm(signum: int, frame: Any) -> None:
+    raise SystemExit(128 + signum)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="calibrl demo",
@@ -733,7 +849,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--out", default="calibrl_demo_out", help="output folder (default: calibrl_demo_out)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the domain, the models and training (0)")
     parser.add_argument("--threads", type=int, default=1,
-                        help="torch threads of the demo process; each service gets one (default 1)")
+                        help="torch threads of the demo process; each service and training process gets one "
+                        "(default 1)")
     parser.add_argument("--overwrite", action="store_true",
                         help="replace --out even if it holds something other than an earlier demo run")
     parser.add_argument("--no-progress", action="store_true", help="hide progress bars")
@@ -767,12 +884,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         from calibrl.retrieval_server.cli import hide_library_progress_bars
 
         hide_library_progress_bars()
+    previous = signal.signal(signal.SIGTERM, _exit_on_sigterm)  # stop the children and services on the way out
     try:
         run_demo(settings, out, seed=args.seed, threads=args.threads, progress=not args.no_progress,
                  command=command, report_to=report_to)
     except CalibrlError as exc:
         print(f"\ndemo failed: {exc}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:
+        print("\ndemo interrupted: training processes and services stopped", file=sys.stderr)
+        return 130
+    finally:
+        signal.signal(signal.SIGTERM, previous)
     print(f"\ncalibrl demo ({settings.name}) finished in {time.perf_counter() - started:.0f}s")
     return 0
 

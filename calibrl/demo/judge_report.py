@@ -1,5 +1,6 @@
 """The demo report's judge part: two judges validated side by side, the shared server's
-per-rubric figures, the judge/retrieval disagreement plot and the dynamic-sampling verdict.
+per-rubric figures (also while two agents' training runs called it at once), the
+judge/retrieval disagreement plot and the dynamic-sampling verdict.
 
 Inputs are plain: validation records (:class:`calibrl.judge_server.validation.ValidationRecord`),
 the judge server's Prometheus text (``telemetry.prometheus_port``: calls, batch sizes and
@@ -72,6 +73,8 @@ class RubricServerStats:
     batch_items: int = 0  # items computed in those batches
     cache_hits: int = 0
     cache_misses: int = 0
+    shared_batches: int = 0  # batches that joined several Score calls
+    beside_batches: int = 0  # batches computed while a call of another rubric waited
 
     @property
     def mean_batch_size(self) -> float:
@@ -80,7 +83,12 @@ class RubricServerStats:
     def to_json(self) -> dict[str, Any]:
         return {"calls": self.calls, "batches": self.batches, "batch_items": self.batch_items,
                 "mean_batch_size": None if not self.batches else round(self.mean_batch_size, 3),
-                "cache_hits": self.cache_hits, "cache_misses": self.cache_misses}
+                "cache_hits": self.cache_hits, "cache_misses": self.cache_misses,
+                "shared_batches": self.shared_batches, "beside_batches": self.beside_batches}
+
+    def minus(self, earlier: "RubricServerStats") -> "RubricServerStats":
+        """What the server did between two scrapes (``earlier`` first)."""
+        return RubricServerStats(**{k: getattr(self, k) - getattr(earlier, k) for k in self.__dataclass_fields__})
 
 
 def parse_judge_stats(text: str) -> dict[str, RubricServerStats]:
@@ -101,6 +109,9 @@ def parse_judge_stats(text: str) -> dict[str, RubricServerStats]:
                 entry.batches += value
             elif sample.name == "calibrl_judge_batch_size_sum":
                 entry.batch_items += value
+            elif sample.name == "calibrl_judge_batch_mix_total":
+                entry.shared_batches += value if sample.labels.get("calls") == "several" else 0
+                entry.beside_batches += value if sample.labels.get("other_rubric") == "waiting" else 0
             elif sample.name == "calibrl_cache_lookups_total":
                 if sample.labels.get("result") == "hit":
                     entry.cache_hits += value
@@ -114,19 +125,60 @@ def scrape_judge_stats(port: int, host: str = "127.0.0.1", timeout_s: float = 10
         return parse_judge_stats(response.read().decode("utf-8"))
 
 
+_SERVER_COLUMNS = ("| Score calls | batches | mean batch size | batches joining several calls | batches while "
+                   "another rubric's call waited | cache hits | cache misses |")
+
+
+def _server_cells(entry: RubricServerStats) -> str:
+    return (f"{entry.calls} | {entry.batches} | {_fmt(entry.mean_batch_size, 1)} | {entry.shared_batches} | "
+            f"{entry.beside_batches} | {entry.cache_hits} | {entry.cache_misses} |")
+
+
 def server_section(stats: Mapping[str, RubricServerStats], served: Mapping[str, str],
                    callers: Mapping[str, Sequence[str]]) -> list[str]:
     """Markdown: per served rubric, its scorer and what the one judge server did for it."""
     lines = ["## One judge server, every rubric", "",
              "One `calibrl serve judge` process served every rubric below (figures from its Prometheus "
-             "`/metrics`; a batch joins concurrent callers, so the mean batch size is across callers).", "",
-             "| rubric | scored by | runs that called it | Score calls | batches | mean batch size | cache hits | "
-             "cache misses |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+             "`/metrics`; a batch joins concurrent callers of one rubric, so the mean batch size is across callers; "
+             "batches never mix rubrics, the server takes the rubrics' queues in turns).", "",
+             "| rubric | scored by | runs that called it " + _SERVER_COLUMNS,
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for rubric_id, scorer in served.items():
-        entry = stats.get(rubric_id, RubricServerStats())
         who = ", ".join(callers.get(rubric_id, ())) or "none in this run"
-        lines.append(f"| {rubric_id} | {scorer} | {who} | {entry.calls} | {entry.batches} | "
-                     f"{_fmt(entry.mean_batch_size, 1)} | {entry.cache_hits} | {entry.cache_misses} |")
+        lines.append(f"| {rubric_id} | {scorer} | {who} | " + _server_cells(stats.get(rubric_id, RubricServerStats())))
+    return lines + [""]
+
+
+# --- two agents at once ---------------------------------------------------------------------------------------------
+
+
+def concurrency_section(spans: Mapping[str, Any], pair: tuple[str, str], labels: Mapping[str, str],
+                        during: Mapping[str, RubricServerStats] | None) -> list[str]:
+    """Markdown: when and where each training run ran (``spans``: name -> :class:`calibrl.demo.services.RunSpan`),
+    how long the two agents of ``pair`` overlapped, and what the judge server did for each
+    rubric while both ran (``during``: the /metrics difference over that window)."""
+    from calibrl.demo.services import overlap_seconds
+
+    lines = ["## Two agents on one judge server at once", "",
+             f"The `{pair[0]}` and `{pair[1]}` runs were two `calibrl train` processes started together, each "
+             "reaching the retrieval and judge servers over gRPC; the demo trained the others itself afterwards. "
+             "Times are seconds since the training stage started; a process's wall time includes its start-up "
+             "(torch, transformers, the policy).", "",
+             "| run | where | start (s) | end (s) | wall (s) |", "| --- | --- | --- | --- | --- |"]
+    for name, span in spans.items():
+        lines.append(f"| {labels.get(name, name)} | {span.where} | {span.start_s:.1f} | {span.end_s:.1f} | "
+                     f"{span.seconds:.1f} |")
+    first, second = (spans.get(name) for name in pair)
+    if first is None or second is None:
+        return lines + [""]
+    both = overlap_seconds(first, second)
+    lines += ["", f"The rewriter's `{pair[0]}` run and the search agent's `{pair[1]}` run ran at the same time for "
+              f"{both:.1f} s ({100 * both / max(first.seconds, 1e-9):.0f}% of `{pair[0]}`'s wall time, "
+              f"{100 * both / max(second.seconds, 1e-9):.0f}% of `{pair[1]}`'s)."]
+    if during:
+        lines += ["While both ran (until the first of them ended), the judge server did this per rubric:", "",
+                  "| rubric " + _SERVER_COLUMNS, "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+        lines += [f"| {rubric_id} | " + _server_cells(entry) for rubric_id, entry in during.items() if entry.calls]
     return lines + [""]
 
 
@@ -187,6 +239,7 @@ def dynamic_sampling_lines(binary: Any, dynamic: Any, dense: Any, k: int, n_task
 
 
 __all__ = [
-    "DISAGREEMENT_KEY", "RubricServerStats", "disagreement_lines", "dynamic_sampling_lines", "parse_judge_stats",
+    "DISAGREEMENT_KEY", "RubricServerStats", "concurrency_section", "disagreement_lines", "dynamic_sampling_lines",
+    "parse_judge_stats",
     "plot_disagreement", "scrape_judge_stats", "server_section", "validation_rows", "validation_section",
 ]

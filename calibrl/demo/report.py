@@ -260,6 +260,7 @@ class DemoReport:
     judge_sections: list[str] = field(default_factory=list)  # Markdown lines after the rewriter's section
     judge_results: dict[str, Any] = field(default_factory=dict)  # results.json "judge"
     search_analysis: dict[str, Any] = field(default_factory=dict)  # calibrl.demo.error_analysis.analysis_results
+    concurrency: Any = None  # the training stage's processes (calibrl.demo.cli): spans, judge figures while paired
 
 
 def write_report(report: DemoReport, out_dir: str | pathlib.Path) -> pathlib.Path:

@@ -1,4 +1,5 @@
-"""The demo's two services: the real `calibrl serve ...` commands, as subprocesses on loopback.
+"""The demo's processes: the two services (the real `calibrl serve ...` commands, as
+subprocesses on loopback) and its training runs (`calibrl train`, up to two at once).
 
 Each service is started the way a user starts it (the ``calibrl`` console script,
 or ``python -m calibrl`` where the script is not installed), on a free loopback
@@ -7,10 +8,17 @@ health protocol (``calibrl health`` does the same) until the server answers
 SERVING, and fails with the log's tail if the process exits first.
 :meth:`Service.stop` sends SIGTERM (the server goes NOT_SERVING, drains, exits)
 and kills only after a grace period.
+
+:class:`TrainingProcesses` runs training runs the way a user's agents run: each a
+`calibrl train` process of its own, reaching both services over gRPC, at most
+``jobs`` at once; it records when each ran (:class:`RunSpan`), fails with the log
+tail of a run that fails, and stops the runs still going when anything (Ctrl-C
+included) ends it early.
 """
 
 from __future__ import annotations
 
+import math
 import os
 import pathlib
 import signal
@@ -18,9 +26,10 @@ import socket
 import subprocess
 import sys
 import time
-from typing import Sequence
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping, Sequence
 
-from calibrl.errors import Unavailable
+from calibrl.errors import CalibrlError, Unavailable
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -117,11 +126,129 @@ class Service:
         return self.process.returncode
 
     def log_tail(self, lines: int = 25) -> str:
+        return log_tail(self.log_path, lines)
+
+
+# --- training runs as `calibrl train` subprocesses ------------------------------------------------------------------
+
+
+class TrainingFailed(CalibrlError):
+    """A `calibrl train` subprocess exited with an error; the message holds its log's tail."""
+
+
+@dataclass
+class RunSpan:
+    """When one training process ran: seconds since its :class:`TrainingProcesses` started."""
+
+    name: str
+    start_s: float
+    end_s: float = math.nan
+    returncode: int | None = None
+    where: str = "calibrl train process"  # or "demo process" (a run the demo trained itself)
+
+    @property
+    def seconds(self) -> float:
+        return self.end_s - self.start_s
+
+    def to_json(self) -> dict[str, Any]:
+        return {"where": self.where, "start_s": round(self.start_s, 2), "end_s": round(self.end_s, 2),
+                "seconds": round(self.seconds, 2)}
+
+
+def overlap_seconds(a: RunSpan, b: RunSpan) -> float:
+    """Seconds during which both runs were running."""
+    return max(0.0, min(a.end_s, b.end_s) - max(a.start_s, b.start_s))
+
+
+class TrainingProcesses:
+    """Training runs as `calibrl train` subprocesses, at most ``jobs`` at once, started in
+    the order of ``runs`` (name -> config overrides), each with its output in
+    ``logs/train_<name>.log``. A run that fails stops the others (SIGTERM: each writes a
+    checkpoint and exits) and raises :class:`TrainingFailed` with its log's tail; so does
+    anything else that leaves :meth:`run` early, Ctrl-C included."""
+
+    def __init__(self, runs: Mapping[str, Sequence[str]], logs: pathlib.Path, jobs: int = 2,
+                 poll_s: float = 0.5, command: Sequence[str] | None = None) -> None:
+        """``command``: what each run's overrides follow (default ``calibrl train --log-level INFO``)."""
+        if jobs < 1:
+            raise ValueError(f"jobs={jobs}: must be >= 1")
+        self.runs = {name: list(overrides) for name, overrides in runs.items()}
+        self.logs = logs
+        self.jobs = jobs
+        self.poll_s = poll_s
+        self.command = list(command) if command is not None else [*calibrl_command(), "train", "--log-level", "INFO"]
+        self.spans: dict[str, RunSpan] = {}
+        self._running: dict[str, tuple[subprocess.Popen, Any]] = {}
+        self.started = time.monotonic()  # reset when run() starts: the spans' zero
+
+    def log_path(self, name: str) -> pathlib.Path:
+        return self.logs / f"train_{name}.log"
+
+    def run(self, on_exit: Callable[[str, RunSpan], None] | None = None,
+            on_tick: Callable[[float, list[str]], None] | None = None) -> dict[str, RunSpan]:
+        """Run every training run; returns their spans. ``on_exit(name, span)`` runs when a
+        run has finished well (the others may still run); ``on_tick(seconds, running)``
+        about every ``poll_s``."""
+        self.logs.mkdir(parents=True, exist_ok=True)
+        self.started = time.monotonic()
+        waiting = list(self.runs)
         try:
-            text = self.log_path.read_text(encoding="utf-8", errors="replace")
-        except OSError:
-            return "(no log)"
-        return "\n".join(text.splitlines()[-lines:])
+            while waiting or self._running:
+                while waiting and len(self._running) < self.jobs:
+                    self._start(waiting.pop(0))
+                time.sleep(self.poll_s)
+                for name in [n for n, (process, _) in self._running.items() if process.poll() is not None]:
+                    span = self._finish(name)
+                    if span.returncode != 0:
+                        raise TrainingFailed(f"training run {name} failed (exit {span.returncode}); "
+                                             f"{self.log_path(name)} ends:\n{log_tail(self.log_path(name), 40)}")
+                    if on_exit is not None:
+                        on_exit(name, span)
+                if on_tick is not None:
+                    on_tick(time.monotonic() - self.started, list(self._running))
+        finally:
+            self.stop()
+        return dict(self.spans)
+
+    def _start(self, name: str) -> None:
+        log = open(self.log_path(name), "w", encoding="utf-8")
+        args = [*self.command, *self.runs[name]]
+        log.write(" ".join(args) + "\n")
+        log.flush()
+        process = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=service_env(1),
+                                   start_new_session=True)  # Ctrl-C reaches the demo, which stops the runs
+        self._running[name] = (process, log)
+        self.spans[name] = RunSpan(name, time.monotonic() - self.started)
+
+    def _finish(self, name: str) -> RunSpan:
+        process, log = self._running.pop(name)
+        log.close()
+        span = self.spans[name]
+        span.end_s, span.returncode = time.monotonic() - self.started, process.returncode
+        return span
+
+    def stop(self, grace_s: float = 30.0) -> None:
+        """SIGTERM every run still running (each checkpoints and exits), SIGKILL after ``grace_s``."""
+        for process, _ in self._running.values():
+            if process.poll() is None:
+                process.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + grace_s
+        for name, (process, _) in list(self._running.items()):
+            try:
+                process.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait(5)
+            self._finish(name)
 
 
-__all__ = ["Service", "calibrl_command", "free_port", "service_env"]
+def log_tail(path: pathlib.Path, lines: int = 25) -> str:
+    try:
+        text = path.read_text(encoding="utf-8", errors="replace")
+    except OSError:
+        return "(no log)"
+    return "\n".join(text.splitlines()[-lines:])
+
+
+__all__ = ["RunSpan", "Service", "TrainingFailed", "TrainingProcesses", "calibrl_command", "free_port", "log_tail",
+           "overlap_seconds", "service_env"]
