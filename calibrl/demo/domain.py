@@ -371,6 +371,13 @@ class Domain:
     entities: list[Entity] = field(default_factory=list)  # the rewriter half's (the glossary's)
     aspects: list[Aspect] = field(default_factory=list)
     search_entities: list[Entity] = field(default_factory=list)  # funds, plans, managers only the search half asks about
+    search_passages: list[Passage] = field(default_factory=list)  # their passages (also in ``passages``, at the end)
+
+    def rewriter_passages(self) -> list[Passage]:
+        """The passages of the rewriter half (its products and topics, the guides): what the
+        judge's language model reads, the same whatever the search half holds."""
+        search_ids = {p.doc_id for p in self.search_passages}
+        return [p for p in self.passages if p.doc_id not in search_ids]
 
     def tasks(self, split: str) -> list[RewriteTask]:
         return [t for t in self.rewrite_tasks if t.split == split]
@@ -575,6 +582,7 @@ def generate_domain(seed: int = 0, heldout_fraction: float = 0.25) -> Domain:
         entities=[*FUNDS, *ACCOUNTS, *MANAGERS],
         aspects=[*FUND_ASPECTS, *ACCOUNT_ASPECTS, *MANAGER_ASPECTS],
         search_entities=search.entities,
+        search_passages=search.passages,
     )
 
 
