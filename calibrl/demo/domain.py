@@ -370,7 +370,7 @@ class Domain:
     sme_feedback: list[SMEFeedback]
     entities: list[Entity] = field(default_factory=list)  # the rewriter half's (the glossary's)
     aspects: list[Aspect] = field(default_factory=list)
-    search_entities: list[Entity] = field(default_factory=list)  # funds, plans, managers only the search half asks about
+    search_entities: list[Entity] = field(default_factory=list)  # funds, plans, managers of the search half only
     search_passages: list[Passage] = field(default_factory=list)  # their passages (also in ``passages``, at the end)
 
     def rewriter_passages(self) -> list[Passage]:

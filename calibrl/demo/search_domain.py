@@ -15,7 +15,7 @@ that the rewriter half stays byte-identical whatever is drawn here:
 Two chains make the questions: account -> its default fund -> one of six fund facts,
 and fund -> its manager -> one of two manager facts. A question's *answer document*
 is the fact's passage. Every account has its own default fund, so the account chains
-have distinct answer documents; a manager manages one to three funds, so manager chains
+have distinct answer documents; a manager may manage several funds, so manager chains
 may share one. The split is by answer document: :data:`HELDOUT_QUESTIONS` answer
 documents are held out, each asked by exactly one chain in one phrasing (independent
 questions, each with its own answer document); every chain whose answer document is
@@ -39,7 +39,6 @@ from calibrl.demo.domain import (
     FUND_ASPECTS,
     FUNDS,
     MANAGER_ASPECTS,
-    MANAGERS,
     Entity,
     Fact,
     MultiStepTask,

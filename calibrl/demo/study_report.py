@@ -454,4 +454,5 @@ def _json_safe(value: Any) -> Any:
     return value
 
 
-__all__ = ["arm_summary", "paired", "question_clusters", "shared_questions", "signal_curves", "summarize", "units", "write_study"]
+__all__ = ["arm_summary", "paired", "question_clusters", "shared_questions", "signal_curves", "summarize", "units",
+           "write_study"]
