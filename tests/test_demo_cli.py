@@ -119,6 +119,7 @@ def test_quick_demo_end_to_end(tmp_path: pathlib.Path) -> None:
     # and each trained agent's paired F1 gain over the base with its interval
     analysis = results["search_analysis"]
     assert analysis["questions"] == demo_cli.QUICK.search.eval_questions
+    assert analysis["independent_questions"] == analysis["questions"]  # one phrasing per held-out question
     assert "## Two-search agent: where the trajectories fail" in report
     for name in ("base_agent", "grpo", "calibadv"):
         assert sum(analysis["categories"][name]["counts"].values()) == analysis["questions"]

@@ -8,6 +8,7 @@ import pathlib
 import pytest
 
 from calibrl.demo import domain as dm
+from calibrl.demo import search_domain as sd
 from calibrl.demo.domain import (
     FAILURE_MODES,
     INVENTED_ENTITY,
@@ -55,19 +56,82 @@ def test_heldout_pairs_never_train_but_their_parts_do(domain: dm.Domain) -> None
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
-def test_at_least_a_hundred_heldout_two_search_questions_whose_answers_never_train(seed: int) -> None:
+def test_at_least_a_hundred_independent_heldout_questions_whose_answers_never_train(seed: int) -> None:
+    from calibrl.demo.error_analysis import question_of
+
     domain = generate_domain(seed)
     heldout, train = domain.multistep("heldout"), domain.multistep("train")
+    # one phrasing per held-out question, each question with its own answer document
     assert len(heldout) >= 100 and len(train) >= 1.8 * len(heldout)
-    assert len({t.question for t in heldout}) == len(heldout)  # distinct phrasings
-    # no held-out answer document is the answer document of a training question, and both chain
-    # types (account -> default fund -> fact; fund -> manager -> fact) are held out
-    assert not {t.gold_doc_ids[1] for t in heldout} & {t.gold_doc_ids[1] for t in train}
+    assert len({question_of(t.task_id) for t in heldout}) == len(heldout)
+    assert len({t.gold_doc_ids[1] for t in heldout}) == len(heldout)
+    # no held-out answer document is gold in any training question; both chain types
+    # (account -> default fund -> fact; fund -> manager -> fact) are held out
+    assert not {t.gold_doc_ids[1] for t in heldout} & {d for t in train for d in t.gold_doc_ids}
     assert {t.gold_doc_ids[0].endswith("-default-investment") for t in heldout} == {True, False}
+    # training questions come in several phrasings, never a held-out question's
+    phrasings = {}
+    for task in train:
+        phrasings.setdefault(question_of(task.task_id), set()).add(task.question)
+    assert {len(p) for p in phrasings.values()} == {sd.TRAIN_PHRASINGS}
+    assert not {question_of(t.task_id) for t in heldout} & set(phrasings)
     # the careless second search names the question's entity, never the bridge entity it needed
     for task in heldout + train:
         assert task.shortcut_query and task.shortcut_query != task.steps[1].query
         assert task.shortcut_query.split()[0] in task.question
+
+
+# sha256 of the rewriter half (rewrite tasks, SME feedback, glossary) as the generator gave it
+# before the search half moved to its own random stream; and of its 142 passages.
+_REWRITER_HALF = {
+    0: ("a69e4d46c945f6b7695eddd6d9286cd846e8bc6136a1de67de03a74118b66ac0", "f722bc3a406cdeca"),
+    1: ("af9caef6247865e0e722e1b36a5343eb3a6f133681cf3045d367484b1a1fa4d3", "b4c8a8aa0a2ad7ab"),
+    2: ("d193099e5c399da69f34a2dd0012f32aea687b0abe767f165d40af2131355014", "cd37bd589150f675"),
+}
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_the_rewriter_half_is_what_the_generator_gave_before_the_search_half_grew(seed: int) -> None:
+    import dataclasses
+    import hashlib
+
+    domain = generate_domain(seed)
+    payload = {"rewrite_tasks": [t.record() | {"failure_mode": t.failure_mode, "split": t.split}
+                                 for t in domain.rewrite_tasks],
+               "sme_feedback": [r.record() for r in domain.sme_feedback], "glossary": domain.glossary()}
+    digest = hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()
+    old_passages = json.dumps([dataclasses.asdict(p) for p in domain.rewriter_passages()])
+    assert (digest, hashlib.sha256(old_passages.encode()).hexdigest()[:16]) == _REWRITER_HALF[seed]
+    # the search half only adds: passages after the old ones, entities outside the glossary
+    assert domain.passages == domain.rewriter_passages() + domain.search_passages
+    assert len(domain.passages) > 142 and not {e.name for e in domain.search_entities} & {
+        e["name"] for e in domain.glossary()["entities"]}
+
+
+def test_the_search_half_is_deterministic_and_seeded(domain: dm.Domain) -> None:
+    again = generate_domain(0)
+    assert [t.record() for t in again.multistep_tasks] == [t.record() for t in domain.multistep_tasks]
+    assert again.passages == domain.passages and again.search_entities == domain.search_entities
+    other = generate_domain(1)
+    assert [t.record() for t in other.multistep("heldout")] != [t.record() for t in domain.multistep("heldout")]
+    assert len({p.doc_id for p in domain.passages}) == len(domain.passages)
+    names = [e.name for e in (*domain.entities, *domain.search_entities)]
+    assert len(set(names)) == len(names)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_bm25_ranks_each_reference_search_passage_first(seed: int, tmp_path: pathlib.Path) -> None:
+    """Every search of every reference trajectory (bridge, then fact) finds its passage at
+    rank 1: the names of the generated entities are distinct enough."""
+    from calibrl.retrieval_server.sparse import BM25Searcher, build_bm25
+
+    domain = generate_domain(seed)
+    build_bm25([f"{p.title} {p.text}" for p in domain.passages], tmp_path, show_progress=False)
+    ids = [p.doc_id for p in domain.passages]
+    wanted = {step.query: step.doc_id for t in domain.multistep_tasks for step in t.steps}
+    queries = sorted(wanted)
+    found = BM25Searcher(tmp_path).search(queries, 1)
+    assert {q: ids[hits[0][0]] for q, hits in zip(queries, found)} == wanted
 
 
 def test_passage_text_and_value_choices_regenerate_the_corpus(domain: dm.Domain) -> None:

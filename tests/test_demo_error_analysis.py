@@ -123,6 +123,31 @@ def test_by_question_resamples_whole_questions_and_is_wider() -> None:
     assert ea.question_of("ms-roth-expense-ratio-3") == "ms-roth-expense-ratio"
 
 
+def test_question_of_on_the_demo_domain_task_ids() -> None:
+    """On the generated domain's ids (plan keys hold a hyphen: ``ms-abernathy-plan-benchmark-4``)
+    ``question_of`` groups a training question's phrasings and no two held-out tasks, so the
+    by-question interval on the held-out set (one phrasing per question) is the per-task one."""
+    from calibrl.demo.domain import generate_domain
+
+    domain = generate_domain(0)
+    for task in domain.multistep_tasks:
+        assert ea.question_of(task.task_id) == task.task_id[: task.task_id.rindex("-")]
+        assert task.task_id.rsplit("-", 1)[1].isdigit()
+    by_question: dict[str, set[str]] = {}
+    for task in domain.multistep("train"):
+        by_question.setdefault(ea.question_of(task.task_id), set()).add(task.gold_doc_ids[1])
+    assert all(len(docs) == 1 for docs in by_question.values())  # one question, one answer document
+    heldout = domain.multistep("heldout")
+    assert len({ea.question_of(t.task_id) for t in heldout}) == len(heldout) >= 100
+    assert any("-plan-" in t.task_id for t in domain.multistep_tasks)
+    import random
+
+    rng = random.Random(0)
+    base = [record(task_id=t.task_id, answer=rng.choice(("90 days", "90", None))) for t in heldout]
+    other = [record(task_id=t.task_id, answer=rng.choice(("90 days", "90", None))) for t in heldout]
+    assert ea.paired_f1(base, other, resamples=2000, by_question=True) == ea.paired_f1(base, other, resamples=2000)
+
+
 def test_paired_f1_rejects_unpaired_input() -> None:
     with pytest.raises(ValueError, match="same questions"):
         ea.paired_f1([record(task_id="a")], [record(task_id="b")])

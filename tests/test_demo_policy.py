@@ -105,6 +105,10 @@ def test_the_teacher_swaps_values_and_makes_the_careless_second_search(domain: D
     plans = pol.reference_trajectories(domain, teacher, seed=0)
     train = {t.question: t for t in domain.multistep("train")}
     assert not {p.question for p in plans} & {t.question for t in domain.multistep("heldout")}
+    # no plan searches for a held-out answer document nor shows it with another value
+    heldout = domain.multistep("heldout")
+    assert not {q for p in plans for _, q in p.steps} & {t.steps[1].query for t in heldout}
+    assert not {doc for p in plans for doc, _ in p.rewritten} & {t.gold_doc_ids[1] for t in heldout}
     two_search = [p for p in plans if p.question in train and not p.rewritten]
     careless = [p for p in two_search if p.steps[1][1] == train[p.question].shortcut_query]
     assert len(two_search) == len(train) and 0.35 < len(careless) / len(two_search) < 0.65

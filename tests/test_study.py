@@ -172,6 +172,29 @@ def test_aggregation_over_seeds_on_hand_made_records(shared, tmp_path):
     assert "| policy | correct % | wrong_answer % |" in path.read_text(encoding="utf-8")
 
 
+def test_phrasings_of_one_question_are_resampled_together(tmp_path):
+    """Task ids ``<question>-<n>`` are phrasings of one question: the units stay the tasks,
+    but a bootstrap draws whole questions (wider than drawing phrasings one by one)."""
+    import random
+
+    rng = random.Random(3)
+    per_question = [rng.choice((0.0, 1.0)) for _ in range(20)]
+    records = []
+    for seed in (0, 1):
+        names = [f"ms-q{i}-{n}" for i in range(20) for n in range(3)]
+        arms = {name: [per_question[k // 3] for k in range(60)] for name in ARM_NAMES}
+        records.append(_record(seed, names, [0.0] * 60, arms))
+    assert study_report.question_clusters(records) is not None
+    assert study_report.question_clusters(_hand_records(False)) is None  # "s0-q1": no phrasing number
+    clustered = study_report.paired(records, "normal", "grpo", "base")
+    flat = [dict(r, questions=[{"task_id": f"t{k}", "question": ""} for k in range(60)]) for r in records]
+    assert study_report.question_clusters(flat) is None
+    loose = study_report.paired(flat, "normal", "grpo", "base")
+    assert clustered.estimate == pytest.approx(loose.estimate, abs=SUM_TOL)
+    assert clustered.high - clustered.low > 1.3 * (loose.high - loose.low)
+    assert study_report.summarize(PLAN, records)["clustered"] is True
+
+
 def test_question_scores_average_to_the_evaluators_metrics(trainer_world: TrainerWorld):
     from calibrl.trainer.aio import BackgroundLoop
     from calibrl.trainer.eval import EvalSettings, evaluate_models

@@ -612,8 +612,9 @@ def _train_and_evaluate(settings: DemoSettings, out: pathlib.Path, domain: Any, 
         "dense reward": f"0.7 x MRR@{settings.dense_k} + 0.3 x rubric total ({dense_rubric}, "
                         f"{'LLM judge' if dense_rubric != RUBRIC_ID else 'programmatic judge'})",
         "search agent GRPO / CalibAdv": describe_design(settings.search),
-        "held-out": f"{len(heldout_rewrites)} rewrite tasks, {len(heldout_search)} two-search questions "
-                    "(entity x aspect pairs never seen in training); greedy decoding",
+        "held-out": f"{len(heldout_rewrites)} rewrite tasks ((product, topic) pairs never seen in training), "
+                    f"{len(heldout_search)} two-search questions (one phrasing each, each with its own answer "
+                    "document, never gold in training); greedy decoding",
     }
     _write_search_records(out / "search_records.jsonl", search_records)
     notes = []

@@ -11,7 +11,9 @@ from one seed, with no download:
   terms (``missed_intent``), or both in a short vague query (``underspecified``),
   beside well-formed queries (``none``);
 - two-search questions (account -> its default fund -> a fact of that fund;
-  fund -> its manager -> a fact of that manager) in the Search-R1 format;
+  fund -> its manager -> a fact of that manager) in the Search-R1 format, over these
+  entities and the search-only ones of :mod:`calibrl.demo.search_domain` (its own
+  random stream, so the rewriter half below stays as it is whatever it draws);
 - a simulated SME feedback sample (grades 1-5 and error tags from the SMEs' style
   guide, :func:`rewrite_errors`) on rewrites of training queries, from which the
   judge distils its rubric;
@@ -366,8 +368,16 @@ class Domain:
     rewrite_tasks: list[RewriteTask]
     multistep_tasks: list[MultiStepTask]
     sme_feedback: list[SMEFeedback]
-    entities: list[Entity] = field(default_factory=list)
+    entities: list[Entity] = field(default_factory=list)  # the rewriter half's (the glossary's)
     aspects: list[Aspect] = field(default_factory=list)
+    search_entities: list[Entity] = field(default_factory=list)  # funds, plans, managers of the search half only
+    search_passages: list[Passage] = field(default_factory=list)  # their passages (also in ``passages``, at the end)
+
+    def rewriter_passages(self) -> list[Passage]:
+        """The passages of the rewriter half (its products and topics, the guides): what the
+        judge's language model reads, the same whatever the search half holds."""
+        search_ids = {p.doc_id for p in self.search_passages}
+        return [p for p in self.passages if p.doc_id not in search_ids]
 
     def tasks(self, split: str) -> list[RewriteTask]:
         return [t for t in self.rewrite_tasks if t.split == split]
@@ -474,14 +484,18 @@ _GENERAL_PASSAGES = (
 )
 
 
-MULTISTEP_HELDOUT_FRACTION = 1 / 3  # of the 60 two-search questions: 20 held out, 6 phrasings each (120 tasks)
+# The generator once split 60 two-search questions here with the main stream; drawing the same
+# keeps the rewriter half (rewrite tasks, SME feedback) byte-identical now that the search half
+# (calibrl.demo.search_domain) draws from its own stream.
+_LEGACY_SPLIT_DRAW = 60
 
 
-def generate_domain(seed: int = 0, heldout_fraction: float = 0.25,
-                    multistep_heldout_fraction: float = MULTISTEP_HELDOUT_FRACTION) -> Domain:
+def generate_domain(seed: int = 0, heldout_fraction: float = 0.25) -> Domain:
     """Generate the whole domain from ``seed`` (same seed, same domain, byte for byte).
-    ``heldout_fraction``: of the rewrite (product, topic) pairs; ``multistep_heldout_fraction``:
-    of the two-search questions (each with all its phrasings)."""
+    ``heldout_fraction``: of the rewrite (product, topic) pairs. The two-search questions
+    and their split come from :func:`calibrl.demo.search_domain.search_half`."""
+    from calibrl.demo.search_domain import search_half
+
     rng = random.Random(seed)
     passages: list[Passage] = []
     facts: list[Fact] = []
@@ -555,17 +569,20 @@ def generate_domain(seed: int = 0, heldout_fraction: float = 0.25,
                 split=split,
             ))
 
-    multistep = _multistep_tasks(facts, default_funds, fund_managers, multistep_heldout_fraction, rng)
+    rng.shuffle(list(range(_LEGACY_SPLIT_DRAW)))
     sme = _sme_feedback([t for t in rewrite_tasks if t.split == "train"], rng)
+    search = search_half(seed, facts, default_funds, fund_managers)
     return Domain(
         seed=seed,
-        passages=passages,
-        facts=facts,
+        passages=passages + search.passages,
+        facts=facts + search.facts,
         rewrite_tasks=rewrite_tasks,
-        multistep_tasks=multistep,
+        multistep_tasks=search.tasks,
         sme_feedback=sme,
         entities=[*FUNDS, *ACCOUNTS, *MANAGERS],
         aspects=[*FUND_ASPECTS, *ACCOUNT_ASPECTS, *MANAGER_ASPECTS],
+        search_entities=search.entities,
+        search_passages=search.passages,
     )
 
 
@@ -625,7 +642,9 @@ def value_choices(aspect_key: str) -> tuple[str, ...]:
     if aspect_key == "education":
         return tuple(f"{u}, earning {d}" for u in _UNIVERSITIES for d in _DEGREES)
     if aspect_key == "default_investment":
-        return tuple(f.name for f in FUNDS)
+        from calibrl.demo.search_domain import generated_fund_names
+
+        return tuple(f.name for f in FUNDS) + generated_fund_names()
     return _VALUE_POOLS[aspect_key]
 
 
@@ -644,118 +663,6 @@ def user_query(entity: Entity, aspect: Aspect, mode: str, rng: random.Random) ->
     query = template.format(e=_mention(entity, canonical_entity, rng))
     query = re.sub(r"\s+", " ", query).strip()
     return query[0].upper() + query[1:]
-
-
-# Six phrasings of each two-search question; the held-out split is by question (all
-# phrasings of one question on the same side), so what transfers is reading, not recall.
-_DEFAULT_FUND_QUESTIONS = {
-    "expense_ratio": ("What is the expense ratio of the default investment of the {a}?",
-                      "How high is the annual fee of the fund the {a} invests in by default?",
-                      "What expense ratio does the default fund of the {a} charge?",
-                      "If I put money in the {a} and choose nothing, what annual fee does that fund charge?",
-                      "Tell me the expense ratio of the fund the {a} uses by default.",
-                      "What does the default investment of the {a} charge as its expense ratio?"),
-    "minimum_investment": ("What is the minimum initial investment of the fund that the {a} invests in by default?",
-                           "What minimum investment does the default fund of the {a} require?",
-                           "How much must I invest at first in the default investment of the {a}?",
-                           "What is the smallest initial investment the default fund of the {a} accepts?",
-                           "Tell me the minimum initial investment of the fund the {a} uses by default.",
-                           "If I choose nothing in the {a}, what minimum investment does that fund require?"),
-    "dividend_schedule": ("How often does the default fund of the {a} pay dividends?",
-                          "What dividend schedule does the default investment of the {a} follow?",
-                          "On what schedule does the fund the {a} invests in by default distribute dividends?",
-                          "Tell me the dividend distribution schedule of the default fund of the {a}.",
-                          "How frequently are dividends paid by the default investment of the {a}?",
-                          "If I choose nothing in the {a}, how often does that fund pay dividends?"),
-    "redemption_fee": ("What is the holding period of the redemption fee of the default fund of the {a}?",
-                       "For how long does the default investment of the {a} charge a redemption fee?",
-                       "How long must I hold the default fund of the {a} to avoid its redemption fee?",
-                       "Tell me the redemption fee holding period of the fund the {a} invests in by default.",
-                       "What holding period applies to the redemption fee of the default investment of the {a}?",
-                       "If I choose nothing in the {a}, how long is that fund's redemption fee holding period?"),
-    "risk_rating": ("What is the risk rating of the default investment of the {a}?",
-                    "How risky, on the 1 to 5 scale, is the default fund of the {a}?",
-                    "What risk rating does the fund the {a} invests in by default carry?",
-                    "Tell me the risk rating of the default fund of the {a}.",
-                    "How volatile is the default investment of the {a}, by its risk rating?",
-                    "If I choose nothing in the {a}, what risk rating does that fund have?"),
-    "benchmark": ("Which benchmark index does the default fund of the {a} track?",
-                  "What index is the default investment of the {a} measured against?",
-                  "What is the benchmark index of the fund the {a} invests in by default?",
-                  "Tell me the benchmark of the default fund of the {a}.",
-                  "Which index does the default investment of the {a} follow as its benchmark?",
-                  "If I choose nothing in the {a}, which benchmark index does that fund track?"),
-}
-_MANAGER_QUESTIONS = {
-    "tenure": ("In what year did the portfolio manager of the {f} join the firm?",
-               "When did the person who manages the {f} join the firm?",
-               "What year did the manager of the {f} start at the firm?",
-               "Tell me when the portfolio manager of the {f} joined the firm.",
-               "Since what year has the manager of the {f} been with the firm?",
-               "How long ago, by year joined, did the person running the {f} come to the firm?"),
-    "education": ("Where did the portfolio manager of the {f} study?",
-                  "Which university did the manager of the {f} attend?",
-                  "At which school did the person who manages the {f} study?",
-                  "Tell me where the portfolio manager of the {f} was educated.",
-                  "What university did the manager of the {f} graduate from?",
-                  "Where was the person running the {f} educated?"),
-}
-
-
-def _multistep_tasks(
-    facts: list[Fact], default_funds: list[Entity], fund_managers: list[Entity], fraction: float,
-    rng: random.Random,
-) -> list[MultiStepTask]:
-    """Every phrasing of every two-search question; the held-out split is by question
-    (all its phrasings on the same side), so a held-out answer never appears in training."""
-    by_pair = {(f.entity.key, f.aspect.key): f for f in facts}
-    combos: list[tuple[str, tuple[str, ...], tuple[str, ...], tuple[str, str], tuple[SearchStep, ...], str]] = []
-    # account -> its default fund -> a fact of that fund
-    for account, fund in zip(ACCOUNTS, default_funds):
-        bridge_id = f"{account.key}-default-investment"
-        for aspect in FUND_ASPECTS:
-            fact = by_pair[(fund.key, aspect.key)]
-            steps = (
-                SearchStep(f"{account.name} default investment", bridge_id,
-                           f"I need the default investment of the {account.name} first."),
-                SearchStep(f"{fund.name} {aspect.terms}", fact.doc_id,
-                           f"The default investment is the {fund.name}; now its {aspect.title}."),
-            )
-            questions = tuple(q.format(a=account.name) for q in _DEFAULT_FUND_QUESTIONS[aspect.key])
-            combos.append((f"ms-{account.key}-{aspect.key.replace('_', '-')}", questions, (fact.value,),
-                           (bridge_id, fact.doc_id), steps, f"{account.name} {aspect.terms}"))
-    # fund -> its manager -> a fact of that manager
-    for fund, manager in zip(FUNDS, fund_managers):
-        bridge_id = f"{fund.key}-manager"
-        for aspect in MANAGER_ASPECTS:
-            fact = by_pair[(manager.key, aspect.key)]
-            answer = answer_of(aspect.key, fact.value)
-            steps = (
-                SearchStep(f"{fund.name} portfolio manager", bridge_id,
-                           f"I need the portfolio manager of the {fund.name} first."),
-                SearchStep(f"{manager.name} {aspect.terms}", fact.doc_id,
-                           f"The manager is {manager.name}; now the {aspect.title}."),
-            )
-            questions = tuple(q.format(f=fund.name) for q in _MANAGER_QUESTIONS[aspect.key])
-            combos.append((f"ms-{fund.key}-{aspect.key}", questions, (answer,), (bridge_id, fact.doc_id), steps,
-                           f"{fund.name} {aspect.terms}"))
-    order = list(range(len(combos)))
-    rng.shuffle(order)
-    # Hold out whole answer documents: a manager manages two funds, and both questions about
-    # one of their facts share its answer, so they go to the same side.
-    target = int(round(fraction * len(combos)))
-    heldout_docs: set[str] = set()
-    for i in order:
-        if sum(combos[j][3][1] in heldout_docs for j in order) >= target:
-            break
-        heldout_docs.add(combos[i][3][1])
-    heldout = {i for i in order if combos[i][3][1] in heldout_docs}
-    return [
-        MultiStepTask(f"{task_id}-{n}", question, answers, gold, steps, "heldout" if i in heldout else "train",
-                      shortcut)
-        for i, (task_id, questions, answers, gold, steps, shortcut) in enumerate(combos)
-        for n, question in enumerate(questions)
-    ]
 
 
 # --- simulated SME feedback -----------------------------------------------------------------------------------------

@@ -170,8 +170,10 @@ def greedy_search_records(model: str, tasks: Sequence[Any], retrieval: Any, sett
 
 
 def question_of(task_id: str) -> str:
-    """The question behind a phrasing's task id (``ms-roth-expense-ratio-3`` -> ``ms-roth-expense-ratio``)."""
-    return task_id.rsplit("-", 1)[0]
+    """The question behind a phrasing's task id (``ms-roth-expense-ratio-3`` -> ``ms-roth-expense-ratio``);
+    an id that does not end in a phrasing number is a question of its own."""
+    question, _, phrasing = task_id.rpartition("-")
+    return question if question and phrasing.isdigit() else task_id
 
 
 def paired_f1(base: Sequence[SearchRecord], other: Sequence[SearchRecord], *, by_question: bool = False,
@@ -193,6 +195,7 @@ def analysis_results(records: dict[str, Sequence[SearchRecord]], labels: dict[st
         raise ValueError(f"no records of the base model {base!r}")
     return {
         "questions": len(records[base]),
+        "independent_questions": len({question_of(r.task_id) for r in records[base]}),
         "resamples": resamples,
         "labels": {name: labels.get(name, name) for name in records},
         "categories": {name: analyse(recs).as_dict() for name, recs in records.items()},
@@ -210,8 +213,8 @@ def analysis_markdown(results: dict[str, Any]) -> list[str]:
     names = list(results["categories"])
     labels = results["labels"]
     lines = ["## Two-search agent: where the trajectories fail", "",
-             f"Greedy trajectories on {results['questions']} held-out questions, each in the category of its first "
-             "failure (calibrl/demo/error_analysis.py).", "",
+             f"Greedy trajectories on {results['questions']} held-out questions{_phrasings(results)}, each in the "
+             "category of its first failure (calibrl/demo/error_analysis.py).", "",
              "| category | " + " | ".join(labels[n] for n in names) + " |",
              "| --- |" + " ---: |" * len(names)]
     for category in CATEGORIES:
@@ -230,6 +233,13 @@ def analysis_markdown(results: dict[str, Any]) -> list[str]:
                             if name in by_question else "") + ".")
         lines.append("")
     return lines
+
+
+def _phrasings(results: dict[str, Any]) -> str:
+    independent = results.get("independent_questions", results["questions"])
+    if independent == results["questions"]:
+        return " (one phrasing each: resampling tasks and whole questions is the same)"
+    return f" ({independent} questions in several phrasings each)"
 
 
 def _interval(diff: dict[str, Any]) -> str:

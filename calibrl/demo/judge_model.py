@@ -107,8 +107,9 @@ def judge_prompt_constants(rubric: Any) -> list[str]:
 
 
 def domain_text_examples(domain: Domain) -> list[Example]:
-    """Warm-start texts: passages, user queries and the SME-reviewed rewrites (all trained on)."""
-    texts = [f"{p.title} {p.text}" for p in domain.passages]
+    """Warm-start texts: the rewriter half's passages, user queries and the SME-reviewed rewrites
+    (all trained on); the search-only passages say nothing about rewrites."""
+    texts = [f"{p.title} {p.text}" for p in domain.rewriter_passages()]
     texts += [t.query for t in domain.rewrite_tasks]
     texts += [f"User query: {r.query}\nAgent output: {r.rewrite}" for r in domain.sme_feedback]
     return [Example(((text, True),), "text") for text in texts]

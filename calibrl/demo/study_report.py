@@ -5,7 +5,9 @@ the base agent's and every trained arm's per-question scores, and each run's per
 collapse signals. Intervals and paired differences come from ``calibrl.stats`` over
 questions: when every seed has its own questions (the demo generates a domain per
 seed) each unit is a (seed, question) pair, resampled within its seed; when the
-seeds share their questions each question's F1 is first averaged over seeds.
+seeds share their questions each question's F1 is first averaged over seeds. Phrasings
+of one question (task ids ``<question>-<n>``, ``calibrl.demo.error_analysis.question_of``)
+are resampled together; the demo's held-out set has one phrasing per question.
 The verdict lines are computed from these numbers, never written in advance.
 """
 
@@ -65,11 +67,23 @@ def units(records: Sequence[Mapping[str, Any]], setting: str, arm: str,
     return values, strata
 
 
+def question_clusters(records: Sequence[Mapping[str, Any]]) -> list[Any] | None:
+    """The question behind each unit of :func:`units` (its phrasings are not independent),
+    or None when every unit is a question of its own (one phrasing each)."""
+    from calibrl.demo.error_analysis import question_of
+
+    if shared_questions(records):
+        labels: list[Any] = [question_of(q["task_id"]) for q in records[0]["questions"]]
+    else:
+        labels = [(r["seed"], question_of(q["task_id"])) for r in records for q in r["questions"]]
+    return labels if len(set(labels)) < len(labels) else None
+
+
 def arm_summary(records: Sequence[Mapping[str, Any]], setting: str, arm: str, seed: int = 0) -> dict[str, Any]:
     """An arm's mean held-out F1 with its interval, every seed's mean, and its EM and
     well-formed rates (means over the same units)."""
     values, strata = units(records, setting, arm)
-    interval = mean_interval(values, strata=strata, seed=seed)
+    interval = mean_interval(values, strata=strata, clusters=question_clusters(records), seed=seed)
     per_seed = {str(r["seed"]): _mean(scores_of(r, setting, arm)) for r in records}
     return {
         "f1": interval.as_dict(), "per_seed_f1": per_seed,
@@ -92,7 +106,7 @@ def paired(records: Sequence[Mapping[str, Any]], setting: str, a: str, b: str, s
     """Paired bootstrap of ``a - b`` over the same questions (and seeds)."""
     left, strata = units(records, setting, a)
     right, _ = units(records, setting, b)
-    return paired_difference(left, right, strata=strata, seed=seed)
+    return paired_difference(left, right, strata=strata, clusters=question_clusters(records), seed=seed)
 
 
 def pairs_of(arms: Sequence[str]) -> list[tuple[str, str]]:
@@ -138,6 +152,7 @@ def summarize(plan: Mapping[str, Any], records: Sequence[Mapping[str, Any]]) -> 
     """Everything ``results.json`` holds beyond the raw per-question scores, over the
     arms every seed finished (:func:`finished_arms`)."""
     out: dict[str, Any] = {"shared_questions": shared_questions(records),
+                           "clustered": question_clusters(records) is not None,
                            "questions_per_seed": {str(r["seed"]): len(r["questions"]) for r in records},
                            "base": arm_summary(records, plan["settings"][0], BASE), "settings": {},
                            "missing_runs": missing_runs(plan, records)}
@@ -222,7 +237,8 @@ def settings_lines(plan: Mapping[str, Any], summary: Mapping[str, Any]) -> list[
         f"Step-rewarded arms: reward = F1 x format + {plan['w_steps']:g} x mean step reward (0.7 retrieval + "
         "0.3 search-step rubric).",
         f"Held-out questions (never trained on), greedy decoding: {questions}. Intervals: 95% bootstrap "
-        f"percentile, 10,000 resamples, seeded; {unit}.",
+        f"percentile, 10,000 resamples, seeded; {unit}"
+        f"{'; the phrasings of a question resampled together' if summary.get('clustered') else ''}.",
     ]
 
 
@@ -438,4 +454,5 @@ def _json_safe(value: Any) -> Any:
     return value
 
 
-__all__ = ["arm_summary", "paired", "shared_questions", "signal_curves", "summarize", "units", "write_study"]
+__all__ = ["arm_summary", "paired", "question_clusters", "shared_questions", "signal_curves", "summarize", "units",
+           "write_study"]
