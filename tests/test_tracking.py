@@ -339,9 +339,9 @@ def test_demo_refuses_an_unknown_tracker_before_doing_anything(tmp_path, capsys)
     assert not out.exists()
 
 
-def test_demo_sends_each_runs_heldout_curve_as_a_table():
-    from calibrl.demo.cli import _log_heldout_table
+def test_the_heldout_curve_goes_to_the_trackers_as_a_table():
+    from calibrl.tracking import log_heldout_table
 
     recorder = _Recorder()
-    _log_heldout_table(recorder, [(2, {"hit@k": 0.25, "mrr": 0.2}), (4, {"hit@k": 0.5, "mrr": 0.45})])
+    log_heldout_table(recorder, [(2, {"hit@k": 0.25, "mrr": 0.2}), (4, {"hit@k": 0.5, "mrr": 0.45})])
     assert recorder.calls == [("heldout", ["step", "hit@k", "mrr"], [[2, 0.25, 0.2], [4, 0.5, 0.45]])]
