@@ -18,6 +18,10 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # Servers, their subprocesses and the tests share 2 cores: one intra-op thread each avoids
 # oversubscription (spinning OpenMP workers made calls many times slower here).
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+# The suite runs this CPU's own float kernels (and make test-numerics the portable ones): a
+# `calibrl demo` or `calibrl study` called in process must not pin them for the tests after it.
+# tests/test_kernels.py and the quick demo's end-to-end test check the pinning (calibrl.kernels).
+os.environ.setdefault("CALIBRL_KERNELS", "native")
 
 
 @pytest.fixture(scope="session")

@@ -11,6 +11,7 @@ import sys
 
 import pytest
 
+from calibrl import kernels
 from calibrl.demo import cli as demo_cli
 from calibrl.demo.services import Service, calibrl_command, free_port
 from calibrl.errors import Unavailable
@@ -71,12 +72,16 @@ def test_quick_demo_end_to_end(tmp_path: pathlib.Path) -> None:
     """What CI runs: `calibrl demo --quick` with real servers on loopback, no download."""
     out = tmp_path / "demo"
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+    for name in (kernels.NATIVE_SWITCH, *kernels.PINNED):  # as a user runs it: the demo pins its kernels
+        env.pop(name, None)
     proc = subprocess.run(
         [sys.executable, "-m", "calibrl", "demo", "--quick", "--out", str(out), "--no-progress"],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=900,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     stdout = proc.stdout
+    if kernels.cpu_has_avx2():
+        assert "float kernels: pinned to AVX2" in stdout
     for stage in range(1, 13):
         assert f"[{stage}/12]" in stdout
     assert stdout.count("gate PASSED") == 2  # the programmatic judge and the trained LLM judge
@@ -104,6 +109,8 @@ def test_quick_demo_end_to_end(tmp_path: pathlib.Path) -> None:
     assert len(read_items(out / "sme_items.jsonl")) == study["pool_size"]  # ready for calibrl sme sample
 
     results = json.loads((out / "results.json").read_text())
+    if kernels.cpu_has_avx2():  # the report says which kernels computed its figures
+        assert "float kernels ATen AVX2, MKL code path AVX2" in results["machine"], results["machine"]
     by_name = {r["name"]: r for r in results["rewrite"] + results["search"]}
     assert set(by_name) == {"raw", "base", "binary", "binary_ds", "dense", "base_agent", "grpo", "calibadv"}
     for name in ("raw", "base", "binary", "binary_ds", "dense"):

@@ -53,6 +53,7 @@ from typing import Any, Iterator, Sequence
 from calibrl.demo.search_design import FULL_SEARCH, QUICK_SEARCH, SearchDesign, describe_design
 from calibrl.demo.search_design import eval_settings as search_eval_settings
 from calibrl.demo.search_design import train_overrides as search_train_overrides
+from calibrl import kernels
 from calibrl.errors import CalibrlError
 
 RUBRIC_ID = "demo-rewriter"
@@ -137,13 +138,14 @@ def machine_description() -> str:
 
         gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no GPU"
         threads = torch.get_num_threads()
+        floats = kernels.describe()
     except Exception:  # noqa: BLE001 - description only
-        gpu, threads = "torch unavailable", 0
+        gpu, threads, floats = "torch unavailable", 0, "unknown"
     load = ""
     if hasattr(os, "getloadavg"):
         load = f", load average {os.getloadavg()[0]:.1f} at the start"
     return (f"{platform.system()} {platform.machine()}, {cores} CPU cores, {gpu}, Python {platform.python_version()}, "
-            f"{threads} torch thread(s) in the demo process{load}")
+            f"{threads} torch thread(s) in the demo process, float kernels {floats}{load}")
 
 
 def run_demo(settings: DemoSettings, out: pathlib.Path, *, seed: int = 0, threads: int = 1, progress: bool = True,
@@ -855,12 +857,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--overwrite", action="store_true",
                         help="replace --out even if it holds something other than an earlier demo run")
     parser.add_argument("--no-progress", action="store_true", help="hide progress bars")
+    parser.add_argument("--native-kernels", action="store_true",
+                        help="run torch with this CPU's fastest float kernels instead of kernels pinned to AVX2 "
+                        "(calibrl.kernels); trained figures then depend on the CPU")
     parser.add_argument("--report-to", default="tensorboard", metavar="TRACKERS",
                         help="experiment trackers of the five training runs, comma-separated: tensorboard, wandb, "
                         "mlflow, trackio, or none (default tensorboard); project calibrl-demo, one run per "
                         "training run, with its held-out table")
     args = parser.parse_args(list(argv) if argv is not None else None)
 
+    pinned = kernels.pin(native=args.native_kernels)  # before torch loads (calibrl.kernels)
+    print(f"float kernels: {pinned.reason}")
     for name, value in (("HF_HUB_OFFLINE", "1"), ("TRANSFORMERS_OFFLINE", "1"), ("TOKENIZERS_PARALLELISM", "false")):
         os.environ.setdefault(name, value)
     if args.threads < 1:

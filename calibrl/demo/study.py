@@ -438,8 +438,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--report-only", action="store_true",
                         help="write the report of --out from the runs its seeds have finished so far (a study stopped "
                         "part way, or still running), and stop")
+    parser.add_argument("--native-kernels", action="store_true",
+                        help="this CPU's fastest float kernels instead of kernels pinned to AVX2 (calibrl.kernels)")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)  # one seed, no report
     args = parser.parse_args(list(argv) if argv is not None else None)
+
+    from calibrl import kernels
+
+    print(f"float kernels: {kernels.pin(native=args.native_kernels).reason}")  # before torch loads
 
     for name, value in (("HF_HUB_OFFLINE", "1"), ("TRANSFORMERS_OFFLINE", "1"), ("TOKENIZERS_PARALLELISM", "false")):
         os.environ.setdefault(name, value)
