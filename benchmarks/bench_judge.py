@@ -8,7 +8,10 @@ answers for real; ``--judge-model random`` keeps the untrained, randomly initial
 Paths:
 
 - logprob scoring with the shared-prefix KV cache (``prefix_cache``, the default: the
-  criterion suffixes packed into one row behind the prefix),
+  criterion suffixes packed into one row behind the prefix, through the pruned forward
+  of ``judge_server/backends/pruned_forward.py`` for Llama/Qwen2 models),
+- the same through transformers' own forward (``logprob_prefix_cache_transformers``: the
+  default before the pruned forward, and still the path of other model types),
 - the same with one cache row per criterion (``logprob_prefix_cache_rows``: the path for
   attention kernels without 4D masks, and the default before the packing),
 - logprob scoring with every item x criterion prompt in one flat left-padded batch,
@@ -117,6 +120,7 @@ def main() -> int:
 
     import torch
 
+    from calibrl.judge_server.backends.pruned_forward import unsupported_reason
     from calibrl.judge_server.config import JudgeConfig
     from calibrl.judge_server.judge import Judge, load_llm
     from calibrl.judge_server.rubric import parse_rubric
@@ -150,22 +154,25 @@ def main() -> int:
     suffix_tokens = statistics.mean(len(s) for s in encoded.suffix_ids)
     n_params = sum(p.numel() for p in backend.model.parameters())
 
-    packs = backend.packs_suffixes
+    packs, pruned = backend.packs_suffixes, backend.pruned
 
-    def logprob(mode: str, packed: bool = True):
+    def logprob(mode: str, packed: bool = True, prune: bool = True):
         def run():
             backend.mode, backend.packs_suffixes = mode, packs and packed
+            backend.pruned = pruned if prune and packed else None
             return backend.score(items, llm_rubric.llm_criteria, llm_rubric.instructions)
         return run
 
-    measured = interleaved({"logprob_prefix_cache": logprob("prefix_cache"),
-                            "logprob_prefix_cache_rows": logprob("prefix_cache", packed=False),
-                            "logprob_flat": logprob("flat"),
+    logprob_paths = {"logprob_prefix_cache": logprob("prefix_cache"),
+                     "logprob_prefix_cache_transformers": logprob("prefix_cache", prune=False),
+                     "logprob_prefix_cache_rows": logprob("prefix_cache", packed=False),
+                     "logprob_flat": logprob("flat")}
+    measured = interleaved({**logprob_paths,
                             "generate_and_parse": lambda: backend.generate_answers(encoded, llm_rubric.llm_criteria)},
                            args.repeats)
-    backend.packs_suffixes = packs
+    backend.packs_suffixes, backend.pruned = packs, pruned
     reference = measured["logprob_prefix_cache"][2]
-    for name in ("logprob_prefix_cache", "logprob_prefix_cache_rows", "logprob_flat"):
+    for name in logprob_paths:
         wall, cpu, scores = measured[name]
         diff = max(abs(a - b) for ra, rb in zip(scores, reference) for a, b in zip(ra, rb))
         results[name] = row(n_scores, wall, cpu, max_abs_diff_vs_prefix_cache=diff)
@@ -208,7 +215,8 @@ def main() -> int:
               f"{r['cpu_seconds']:.4f} | {r['scores_per_cpu_s']:,.0f} | {r['scores_per_cpu_s'] / base_cpu:.2f}x | "
               f"{r['parse_failures']:.0%} |")
     print()
-    for name in ("logprob_prefix_cache_rows", "logprob_flat"):
+    print(f"pruned forward: {'yes' if pruned is not None else 'no (' + unsupported_reason(backend.model) + ')'}")
+    for name in list(logprob_paths)[1:]:
         print(f"{name} vs prefix-cache scores: max |diff| = {results[name]['max_abs_diff_vs_prefix_cache']:.2e}")
     ratio = base / results["generate_and_parse"]["scores_per_s"]
     ratio_cpu = base_cpu / results["generate_and_parse"]["scores_per_cpu_s"]

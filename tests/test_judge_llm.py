@@ -95,20 +95,24 @@ def test_prefix_cache_equals_flat_equals_reference(arch, tiny_llama, tmp_path, i
 
 def test_packed_suffixes_equal_the_cache_per_criterion_and_the_reference(tiny_llama, items):
     """The default path packs an item's criterion suffixes into one row behind its prefix with a
-    block-causal mask; it must score what one row per criterion over a repeated cache scores (the
-    path kept for attention kernels without 4D masks), and the one-prompt reference, under sdpa and
-    eager attention alike, and an item alone as within any request."""
+    block-causal mask, through the pruned forward for this Llama; it must score what the transformers
+    forward of the same packed row scores (under sdpa and eager attention), what one row per criterion
+    over a repeated cache scores (the path kept for attention kernels without 4D masks), and the
+    one-prompt reference, and an item alone as within any request."""
     backend = load_llm(JudgeConfig(backend=f"transformers:{tiny_llama}", device="cpu"))
-    assert backend.packs_suffixes
+    assert backend.packs_suffixes and backend.pruned is not None
     tolerance = score_tolerance(backend, items)
     reference = reference_scores(backend, items, CRITERIA)
+    pruned = backend.score(items, CRITERIA, "")
+    assert [backend.score([item], CRITERIA, "")[0] for item in items] == pruned  # bitwise: one item per forward
+    backend.pruned = None
     packed = backend.score(items, CRITERIA, "")
-    assert [backend.score([item], CRITERIA, "")[0] for item in items] == packed  # bitwise: one item per forward
+    assert [backend.score([item], CRITERIA, "")[0] for item in items] == packed
     backend.model.set_attn_implementation("eager")
     eager = backend.score(items, CRITERIA, "")
     backend.packs_suffixes = False
     per_criterion = backend.score(items, CRITERIA, "")
-    for rows in (packed, eager, per_criterion):
+    for rows in (pruned, packed, eager, per_criterion):
         for row, row_r in zip(rows, reference):
             assert row == pytest.approx(row_r, abs=tolerance)
 

@@ -13,6 +13,10 @@ LLM criteria are scored from the next-token distribution after each prompt (see
   criterion. Attention implementations that cannot take such a 4D mask (e.g.
   flash-attention 2) repeat the cache once per criterion instead (right-padded
   suffixes, one row each), as :meth:`TransformersJudge.next_token_logprobs` does.
+  For Llama-style models (Llama, Qwen2) both passes run in a loop of our own over the
+  model's modules that skips what the answers do not need: the last layer's attention
+  and MLP at every position but the C answer positions, and transformers' per-forward
+  bookkeeping (``pruned_forward`` module doc); same scores within float rounding.
 - ``flat``: the item's criterion prompts, left-padded, in one forward (no reuse).
 - ``generate``: greedy generation plus parsing, for comparison only (a parse failure
   raises RewardError; it never becomes a score).
@@ -39,6 +43,7 @@ from calibrl.errors import ConfigError, RewardError
 from calibrl.judge_server import prompts
 from calibrl.judge_server.backends import model_id_for
 from calibrl.judge_server.backends.encoding import EncodedBatch, PromptEncoder
+from calibrl.judge_server.backends.pruned_forward import pruned_forward_for
 from calibrl.judge_server.rubric import Criterion, Rubric
 from calibrl.judge_server.types import JudgeItem
 
@@ -104,6 +109,9 @@ class TransformersJudge:
         attention = getattr(self.model.config, "_attn_implementation", "eager")
         # the attention kernel takes a 4D additive mask: pack the suffixes (module doc); settable for comparisons
         self.packs_suffixes = attention in MASKABLE_ATTENTION
+        # Llama-style models: the prefix-cache path skips what the answers do not need (pruned_forward
+        # module doc); None = the transformers forward (other models; settable for comparisons)
+        self.pruned = pruned_forward_for(self.model)
         log.info("transformers judge %s on %s (%s mode)", self.model_id, self.device, mode)
 
     # ------------------------------------------------------------------ interface
@@ -126,7 +134,7 @@ class TransformersJudge:
                         raise RewardError(f"items[{row}]: the judge's generated answer to criterion "
                                           f"{criteria[col].name!r} could not be parsed (generate mode)")
             return [[float(v) for v in values] for values in answers]
-        packed = self.mode == "prefix_cache" and self.packs_suffixes
+        packed = self.mode == "prefix_cache" and (self.pruned is not None or self.packs_suffixes)
         layout = SuffixLayout.build(encoded.suffix_ids, self._torch, self.device, self.model.dtype) if packed else None
         rows: list[list[float]] = []
         for prefix in encoded.prefix_ids:  # one item per forward: batch-invariant (module doc)
@@ -150,9 +158,12 @@ class TransformersJudge:
 
     def item_logprobs(self, prefix: Sequence[int], layout: "SuffixLayout") -> Any:
         """Log-probabilities of the token after each of one item's criterion prompts, shared
-        prefix first, then the packed suffixes (module doc): float32 (criteria, vocab)."""
+        prefix first, then the packed suffixes (module doc), through the pruned forward where the
+        model has one: float32 (criteria, vocab)."""
         torch = self._torch
         with torch.inference_mode():
+            if self.pruned is not None:
+                return self.pruned.item_logprobs(prefix, layout)
             ids = torch.tensor([list(prefix)], dtype=torch.long, device=self.device)
             keep = {self._keep_arg: 1} if self._keep_arg else {}  # the prefix's own logits are not needed
             cache = getattr(self.model(input_ids=ids, use_cache=True, **keep), self._cache_arg)
