@@ -9,7 +9,7 @@ LOCK ?= requirements/lock.txt
 # The numerics-heavy tests, run once more with torch's portable CPU kernels (make test-numerics).
 NUMERICS_TESTS := tests/test_losses.py tests/test_trl_equivalence.py tests/test_policy.py \
 	tests/test_advantages.py tests/test_calibadv.py tests/test_rollout.py tests/test_trainer_loop.py \
-	tests/test_trainer_diagnostics.py tests/test_judge_llm.py tests/test_judge_programmatic.py \
+	tests/test_trainer_diagnostics.py tests/test_judge_llm.py tests/test_judge_pruned_forward.py tests/test_judge_programmatic.py \
 	tests/test_judge_core.py tests/test_judge_metrics.py tests/test_rewards.py tests/test_retrieval_metrics.py
 
 .PHONY: install install-dev demo demo-quick test test-fast test-numerics lock proto bench
