@@ -148,6 +148,24 @@ def test_question_of_on_the_demo_domain_task_ids() -> None:
     assert ea.paired_f1(base, other, resamples=2000, by_question=True) == ea.paired_f1(base, other, resamples=2000)
 
 
+def test_paired_em_counts_exact_answers_only() -> None:
+    """Verbose -> exact: the value alone instead of the quoted phrase gains a whole point of
+    EM but only part of one of F1 (the phrase already had partial F1)."""
+    base = [record(task_id=f"q{i}-0", answer="a holding period of 90 days", gold="90 days") for i in range(40)]
+    exact = [record(task_id=f"q{i}-0", answer="90 days" if i % 2 else "a holding period of 90 days",
+                    gold="90 days") for i in range(40)]
+    em = ea.paired_f1(base, exact, metric="em", resamples=2000)
+    f1 = ea.paired_f1(base, exact, resamples=2000)
+    assert em.estimate == pytest.approx(0.5) and 0 < em.low < em.high < 1
+    assert 0 < f1.estimate < em.estimate
+    with pytest.raises(ValueError, match="metric='recall'"):
+        ea.paired_f1(base, exact, metric="recall")
+    results = ea.analysis_results({"base_agent": base, "trained": exact}, {"trained": "trained agent"},
+                                  resamples=500)
+    assert results["paired_em_vs_base_by_question"]["trained"]["estimate"] == pytest.approx(0.5)
+    assert any(line.startswith("- trained agent: +50.0 points") for line in ea.analysis_markdown(results))
+
+
 def test_paired_f1_rejects_unpaired_input() -> None:
     with pytest.raises(ValueError, match="same questions"):
         ea.paired_f1([record(task_id="a")], [record(task_id="b")])

@@ -170,6 +170,17 @@ def test_aggregation_over_seeds_on_hand_made_records(shared, tmp_path):
     base_correct = sum(v > 0.5 for r in records for v in r["base"]["f1"]) / sum(len(r["base"]["f1"]) for r in records)
     assert summary["base"]["categories"]["correct"] == pytest.approx(base_correct, abs=SUM_TOL)
     assert "| policy | correct % | wrong_answer % |" in path.read_text(encoding="utf-8")
+    # exact match, paired the same way: an arm that answers one more question exactly per seed
+    for record in records:
+        record["runs"]["normal"]["grpo"]["scores"]["em"][0] = 1.0
+    em_summary = study_report.summarize(PLAN, records)["settings"]["normal"]["paired_em_vs_base"]
+    em_grpo = {p["a"]: p for p in em_summary}["grpo"]
+    questions = 40 if shared else 90
+    assert em_grpo["estimate"] == pytest.approx((1 if shared else 2) / questions, abs=SUM_TOL)
+    assert {p["a"]: p for p in em_summary}["calibadv"]["estimate"] == 0.0
+    assert "Exact-match gain over the base (normal)" in study_report.write_study(
+        PLAN, records, tmp_path, command="hand", wall_s=1.0,
+        arm_labels={a.name: a.label for a in ARMS}).read_text(encoding="utf-8")
 
 
 def test_phrasings_of_one_question_are_resampled_together(tmp_path):

@@ -177,14 +177,18 @@ def question_of(task_id: str) -> str:
 
 
 def paired_f1(base: Sequence[SearchRecord], other: Sequence[SearchRecord], *, by_question: bool = False,
-              **options: Any) -> Interval:
+              metric: str = "f1", **options: Any) -> Interval:
     """Paired bootstrap (:func:`calibrl.stats.paired_difference`) of the answer-F1 gain of
-    ``other`` over ``base`` on the same questions; ``by_question`` resamples questions
-    with all their phrasings together (the phrasings of one question are not independent)."""
+    ``other`` over ``base`` on the same questions (``metric="em"``: of the exact-match
+    gain); ``by_question`` resamples questions with all their phrasings together (the
+    phrasings of one question are not independent)."""
+    if metric not in ("f1", "em"):
+        raise ValueError(f"metric={metric!r}: must be 'f1' or 'em'")
     if [r.task_id for r in base] != [r.task_id for r in other]:
         raise ValueError("the two record lists are not over the same questions in the same order")
     clusters = [question_of(r.task_id) for r in base] if by_question else None
-    return paired_difference([r.f1 for r in other], [r.f1 for r in base], clusters=clusters, **options)
+    return paired_difference([float(getattr(r, metric)) for r in other], [float(getattr(r, metric)) for r in base],
+                             clusters=clusters, **options)
 
 
 def analysis_results(records: dict[str, Sequence[SearchRecord]], labels: dict[str, str], base: str = "base_agent",
@@ -204,6 +208,12 @@ def analysis_results(records: dict[str, Sequence[SearchRecord]], labels: dict[st
         # the phrasings of one question are not independent: the same, resampling whole questions
         "paired_f1_vs_base_by_question": {
             name: paired_f1(records[base], recs, by_question=True, resamples=resamples, seed=seed).as_dict()
+            for name, recs in records.items() if name != base},
+        # exact match apart: F1 gives a verbose answer holding the value partial credit, so an
+        # agent that learns to answer with the value alone gains more EM than F1
+        "paired_em_vs_base_by_question": {
+            name: paired_f1(records[base], recs, by_question=True, metric="em", resamples=resamples,
+                            seed=seed).as_dict()
             for name, recs in records.items() if name != base},
     }
 
@@ -231,6 +241,13 @@ def analysis_markdown(results: dict[str, Any]) -> list[str]:
             lines.append(f"- {labels[name]}: {100 * diff['estimate']:+.1f} points, 95% interval {_interval(diff)}"
                          + (f"; resampling whole questions (all phrasings together): {_interval(by_question[name])}"
                             if name in by_question else "") + ".")
+        lines.append("")
+    paired_em = results.get("paired_em_vs_base_by_question", {})
+    if paired_em:
+        lines += ["Exact-match gain over the base agent, paired by question (the same bootstrap, whole questions "
+                  "resampled):", ""]
+        lines += [f"- {labels[name]}: {100 * diff['estimate']:+.1f} points, 95% interval {_interval(diff)}."
+                  for name, diff in paired_em.items()]
         lines.append("")
     return lines
 

@@ -102,10 +102,11 @@ def category_shares(records: Sequence[Mapping[str, Any]], setting: str, arm: str
     return {c: labels.count(c) / len(labels) for c in sorted(set(labels))} if labels else {}
 
 
-def paired(records: Sequence[Mapping[str, Any]], setting: str, a: str, b: str, seed: int = 0) -> Interval:
-    """Paired bootstrap of ``a - b`` over the same questions (and seeds)."""
-    left, strata = units(records, setting, a)
-    right, _ = units(records, setting, b)
+def paired(records: Sequence[Mapping[str, Any]], setting: str, a: str, b: str, seed: int = 0,
+           metric: str = "f1") -> Interval:
+    """Paired bootstrap of ``a - b`` in ``metric`` (answer F1, or ``em``) over the same questions (and seeds)."""
+    left, strata = units(records, setting, a, metric)
+    right, _ = units(records, setting, b, metric)
     return paired_difference(left, right, strata=strata, clusters=question_clusters(records), seed=seed)
 
 
@@ -160,6 +161,9 @@ def summarize(plan: Mapping[str, Any], records: Sequence[Mapping[str, Any]]) -> 
         out["settings"][setting] = {
             "arms": {arm: arm_summary(records, setting, arm) for arm in arms},
             "paired": [{"a": a, "b": b, **paired(records, setting, a, b).as_dict()} for a, b in pairs_of(arms)],
+            # F1 gives a verbose answer that holds the value partial credit: exact match apart
+            "paired_em_vs_base": [{"a": arm, "b": BASE, **paired(records, setting, arm, BASE, metric="em").as_dict()}
+                                  for arm in arms],
             "signals": {arm: {key: signal_curves(records, setting, arm, key) for key, _, _ in SIGNALS}
                         for arm in arms},
         }
@@ -192,6 +196,9 @@ def write_study(plan: Mapping[str, Any], records: Sequence[Mapping[str, Any]], o
         lines += [f"## Held-out answer F1, {setting} setting", "", arm_table(plan, summary, setting, labels), "",
                   f"Paired bootstrap over questions ({setting}): difference of held-out answer F1, a - b", "",
                   paired_table(summary, setting, labels), ""]
+        if summary["settings"][setting].get("paired_em_vs_base"):
+            lines += [f"Exact-match gain over the base ({setting}), paired the same way:", "",
+                      paired_table(summary, setting, labels, key="paired_em_vs_base"), ""]
         categories = category_table(summary, setting, labels)
         if categories:
             lines += [f"Where the trajectories fail ({setting}; error analysis of every held-out question):", "",
@@ -278,9 +285,9 @@ def category_table(summary: Mapping[str, Any], setting: str, labels: Mapping[str
     return _markdown(["policy", *(f"{c} %" for c in names)], rows)
 
 
-def paired_table(summary: Mapping[str, Any], setting: str, labels: Mapping[str, str]) -> str:
+def paired_table(summary: Mapping[str, Any], setting: str, labels: Mapping[str, str], key: str = "paired") -> str:
     rows = [[labels[p["a"]], labels[p["b"]], _ci_points(p), "yes" if p["low"] > 0 or p["high"] < 0 else "no"]
-            for p in summary["settings"][setting]["paired"]]
+            for p in summary["settings"][setting][key]]
     return _markdown(["a", "b", "a - b, points [95% CI]", "interval excludes 0"], rows)
 
 
