@@ -91,19 +91,19 @@ def _records(scores: list[float], phrasings: int = 1) -> list[ea.SearchRecord]:
             for i, s in enumerate(scores)]
 
 
-def test_paired_f1_sees_a_consistent_gain_and_not_a_coin_flip() -> None:
+def test_paired_gain_sees_a_consistent_gain_and_not_a_coin_flip() -> None:
     base = _records([0.0, 0.5, 1.0, 0.0] * 30)
     better = _records([1.0, 0.5, 1.0, 0.5] * 30)  # never worse, often better
     assert [r.f1 for r in base[:4]] == [0.0, pytest.approx(2 / 3), 1.0, 0.0]  # "90" vs "90 days": F1 2/3
-    gain = ea.paired_f1(base, better, resamples=2000)
+    gain = ea.paired_gain(base, better, resamples=2000)
     assert gain.estimate == pytest.approx(math.fsum(b.f1 - a.f1 for a, b in zip(base, better)) / 120)
     assert 0 < gain.low < gain.estimate < gain.high
     swapped = _records([1.0, 0.0] * 60)
     shifted = _records([0.0, 1.0] * 60)
-    noise = ea.paired_f1(swapped, shifted, resamples=2000)  # as often better as worse
+    noise = ea.paired_gain(swapped, shifted, resamples=2000)  # as often better as worse
     assert noise.estimate == pytest.approx(0.0)
     assert noise.low < 0 < noise.high
-    assert ea.paired_f1(base, better, resamples=2000) == gain  # seeded
+    assert ea.paired_gain(base, better, resamples=2000) == gain  # seeded
     assert gain.units == 120 and gain.confidence == 0.95
 
 
@@ -116,8 +116,8 @@ def test_by_question_resamples_whole_questions_and_is_wider() -> None:
     per_question = [rng.choice((0.0, 0.0, 1.0, 1.0, 1.0)) for _ in range(20)]
     base = _records([0.0] * 120, phrasings=6)
     other = _records([per_question[i // 6] for i in range(120)], phrasings=6)
-    loose = ea.paired_f1(base, other, resamples=4000)
-    honest = ea.paired_f1(base, other, resamples=4000, by_question=True)
+    loose = ea.paired_gain(base, other, resamples=4000)
+    honest = ea.paired_gain(base, other, resamples=4000, by_question=True)
     assert loose.estimate == pytest.approx(honest.estimate)
     assert honest.high - honest.low > 1.8 * (loose.high - loose.low)
     assert ea.question_of("ms-roth-expense-ratio-3") == "ms-roth-expense-ratio"
@@ -145,7 +145,7 @@ def test_question_of_on_the_demo_domain_task_ids() -> None:
     rng = random.Random(0)
     base = [record(task_id=t.task_id, answer=rng.choice(("90 days", "90", None))) for t in heldout]
     other = [record(task_id=t.task_id, answer=rng.choice(("90 days", "90", None))) for t in heldout]
-    assert ea.paired_f1(base, other, resamples=2000, by_question=True) == ea.paired_f1(base, other, resamples=2000)
+    assert ea.paired_gain(base, other, resamples=2000, by_question=True) == ea.paired_gain(base, other, resamples=2000)
 
 
 def test_paired_em_counts_exact_answers_only() -> None:
@@ -154,28 +154,28 @@ def test_paired_em_counts_exact_answers_only() -> None:
     base = [record(task_id=f"q{i}-0", answer="a holding period of 90 days", gold="90 days") for i in range(40)]
     exact = [record(task_id=f"q{i}-0", answer="90 days" if i % 2 else "a holding period of 90 days",
                     gold="90 days") for i in range(40)]
-    em = ea.paired_f1(base, exact, metric="em", resamples=2000)
-    f1 = ea.paired_f1(base, exact, resamples=2000)
+    em = ea.paired_gain(base, exact, metric="em", resamples=2000)
+    f1 = ea.paired_gain(base, exact, resamples=2000)
     assert em.estimate == pytest.approx(0.5) and 0 < em.low < em.high < 1
     assert 0 < f1.estimate < em.estimate
     with pytest.raises(ValueError, match="metric='recall'"):
-        ea.paired_f1(base, exact, metric="recall")
+        ea.paired_gain(base, exact, metric="recall")
     results = ea.analysis_results({"base_agent": base, "trained": exact}, {"trained": "trained agent"},
                                   resamples=500)
     assert results["paired_em_vs_base_by_question"]["trained"]["estimate"] == pytest.approx(0.5)
     assert any(line.startswith("- trained agent: +50.0 points") for line in ea.analysis_markdown(results))
 
 
-def test_paired_f1_rejects_unpaired_input() -> None:
+def test_paired_gain_rejects_unpaired_input() -> None:
     with pytest.raises(ValueError, match="same questions"):
-        ea.paired_f1([record(task_id="a")], [record(task_id="b")])
+        ea.paired_gain([record(task_id="a")], [record(task_id="b")])
     from calibrl.errors import InvalidArgument
 
     with pytest.raises(InvalidArgument, match="empty"):
-        ea.paired_f1([], [])
+        ea.paired_gain([], [])
 
 
 def test_identical_scores_give_a_zero_width_interval() -> None:
     same = _records([0.5] * 10)
-    diff = ea.paired_f1(same, same, resamples=100)
+    diff = ea.paired_gain(same, same, resamples=100)
     assert diff.estimate == diff.low == diff.high == 0.0

@@ -17,7 +17,7 @@ this order:
 :func:`greedy_search_records` decodes each question greedily, exactly as
 :func:`calibrl.trainer.eval.evaluate_search` does, and keeps one
 :class:`SearchRecord` per question, so that two models can be compared question by
-question (:func:`paired_f1`, through :mod:`calibrl.stats`).
+question (:func:`paired_gain`, through :mod:`calibrl.stats`).
 """
 
 from __future__ import annotations
@@ -176,8 +176,8 @@ def question_of(task_id: str) -> str:
     return question if question and phrasing.isdigit() else task_id
 
 
-def paired_f1(base: Sequence[SearchRecord], other: Sequence[SearchRecord], *, by_question: bool = False,
-              metric: str = "f1", **options: Any) -> Interval:
+def paired_gain(base: Sequence[SearchRecord], other: Sequence[SearchRecord], *, by_question: bool = False,
+                metric: str = "f1", **options: Any) -> Interval:
     """Paired bootstrap (:func:`calibrl.stats.paired_difference`) of the answer-F1 gain of
     ``other`` over ``base`` on the same questions (``metric="em"``: of the exact-match
     gain); ``by_question`` resamples questions with all their phrasings together (the
@@ -203,16 +203,16 @@ def analysis_results(records: dict[str, Sequence[SearchRecord]], labels: dict[st
         "resamples": resamples,
         "labels": {name: labels.get(name, name) for name in records},
         "categories": {name: analyse(recs).as_dict() for name, recs in records.items()},
-        "paired_f1_vs_base": {name: paired_f1(records[base], recs, resamples=resamples, seed=seed).as_dict()
+        "paired_f1_vs_base": {name: paired_gain(records[base], recs, resamples=resamples, seed=seed).as_dict()
                               for name, recs in records.items() if name != base},
         # the phrasings of one question are not independent: the same, resampling whole questions
         "paired_f1_vs_base_by_question": {
-            name: paired_f1(records[base], recs, by_question=True, resamples=resamples, seed=seed).as_dict()
+            name: paired_gain(records[base], recs, by_question=True, resamples=resamples, seed=seed).as_dict()
             for name, recs in records.items() if name != base},
         # exact match apart: F1 gives a verbose answer holding the value partial credit, so an
         # agent that learns to answer with the value alone gains more EM than F1
         "paired_em_vs_base_by_question": {
-            name: paired_f1(records[base], recs, by_question=True, metric="em", resamples=resamples,
+            name: paired_gain(records[base], recs, by_question=True, metric="em", resamples=resamples,
                             seed=seed).as_dict()
             for name, recs in records.items() if name != base},
     }
@@ -267,5 +267,5 @@ def _interval(diff: dict[str, Any]) -> str:
 __all__ = [
     "CATEGORIES", "CATEGORY_LABELS", "CORRECT", "ErrorAnalysis", "MALFORMED", "MISSED_ANSWER_DOC", "MISSED_BRIDGE",
     "SearchRecord", "WRONG_ANSWER", "analyse", "analysis_markdown", "analysis_results", "classify",
-    "greedy_search_records", "paired_f1", "question_of", "summary_metrics",
+    "greedy_search_records", "paired_gain", "question_of", "summary_metrics",
 ]
