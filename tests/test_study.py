@@ -48,8 +48,9 @@ def test_the_study_writes_its_report_tables_and_plots(tiny_study):
         assert sum(bool(re.match(rf"\| {re.escape(label)} \| [\d.]+ \[", line)) for line in lines) == 2
     for arm in ARMS:  # and a row of the collapse table per setting
         assert sum(line.startswith((f"| normal | {arm.label} | ", f"| stress | {arm.label} | ")) for line in lines) == 2
-    # Six pairs of arms and four arm-vs-base rows per setting.
-    assert sum(line.endswith(("| yes |", "| no |")) for line in lines) == 2 * (6 + 4)
+    # Per setting: six pairs of arms and four arm-vs-base rows of F1, and four arm-vs-base rows of exact match.
+    assert sum(line.endswith(("| yes |", "| no |")) for line in lines) == 2 * (6 + 4 + 4)
+    assert sum(line.startswith("Exact-match gain over the base (") for line in lines) == 2
     assert "CalibAdv" in text.split("## What the data shows")[1].split("##")[0]
     for stem in ("well_formed", "searches_per_trajectory", "repeated_share", "entropy", "ref_ppl", "reward"):
         assert (out / "plots" / f"{stem}.png").stat().st_size > 1000
