@@ -496,6 +496,36 @@ def test_bf16_autocast_trains_with_float32_weights(trainer_world, tmp_path):
     assert any(not torch.equal(bf16_weights[k], fp32_weights[k]) for k in fp32_weights)
 
 
+def test_cpu_bf16_autocast_runs_attention_at_every_kernel_level():
+    """CPU bf16 autocast runs attention of a 200-token sequence through SDPA's math kernel:
+    torch's CPU flash kernel fails on an AMX processor whose ATen kernels are held below
+    AVX-512 (CI reruns this file under ATEN_CPU_CAPABILITY=default). The result is bf16
+    and stays within bf16's error of float32 attention, and the context can be re-entered
+    (the update enters it once per forward pass)."""
+    from torch.nn.functional import scaled_dot_product_attention as sdpa
+
+    from calibrl.trainer.update import CpuBf16Autocast
+
+    generator = torch.Generator().manual_seed(0)
+    query, key, value = (torch.randn(2, 4, 200, 32, generator=generator) for _ in range(3))
+    reference = sdpa(query, key, value, is_causal=True)
+    # bf16 keeps 8 significant bits (unit roundoff 2^-9). Rounding q and k moves each logit
+    # q.k/sqrt(32) by at most 2 * 2^-9 * |q||k|/sqrt(32) (under 0.1 for these |q|, |k| < 12),
+    # which moves the softmax weights by a relative 2 * 0.1 at most; the output, an average
+    # of value rows (|v| < 6), by at most 0.2 * 6 plus v's and the output's own rounding.
+    assert float(query.norm(dim=-1).max()) < 12 and float(key.norm(dim=-1).max()) < 12
+    assert float(value.abs().max()) < 6
+    bound = 2 * 2 * 2**-9 * 12 * 12 / 32**0.5 * 6 + 2 * 2**-9 * 6
+    autocast = CpuBf16Autocast()
+    for _ in range(2):
+        with autocast:
+            assert torch.is_autocast_enabled("cpu")
+            out = sdpa(query, key, value, is_causal=True)
+        assert not torch.is_autocast_enabled("cpu")
+        assert out.dtype == torch.bfloat16
+        assert float((out.float() - reference).abs().max()) < bound
+
+
 def test_off_policy_behaviour_logprobs_ignore_lora_dropout(trainer_world, tmp_path):
     """The sampler draws in eval mode, so the behaviour log-probs must be eval-mode
     ones: with LoRA dropout 0.5 they still equal the sampling adapter's exactly."""

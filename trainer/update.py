@@ -270,12 +270,41 @@ class PolicyUpdate:
 
 
 def autocast_for(config: "TrainConfig", device: str) -> ContextManager[None]:
-    """bf16 autocast when ``precision`` asks for it (``auto``: on CUDA), else a no-op."""
+    """bf16 autocast when ``precision`` asks for it (``auto``: on CUDA), else a no-op.
+    On CPU, attention also runs through SDPA's math kernel (:class:`CpuBf16Autocast`)."""
     import torch
 
     if not use_bf16(config, device):
         return contextlib.nullcontext()
-    return torch.autocast(device_type="cuda" if device.startswith("cuda") else "cpu", dtype=torch.bfloat16)
+    if device.startswith("cuda"):
+        return torch.autocast(device_type="cuda", dtype=torch.bfloat16)
+    return CpuBf16Autocast()
+
+
+class CpuBf16Autocast:
+    """bf16 autocast on CPU with ``scaled_dot_product_attention`` on its math kernel.
+
+    torch 2.13's CPU flash-attention kernel takes an AMX code path for bf16 whenever the
+    processor has AMX, and that path fails ("pack_vnni2 is only supported when avx512 is
+    supported") when ATen's vector kernels are held below AVX-512
+    (``ATEN_CPU_CAPABILITY=default`` or ``avx2``, as ``calibrl demo`` pins them). The math
+    kernel runs on every CPU. Re-entrant: each ``with`` opens its own autocast and kernel
+    choice (the update enters one context per pass)."""
+
+    def __init__(self) -> None:
+        self._open: list[contextlib.ExitStack] = []
+
+    def __enter__(self) -> None:
+        import torch
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        stack = contextlib.ExitStack()
+        stack.enter_context(sdpa_kernel([SDPBackend.MATH]))
+        stack.enter_context(torch.autocast(device_type="cpu", dtype=torch.bfloat16))
+        self._open.append(stack)
+
+    def __exit__(self, *exc_info: object) -> None:
+        self._open.pop().__exit__(*exc_info)
 
 
 def use_bf16(config: "TrainConfig", device: str) -> bool:
@@ -286,7 +315,7 @@ def use_bf16(config: "TrainConfig", device: str) -> bool:
 
 
 __all__ = [
-    "EarlyForward", "MicroBatch", "PolicyUpdate", "UpdateResult", "apply_update", "autocast_for", "micro_batch",
-    "micro_batch_weight", "micro_batches", "micro_logprobs", "policy_loss_for", "reference_perplexity",
+    "CpuBf16Autocast", "EarlyForward", "MicroBatch", "PolicyUpdate", "UpdateResult", "apply_update", "autocast_for",
+    "micro_batch", "micro_batch_weight", "micro_batches", "micro_logprobs", "policy_loss_for", "reference_perplexity",
     "token_weighted_mean", "use_bf16",
 ]
