@@ -62,11 +62,12 @@ class SearchDesign:
 
 # Fixed from the untrained base's error analysis and pilots of both arms with identical settings
 # (README, "The embedded demo"): the full demo and the multi-seed study run FULL_SEARCH.
-# warm_steps: 300 steps (1.2 passes over the teacher's trajectories) left the base writing a memorised
-# account or fund name in its first search (68% of held-out questions, half the training questions);
-# 600 is the smallest of 300 / 600 / 900 after which the base finds the bridge document on every
-# probed training question (benchmarks/probe_warm_start.py; the base alone, no arm trained).
-FULL_SEARCH = SearchDesign(warm_steps=600, single_hop=200, steps=30, prompts_per_step=4, group_size=8, lr=5e-4)
+# warm_steps: the smallest probed length (300, 600, 900, ... steps) after which the base finds the bridge
+# document on every probed training question (benchmarks/probe_warm_start.py; the base alone, no arm
+# trained). Shorter warm starts leave it writing a memorised account or fund name of the same shape in
+# its first search. On the 120-question domain that was 600; on the 360-question domain (more names,
+# fewer passes over each) 600 missed 3 of 110 probed training bridges, 900 and 1200 one, 1500 none.
+FULL_SEARCH = SearchDesign(warm_steps=1500, single_hop=200, steps=30, prompts_per_step=4, group_size=8, lr=5e-4)
 QUICK_SEARCH = SearchDesign(warm_steps=100, single_hop=60, steps=3, prompts_per_step=4, group_size=4, lr=5e-4,
                             checkpoints=1, eval_questions=24)
 

@@ -52,10 +52,10 @@ from calibrl.demo.domain import (
     value_choices,
 )
 
-NEW_FUNDS = 36
-NEW_MANAGERS = 24
-NEW_PLANS = 40
-HELDOUT_QUESTIONS = 120  # of 336 answer documents (46 accounts x 6 fund facts + 30 managers x 2)
+NEW_FUNDS = 96
+NEW_MANAGERS = 32
+NEW_PLANS = 102  # every fund not yet a default becomes one
+HELDOUT_QUESTIONS = 360  # of 724 answer documents (108 accounts x 6 fund facts + 38 managers x 2)
 TRAIN_PHRASINGS = 2  # of the six phrasings of each training chain
 
 # First words of generated fund names: one per fund, shared with no other name, passage,
@@ -65,7 +65,13 @@ _FUND_WORDS = (
     "Juniper", "Kestrel", "Larkspur", "Maplewood", "Northgate", "Orchard", "Pinecrest", "Quarrystone", "Redwood",
     "Saltmarsh", "Thornbury", "Upland", "Valewood", "Willowby", "Yarrow", "Zephyr", "Bramble", "Clover", "Dunmore",
     "Eastwick", "Foxglove", "Goldcrest", "Heather", "Ivybridge", "Kingfisher", "Lindenfield", "Marigold", "Osprey",
-    "Primrose", "Starling", "Tamarack", "Verbena", "Wrenfield",
+    "Primrose", "Starling", "Tamarack", "Verbena", "Wrenfield", "Ashgrove", "Bluestone", "Coppice", "Dovecote",
+    "Everholt", "Fallowfield", "Gorsemoor", "Hollyhock", "Inglewood", "Jasmine", "Knapweed", "Lavender",
+    "Meadowsweet", "Nettlebed", "Oakhurst", "Peregrine", "Quillwort", "Rosebay", "Sorrel", "Teasel", "Umberleigh",
+    "Vetchley", "Wychwood", "Yewdale", "Ambleside", "Bracken", "Campion", "Dogrose", "Eyebright", "Fieldfare",
+    "Gannet", "Harebell", "Ibisford", "Kittiwake", "Lapwing", "Merlin", "Nightjar", "Oxlip", "Plover", "Redstart",
+    "Sandpiper", "Whinchat", "Yellowhammer", "Avocet", "Bittern", "Curlew", "Dunlin", "Goldfinch", "Hornbeam",
+    "Linnet", "Moorhen", "Pipistrelle", "Sedgefield", "Tansy",
 )
 _FUND_STYLES = ("Opportunity", "Core", "Strategic", "Allocation", "Select", "Enhanced", "Emerging", "Quality",
                 "Momentum", "Sustainable")
@@ -75,18 +81,28 @@ _COMPANY_WORDS = (
     "Jessop", "Kimberton", "Langford", "Mowbray", "Newcombe", "Ormond", "Prescott", "Quincy", "Rutherford",
     "Stanwick", "Tolliver", "Underhill", "Vickery", "Whitlock", "Yardley", "Aldridge", "Blackwood", "Carrington",
     "Dunleavy", "Ellison", "Fenwick", "Garrick", "Hartwell", "Iverson", "Kendrick", "Lockhart", "Merriweather",
-    "Northcott", "Pemberton", "Radcliffe", "Sheridan", "Thackeray", "Wexford", "Ashby", "Brockman",
+    "Northcott", "Pemberton", "Radcliffe", "Sheridan", "Thackeray", "Wexford", "Ashby", "Brockman", "Ainsworth",
+    "Barrington", "Chadwick", "Davenport", "Eastbrook", "Fairweather", "Gresham", "Holloway", "Ingram", "Jellicoe",
+    "Kensworth", "Marchbank", "Nettleton", "Oakley", "Pendleton", "Quimby", "Rowntree", "Sallowby", "Treadwell",
+    "Upshaw", "Vandermeer", "Wakefield", "Yelverton", "Atherton", "Bexley", "Colbourne", "Drummond", "Egerton",
+    "Fotheringham", "Grantham", "Haverford", "Islington", "Jarrow", "Kilbride", "Lowther", "Mansfield", "Norbury",
+    "Overton", "Pickering", "Rushworth", "Stafford", "Tenbury", "Uxbridge", "Waverley", "Wolcott", "Aylward",
+    "Brantley", "Cranston", "Dewhurst", "Elphick", "Farnsworth", "Gilchrist", "Huxtable", "Kirkwood", "Lambert",
+    "Morland", "Nesbitt", "Pargeter",
 )
 _INDUSTRIES = ("Logistics", "Foods", "Robotics", "Textiles", "Shipping", "Pharmacy", "Printing", "Aerospace",
                "Ceramics", "Brewing", "Hospitality", "Furniture")
 # Managers: a first and a last name, each used once (a manager's name words are all rare).
 _FIRST_NAMES = ("Amara", "Bastian", "Chiara", "Dmitri", "Elena", "Farah", "Gideon", "Hana", "Ingrid", "Jonas",
                 "Keiko", "Leon", "Marisol", "Nikhil", "Olga", "Pavel", "Rosa", "Soren", "Tamsin", "Viktor", "Yara",
-                "Zane", "Anselm", "Beatriz", "Cormac", "Delphine", "Emeka", "Fiona")
+                "Zane", "Anselm", "Beatriz", "Cormac", "Delphine", "Emeka", "Fiona", "Anouk", "Bruno", "Carys",
+                "Desmond", "Esther", "Florian", "Greta", "Ilias", "Jovana", "Kwame")
 _LAST_NAMES = (
     "Achterberg", "Bianchi", "Castellano", "Dimitrov", "Eriksen", "Fitzgerald", "Gonzaga", "Haddad", "Ivanova",
     "Jablonski", "Kowalczyk", "Laurent", "Mahlangu", "Nakamura", "Oyelaran", "Petrov", "Quintero", "Rasmussen",
     "Sandoval", "Takahashi", "Ueda", "Varga", "Wojcik", "Yilmaz", "Zielinski", "Baptiste", "Chaudhry", "Delacroix",
+    "Esposito", "Fontaine", "Gallagher", "Horvath", "Iwasaki", "Jankowski", "Kovalenko", "Lindgren", "Mbeki",
+    "Novak",
 )
 _TICKER_LETTERS = "BCDFGHJKLMNPQRSTVWZ"
 
@@ -132,7 +148,7 @@ def search_half(seed: int, facts: Sequence[Fact], default_funds: Sequence[Entity
     new_facts: list[Fact] = []
     for fund in funds:
         for aspect in FUND_ASPECTS:
-            value = rng.choice(value_choices(aspect.key))  # with replacement: 36 funds, pools of 4-12 values
+            value = rng.choice(value_choices(aspect.key))  # with replacement: 96 funds, pools of 4-12 values
             new_facts.append(Fact(fund, aspect, value, _doc_id(fund, aspect)))
             passages.append(Passage(_doc_id(fund, aspect), f"{fund.name}: {aspect.title}",
                                     _fund_text(fund, aspect, value)))
