@@ -165,25 +165,27 @@ def test_quick_demo_end_to_end(tmp_path: pathlib.Path) -> None:
     search_log = (out / "runs" / "grpo" / "metrics.jsonl").read_text()
     assert "steps/reward/mean" in search_log and "steps/new_gold_share" in search_log
     # two agents at once: the dense rewriter and the GRPO search agent were two `calibrl train`
-    # processes started together that overlapped; the demo trained the other three itself afterwards
+    # processes started together that overlapped; CalibAdv, a third process, started when the first
+    # of them ended (never three at once); the demo trained the other two itself afterwards
     spans = judge["training_processes"]
-    assert list(spans) == [*demo_cli.CONCURRENT_PAIR, *demo_cli.IN_PROCESS] and judge["pair"] == ["dense", "grpo"]
+    assert list(spans) == [*demo_cli.PROCESSES, *demo_cli.IN_PROCESS] and judge["pair"] == ["dense", "grpo"]
     assert judge["pair_overlap_s"] > 0 and spans["dense"]["start_s"] < 5 and spans["grpo"]["start_s"] < 5
     assert {n: s["where"] for n, s in spans.items()} == {
-        **{n: "calibrl train process" for n in demo_cli.CONCURRENT_PAIR},
+        **{n: "calibrl train process" for n in demo_cli.PROCESSES},
         **{n: "demo process" for n in demo_cli.IN_PROCESS}}
+    assert spans["calibadv"]["start_s"] >= min(spans[n]["end_s"] for n in demo_cli.CONCURRENT_PAIR)
     later = [spans[n] for n in demo_cli.IN_PROCESS]
     assert all(a["end_s"] <= b["start_s"] for a, b in zip(later, later[1:]))
-    assert later[0]["start_s"] >= max(spans[n]["end_s"] for n in demo_cli.CONCURRENT_PAIR)
+    assert later[0]["start_s"] >= max(spans[n]["end_s"] for n in demo_cli.PROCESSES)
     during = judge["server_during_pair"]
     assert set(during) == {"demo-rewriter-llm", "search-steps"}  # both agents called the server while both ran
     for rubric_id, figures in during.items():
         whole = judge["server"][rubric_id]
         assert 0 < figures["calls"] <= whole["calls"] and figures["beside_batches"] <= figures["batches"]
     assert "## Two agents on one judge server at once" in report and "ran at the same time for" in report
-    for name in demo_cli.CONCURRENT_PAIR:
+    for name in demo_cli.PROCESSES:
         assert (out / "logs" / f"train_{name}.log").read_text().startswith(calibrl_command()[0])
-    for name in (*demo_cli.CONCURRENT_PAIR, *demo_cli.IN_PROCESS):
+    for name in (*demo_cli.PROCESSES, *demo_cli.IN_PROCESS):
         scalars, texts = _tensorboard(out / "runs" / name)  # the run's own tracker run: its steps, then the table
         assert "reward" in scalars and texts["heldout"].startswith("| step |")
         assert len(texts["heldout"].splitlines()) == 2 + len(by_name[name]["heldout_curve"]) - 1  # less step 0

@@ -62,9 +62,12 @@ STEP_RUBRIC = pathlib.Path(__file__).resolve().parents[2] / "configs" / "rubrics
 REWRITE_ARMS = ("binary", "binary_ds", "dense")  # the rewriter's training runs
 # Two agents, two rubrics, one judge server: these two runs are `calibrl train` processes, started together.
 CONCURRENT_PAIR = ("dense", "grpo")
-# Then these, one after another in the demo process: on 2 cores more processes at once did not cut the wall
-# time (the CPUs are already busy) and each process start (torch, transformers) costs 10-15 s (benchmarks/README).
-IN_PROCESS = ("binary", "binary_ds", "calibadv")
+# The training processes, at most two at once: the pair, then CalibAdv as soon as the (shorter) dense run
+# ends, so that it trains beside the GRPO agent instead of after it (the full demo's longest runs).
+PROCESSES = (*CONCURRENT_PAIR, "calibadv")
+# Then these, one after another in the demo process: each process start (torch, transformers) costs
+# 10-15 s, as much as a quick run's training (benchmarks/README, "Two agents at once").
+IN_PROCESS = ("binary", "binary_ds")
 MARKER = ".calibrl-demo"  # marks a folder as a demo run's output, which a later run may replace
 RETRIEVAL_MODE = "bm25"
 PASS_THRESHOLD = 0.8  # the judge passes a golden item when its rubric total is at least this
@@ -544,7 +547,7 @@ def _train_and_evaluate(settings: DemoSettings, out: pathlib.Path, domain: Any, 
                                      bars["calibadv"]),
     }
     with stages.stage("GRPO training: the dense rewriter and the GRPO search agent as two `calibrl train` processes at "
-                      "once, then binary, binary + dynamic sampling and CalibAdv"):
+                      "once, CalibAdv as a third when the first ends, then binary and binary + dynamic sampling"):
         concurrency = _train_runs(runs, out, clients, report_to, metrics_port, progress,
                                   describe=lambda name: _describe_run(name, settings, dense_rubric))
     trained = {name: (read_log(out / "runs" / name / "metrics.jsonl"), span.seconds)
@@ -725,14 +728,15 @@ class _Concurrency:
 
 def _train_runs(runs: dict[str, list[str]], out: pathlib.Path, clients: _Clients, report_to: Sequence[str],
                 metrics_port: int, progress: bool, describe: Any) -> _Concurrency:
-    """The runs of ``CONCURRENT_PAIR`` as two `calibrl train` processes at once, then those
-    of ``IN_PROCESS`` one after another in this process; each logs to its own trackers.
+    """The runs of ``PROCESSES`` as `calibrl train` processes, two at once (``CONCURRENT_PAIR``
+    first), then those of ``IN_PROCESS`` one after another in this process; each logs to its
+    own trackers.
     A failed process is a DemoError with its log's tail."""
     from calibrl.demo import judge_report as jr
     from calibrl.demo.services import RunSpan, TrainingFailed, TrainingProcesses
 
     tracking = [f"report_to={','.join(report_to) or 'none'}", "tracking_project=calibrl-demo"]
-    processes = TrainingProcesses({name: [*runs[name], *tracking] for name in CONCURRENT_PAIR}, out / "logs",
+    processes = TrainingProcesses({name: [*runs[name], *tracking] for name in PROCESSES}, out / "logs",
                                   jobs=len(CONCURRENT_PAIR))
     before = jr.scrape_judge_stats(metrics_port) if metrics_port else None
     result = _Concurrency(spans={})
@@ -743,7 +747,7 @@ def _train_runs(runs: dict[str, list[str]], out: pathlib.Path, clients: _Clients
             after = jr.scrape_judge_stats(metrics_port)  # the first of the pair ended: the window closes
             result.during_pair = {r: e.minus(before.get(r, jr.RubricServerStats())) for r, e in after.items()}
 
-    for name in CONCURRENT_PAIR:
+    for name in PROCESSES:
         print(f"    {name} (`calibrl train` process, logs/train_{name}.log): {describe(name)}", flush=True)
     try:
         result.spans = processes.run(on_exit=on_exit, on_tick=_ProgressTicks(out, runs) if progress else None)

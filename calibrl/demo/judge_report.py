@@ -161,7 +161,8 @@ def concurrency_section(spans: Mapping[str, Any], pair: tuple[str, str], labels:
 
     lines = ["## Two agents on one judge server at once", "",
              f"The `{pair[0]}` and `{pair[1]}` runs were two `calibrl train` processes started together, each "
-             "reaching the retrieval and judge servers over gRPC; the demo trained the others itself afterwards. "
+             "reaching the retrieval and judge servers over gRPC; the runs marked `calibrl train process` below them "
+             "started as the earlier ones ended (two at once), and the demo trained the rest itself afterwards. "
              "Times are seconds since the training stage started; a process's wall time includes its start-up "
              "(torch, transformers, the policy).", "",
              "| run | where | start (s) | end (s) | wall (s) |", "| --- | --- | --- | --- | --- |"]
