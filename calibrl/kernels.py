@@ -17,13 +17,14 @@ sets ``ATEN_CPU_CAPABILITY=default``). ``CALIBRL_KERNELS=native`` (what
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 import pathlib
 import platform
 import sys
 from dataclasses import dataclass
-from typing import MutableMapping
+from typing import Any, ContextManager, MutableMapping
 
 NATIVE_SWITCH = "CALIBRL_KERNELS"  # =native: leave the kernels to the CPU
 PINNED = {"ATEN_CPU_CAPABILITY": "avx2", "MKL_CBWR": "AVX2", "ONEDNN_MAX_CPU_ISA": "AVX2"}
@@ -100,4 +101,30 @@ def describe() -> str:
     return f"ATen {aten}, MKL code path {mkl_branch()}, oneDNN max ISA {onednn}"
 
 
-__all__ = ["NATIVE_SWITCH", "PINNED", "PinResult", "cpu_has_avx2", "describe", "mkl_branch", "pin"]
+def cpu_half_precision(device: Any, dtype: Any) -> bool:
+    """Whether a model computes in bfloat16 or float16 on the CPU (``device``: a torch
+    device or its name; imports torch)."""
+    import torch
+
+    return str(device).split(":")[0] == "cpu" and dtype in (torch.bfloat16, torch.float16)
+
+
+def math_attention() -> ContextManager[None]:
+    """``scaled_dot_product_attention`` on its math kernel inside the ``with`` (imports torch).
+
+    torch 2.13's CPU flash-attention kernel takes an AMX code path for bf16 whenever the
+    processor has AMX, and that path fails ("pack_vnni2 is only supported when avx512 is
+    supported") when ATen's vector kernels are held below AVX-512, as :func:`pin` and
+    ``ATEN_CPU_CAPABILITY=default`` hold them. The math kernel runs on every CPU."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    return sdpa_kernel([SDPBackend.MATH])
+
+
+def half_precision_attention(device: Any, dtype: Any) -> ContextManager[None]:
+    """:func:`math_attention` for a half-precision model on the CPU, else a no-op."""
+    return math_attention() if cpu_half_precision(device, dtype) else contextlib.nullcontext()
+
+
+__all__ = ["NATIVE_SWITCH", "PINNED", "PinResult", "cpu_half_precision", "cpu_has_avx2", "describe",
+           "half_precision_attention", "math_attention", "mkl_branch", "pin"]

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from calibrl.errors import ConfigError, InvalidArgument, NotFound
+from calibrl.kernels import cpu_half_precision
 
 if TYPE_CHECKING:  # pragma: no cover
     from types import ModuleType
@@ -135,8 +136,11 @@ def load_policy(
     tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_path), local_files_only=True)
     if tokenizer.pad_token_id is None and tokenizer.eos_token is not None:
         tokenizer.pad_token = tokenizer.eos_token
+    # Half precision on the CPU: transformers' eager attention (plain matmuls), since torch's CPU flash
+    # kernel fails for bf16 on AMX CPUs whose ATen kernels are held below AVX-512 (calibrl.kernels).
+    eager = {"attn_implementation": "eager"} if cpu_half_precision(torch_device, torch_dtype) else {}
     model: torch.nn.Module = AutoModelForCausalLM.from_pretrained(str(base_path), dtype=torch_dtype,
-                                                                  local_files_only=True)
+                                                                  local_files_only=True, **eager)
     model.to(torch_device)
 
     if adapter_config.exists():

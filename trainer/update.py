@@ -282,24 +282,21 @@ def autocast_for(config: "TrainConfig", device: str) -> ContextManager[None]:
 
 
 class CpuBf16Autocast:
-    """bf16 autocast on CPU with ``scaled_dot_product_attention`` on its math kernel.
-
-    torch 2.13's CPU flash-attention kernel takes an AMX code path for bf16 whenever the
-    processor has AMX, and that path fails ("pack_vnni2 is only supported when avx512 is
-    supported") when ATen's vector kernels are held below AVX-512
-    (``ATEN_CPU_CAPABILITY=default`` or ``avx2``, as ``calibrl demo`` pins them). The math
-    kernel runs on every CPU. Re-entrant: each ``with`` opens its own autocast and kernel
-    choice (the update enters one context per pass)."""
+    """bf16 autocast on CPU with ``scaled_dot_product_attention`` on its math kernel
+    (:func:`calibrl.kernels.math_attention`: torch's CPU flash kernel fails for bf16 on an
+    AMX processor whose ATen kernels are held below AVX-512). Re-entrant: each ``with``
+    opens its own autocast and kernel choice (the update enters one context per pass)."""
 
     def __init__(self) -> None:
         self._open: list[contextlib.ExitStack] = []
 
     def __enter__(self) -> None:
         import torch
-        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        from calibrl.kernels import math_attention
 
         stack = contextlib.ExitStack()
-        stack.enter_context(sdpa_kernel([SDPBackend.MATH]))
+        stack.enter_context(math_attention())
         stack.enter_context(torch.autocast(device_type="cpu", dtype=torch.bfloat16))
         self._open.append(stack)
 

@@ -32,6 +32,7 @@ that comparison.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import logging
 import pathlib
@@ -39,6 +40,7 @@ from dataclasses import dataclass
 from typing import Any, Sequence
 
 from calibrl.devices import resolve_device
+from calibrl.kernels import half_precision_attention
 from calibrl.errors import ConfigError, RewardError
 from calibrl.judge_server import prompts
 from calibrl.judge_server.backends import model_id_for
@@ -147,11 +149,20 @@ class TransformersJudge:
 
     # ------------------------------------------------------------------ forward passes
 
+    def _forward_mode(self) -> contextlib.ExitStack:
+        """No autograd; a half-precision model on the CPU runs attention on SDPA's math kernel
+        (:func:`calibrl.kernels.half_precision_attention`: the flash kernel fails on AMX CPUs
+        whose ATen kernels are held below AVX-512)."""
+        stack = contextlib.ExitStack()
+        stack.enter_context(self._torch.inference_mode())
+        stack.enter_context(half_precision_attention(self.device, self.model.dtype))
+        return stack
+
     def next_token_logprobs(self, batch: EncodedBatch, mode: str | None = None) -> Any:
         """Log-probabilities of the token after each prompt: a float32 tensor of shape
         (items * criteria, vocab), row ``b * C + c`` = item b, criterion c."""
         mode = mode or ("flat" if self.mode == "flat" else "prefix_cache")
-        with self._torch.inference_mode():
+        with self._forward_mode():
             if mode == "flat":
                 return self._flat(batch)
             return self._prefix_cache(batch)
@@ -161,7 +172,7 @@ class TransformersJudge:
         prefix first, then the packed suffixes (module doc), through the pruned forward where the
         model has one: float32 (criteria, vocab)."""
         torch = self._torch
-        with torch.inference_mode():
+        with self._forward_mode():
             if self.pruned is not None:
                 return self.pruned.item_logprobs(prefix, layout)
             ids = torch.tensor([list(prefix)], dtype=torch.long, device=self.device)
@@ -243,7 +254,7 @@ class TransformersJudge:
         for prefix in batch.prefix_ids:  # one item per call, as in score()
             sequences = [prefix + suffix for suffix in batch.suffix_ids]
             ids, mask = self._left_pad(sequences)
-            with torch.inference_mode():
+            with self._forward_mode():
                 generated = self.model.generate(
                     input_ids=ids, attention_mask=mask, max_new_tokens=self.max_new_tokens, do_sample=False,
                     pad_token_id=self.pad_id, eos_token_id=self.tokenizer.eos_token_id,
