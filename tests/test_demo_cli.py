@@ -165,27 +165,29 @@ def test_quick_demo_end_to_end(tmp_path: pathlib.Path) -> None:
     search_log = (out / "runs" / "grpo" / "metrics.jsonl").read_text()
     assert "steps/reward/mean" in search_log and "steps/new_gold_share" in search_log
     # two agents at once: the dense rewriter and the GRPO search agent were two `calibrl train`
-    # processes started together that overlapped; CalibAdv, a third process, started when the first
-    # of them ended (never three at once); the demo trained the other two itself afterwards
+    # processes started together that overlapped; the demo trained the other three itself afterwards
+    # (the full demo starts CalibAdv as a third process when the first of the pair ends)
+    processes, in_process = demo_cli.QUICK.processes(), demo_cli.QUICK.in_process()
+    assert processes == demo_cli.CONCURRENT_PAIR and set(in_process) == {"binary", "binary_ds", "calibadv"}
+    assert demo_cli.FULL.processes() == (*demo_cli.CONCURRENT_PAIR, "calibadv")
+    assert demo_cli.FULL.in_process() == ("binary", "binary_ds")
     spans = judge["training_processes"]
-    assert list(spans) == [*demo_cli.PROCESSES, *demo_cli.IN_PROCESS] and judge["pair"] == ["dense", "grpo"]
+    assert list(spans) == [*processes, *in_process] and judge["pair"] == ["dense", "grpo"]
     assert judge["pair_overlap_s"] > 0 and spans["dense"]["start_s"] < 5 and spans["grpo"]["start_s"] < 5
     assert {n: s["where"] for n, s in spans.items()} == {
-        **{n: "calibrl train process" for n in demo_cli.PROCESSES},
-        **{n: "demo process" for n in demo_cli.IN_PROCESS}}
-    assert spans["calibadv"]["start_s"] >= min(spans[n]["end_s"] for n in demo_cli.CONCURRENT_PAIR)
-    later = [spans[n] for n in demo_cli.IN_PROCESS]
+        **{n: "calibrl train process" for n in processes}, **{n: "demo process" for n in in_process}}
+    later = [spans[n] for n in in_process]
     assert all(a["end_s"] <= b["start_s"] for a, b in zip(later, later[1:]))
-    assert later[0]["start_s"] >= max(spans[n]["end_s"] for n in demo_cli.PROCESSES)
+    assert later[0]["start_s"] >= max(spans[n]["end_s"] for n in processes)
     during = judge["server_during_pair"]
     assert set(during) == {"demo-rewriter-llm", "search-steps"}  # both agents called the server while both ran
     for rubric_id, figures in during.items():
         whole = judge["server"][rubric_id]
         assert 0 < figures["calls"] <= whole["calls"] and figures["beside_batches"] <= figures["batches"]
     assert "## Two agents on one judge server at once" in report and "ran at the same time for" in report
-    for name in demo_cli.PROCESSES:
+    for name in processes:
         assert (out / "logs" / f"train_{name}.log").read_text().startswith(calibrl_command()[0])
-    for name in (*demo_cli.PROCESSES, *demo_cli.IN_PROCESS):
+    for name in (*processes, *in_process):
         scalars, texts = _tensorboard(out / "runs" / name)  # the run's own tracker run: its steps, then the table
         assert "reward" in scalars and texts["heldout"].startswith("| step |")
         assert len(texts["heldout"].splitlines()) == 2 + len(by_name[name]["heldout_curve"]) - 1  # less step 0

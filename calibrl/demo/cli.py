@@ -62,12 +62,11 @@ STEP_RUBRIC = pathlib.Path(__file__).resolve().parents[2] / "configs" / "rubrics
 REWRITE_ARMS = ("binary", "binary_ds", "dense")  # the rewriter's training runs
 # Two agents, two rubrics, one judge server: these two runs are `calibrl train` processes, started together.
 CONCURRENT_PAIR = ("dense", "grpo")
-# The training processes, at most two at once: the pair, then CalibAdv as soon as the (shorter) dense run
-# ends, so that it trains beside the GRPO agent instead of after it (the full demo's longest runs).
-PROCESSES = (*CONCURRENT_PAIR, "calibadv")
-# Then these, one after another in the demo process: each process start (torch, transformers) costs
-# 10-15 s, as much as a quick run's training (benchmarks/README, "Two agents at once").
-IN_PROCESS = ("binary", "binary_ds")
+# Then the others, one after another in the demo process, except that the full demo (DemoSettings.
+# calibadv_process) runs CalibAdv as a third process as soon as the (shorter) dense run ends, so that it
+# trains beside the GRPO agent instead of after it; a process start (torch, transformers) costs 10-15 s,
+# more than a quick run's training (benchmarks/README, "Two agents at once").
+OTHER_RUNS = ("calibadv", "binary", "binary_ds")
 MARKER = ".calibrl-demo"  # marks a folder as a demo run's output, which a later run may replace
 RETRIEVAL_MODE = "bm25"
 PASS_THRESHOLD = 0.8  # the judge passes a golden item when its rubric total is at least this
@@ -93,11 +92,20 @@ class DemoSettings:
     max_sampling_rounds: int = 3  # binary + dynamic sampling: most rounds of tasks per step
     judge_warm_steps: int = 120  # the LLM judge's warm start on the domain text
     judge_epochs: int = 3  # train-judge epochs
+    calibadv_process: bool = False  # CalibAdv as a `calibrl train` process beside GRPO (module constants)
+
+    def processes(self) -> tuple[str, ...]:
+        """The runs trained as `calibrl train` processes, two at once, in start order."""
+        return (*CONCURRENT_PAIR, "calibadv") if self.calibadv_process else CONCURRENT_PAIR
+
+    def in_process(self) -> tuple[str, ...]:
+        """The runs the demo trains itself afterwards, one after another."""
+        return tuple(name for name in OTHER_RUNS if name not in self.processes())
 
 
 FULL = DemoSettings(
     name="full", warm_rewriter_steps=400, rewrite_steps=60, group_size=4, prompts_per_step=16, checkpoints=3,
-    search=FULL_SEARCH,
+    search=FULL_SEARCH, calibadv_process=True,
 )
 QUICK = DemoSettings(
     name="quick", warm_rewriter_steps=120, rewrite_steps=12, group_size=4, prompts_per_step=8, checkpoints=2,
@@ -537,7 +545,7 @@ def _train_and_evaluate(settings: DemoSettings, out: pathlib.Path, domain: Any, 
               f"{base_agent['f1']:.3f}, well-formed {base_agent['well_formed']:.3f} on {len(heldout_search)} questions")
 
     # 8 -------------------------------------------------------------------- training
-    bars = {name: progress and name in IN_PROCESS for name in (*REWRITE_ARMS, "grpo", "calibadv")}  # processes: logs
+    bars = {name: progress and name in settings.in_process() for name in (*REWRITE_ARMS, "grpo", "calibadv")}
     runs = {
         **{arm: _train_overrides(settings, out, bases.rewriter, files.train_tasks, clients, arm, seed, bars[arm],
                                  dense_rubric) for arm in REWRITE_ARMS},
@@ -546,9 +554,11 @@ def _train_and_evaluate(settings: DemoSettings, out: pathlib.Path, domain: Any, 
         "calibadv": _train_overrides(settings, out, bases.agent, files.multistep_train, clients, "calibadv", seed,
                                      bars["calibadv"]),
     }
+    others = ("CalibAdv as a third when the first ends, then binary and binary + dynamic sampling"
+              if settings.calibadv_process else "then binary, binary + dynamic sampling and CalibAdv")
     with stages.stage("GRPO training: the dense rewriter and the GRPO search agent as two `calibrl train` processes at "
-                      "once, CalibAdv as a third when the first ends, then binary and binary + dynamic sampling"):
-        concurrency = _train_runs(runs, out, clients, report_to, metrics_port, progress,
+                      f"once, {others}"):
+        concurrency = _train_runs(runs, settings, out, clients, report_to, metrics_port, progress,
                                   describe=lambda name: _describe_run(name, settings, dense_rubric))
     trained = {name: (read_log(out / "runs" / name / "metrics.jsonl"), span.seconds)
                for name, span in concurrency.spans.items()}
@@ -726,17 +736,17 @@ class _Concurrency:
     during_pair: dict[str, Any] | None = None  # rubric id -> judge_report.RubricServerStats
 
 
-def _train_runs(runs: dict[str, list[str]], out: pathlib.Path, clients: _Clients, report_to: Sequence[str],
-                metrics_port: int, progress: bool, describe: Any) -> _Concurrency:
-    """The runs of ``PROCESSES`` as `calibrl train` processes, two at once (``CONCURRENT_PAIR``
-    first), then those of ``IN_PROCESS`` one after another in this process; each logs to its
-    own trackers.
+def _train_runs(runs: dict[str, list[str]], settings: DemoSettings, out: pathlib.Path, clients: _Clients,
+                report_to: Sequence[str], metrics_port: int, progress: bool, describe: Any) -> _Concurrency:
+    """The runs of ``settings.processes()`` as `calibrl train` processes, two at once
+    (``CONCURRENT_PAIR`` first), then those of ``settings.in_process()`` one after another in
+    this process; each logs to its own trackers.
     A failed process is a DemoError with its log's tail."""
     from calibrl.demo import judge_report as jr
     from calibrl.demo.services import RunSpan, TrainingFailed, TrainingProcesses
 
     tracking = [f"report_to={','.join(report_to) or 'none'}", "tracking_project=calibrl-demo"]
-    processes = TrainingProcesses({name: [*runs[name], *tracking] for name in PROCESSES}, out / "logs",
+    processes = TrainingProcesses({name: [*runs[name], *tracking] for name in settings.processes()}, out / "logs",
                                   jobs=len(CONCURRENT_PAIR))
     before = jr.scrape_judge_stats(metrics_port) if metrics_port else None
     result = _Concurrency(spans={})
@@ -747,13 +757,13 @@ def _train_runs(runs: dict[str, list[str]], out: pathlib.Path, clients: _Clients
             after = jr.scrape_judge_stats(metrics_port)  # the first of the pair ended: the window closes
             result.during_pair = {r: e.minus(before.get(r, jr.RubricServerStats())) for r, e in after.items()}
 
-    for name in PROCESSES:
+    for name in settings.processes():
         print(f"    {name} (`calibrl train` process, logs/train_{name}.log): {describe(name)}", flush=True)
     try:
         result.spans = processes.run(on_exit=on_exit, on_tick=_ProgressTicks(out, runs) if progress else None)
     except TrainingFailed as exc:
         raise DemoError(str(exc)) from None
-    for name in IN_PROCESS:
+    for name in settings.in_process():
         print(f"    {name} (in the demo process): {describe(name)}", flush=True)
         started = time.monotonic() - processes.started
         _, _, tracker = _train(runs[name], clients, report_to)
