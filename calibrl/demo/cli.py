@@ -190,6 +190,11 @@ def run_demo(settings: DemoSettings, out: pathlib.Path, *, seed: int = 0, thread
                   f"{len(domain.multistep('heldout'))} held-out two-search questions, "
                   f"{len(domain.sme_feedback)} SME reviews -> {files.root}")
 
+        # 4, started now: the index builds in a thread beside stages 2-3b (one torch thread each, so
+        # the two use both cores; neither's numbers depend on the other), joined at stage 4
+        index_dir = out / "index"
+        index_build = _Beside(build_demo_index, files.corpus, index_dir, echo=False)
+
         # 2 ---------------------------------------------------------------- distil
         rubrics = out / "rubrics"
         rubric_path = rubrics / f"{RUBRIC_ID}.yaml"
@@ -222,9 +227,8 @@ def run_demo(settings: DemoSettings, out: pathlib.Path, *, seed: int = 0, thread
                                           golden_records, golden, out, seed, progress)
 
         # 4 ---------------------------------------------------------------- index
-        index_dir = out / "index"
-        with stages.stage("calibrl index build: corpus -> dense (MiniLM) + BM25 index"):
-            build_demo_index(files.corpus, index_dir)
+        with stages.stage("calibrl index build: corpus -> dense (MiniLM) + BM25 index (built beside stages 2-3b)"):
+            print(index_build.result(), flush=True)
 
         # 5 ---------------------------------------------------------------- services
         with stages.stage("start calibrl serve retrieval + calibrl serve judge (loopback), wait for health"):
@@ -358,16 +362,46 @@ def validate_rubric(rubric: Any, golden: Sequence[Any], rubric_path: pathlib.Pat
     return stored
 
 
-def build_demo_index(corpus: pathlib.Path, index_dir: pathlib.Path) -> None:
-    """Stage 4: the dense (MiniLM) + BM25 index of the corpus, on the CPU."""
+def build_demo_index(corpus: pathlib.Path, index_dir: pathlib.Path, echo: bool = True) -> str:
+    """Stage 4: the dense (MiniLM) + BM25 index of the corpus, on the CPU; returns (and with
+    ``echo`` prints) its one-line summary."""
     from calibrl.retrieval_server.corpus import file_sha256, read_corpus
     from calibrl.retrieval_server.index import build_index
 
     passages = read_corpus(corpus, "beir")
     manifest = build_index(passages, index_dir, corpus_sha256=file_sha256(corpus), corpus_format="beir",
                            device="cpu", overwrite=True, show_progress=False)
-    print(f"    built {index_dir}: {manifest.doc_count} passages, {manifest.dimension}-d {manifest.index_type} "
-          f"dense index ({manifest.embedder}) + BM25")
+    line = (f"    built {index_dir}: {manifest.doc_count} passages, {manifest.dimension}-d {manifest.index_type} "
+            f"dense index ({manifest.embedder}) + BM25")
+    if echo:
+        print(line, flush=True)
+    return line
+
+
+class _Beside:
+    """``function(*args, **kwargs)`` in a daemon thread, started at once; :meth:`result`
+    waits for it and returns its value or raises its exception."""
+
+    def __init__(self, function: Any, *args: Any, **kwargs: Any) -> None:
+        import threading
+
+        self._value: Any = None
+        self._error: BaseException | None = None
+
+        def run() -> None:
+            try:
+                self._value = function(*args, **kwargs)
+            except BaseException as exc:  # handed to result()
+                self._error = exc
+
+        self._thread = threading.Thread(target=run, name="calibrl-demo-beside", daemon=True)
+        self._thread.start()
+
+    def result(self) -> Any:
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
+        return self._value
 
 
 def build_llm_judge(settings: DemoSettings, domain: Any, feedback: pathlib.Path, rubric: Any,
