@@ -159,10 +159,13 @@ def concurrency_section(spans: Mapping[str, Any], pair: tuple[str, str], labels:
     rubric while both ran (``during``: the /metrics difference over that window)."""
     from calibrl.demo.services import overlap_seconds
 
+    more = [n for n, span in spans.items() if n not in pair and span.where != "demo process"]
+    later = (f"{', '.join(f'`{n}`' for n in more)} then started as a process when one of them ended (two at once), and "
+             if more else "")
     lines = ["## Two agents on one judge server at once", "",
              f"The `{pair[0]}` and `{pair[1]}` runs were two `calibrl train` processes started together, each "
-             "reaching the retrieval and judge servers over gRPC; the runs marked `calibrl train process` below them "
-             "started as the earlier ones ended (two at once), and the demo trained the rest itself afterwards. "
+             f"reaching the retrieval and judge servers over gRPC; {later}the demo trained the rest itself "
+             "afterwards. "
              "Times are seconds since the training stage started; a process's wall time includes its start-up "
              "(torch, transformers, the policy).", "",
              "| run | where | start (s) | end (s) | wall (s) |", "| --- | --- | --- | --- | --- |"]
