@@ -160,8 +160,8 @@ def concurrency_section(spans: Mapping[str, Any], pair: tuple[str, str], labels:
     from calibrl.demo.services import overlap_seconds
 
     more = [n for n, span in spans.items() if n not in pair and span.where != "demo process"]
-    later = (f"{', '.join(f'`{n}`' for n in more)} then started as a process when one of them ended (two at once), and "
-             if more else "")
+    names = ", ".join(f"`{n}`" for n in more)
+    later = f"{names} then started as a process when one of them ended (two at once), and " if more else ""
     lines = ["## Two agents on one judge server at once", "",
              f"The `{pair[0]}` and `{pair[1]}` runs were two `calibrl train` processes started together, each "
              f"reaching the retrieval and judge servers over gRPC; {later}the demo trained the rest itself "
