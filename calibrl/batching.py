@@ -143,6 +143,8 @@ class MicroBatcher(Generic[ItemT, ResultT]):
         self._queues: dict[Hashable, list[_Pending]] = {}
         self._queued_items = 0
         self._wakeup: asyncio.Event | None = None
+        self._window_cut: asyncio.Event | None = None  # set by end_windows(): a window ends early
+        self._windows_open = True
         self._worker: asyncio.Task | None = None
         self._closing = False
         self.stats = BatcherStats()
@@ -178,6 +180,9 @@ class MicroBatcher(Generic[ItemT, ResultT]):
         loop = asyncio.get_running_loop()
         if self._worker is None or self._worker.done():
             self._wakeup = asyncio.Event()
+            self._window_cut = asyncio.Event()
+            if not self._windows_open:
+                self._window_cut.set()
             self._worker = loop.create_task(self._run())
         deadline = loop.time() + timeout_s if timeout_s is not None else None
         pending = _Pending(items=items, future=loop.create_future(), deadline=deadline,
@@ -248,8 +253,8 @@ class MicroBatcher(Generic[ItemT, ResultT]):
                 self._wakeup.clear()
                 await self._wakeup.wait()
                 continue
-            if self.max_wait_s > 0 and self._queued_items < self.max_batch_items:
-                await asyncio.sleep(self.max_wait_s)  # let concurrent callers join the batch
+            if self.max_wait_s > 0 and self._queued_items < self.max_batch_items and self._windows_open:
+                await self._batching_window()
                 self._drop_abandoned(loop.time())
                 if not self._queued_items:
                     continue
@@ -283,6 +288,26 @@ class MicroBatcher(Generic[ItemT, ResultT]):
                 if pending.finished == len(pending.items) and not pending.future.done():
                     pending.future.set_result(pending.results)
 
+    async def _batching_window(self) -> None:
+        """Wait ``max_wait_s`` for concurrent callers to join the batch, or less if
+        :meth:`end_windows` is called meanwhile."""
+        assert self._window_cut is not None
+        try:
+            await asyncio.wait_for(self._window_cut.wait(), self.max_wait_s)
+        except asyncio.TimeoutError:
+            pass
+
+    def end_windows(self) -> None:
+        """Run batches as soon as items are queued, without waiting for more callers.
+
+        A server calls this when it stops taking new calls (and :meth:`close` does):
+        no new caller can join a batch then, so holding the calls in flight for the
+        rest of a batching window would only delay the drain. Items are still taken.
+        """
+        self._windows_open = False
+        if self._window_cut is not None:
+            self._window_cut.set()
+
     async def close(self, timeout_s: float | None = None) -> None:
         """Refuse new items and finish the queued ones of callers still waiting.
 
@@ -293,6 +318,7 @@ class MicroBatcher(Generic[ItemT, ResultT]):
         self._closing = True
         if self._wakeup is not None:
             self._wakeup.set()
+        self.end_windows()
         if self._worker is not None:
             try:
                 await asyncio.wait_for(asyncio.shield(self._worker), timeout_s)

@@ -182,6 +182,8 @@ class RunningServer:
     health: Any
     service_names: list[str]
     on_stop: list[Callable[[], Awaitable[None]]] = field(default_factory=list)
+    # called when the server stops taking new calls, before the grace period for those in flight
+    on_no_new_calls: list[Callable[[], None]] = field(default_factory=list)
     drain_seconds: float = 0.0  # what serve_until_signal uses (serving.drain_seconds)
     grace_seconds: float = 10.0
     _stopped: asyncio.Event = field(default_factory=asyncio.Event)
@@ -189,7 +191,8 @@ class RunningServer:
     async def stop(self, grace: float | None = None, drain: float = 0.0,
                    drain_cut: asyncio.Event | None = None) -> None:
         """NOT_SERVING first; keep serving ``drain`` seconds (or until ``drain_cut`` is set);
-        then let calls in flight finish for ``grace`` seconds and cancel the rest; then hooks."""
+        then refuse new calls (``on_no_new_calls`` hooks), let calls in flight finish for
+        ``grace`` seconds and cancel the rest; then the ``on_stop`` hooks."""
         if self._stopped.is_set():
             return
         from grpc_health.v1 import health_pb2
@@ -203,6 +206,8 @@ class RunningServer:
                 log.info("second signal: drain delay cut short")
             except asyncio.TimeoutError:
                 pass
+        for hook in self.on_no_new_calls:  # a call arriving from here on is refused by stop()
+            hook()
         await self.server.stop(grace)
         for hook in self.on_stop:
             await hook()
@@ -219,6 +224,7 @@ async def start_server(
     service_names: Iterable[str],
     on_stop: Iterable[Callable[[], Awaitable[None]]] = (),
     interceptors: Iterable[Any] = (),
+    on_no_new_calls: Iterable[Callable[[], None]] = (),
 ) -> RunningServer:
     """Build, bind and start a grpc.aio server with health and reflection, TLS and API
     keys when configured, and tracing when telemetry is on (see calibrl.telemetry.configure)."""
@@ -268,7 +274,7 @@ async def start_server(
     for name in ["", *names]:
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)  # aio servicer: a coroutine
     log.info("serving %s on %s:%d", ", ".join(names), config.host, port)
-    return RunningServer(server, port, health_servicer, names, list(on_stop),
+    return RunningServer(server, port, health_servicer, names, list(on_stop), list(on_no_new_calls),
                          drain_seconds=config.drain_seconds, grace_seconds=config.grace_seconds)
 
 

@@ -184,6 +184,7 @@ async def start(config: JudgeServerConfig, judge: Judge | None = None,
         config.serving,
         lambda server: judge_pb2_grpc.add_JudgeServiceServicer_to_server(servicer, server),
         [SERVICE_NAME],
+        on_no_new_calls=[batcher.end_windows],
         on_stop=[lambda: batcher.close(timeout_s=BATCHER_CLOSE_S), close_judge],
         interceptors=interceptors,
     )

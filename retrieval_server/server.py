@@ -66,6 +66,7 @@ async def start(config: RetrievalServerConfig, retriever: Retriever | None = Non
         config.serving,
         lambda server: pb_grpc.add_RetrievalServiceServicer_to_server(servicer, server),
         [SERVICE_NAME],
+        on_no_new_calls=[batcher.end_windows],
         on_stop=[lambda: batcher.close(timeout_s=BATCHER_CLOSE_S)],
     )
     base = {f.name: getattr(running, f.name) for f in dataclasses.fields(RunningServer)}

@@ -56,3 +56,27 @@ async def test_full_queue_is_rejected_and_errors_reach_every_caller():
     await batcher.close()
     with pytest.raises(Unavailable):
         await batcher.submit("k", ["z"])
+
+
+async def test_close_ends_the_batching_window_and_drains_the_queue():
+    # A 60 s window holds every caller's items; close() must not wait it out: a
+    # closing batcher takes no new caller, so the queued items run at once.
+    batches = []
+
+    def process(key, items):
+        batches.append(list(items))
+        return [item * 2 for item in items]
+
+    batcher = MicroBatcher(process, max_batch_items=64, max_wait_ms=60_000)
+    calls = [asyncio.ensure_future(batcher.submit("k", [i, i + 10])) for i in range(4)]
+    while batcher.queue_depth < 8:
+        await asyncio.sleep(0.01)
+    assert not any(call.done() for call in calls)
+    loop = asyncio.get_running_loop()
+    started = loop.time()
+    await asyncio.wait_for(batcher.close(), 30)
+    assert loop.time() - started < 30  # far below the 60 s window; wait_for raises otherwise
+    assert [await call for call in calls] == [[2 * i, 2 * (i + 10)] for i in range(4)]
+    assert batches == [[0, 10, 1, 11, 2, 12, 3, 13]]  # one batch: the window gathered them all
+    with pytest.raises(Unavailable):
+        await batcher.submit("k", [1])

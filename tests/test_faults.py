@@ -385,6 +385,8 @@ def test_killed_trainer_resumes_from_its_checkpoint_and_ends_like_an_uninterrupt
 CALLS_IN_FLIGHT = 8
 QUERIES_PER_CALL = 8  # 64 queries to embed: seconds of work on a small shared CPU
 ITEMS_PER_CALL = 32  # judge items per call
+ARRIVAL_TIMEOUT_S = 60.0  # for every call of a burst to reach the server's queue on a loaded CPU
+HOLD_WINDOW_MS = 1000 * (ARRIVAL_TIMEOUT_S + 60.0)  # a batching window that outlasts the arrival
 
 
 def _retrieval_items(call: int) -> list[ScoreItem]:
@@ -405,9 +407,11 @@ async def _wait_until(condition, timeout: float, what: str) -> None:
 
 
 async def test_retrieval_stop_finishes_every_call_in_flight_and_refuses_new_ones(world):
-    # A two-second batching window holds every call in the server's queue until all
-    # have arrived; then their 64 queries are embedded and searched as one batch.
-    running = await start_test_server(world.index_dir, "batch_max_wait_ms=2000", "batch_max_items=64")
+    # A long batching window holds every call in the server's queue until all have
+    # arrived, however slowly a loaded machine delivers them (a 2 s window once closed
+    # before the eighth call came); stop() ends the window, so the test does not wait it
+    # out, and the 64 queries are embedded and searched as one batch.
+    running = await start_test_server(world.index_dir, f"batch_max_wait_ms={HOLD_WINDOW_MS}", "batch_max_items=64")
     channel = grpc.aio.insecure_channel(running.address)
     stub = rpb_grpc.RetrievalServiceStub(channel)
     try:
@@ -417,7 +421,7 @@ async def test_retrieval_stop_finishes_every_call_in_flight_and_refuses_new_ones
                     for items in batches]
         calls = [asyncio.ensure_future(stub.ScoreRetrieval(request, timeout=120)) for request in requests]
         total = CALLS_IN_FLIGHT * QUERIES_PER_CALL
-        await _wait_until(lambda: running.batcher.queue_depth == total, 10, "every call is queued in the server")
+        await _wait_until(lambda: running.batcher.queue_depth == total, ARRIVAL_TIMEOUT_S, "every call is queued in the server")
         assert not any(call.done() for call in calls)
         await running.stop(grace=60)
         assert running.batcher.stats.items == total  # stop() returned after the server did all the work
@@ -456,7 +460,7 @@ def _judge_totals(rubric_dir, requests: list[list[jpb.JudgeItem]]) -> list[list[
 async def test_judge_stop_finishes_every_call_in_flight_and_refuses_new_ones(world):
     from calibrl.judge_server import server as judge_server
 
-    config = _judge_server_config(world.rubric_dir, 0, max_wait_ms=2000.0, max_batch_items=64)
+    config = _judge_server_config(world.rubric_dir, 0, max_wait_ms=HOLD_WINDOW_MS, max_batch_items=64)
     running = await judge_server.start(config)
     channel = grpc.aio.insecure_channel(f"127.0.0.1:{running.port}")
     stub = jpb_grpc.JudgeServiceStub(channel)
@@ -467,7 +471,7 @@ async def test_judge_stop_finishes_every_call_in_flight_and_refuses_new_ones(wor
                  for items in requests]
         batcher = running.servicer.batcher
         total = CALLS_IN_FLIGHT * ITEMS_PER_CALL
-        await _wait_until(lambda: batcher.queue_depth == total, 10, "every call is queued in the judge")
+        await _wait_until(lambda: batcher.queue_depth == total, ARRIVAL_TIMEOUT_S, "every call is queued in the judge")
         assert not any(call.done() for call in calls)
         await running.stop(grace=60)
 
