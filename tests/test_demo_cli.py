@@ -67,6 +67,30 @@ def test_a_service_that_exits_early_is_reported_with_its_log(tmp_path: pathlib.P
     assert service.process is not None and service.process.returncode not in (None, 0)
 
 
+# Stages 1-3b of the demo alone in a process of their own (kernels pinned as the demo pins
+# them): the LLM judge with nothing running beside it. Prints the judge's model id last.
+_JUDGE_ALONE = """
+import pathlib, sys
+from calibrl import kernels
+kernels.pin()
+import torch
+torch.set_num_threads(1)
+from calibrl.demo import cli
+from calibrl.demo.domain import generate_domain, write_domain
+from calibrl.demo.judge_model import LLM_RUBRIC_ID, distill_llm_rubric
+out = pathlib.Path(sys.argv[1])
+domain = generate_domain(0)
+files = write_domain(domain, out / "data")
+_, golden = cli.distill_rubric(files.sme_feedback, domain.glossary_terms(), out / "rubrics" / "r.yaml",
+                               out / "golden.jsonl")
+llm_path = out / "rubrics" / f"{LLM_RUBRIC_ID}.yaml"
+llm_rubric = distill_llm_rubric(files.sme_feedback, domain.glossary_terms(), llm_path)
+judge = cli.build_llm_judge(cli.QUICK, domain, files.sme_feedback, llm_rubric, llm_path, golden,
+                            out / "golden.jsonl", out, 0, False)
+print(judge.model_id)
+"""
+
+
 @pytest.mark.slow
 def test_quick_demo_end_to_end(tmp_path: pathlib.Path) -> None:
     """What CI runs: `calibrl demo --quick` with real servers on loopback, no download."""
@@ -151,6 +175,14 @@ def test_quick_demo_end_to_end(tmp_path: pathlib.Path) -> None:
     llm_row = judge["validation"][1]
     assert llm_row["model_id"].startswith("transformers:judge@") and llm_row["passed"]
     assert -1.0 <= llm_row["kappa"] <= 1.0 and -1.0 <= llm_row["quadratic_weighted_kappa"] <= 1.0
+    # the index built beside the judge's stages (`calibrl index build`, a process of its own) left
+    # the judge's trained weights alone: the same model id as stages 1-3b with nothing beside them
+    # (an index built in a thread of the demo process once changed them)
+    assert (out / "logs" / "index_build.log").is_file()
+    alone = subprocess.run([sys.executable, "-c", _JUDGE_ALONE, str(tmp_path / "judge_alone")], cwd=ROOT, env=env,
+                           capture_output=True, text=True, timeout=600)
+    assert alone.returncode == 0, alone.stdout[-3000:] + alone.stderr[-3000:]
+    assert llm_row["model_id"] == alone.stdout.split()[-1]
     assert judge["dense_rubric"] == "demo-rewriter-llm" and "(0.7 MRR@10 + 0.3 rubric demo-rewriter-llm)" in report
     assert set(judge["served"]) == {"demo-rewriter", "demo-rewriter-llm", "search-steps"}
     dense_steps = demo_cli.QUICK.rewrite_steps

@@ -190,10 +190,13 @@ def run_demo(settings: DemoSettings, out: pathlib.Path, *, seed: int = 0, thread
                   f"{len(domain.multistep('heldout'))} held-out two-search questions, "
                   f"{len(domain.sme_feedback)} SME reviews -> {files.root}")
 
-        # 4, started now: the index builds in a thread beside stages 2-3b (one torch thread each, so
-        # the two use both cores; neither's numbers depend on the other), joined at stage 4
+        # 4, started now: `calibrl index build` runs as a process beside stages 2-3b (one torch
+        # thread each, so the two use both cores; a separate process shares no state), joined at stage 4
+        from calibrl.demo.services import IndexBuild
+
         index_dir = out / "index"
-        index_build = _Beside(build_demo_index, files.corpus, index_dir, echo=False)
+        index_build = IndexBuild(files.corpus, index_dir, logs / "index_build.log")
+        services.append(index_build)
 
         # 2 ---------------------------------------------------------------- distil
         rubrics = out / "rubrics"
@@ -228,7 +231,8 @@ def run_demo(settings: DemoSettings, out: pathlib.Path, *, seed: int = 0, thread
 
         # 4 ---------------------------------------------------------------- index
         with stages.stage("calibrl index build: corpus -> dense (MiniLM) + BM25 index (built beside stages 2-3b)"):
-            print(index_build.result(), flush=True)
+            index_build.wait()
+            print(index_summary(index_dir), flush=True)
 
         # 5 ---------------------------------------------------------------- services
         with stages.stage("start calibrl serve retrieval + calibrl serve judge (loopback), wait for health"):
@@ -369,39 +373,21 @@ def build_demo_index(corpus: pathlib.Path, index_dir: pathlib.Path, echo: bool =
     from calibrl.retrieval_server.index import build_index
 
     passages = read_corpus(corpus, "beir")
-    manifest = build_index(passages, index_dir, corpus_sha256=file_sha256(corpus), corpus_format="beir",
-                           device="cpu", overwrite=True, show_progress=False)
-    line = (f"    built {index_dir}: {manifest.doc_count} passages, {manifest.dimension}-d {manifest.index_type} "
-            f"dense index ({manifest.embedder}) + BM25")
+    build_index(passages, index_dir, corpus_sha256=file_sha256(corpus), corpus_format="beir",
+                device="cpu", overwrite=True, show_progress=False)
+    line = index_summary(index_dir)
     if echo:
         print(line, flush=True)
     return line
 
 
-class _Beside:
-    """``function(*args, **kwargs)`` in a daemon thread, started at once; :meth:`result`
-    waits for it and returns its value or raises its exception."""
+def index_summary(index_dir: pathlib.Path) -> str:
+    """The one-line summary of a built index, from its manifest."""
+    from calibrl.retrieval_server.manifest import read_manifest
 
-    def __init__(self, function: Any, *args: Any, **kwargs: Any) -> None:
-        import threading
-
-        self._value: Any = None
-        self._error: BaseException | None = None
-
-        def run() -> None:
-            try:
-                self._value = function(*args, **kwargs)
-            except BaseException as exc:  # handed to result()
-                self._error = exc
-
-        self._thread = threading.Thread(target=run, name="calibrl-demo-beside", daemon=True)
-        self._thread.start()
-
-    def result(self) -> Any:
-        self._thread.join()
-        if self._error is not None:
-            raise self._error
-        return self._value
+    manifest = read_manifest(index_dir)
+    return (f"    built {index_dir}: {manifest.doc_count} passages, {manifest.dimension}-d {manifest.index_type} "
+            f"dense index ({manifest.embedder}) + BM25")
 
 
 def build_llm_judge(settings: DemoSettings, domain: Any, feedback: pathlib.Path, rubric: Any,

@@ -129,6 +129,45 @@ class Service:
         return log_tail(self.log_path, lines)
 
 
+class IndexBuild:
+    """`calibrl index build` as a subprocess, started at once, so the demo's other stages
+    run beside it. A process, not a thread: a thread of the demo's own process shares
+    its torch and transformers state (thread pools, lazy imports), and an index built
+    in a thread beside the LLM judge's training changed the judge's trained weights."""
+
+    def __init__(self, corpus: pathlib.Path, index_dir: pathlib.Path, log_path: pathlib.Path,
+                 threads: int = 1) -> None:
+        self.log_path = log_path
+        log_path.parent.mkdir(parents=True, exist_ok=True)
+        self._log = open(log_path, "w", encoding="utf-8")
+        self.command = [*calibrl_command(), "index", "build", "--corpus", str(corpus), "--out", str(index_dir),
+                        "--device", "cpu", "--overwrite", "--no-progress"]
+        self.process = subprocess.Popen(self.command, stdout=self._log, stderr=subprocess.STDOUT,
+                                        env=service_env(threads), start_new_session=True)
+
+    def wait(self) -> None:
+        """Block until the index is written; :class:`CalibrlError` with the log's tail if the build failed."""
+        code = self.process.wait()
+        self._close_log()
+        if code != 0:
+            raise CalibrlError(f"calibrl index build exited with code {code}:\n{log_tail(self.log_path)}")
+
+    def stop(self, grace_s: float = 5.0) -> None:
+        """Kill a build still running (the demo failed or was stopped before it joined)."""
+        if self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(grace_s)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait(5)
+        self._close_log()
+
+    def _close_log(self) -> None:
+        if not self._log.closed:
+            self._log.close()
+
+
 # --- training runs as `calibrl train` subprocesses ------------------------------------------------------------------
 
 
@@ -250,5 +289,5 @@ def log_tail(path: pathlib.Path, lines: int = 25) -> str:
     return "\n".join(text.splitlines()[-lines:])
 
 
-__all__ = ["RunSpan", "Service", "TrainingFailed", "TrainingProcesses", "calibrl_command", "free_port", "log_tail",
+__all__ = ["IndexBuild", "RunSpan", "Service", "TrainingFailed", "TrainingProcesses", "calibrl_command", "free_port", "log_tail",
            "overlap_seconds", "service_env"]
