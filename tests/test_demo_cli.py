@@ -201,8 +201,8 @@ def test_quick_demo_end_to_end(tmp_path: pathlib.Path) -> None:
     # (the full demo starts CalibAdv as a third process when the first of the pair ends)
     processes, in_process = demo_cli.QUICK.processes(), demo_cli.QUICK.in_process()
     assert processes == demo_cli.CONCURRENT_PAIR and set(in_process) == {"binary", "binary_ds", "calibadv"}
-    assert demo_cli.FULL.processes() == (*demo_cli.CONCURRENT_PAIR, "calibadv")
-    assert demo_cli.FULL.in_process() == ("binary", "binary_ds")
+    assert demo_cli.FULL.processes() == (*demo_cli.CONCURRENT_PAIR, "calibadv", "binary_ds", "binary")
+    assert demo_cli.FULL.in_process() == ()
     spans = judge["training_processes"]
     assert list(spans) == [*processes, *in_process] and judge["pair"] == ["dense", "grpo"]
     assert judge["pair_overlap_s"] > 0 and spans["dense"]["start_s"] < 5 and spans["grpo"]["start_s"] < 5

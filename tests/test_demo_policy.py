@@ -206,3 +206,28 @@ def test_rewrite_mix_is_a_distribution() -> None:
     assert max(zip(weights, names))[1] == "copy"
     rng = random.Random(0)
     assert rng.choices(names, weights)[0] in names
+
+
+def test_the_rewriter_warm_started_beside_the_agent_is_the_model_trained_alone(domain: Domain, tmp_path: pathlib.Path,
+                                                                                 one_thread) -> None:
+    """`calibrl demo` warm-starts the rewriter in a spawned process while it warm-starts the
+    agent: both saved models must be bit for bit those of the two warm starts one after another."""
+    import torch
+    from safetensors.torch import load_file
+
+    search_many, _ = fake_search_many(domain)
+    spec = pol.PolicySpec(hidden_size=32, num_layers=1, num_heads=2, intermediate_size=64, vocab_size=512)
+    folders = {}
+    for beside in (False, True):
+        bases = pol.build_base_policies(domain, tmp_path / f"beside_{beside}", search_many, spec=spec,
+                                        rewriter_steps=6, agent_steps=4, rewrite_count=120,
+                                        teacher=pol.AgentTeacher(single_hop=5), seed=3, progress=False,
+                                        rewriter_beside=beside)
+        folders[beside] = bases
+    for kind in ("rewriter", "agent"):
+        alone = load_file(str(getattr(folders[False], kind) / "model.safetensors"))
+        beside = load_file(str(getattr(folders[True], kind) / "model.safetensors"))
+        assert alone.keys() == beside.keys()
+        for name in alone:
+            assert torch.equal(alone[name], beside[name]), (kind, name)  # exact: same kernels, seed and data
+    assert folders[True].rewriter_result.losses == folders[False].rewriter_result.losses

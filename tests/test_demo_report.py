@@ -106,3 +106,10 @@ def test_concurrency_section_shows_spans_overlap_and_server_figures_while_both_r
     # without /metrics: the spans and the overlap only; without the pair: the spans only
     assert "judge server did" not in "\n".join(concurrency_section(spans, ("dense", "grpo"), {}, None))
     assert "at the same time" not in "\n".join(concurrency_section(spans, ("dense", "calibadv"), {}, None))
+    assert "over gRPC; the demo trained the rest itself afterwards." in text
+    # the full demo: every run a process, nothing left to the demo process
+    all_processes = {**{n: spans[n] for n in ("dense", "grpo")}, "calibadv": RunSpan("calibadv", 40.0, 120.0),
+                     "binary": RunSpan("binary", 80.5, 110.5)}
+    text = "\n".join(concurrency_section(all_processes, ("dense", "grpo"), {}, None))
+    assert ("over gRPC; `calibadv`, `binary` then started as processes, each when a running one ended (two at "
+            "once). ") in text and "the rest" not in text

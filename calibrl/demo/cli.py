@@ -62,10 +62,11 @@ STEP_RUBRIC = pathlib.Path(__file__).resolve().parents[2] / "configs" / "rubrics
 REWRITE_ARMS = ("binary", "binary_ds", "dense")  # the rewriter's training runs
 # Two agents, two rubrics, one judge server: these two runs are `calibrl train` processes, started together.
 CONCURRENT_PAIR = ("dense", "grpo")
-# Then the others, one after another in the demo process, except that the full demo (DemoSettings.
-# calibadv_process) runs CalibAdv as a third process as soon as the (shorter) dense run ends, so that it
-# trains beside the GRPO agent instead of after it; a process start (torch, transformers) costs 10-15 s,
-# more than a quick run's training (benchmarks/README, "Two agents at once").
+# Then the others. The full demo (DemoSettings.more_processes) starts each as a process too, in this
+# order (the longest first), whenever one of the two running ends (CalibAdv beside the GRPO agent, the binary arms beside
+# CalibAdv), so both cores stay busy; the quick demo trains them one after another in the demo process,
+# since a process start (torch, transformers) costs 10-15 s, more than a quick run's training
+# (benchmarks/README, "Two agents at once").
 OTHER_RUNS = ("calibadv", "binary", "binary_ds")
 MARKER = ".calibrl-demo"  # marks a folder as a demo run's output, which a later run may replace
 RETRIEVAL_MODE = "bm25"
@@ -92,11 +93,11 @@ class DemoSettings:
     max_sampling_rounds: int = 3  # binary + dynamic sampling: most rounds of tasks per step
     judge_warm_steps: int = 120  # the LLM judge's warm start on the domain text
     judge_epochs: int = 3  # train-judge epochs
-    calibadv_process: bool = False  # CalibAdv as a `calibrl train` process beside GRPO (module constants)
+    more_processes: tuple[str, ...] = ()  # runs of OTHER_RUNS trained as processes after the pair (module constants)
 
     def processes(self) -> tuple[str, ...]:
         """The runs trained as `calibrl train` processes, two at once, in start order."""
-        return (*CONCURRENT_PAIR, "calibadv") if self.calibadv_process else CONCURRENT_PAIR
+        return (*CONCURRENT_PAIR, *self.more_processes)
 
     def in_process(self) -> tuple[str, ...]:
         """The runs the demo trains itself afterwards, one after another."""
@@ -105,7 +106,7 @@ class DemoSettings:
 
 FULL = DemoSettings(
     name="full", warm_rewriter_steps=400, rewrite_steps=60, group_size=4, prompts_per_step=16, checkpoints=3,
-    search=FULL_SEARCH, calibadv_process=True,
+    search=FULL_SEARCH, more_processes=("calibadv", "binary_ds", "binary"),  # the longest first
 )
 QUICK = DemoSettings(
     name="quick", warm_rewriter_steps=120, rewrite_steps=12, group_size=4, prompts_per_step=8, checkpoints=2,
@@ -536,13 +537,14 @@ def _train_and_evaluate(settings: DemoSettings, out: pathlib.Path, domain: Any, 
     from calibrl.trainer.tasks import load_tasks
 
     # 6 -------------------------------------------------------------------- policies
-    with stages.stage("build the tiny policies: tokenizer, model, supervised warm start"):
+    with stages.stage("build the tiny policies: tokenizer, then both warm starts at once (the rewriter's in a process "
+                      "of its own)"):
         bases = build_base_policies(
             domain, out / "policies", lambda queries: clients.search_many(queries, settings.search.top_k),
             spec=PolicySpec(),
             rewriter_steps=settings.warm_rewriter_steps, agent_steps=settings.search.warm_steps,
             rewrite_count=settings.rewrite_examples, teacher=settings.search.teacher(), mix=RewriteMix(), seed=seed,
-            progress=progress,
+            progress=progress, rewriter_beside=True,
         )
         for name, result in (("base rewriter", bases.rewriter_result), ("base search agent", bases.agent_result)):
             print(f"    {name}: {result.parameters / 1e6:.2f}M parameters, {result.examples} examples, "
@@ -574,8 +576,8 @@ def _train_and_evaluate(settings: DemoSettings, out: pathlib.Path, domain: Any, 
         "calibadv": _train_overrides(settings, out, bases.agent, files.multistep_train, clients, "calibadv", seed,
                                      bars["calibadv"]),
     }
-    others = ("CalibAdv as a third when the first ends, then binary and binary + dynamic sampling"
-              if settings.calibadv_process else "then binary, binary + dynamic sampling and CalibAdv")
+    others = ("then CalibAdv, binary + dynamic sampling and binary as processes, each when a running one ends"
+              if settings.more_processes else "then CalibAdv, binary + dynamic sampling and binary")
     with stages.stage("GRPO training: the dense rewriter and the GRPO search agent as two `calibrl train` processes at "
                       f"once, {others}"):
         concurrency = _train_runs(runs, settings, out, clients, report_to, metrics_port, progress,

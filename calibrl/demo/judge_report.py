@@ -161,11 +161,13 @@ def concurrency_section(spans: Mapping[str, Any], pair: tuple[str, str], labels:
 
     more = [n for n, span in spans.items() if n not in pair and span.where != "demo process"]
     names = ", ".join(f"`{n}`" for n in more)
-    later = f"{names} then started as a process when one of them ended (two at once), and " if more else ""
+    later = f"{names} then started as processes, each when a running one ended (two at once)" if more else ""
+    rest = any(span.where == "demo process" for span in spans.values())
+    afterwards = ("; " + (f"{later}, and " if later else "") + "the demo trained the rest itself afterwards"
+                  if rest else (f"; {later}" if later else ""))
     lines = ["## Two agents on one judge server at once", "",
              f"The `{pair[0]}` and `{pair[1]}` runs were two `calibrl train` processes started together, each "
-             f"reaching the retrieval and judge servers over gRPC; {later}the demo trained the rest itself "
-             "afterwards. "
+             f"reaching the retrieval and judge servers over gRPC{afterwards}. "
              "Times are seconds since the training stage started; a process's wall time includes its start-up "
              "(torch, transformers, the policy).", "",
              "| run | where | start (s) | end (s) | wall (s) |", "| --- | --- | --- | --- | --- |"]

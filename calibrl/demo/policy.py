@@ -460,25 +460,63 @@ def build_base_policies(
     mix: RewriteMix = RewriteMix(),
     seed: int = 0,
     progress: bool = True,
+    rewriter_beside: bool = False,
 ) -> BasePolicies:
     """Train one tokenizer on the domain, then warm-start two models of the same
     size from it, saved as Hugging Face folders ``out_dir/base_rewriter`` and
     ``out_dir/base_agent``: the rewriter on (query -> rewrite) examples, the
-    search agent on reference trajectories (observations from ``search``)."""
+    search agent on reference trajectories (observations from ``search``).
+
+    ``rewriter_beside``: the rewriter warm-starts in a process of its own (spawned,
+    with this process's torch thread count) while this one warm-starts the agent, so
+    two cores take the time of the longer one; each model is the one it would be
+    alone (its own seed, no shared state: a process, not a thread)."""
     out = pathlib.Path(out_dir)
     rewrites = rewrite_examples(domain, rewrite_count, mix, seed)
     trajectories = search_examples(domain, search_many, teacher, seed)
     tokenizer = train_tokenizer(tokenizer_corpus(domain, rewrites + trajectories), spec.vocab_size)
-    results = {}
-    for name, examples, steps, batch in (("base_rewriter", rewrites, rewriter_steps, 32),
-                                         ("base_agent", trajectories, agent_steps, 8)):
-        model = build_model(tokenizer, spec, seed)
-        results[name] = warm_start(model, tokenizer, examples, steps=steps, batch_size=batch, seed=seed,
-                                   progress=progress, desc=f"warm start {name}")
-        (out / name).mkdir(parents=True, exist_ok=True)
-        model.save_pretrained(out / name)
-        tokenizer.save_pretrained(out / name)
+    jobs = {"base_rewriter": (rewrites, rewriter_steps, 32), "base_agent": (trajectories, agent_steps, 8)}
+    results: dict[str, Any] = {}
+    beside = None
+    if rewriter_beside:
+        import concurrent.futures
+        import multiprocessing
+
+        import torch
+
+        beside = concurrent.futures.ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"))
+        examples, steps, batch = jobs.pop("base_rewriter")
+        results["base_rewriter"] = beside.submit(
+            _warm_start_and_save, out / "base_rewriter", tokenizer, spec, examples, steps, batch, seed,
+            torch.get_num_threads())
+    try:
+        for name, (examples, steps, batch) in jobs.items():
+            results[name] = _warm_start_and_save(out / name, tokenizer, spec, examples, steps, batch, seed,
+                                                 progress=progress)
+        if beside is not None:
+            results["base_rewriter"] = results["base_rewriter"].result()
+    finally:
+        if beside is not None:
+            beside.shutdown(wait=True, cancel_futures=True)
     return BasePolicies(out / "base_rewriter", out / "base_agent", results["base_rewriter"], results["base_agent"])
+
+
+def _warm_start_and_save(folder: pathlib.Path, tokenizer: Any, spec: PolicySpec, examples: Sequence[Example],
+                         steps: int, batch_size: int, seed: int, threads: int | None = None,
+                         progress: bool = False) -> WarmStartResult:
+    """A fresh model from ``spec``, warm-started and saved with ``tokenizer`` as ``folder``
+    (``threads``: torch's thread count, set first in a spawned process)."""
+    if threads is not None:
+        import torch
+
+        torch.set_num_threads(threads)
+    model = build_model(tokenizer, spec, seed)
+    result = warm_start(model, tokenizer, examples, steps=steps, batch_size=batch_size, seed=seed,
+                        progress=progress, desc=f"warm start {folder.name}")
+    folder.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return result
 
 
 def build_base_agent(
