@@ -425,7 +425,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         prog="calibrl study",
         description="Train the search agent's four arms (GRPO, CalibAdv, each with and without per-step dense "
         "rewards) from the demo's base over several seeds, under the demo's learning rate and a stress setting; "
-        "report each arm's held-out answer F1 with 95%% intervals, paired bootstraps over questions, and the "
+        "report each arm's held-out answer F1 with 95% intervals, paired bootstraps over questions, and the "
         "collapse signals per step.",
     )
     parser.add_argument("--seeds", default="0,1,2", help="comma-separated seeds (default 0,1,2)")
