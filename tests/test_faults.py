@@ -421,7 +421,8 @@ async def test_retrieval_stop_finishes_every_call_in_flight_and_refuses_new_ones
                     for items in batches]
         calls = [asyncio.ensure_future(stub.ScoreRetrieval(request, timeout=120)) for request in requests]
         total = CALLS_IN_FLIGHT * QUERIES_PER_CALL
-        await _wait_until(lambda: running.batcher.queue_depth == total, ARRIVAL_TIMEOUT_S, "every call is queued in the server")
+        await _wait_until(lambda: running.batcher.queue_depth == total, ARRIVAL_TIMEOUT_S,
+                          "every call is queued in the server")
         assert not any(call.done() for call in calls)
         await running.stop(grace=60)
         assert running.batcher.stats.items == total  # stop() returned after the server did all the work

@@ -62,8 +62,8 @@ STEP_RUBRIC = pathlib.Path(__file__).resolve().parents[2] / "configs" / "rubrics
 REWRITE_ARMS = ("binary", "binary_ds", "dense")  # the rewriter's training runs
 # Two agents, two rubrics, one judge server: these two runs are `calibrl train` processes, started together.
 CONCURRENT_PAIR = ("dense", "grpo")
-# Then the others. The full demo (DemoSettings.more_processes) starts each as a process too, in this
-# order (the longest first), whenever one of the two running ends (CalibAdv beside the GRPO agent, the binary arms beside
+# Then the others. The full demo (DemoSettings.more_processes) starts each as a process too, the longest
+# first, whenever one of the two running ends (CalibAdv beside the GRPO agent, the binary arms beside
 # CalibAdv), so both cores stay busy; the quick demo trains them one after another in the demo process,
 # since a process start (torch, transformers) costs 10-15 s, more than a quick run's training
 # (benchmarks/README, "Two agents at once").

@@ -289,5 +289,5 @@ def log_tail(path: pathlib.Path, lines: int = 25) -> str:
     return "\n".join(text.splitlines()[-lines:])
 
 
-__all__ = ["IndexBuild", "RunSpan", "Service", "TrainingFailed", "TrainingProcesses", "calibrl_command", "free_port", "log_tail",
-           "overlap_seconds", "service_env"]
+__all__ = ["IndexBuild", "RunSpan", "Service", "TrainingFailed", "TrainingProcesses", "calibrl_command", "free_port",
+           "log_tail", "overlap_seconds", "service_env"]
