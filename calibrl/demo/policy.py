@@ -537,13 +537,7 @@ def build_base_agent(
     trajectories = search_examples(domain, search_many, teacher, seed)
     if tokenizer is None:
         tokenizer = train_tokenizer(tokenizer_corpus(domain, trajectories), spec.vocab_size)
-    model = build_model(tokenizer, spec, seed)
-    result = warm_start(model, tokenizer, trajectories, steps=steps, batch_size=8, seed=seed, progress=progress,
-                        desc="warm start base_agent")
-    out.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(out)
-    tokenizer.save_pretrained(out)
-    return out, result
+    return out, _warm_start_and_save(out, tokenizer, spec, trajectories, steps, 8, seed, progress=progress)
 
 
 __all__ = [
