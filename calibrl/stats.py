@@ -23,6 +23,13 @@ indices everywhere; the means are float64 sums of the inputs).
 A paired difference resamples the same questions for both arms, so the spread
 of questions that every arm finds easy or hard cancels out; its point estimate
 is exactly the difference of the two arms' means over the same units.
+
+Training seeds vary too: an arm trained again with another seed ends elsewhere.
+Resampling questions within seeds (``strata``) leaves that variance out; the
+hierarchical bootstrap (:func:`hierarchical_difference`) puts it in: each
+resample draws seeds with replacement, then, for every seed drawn, that seed's
+clusters of questions with replacement. With few seeds its interval is wide, as
+it should be: it says how far another set of seeds could land.
 """
 
 from __future__ import annotations
@@ -55,6 +62,19 @@ class Interval:
     def as_dict(self) -> dict[str, float]:
         return {"estimate": self.estimate, "low": self.low, "high": self.high, "units": self.units,
                 "confidence": self.confidence}
+
+
+def describe_difference(a: str, b: str, interval: Interval | dict[str, float], unit: str, scale: float = 100.0) -> str:
+    """One sentence on a paired difference ``a - b`` whose wording follows its interval:
+    "beats" / "is below" only when the interval excludes zero, else "indistinguishable"."""
+    values = interval.as_dict() if isinstance(interval, Interval) else interval
+    estimate, low, high = (scale * values[k] for k in ("estimate", "low", "high"))
+    span = f"{estimate:+.1f} {unit}, 95% interval [{low:+.1f}, {high:+.1f}]"
+    if values["low"] > 0:
+        return f"{a} beats {b}: {span}."
+    if values["high"] < 0:
+        return f"{a} is below {b}: {span}."
+    return f"{a} and {b} are indistinguishable: {span} includes zero."
 
 
 def average_over_seeds(per_seed: Sequence[Sequence[float]]) -> list[float]:
@@ -97,7 +117,58 @@ def paired_difference(a: Sequence[float], b: Sequence[float], *, strata: Sequenc
                          seed=seed)
 
 
+def hierarchical_difference(a_per_seed: Sequence[Sequence[float]], b_per_seed: Sequence[Sequence[float]], *,
+                            clusters_per_seed: Sequence[Sequence[Any]] | None = None,
+                            resamples: int = DEFAULT_RESAMPLES, confidence: float = DEFAULT_CONFIDENCE,
+                            seed: int = 0) -> Interval:
+    """Mean of ``a - b`` over every (seed, unit), with a two-level bootstrap interval:
+    seeds drawn with replacement, then each drawn seed's clusters (``clusters_per_seed[s]``
+    labels seed ``s``'s units; every unit its own cluster without it) with replacement;
+    a resample's mean is over the units drawn. ``a_per_seed[s][i]`` and ``b_per_seed[s][i]``
+    score the same unit; seeds may hold different units."""
+    import numpy as np
+
+    if not a_per_seed:
+        raise InvalidArgument("a_per_seed", "needs at least one seed")
+    if len(a_per_seed) != len(b_per_seed):
+        raise InvalidArgument("b_per_seed", f"has {len(b_per_seed)} seeds but a_per_seed has {len(a_per_seed)}")
+    if clusters_per_seed is not None and len(clusters_per_seed) != len(a_per_seed):
+        raise InvalidArgument("clusters_per_seed", f"has {len(clusters_per_seed)} seeds for {len(a_per_seed)}")
+    _check_resampling(resamples, confidence)
+    sums, sizes, data = [], [], []
+    for s, (a, b) in enumerate(zip(a_per_seed, b_per_seed)):
+        left, right = _checked(f"a_per_seed[{s}]", a), _checked(f"b_per_seed[{s}]", b)
+        if len(left) != len(right):
+            raise InvalidArgument(f"b_per_seed[{s}]", f"has {len(right)} scores but a_per_seed[{s}] has {len(left)}")
+        differences = [x - y for x, y in zip(left, right)]
+        members = _cluster_members(None if clusters_per_seed is None else clusters_per_seed[s], len(differences))
+        sums.append(np.asarray([math.fsum(differences[i] for i in units) for units in members], dtype=np.float64))
+        sizes.append(np.asarray([len(units) for units in members], dtype=np.float64))
+        data += differences
+    rng = np.random.default_rng(seed)
+    count = len(sums)
+    picks = rng.integers(0, count, size=(resamples, count))
+    totals = np.zeros(resamples, dtype=np.float64)
+    units_drawn = np.zeros(resamples, dtype=np.float64)
+    for position in range(count):
+        for s in range(count):
+            rows = np.flatnonzero(picks[:, position] == s)
+            if not len(rows):
+                continue
+            draws = rng.integers(0, len(sums[s]), size=(len(rows), len(sums[s])))
+            totals[rows] += sums[s][draws].sum(axis=1)
+            units_drawn[rows] += sizes[s][draws].sum(axis=1)
+    return _interval(data, totals / units_drawn, confidence)
+
+
 # --------------------------------------------------------------------------- internals
+
+
+def _check_resampling(resamples: int, confidence: float) -> None:
+    if resamples < 100:
+        raise InvalidArgument("resamples", f"is {resamples}: use at least 100 for a 95% interval")
+    if not 0 < confidence < 1:
+        raise InvalidArgument("confidence", f"is {confidence}: must be in (0, 1)")
 
 
 def _checked(name: str, values: Sequence[float]) -> list[float]:
@@ -144,10 +215,7 @@ def _bootstrap_means(data: list[float], members: list[list[int]], groups: list[l
     draws as many clusters as it holds; a sample's mean is over the units drawn."""
     import numpy as np
 
-    if resamples < 100:
-        raise InvalidArgument("resamples", f"is {resamples}: use at least 100 for a 95% interval")
-    if not 0 < confidence < 1:
-        raise InvalidArgument("confidence", f"is {confidence}: must be in (0, 1)")
+    _check_resampling(resamples, confidence)
     values = np.asarray(data, dtype=np.float64)
     sums = np.asarray([math.fsum(values[units]) for units in members], dtype=np.float64)
     sizes = np.asarray([len(units) for units in members], dtype=np.float64)
@@ -173,5 +241,6 @@ def _interval(data: list[float], means: Any, confidence: float) -> Interval:
     return Interval(estimate, min(float(low), estimate), max(float(high), estimate), len(data), confidence)
 
 
-__all__ = ["DEFAULT_CONFIDENCE", "DEFAULT_RESAMPLES", "Interval", "average_over_seeds", "mean_interval",
-           "paired_difference"]
+__all__ = ["DEFAULT_CONFIDENCE", "DEFAULT_RESAMPLES", "Interval", "average_over_seeds", "describe_difference",
+           "hierarchical_difference",
+           "mean_interval", "paired_difference"]

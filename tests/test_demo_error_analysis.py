@@ -162,8 +162,9 @@ def test_paired_em_counts_exact_answers_only() -> None:
         ea.paired_gain(base, exact, metric="recall")
     results = ea.analysis_results({"base_agent": base, "trained": exact}, {"trained": "trained agent"},
                                   resamples=500)
-    assert results["paired_em_vs_base_by_question"]["trained"]["estimate"] == pytest.approx(0.5)
-    assert any(line.startswith("- trained agent: +50.0 points") for line in ea.analysis_markdown(results))
+    assert ea.comparison(results, "trained", "base_agent", "em")["estimate"] == pytest.approx(0.5)
+    assert any(line.startswith("- trained agent beats base_agent: +50.0 points of exact match")
+               for line in ea.analysis_markdown(results))
 
 
 def test_paired_gain_rejects_unpaired_input() -> None:
@@ -179,3 +180,91 @@ def test_identical_scores_give_a_zero_width_interval() -> None:
     same = _records([0.5] * 10)
     diff = ea.paired_gain(same, same, resamples=100)
     assert diff.estimate == diff.low == diff.high == 0.0
+
+# --------------------------------------------------------------------------- shortcuts: constants and read-out
+
+ASPECTS = ("redemption_fee", "risk_rating", "expense_ratio")
+
+
+def aspect_record(n: int, aspect: str, answer: str | None, gold: str, found: tuple[tuple[str, ...], ...] = ()):
+    from calibrl.text import exact_match, token_f1
+
+    return ea.SearchRecord(
+        task_id=f"ms-a{n}-{aspect}-0", question="q", answers=(gold,),
+        gold_doc_ids=(f"acct{n % 7}-default-investment", f"fund{n}-{aspect.replace('_', '-')}"),
+        queries=tuple("q" for _ in found), found=found, answer=answer, well_formed=answer is not None,
+        em=exact_match(answer, (gold,)) if answer else 0.0, f1=token_f1(answer, (gold,)) if answer else 0.0)
+
+
+def test_aspect_of_reads_the_answer_document_and_refuses_unknown_ones() -> None:
+    assert ea.aspect_of("summit-redemption-fee", ASPECTS) == "redemption_fee"
+    assert ea.aspect_of("x-risk-rating", ("rating", "risk_rating")) == "risk_rating"  # the longest key wins
+    with pytest.raises(ValueError, match="none of the aspects"):
+        ea.aspect_of("summit-benchmark", ASPECTS)
+
+
+def test_best_constant_is_the_most_frequent_training_answer_per_aspect() -> None:
+    from types import SimpleNamespace
+
+    def task(aspect: str, answer: str) -> SimpleNamespace:
+        return SimpleNamespace(gold_doc_ids=("b", f"f-{aspect.replace('_', '-')}"), answers=(answer,))
+
+    train = ([task("redemption_fee", "90 days")] * 3 + [task("redemption_fee", "30 days")] * 2
+             + [task("risk_rating", "2"), task("risk_rating", "1")])  # a tie goes to the first in sorted order
+    constants = ea.best_constant_answers(train, ASPECTS)
+    assert constants == {"redemption_fee": "90 days", "risk_rating": "1"}
+    heldout = [aspect_record(i, "redemption_fee", None, ("30 days", "90 days")[i % 2]) for i in range(10)]
+    heldout += [aspect_record(10, "expense_ratio", None, "0.41%")]  # an aspect never trained: no answer
+    baseline = ea.constant_records(heldout, constants, ASPECTS)
+    assert [r.answer for r in baseline[:2]] == ["90 days", "90 days"] and baseline[-1].answer is None
+    assert [r.em for r in baseline[:4]] == [0.0, 1.0, 0.0, 1.0] and baseline[0].f1 == pytest.approx(0.5)
+    assert all(r.queries == () for r in baseline)
+
+
+def test_modal_answer_share_detects_an_agent_that_answers_a_constant() -> None:
+    golds = ["30 days", "60 days", "90 days", "180 days"]
+    constant = [aspect_record(i, "redemption_fee", "90 days", golds[i % 4]) for i in range(20)]
+    varied = [aspect_record(i, "redemption_fee", golds[i % 4], golds[i % 4]) for i in range(20)]
+    assert ea.modal_answer_shares(constant, ASPECTS)["redemption_fee"] == {
+        "questions": 20, "modal_answer": "90 days", "share": 1.0}
+    assert ea.modal_answer_shares(varied, ASPECTS)["redemption_fee"]["share"] == pytest.approx(0.25)
+
+
+def test_readout_counts_reading_the_found_document_and_grounded_answers() -> None:
+    passages = {"fund0-risk-rating": "The Summit fund has a risk rating of 4 on the 1 to 5 scale.",
+                "fund1-risk-rating": "The Alder fund has a risk rating of 2.", "acct0-default-investment": "..."}
+    records = [
+        # found the answer document and read it
+        aspect_record(0, "risk_rating", "4", "4", found=(("acct0-default-investment",), ("fund0-risk-rating",))),
+        # found it, answered a constant: not read out
+        aspect_record(0, "risk_rating", "2", "4", found=(("fund0-risk-rating",),)),
+        # correct without retrieving any passage that states the value: a lucky constant, not grounded
+        aspect_record(1, "risk_rating", "2", "2", found=(("acct0-default-investment",),)),
+        # never found the document
+        aspect_record(1, "risk_rating", "3", "2", found=()),
+    ]
+    figures = ea.readout(records, passages)
+    assert figures["found_answer_doc"] == 2 and figures["readout_rate"] == pytest.approx(0.5)
+    assert figures["correct"] == 2 and figures["grounded_share"] == pytest.approx(0.5)
+    assert ea.readout([records[-1]], passages)["readout_rate"] is None
+
+
+def test_analysis_compares_every_arm_with_the_base_and_the_best_constant_by_bridge_cluster() -> None:
+    golds = ["30 days", "60 days", "90 days", "180 days"]
+    base = [aspect_record(i, "redemption_fee", "a holding period of 90 days", golds[i % 4]) for i in range(80)]
+    constant_arm = [aspect_record(i, "redemption_fee", "90 days", golds[i % 4]) for i in range(80)]
+    reader = [aspect_record(i, "redemption_fee", golds[i % 4], golds[i % 4]) for i in range(80)]
+    results = ea.analysis_results({"base_agent": base, "constant_arm": constant_arm, "reader": reader}, {},
+                                  constants={"redemption_fee": "90 days"}, aspects=ASPECTS, passages={},
+                                  resamples=1000)
+    assert results["bridge_clusters"] == 7 and results["constant"]["em"] == pytest.approx(0.25)
+    # the arm that answers the constant beats the verbose base, but not the best constant itself
+    assert ea.comparison(results, "constant_arm", "base_agent", "em")["low"] > 0
+    vs_constant = ea.comparison(results, "constant_arm", ea.BEST_CONSTANT, "em")
+    assert (vs_constant["estimate"], vs_constant["low"], vs_constant["high"]) == (0.0, 0.0, 0.0)
+    assert ea.comparison(results, "reader", ea.BEST_CONSTANT, "f1")["low"] > 0
+    assert ea.comparison(results, "reader", "constant_arm", "f1")["low"] > 0
+    assert results["modal_answers"]["constant_arm"]["redemption_fee"]["share"] == 1.0
+    text = "\n".join(ea.analysis_markdown(results))
+    assert "constant_arm and best constant answer per aspect (no search) are indistinguishable" in text
+    assert "| redemption_fee | 90 days | 80 | 25.0% |" in text

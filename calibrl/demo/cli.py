@@ -533,7 +533,8 @@ def _train_and_evaluate(settings: DemoSettings, out: pathlib.Path, domain: Any, 
     from calibrl.demo import report as rep
     from calibrl.demo.policy import PolicySpec, RewriteMix, build_base_policies
     from calibrl.trainer.diagnostics import read_log
-    from calibrl.demo.error_analysis import analysis_results, summary_metrics
+    from calibrl.demo.error_analysis import summary_metrics
+    from calibrl.demo.rewrite_analysis import rewrite_results
     from calibrl.trainer.tasks import load_tasks
 
     # 6 -------------------------------------------------------------------- policies
@@ -559,9 +560,12 @@ def _train_and_evaluate(settings: DemoSettings, out: pathlib.Path, domain: Any, 
     with stages.stage("evaluate the untrained bases on held-out tasks"):
         base_rows = _evaluate(clients, [str(bases.rewriter)], heldout_rewrites, rewrite_eval, ["base"],
                               raw_query=True)
+        rewrite_hits = {"raw": _rewrite_hits(clients, None, heldout_rewrites, rewrite_eval),
+                        "base": _rewrite_hits(clients, bases.rewriter, heldout_rewrites, rewrite_eval)}
         search_records = {"base_agent": _search_records(clients, bases.agent, heldout_search, search_eval)}
         base_agent = summary_metrics(search_records["base_agent"])
         raw, base = base_rows
+        _check_task_hits(rewrite_hits, {"raw": raw.metrics["hit@k"], "base": base.metrics["hit@k"]})
         print(f"    raw query (no rewrite): hit@{settings.hit_k} {raw.metrics['hit@k']:.3f}; base rewriter: "
               f"hit@{settings.hit_k} {base.metrics['hit@k']:.3f}; base search agent: answer F1 "
               f"{base_agent['f1']:.3f}, well-formed {base_agent['well_formed']:.3f} on {len(heldout_search)} questions")
@@ -595,6 +599,8 @@ def _train_and_evaluate(settings: DemoSettings, out: pathlib.Path, domain: Any, 
                 rows = _evaluate(clients, [str(c) for c in checkpoints], heldout_rewrites, rewrite_eval,
                                  [c.name for c in checkpoints])
                 metrics = [row.metrics for row in rows]
+                rewrite_hits[name] = _rewrite_hits(clients, checkpoints[-1], heldout_rewrites, rewrite_eval)
+                _check_task_hits({name: rewrite_hits[name]}, {name: metrics[-1]["hit@k"]})
             else:  # one record per question, so that the final checkpoint pairs with the base
                 records = [_search_records(clients, c, heldout_search, search_eval) for c in checkpoints]
                 search_records[name] = records[-1]
@@ -662,8 +668,21 @@ def _train_and_evaluate(settings: DemoSettings, out: pathlib.Path, domain: Any, 
         title="calibrl demo: SME-calibrated rewards and calibrated advantages on a built-in domain",
         command="calibrl demo", machine="", settings=settings_table, rewrite_runs=rewrite_runs,
         search_runs=search_runs, top_k=settings.hit_k, stages=[], notes=notes,
-        search_analysis=analysis_results(search_records, labels), concurrency=concurrency,
+        rewrite_analysis=rewrite_results(rewrite_hits, rewrite_clusters(domain, heldout_rewrites)),
+        search_analysis=search_analysis(domain, search_records, labels), concurrency=concurrency,
     )
+
+
+def search_analysis(domain: Any, records: dict[str, list[Any]], labels: dict[str, str]) -> dict[str, Any]:
+    """The error analysis of the held-out search records, beside the two shortcuts: the best
+    constant answer per aspect (fitted on the training questions) and answering a constant."""
+    from calibrl.demo.domain import ACCOUNT_ASPECTS, FUND_ASPECTS, MANAGER_ASPECTS
+    from calibrl.demo.error_analysis import analysis_results, best_constant_answers
+
+    aspects = [a.key for a in (*FUND_ASPECTS, *MANAGER_ASPECTS, *ACCOUNT_ASPECTS)]
+    constants = best_constant_answers(domain.multistep("train"), aspects)
+    return analysis_results(records, labels, constants=constants, aspects=aspects,
+                            passages={p.doc_id: p.text for p in domain.passages})
 
 
 def _describe_run(name: str, settings: DemoSettings, dense_rubric: str = RUBRIC_ID) -> str:
@@ -702,6 +721,29 @@ def _write_search_records(path: pathlib.Path, records: dict[str, list[Any]]) -> 
         for model, recs in records.items():
             for record in recs:
                 out.write(json.dumps({"model": model, **record.as_dict()}, ensure_ascii=False) + "\n")
+
+
+def _rewrite_hits(clients: _Clients, model: Any, tasks: list[Any], eval_settings: Any) -> list[float]:
+    from calibrl.demo.rewrite_analysis import greedy_rewrite_hits
+
+    return greedy_rewrite_hits(None if model is None else str(model), tasks, clients.retrieval, eval_settings,
+                               clients.background.run)
+
+
+def _check_task_hits(hits: dict[str, list[float]], aggregated: dict[str, float]) -> None:
+    """The task-by-task hits must average to the evaluation's hit@k: both decode greedily and
+    score through the same service, so any difference is a bug, not noise."""
+    for name, values in hits.items():
+        mean = math.fsum(values) / len(values)
+        if abs(mean - aggregated[name]) > 1e-9:
+            raise RuntimeError(f"{name}: task-by-task hit@k {mean:.6f} differs from the evaluation's "
+                               f"{aggregated[name]:.6f}")
+
+
+def rewrite_clusters(domain: Any, tasks: list[Any]) -> list[tuple[str, str]]:
+    """The (product, topic) pair of each held-out rewrite task: its resampling cluster."""
+    by_id = {t.task_id: (t.entity_key, t.aspect_key) for t in domain.tasks("heldout")}
+    return [by_id[t.task_id] for t in tasks]
 
 
 def _search_records(clients: _Clients, model: Any, tasks: list[Any], eval_settings: Any) -> list[Any]:

@@ -18,6 +18,26 @@ this order:
 :func:`calibrl.trainer.eval.evaluate_search` does, and keeps one
 :class:`SearchRecord` per question, so that two models can be compared question by
 question (:func:`paired_gain`, through :mod:`calibrl.stats`).
+
+Two shortcuts an agent can take without reading are measured beside every arm:
+
+* the **best constant answer** (:func:`best_constant_answers`): per aspect of the
+  question (expense ratio, risk rating, ...), the answer most frequent among the
+  *training* questions, given to every held-out question of that aspect with no
+  search at all (:func:`constant_records`). A trained arm's gain counts only where it
+  beats both the base and this baseline;
+* **answering a constant per aspect**: the share of an arm's answers to an aspect's
+  questions that are its single most frequent answer to that aspect
+  (:func:`modal_answer_shares`).
+
+And whether an agent reads what it retrieved (:func:`readout`): of the trajectories
+whose searches returned the answer document, the share that answered exactly its
+value (the *read-out rate*), and of the exactly correct answers, the share whose
+value appears in a passage the trajectory retrieved (the *grounded* share).
+
+Held-out questions are not independent of each other when they share a bridge
+document (the same account or fund asked about different facts): every paired
+comparison resamples whole bridge clusters (:func:`bridge_of`).
 """
 
 from __future__ import annotations
@@ -169,6 +189,93 @@ def greedy_search_records(model: str, tasks: Sequence[Any], retrieval: Any, sett
     return records
 
 
+def aspect_of(doc_id: str, aspects: Sequence[str]) -> str:
+    """The aspect whose key (``_`` written ``-``) ends the answer document id ``doc_id``
+    (``summit-expense-ratio`` -> ``expense_ratio``); the longest key wins."""
+    for key in sorted(aspects, key=len, reverse=True):
+        if doc_id.endswith("-" + key.replace("_", "-")):
+            return key
+    raise ValueError(f"answer document {doc_id!r} ends in none of the aspects {sorted(aspects)}")
+
+
+def best_constant_answers(train_tasks: Sequence[Any], aspects: Sequence[str]) -> dict[str, str]:
+    """Per aspect, the gold answer most frequent among the training tasks (``answers[0]``;
+    ties go to the answer first in sorted order): the best a policy can do that answers
+    every question of an aspect alike, knowing only the training set."""
+    counts: dict[str, dict[str, int]] = {}
+    for task in train_tasks:
+        aspect = aspect_of(task.gold_doc_ids[-1], aspects)
+        answer = task.answers[0]
+        counts.setdefault(aspect, {}).setdefault(answer, 0)
+        counts[aspect][answer] += 1
+    return {aspect: min(by_answer, key=lambda a: (-by_answer[a], a)) for aspect, by_answer in sorted(counts.items())}
+
+
+def constant_records(records: Sequence[SearchRecord], constants: dict[str, str],
+                     aspects: Sequence[str]) -> list[SearchRecord]:
+    """The best-constant baseline on the questions of ``records``: no search, the aspect's
+    constant as the answer (an aspect never seen in training answers nothing)."""
+    from calibrl.text import exact_match, token_f1
+
+    out = []
+    for record in records:
+        answer = constants.get(aspect_of(record.gold_doc_ids[-1], aspects))
+        out.append(SearchRecord(
+            task_id=record.task_id, question=record.question, answers=record.answers,
+            gold_doc_ids=record.gold_doc_ids, queries=(), found=(), answer=answer, well_formed=answer is not None,
+            em=exact_match(answer, record.answers) if answer else 0.0,
+            f1=token_f1(answer, record.answers) if answer else 0.0,
+        ))
+    return out
+
+
+def modal_answer_shares(records: Sequence[SearchRecord], aspects: Sequence[str]) -> dict[str, dict[str, Any]]:
+    """Per aspect: how many questions, the arm's most frequent (normalised) answer, and
+    the share of the aspect's questions it gave that answer to (1.0: a constant)."""
+    from calibrl.text import normalize_answer
+
+    by_aspect: dict[str, list[str]] = {}
+    for record in records:
+        by_aspect.setdefault(aspect_of(record.gold_doc_ids[-1], aspects), []).append(
+            normalize_answer(record.answer) if record.answer is not None else "")
+    out = {}
+    for aspect, answers in sorted(by_aspect.items()):
+        modal = min(set(answers), key=lambda a: (-answers.count(a), a))
+        out[aspect] = {"questions": len(answers), "modal_answer": modal, "share": answers.count(modal) / len(answers)}
+    return out
+
+
+def readout(records: Sequence[SearchRecord], passages: dict[str, str]) -> dict[str, Any]:
+    """Whether answers come from what was read: ``found_answer_doc`` trajectories whose
+    searches returned the answer document, ``readout_rate`` the share of those answering
+    exactly; ``correct`` exactly correct answers, ``grounded_share`` the share of those whose
+    gold value appears (normalised, as a word sequence) in a passage the trajectory
+    retrieved. Rates are None where nothing was counted."""
+    from calibrl.text import normalize_answer
+
+    found = [r for r in records if any(r.gold_doc_ids[-1] in docs for docs in r.found)]
+    correct = [r for r in records if r.em >= 1.0]
+
+    def grounded(record: SearchRecord) -> bool:
+        texts = [f" {normalize_answer(passages.get(d, ''))} " for docs in record.found for d in docs]
+        values = [f" {normalize_answer(a)} " for a in record.answers]
+        return any(value.strip() and value in text for value in values for text in texts)
+
+    return {
+        "questions": len(records),
+        "found_answer_doc": len(found),
+        "readout_rate": sum(r.em >= 1.0 for r in found) / len(found) if found else None,
+        "correct": len(correct),
+        "grounded_share": sum(grounded(r) for r in correct) / len(correct) if correct else None,
+    }
+
+
+def bridge_of(record: SearchRecord) -> str:
+    """The cluster of a question for resampling: its bridge document (questions through the
+    same account or fund share what the first search must find)."""
+    return record.gold_doc_ids[0] if record.gold_doc_ids else record.task_id
+
+
 def question_of(task_id: str) -> str:
     """The question behind a phrasing's task id (``ms-roth-expense-ratio-3`` -> ``ms-roth-expense-ratio``);
     an id that does not end in a phrasing number is a question of its own."""
@@ -177,49 +284,95 @@ def question_of(task_id: str) -> str:
 
 
 def paired_gain(base: Sequence[SearchRecord], other: Sequence[SearchRecord], *, by_question: bool = False,
-                metric: str = "f1", **options: Any) -> Interval:
+                by_bridge: bool = False, metric: str = "f1", **options: Any) -> Interval:
     """Paired bootstrap (:func:`calibrl.stats.paired_difference`) of the answer-F1 gain of
     ``other`` over ``base`` on the same questions (``metric="em"``: of the exact-match
     gain); ``by_question`` resamples questions with all their phrasings together (the
-    phrasings of one question are not independent)."""
+    phrasings of one question are not independent); ``by_bridge`` resamples every
+    question through one bridge document together (:func:`bridge_of`)."""
     if metric not in ("f1", "em"):
         raise ValueError(f"metric={metric!r}: must be 'f1' or 'em'")
     if [r.task_id for r in base] != [r.task_id for r in other]:
         raise ValueError("the two record lists are not over the same questions in the same order")
-    clusters = [question_of(r.task_id) for r in base] if by_question else None
+    clusters = ([bridge_of(r) for r in base] if by_bridge
+                else [question_of(r.task_id) for r in base] if by_question else None)
     return paired_difference([float(getattr(r, metric)) for r in other], [float(getattr(r, metric)) for r in base],
                              clusters=clusters, **options)
 
 
+BEST_CONSTANT = "best_constant"  # the name of the best-constant baseline among the compared models
+
+
 def analysis_results(records: dict[str, Sequence[SearchRecord]], labels: dict[str, str], base: str = "base_agent",
-                     resamples: int = 10_000, seed: int = 0) -> dict[str, Any]:
-    """The report's data: per model (``records`` by name, the base first) the category
-    counts, and for every other model its paired F1 gain over ``base`` with a 95% interval."""
+                     *, constants: dict[str, str] | None = None, aspects: Sequence[str] = (),
+                     passages: dict[str, str] | None = None, resamples: int = 10_000,
+                     seed: int = 0) -> dict[str, Any]:
+    """The report's data. Per model (``records`` by name, the base first): the category
+    counts, the read-out figures (with ``passages``, doc id -> text) and, with ``aspects``,
+    how often it answers one constant per aspect. With ``constants`` (aspect -> the best
+    constant answer, :func:`best_constant_answers`), the best-constant baseline joins the
+    comparisons. Comparisons, paired by question and resampling whole bridge clusters,
+    in answer F1 and exact match: every trained model vs the base and vs the best constant,
+    and every pair of trained models."""
     if base not in records:
         raise ValueError(f"no records of the base model {base!r}")
-    return {
+    trained = [name for name in records if name != base]
+    compared = dict(records)
+    results: dict[str, Any] = {
         "questions": len(records[base]),
         "independent_questions": len({question_of(r.task_id) for r in records[base]}),
+        "bridge_clusters": len({bridge_of(r) for r in records[base]}),
         "resamples": resamples,
         "labels": {name: labels.get(name, name) for name in records},
         "categories": {name: analyse(recs).as_dict() for name, recs in records.items()},
-        "paired_f1_vs_base": {name: paired_gain(records[base], recs, resamples=resamples, seed=seed).as_dict()
-                              for name, recs in records.items() if name != base},
-        # the phrasings of one question are not independent: the same, resampling whole questions
-        "paired_f1_vs_base_by_question": {
-            name: paired_gain(records[base], recs, by_question=True, resamples=resamples, seed=seed).as_dict()
-            for name, recs in records.items() if name != base},
-        # exact match apart: F1 gives a verbose answer holding the value partial credit, so an
-        # agent that learns to answer with the value alone gains more EM than F1
-        "paired_em_vs_base_by_question": {
-            name: paired_gain(records[base], recs, by_question=True, metric="em", resamples=resamples,
-                            seed=seed).as_dict()
-            for name, recs in records.items() if name != base},
     }
+    if passages is not None:
+        results["readout"] = {name: readout(recs, passages) for name, recs in records.items()}
+    if aspects:
+        results["modal_answers"] = {name: modal_answer_shares(recs, aspects) for name, recs in records.items()}
+    if constants is not None:
+        baseline = constant_records(records[base], constants, aspects)
+        compared[BEST_CONSTANT] = baseline
+        results["labels"][BEST_CONSTANT] = labels.get(BEST_CONSTANT, "best constant answer per aspect (no search)")
+        results["constant"] = _constant_summary(baseline, constants, aspects)
+    pairs = [(name, base) for name in trained]
+    if constants is not None:
+        pairs += [(name, BEST_CONSTANT) for name in trained]
+    pairs += [(a, b) for i, b in enumerate(trained) for a in trained[i + 1:]]
+    results["comparisons"] = [
+        {"a": a, "b": b, "metric": metric,
+         **paired_gain(compared[b], compared[a], by_bridge=True, metric=metric, resamples=resamples,
+                       seed=seed).as_dict()}
+        for a, b in pairs for metric in ("f1", "em")]
+    return results
+
+
+def _constant_summary(baseline: Sequence[SearchRecord], constants: dict[str, str],
+                      aspects: Sequence[str]) -> dict[str, Any]:
+    per_aspect: dict[str, dict[str, Any]] = {}
+    for record in baseline:
+        aspect = aspect_of(record.gold_doc_ids[-1], aspects)
+        row = per_aspect.setdefault(aspect, {"answer": constants.get(aspect), "questions": 0, "em": 0.0, "f1": 0.0})
+        row["questions"] += 1
+        row["em"] += record.em
+        row["f1"] += record.f1
+    for row in per_aspect.values():
+        row["em"] /= row["questions"]
+        row["f1"] /= row["questions"]
+    return {"em": sum(r.em for r in baseline) / len(baseline), "f1": sum(r.f1 for r in baseline) / len(baseline),
+            "per_aspect": dict(sorted(per_aspect.items()))}
+
+
+def comparison(results: dict[str, Any], a: str, b: str, metric: str = "f1") -> dict[str, Any] | None:
+    """The paired comparison ``a - b`` in ``metric`` of :func:`analysis_results`, if made."""
+    return next((c for c in results.get("comparisons", ())
+                 if c["a"] == a and c["b"] == b and c["metric"] == metric), None)
 
 
 def analysis_markdown(results: dict[str, Any]) -> list[str]:
     """The report section of :func:`analysis_results`."""
+    from calibrl.stats import describe_difference
+
     names = list(results["categories"])
     labels = results["labels"]
     lines = ["## Two-search agent: where the trajectories fail", "",
@@ -232,24 +385,61 @@ def analysis_markdown(results: dict[str, Any]) -> list[str]:
                  f"({100 * results['categories'][n]['shares'][category]:.0f}%)" for n in names]
         lines.append(f"| {CATEGORY_LABELS[category]} | " + " | ".join(cells) + " |")
     lines.append("")
-    paired = results["paired_f1_vs_base"]
-    if paired:
-        lines += ["Answer F1 gain over the base agent, paired by question (percentile bootstrap, "
-                  f"{results['resamples']} resamples):", ""]
-        by_question = results.get("paired_f1_vs_base_by_question", {})
-        for name, diff in paired.items():
-            lines.append(f"- {labels[name]}: {100 * diff['estimate']:+.1f} points, 95% interval {_interval(diff)}"
-                         + (f"; resampling whole questions (all phrasings together): {_interval(by_question[name])}"
-                            if name in by_question else "") + ".")
-        lines.append("")
-    paired_em = results.get("paired_em_vs_base_by_question", {})
-    if paired_em:
-        lines += ["Exact-match gain over the base agent, paired by question (the same bootstrap, whole questions "
-                  "resampled):", ""]
-        lines += [f"- {labels[name]}: {100 * diff['estimate']:+.1f} points, 95% interval {_interval(diff)}."
-                  for name, diff in paired_em.items()]
+    lines += _shortcut_lines(results, names)
+    if results.get("comparisons"):
+        clusters = results.get("bridge_clusters", results["questions"])
+        lines += [f"Paired comparisons (same questions; percentile bootstrap over {clusters} bridge clusters, "
+                  f"{results['resamples']} resamples). A difference is a win only when its interval excludes zero.",
+                  ""]
+        for item in results["comparisons"]:
+            unit = "points of answer F1" if item["metric"] == "f1" else "points of exact match"
+            lines.append("- " + describe_difference(labels[item["a"]], labels[item["b"]], item, unit))
         lines.append("")
     return lines
+
+
+def _shortcut_lines(results: dict[str, Any], names: Sequence[str]) -> list[str]:
+    """The read-out, constant-answer and best-constant tables, where computed."""
+    labels, lines = results["labels"], []
+    if "readout" in results:
+        lines += ["Does the agent read? Of the trajectories whose searches returned the answer document, the share "
+                  "answering its value exactly (read-out rate); of the exact answers, the share whose value is in a "
+                  "passage the trajectory retrieved (grounded).", "",
+                  "| agent | found the answer document | read-out rate | exact answers | grounded |",
+                  "| --- | ---: | ---: | ---: | ---: |"]
+        for name in names:
+            r = results["readout"][name]
+            lines.append(f"| {labels[name]} | {r['found_answer_doc']} / {r['questions']} | {_rate(r['readout_rate'])} "
+                         f"| {r['correct']} | {_rate(r['grounded_share'])} |")
+        lines.append("")
+    if "modal_answers" in results:
+        aspects = sorted({a for n in names for a in results["modal_answers"][n]})
+        lines += ["Does the agent answer a constant? Per aspect, the share of its answers that are its most "
+                  "frequent answer to that aspect (100%: the same answer to every question).", "",
+                  "| aspect | questions | " + " | ".join(labels[n] for n in names) + " |",
+                  "| --- | ---: |" + " --- |" * len(names)]
+        for aspect in aspects:
+            cells = []
+            for name in names:
+                row = results["modal_answers"][name].get(aspect)
+                cells.append(f"{100 * row['share']:.0f}% \"{row['modal_answer']}\"" if row else "-")
+            count = next(results["modal_answers"][n][aspect]["questions"] for n in names
+                         if aspect in results["modal_answers"][n])
+            lines.append(f"| {aspect} | {count} | " + " | ".join(cells) + " |")
+        lines.append("")
+    if "constant" in results:
+        constant = results["constant"]
+        lines += [f"Best constant answer per aspect (the most frequent training answer, no search): exact match "
+                  f"{100 * constant['em']:.1f}%, answer F1 {100 * constant['f1']:.1f}% on the held-out questions.", "",
+                  "| aspect | constant | questions | exact match | answer F1 |", "| --- | --- | ---: | ---: | ---: |"]
+        lines += [f"| {aspect} | {row['answer']} | {row['questions']} | {100 * row['em']:.1f}% | {100 * row['f1']:.1f}% |"
+                  for aspect, row in constant["per_aspect"].items()]
+        lines.append("")
+    return lines
+
+
+def _rate(value: float | None) -> str:
+    return "-" if value is None else f"{100 * value:.1f}%"
 
 
 def _phrasings(results: dict[str, Any]) -> str:
@@ -259,13 +449,9 @@ def _phrasings(results: dict[str, Any]) -> str:
     return f" ({independent} questions in several phrasings each)"
 
 
-def _interval(diff: dict[str, Any]) -> str:
-    where = "above zero" if diff["low"] > 0 else ("below zero" if diff["high"] < 0 else "includes zero")
-    return f"[{100 * diff['low']:+.1f}, {100 * diff['high']:+.1f}] ({where})"
-
-
 __all__ = [
-    "CATEGORIES", "CATEGORY_LABELS", "CORRECT", "ErrorAnalysis", "MALFORMED", "MISSED_ANSWER_DOC", "MISSED_BRIDGE",
-    "SearchRecord", "WRONG_ANSWER", "analyse", "analysis_markdown", "analysis_results", "classify",
-    "greedy_search_records", "paired_gain", "question_of", "summary_metrics",
+    "BEST_CONSTANT", "CATEGORIES", "CATEGORY_LABELS", "CORRECT", "ErrorAnalysis", "MALFORMED", "MISSED_ANSWER_DOC",
+    "MISSED_BRIDGE", "SearchRecord", "WRONG_ANSWER", "analyse", "analysis_markdown", "analysis_results", "aspect_of",
+    "best_constant_answers", "bridge_of", "classify", "comparison", "constant_records", "greedy_search_records",
+    "modal_answer_shares", "paired_gain", "question_of", "readout", "summary_metrics",
 ]

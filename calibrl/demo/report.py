@@ -190,54 +190,60 @@ def _pyplot() -> Any:
 # --- verdicts -------------------------------------------------------------------------------------------------------
 
 
-def rewrite_verdict(base: RunResult, binary: RunResult | None, dense: RunResult | None, k: int) -> list[str]:
-    """Sentences stating what the rewrite comparison measured, computed from the numbers."""
+def rewrite_verdict(base: RunResult, runs: Sequence[RunResult], k: int,
+                    analysis: Mapping[str, Any] | None = None) -> list[str]:
+    """Sentences stating what the rewrite comparison measured, computed from the numbers:
+    each trained arm's held-out hit@k beside the base's, then (with ``analysis``, from
+    :func:`calibrl.demo.rewrite_analysis.rewrite_results`) every paired comparison, worded
+    by its interval."""
+    from calibrl.demo.rewrite_analysis import rewrite_comparison_lines
+
     lines = []
     base_hit = base.heldout.get("hit", math.nan)
-    for run in (binary, dense):
-        if run is None:
-            continue
+    for run in runs:
         hit = run.heldout.get("hit", math.nan)
-        delta = 100 * (hit - base_hit)
-        direction = "raised" if delta > 0.05 else "lowered" if delta < -0.05 else "left"
         lines.append(
-            f"{run.label} {direction} held-out hit@{k} from {_fmt(base_hit, True)} to {_fmt(hit, True)} "
-            f"({delta:+.1f} points); {_fmt(run.mean_of('frac_reward_zero_std'), True)} of its training rollouts "
-            "were in groups whose rewards were all equal (no learning signal)."
+            f"{run.label}: held-out hit@{k} {_fmt(base_hit, True)} (base) -> {_fmt(hit, True)}; "
+            f"{_fmt(run.mean_of('frac_reward_zero_std'), True)} of its training groups had rewards all equal "
+            "(no learning signal)."
         )
-    if binary is not None and dense is not None:
-        gap = 100 * (dense.heldout.get("hit", math.nan) - binary.heldout.get("hit", math.nan))
-        if _is_number(gap):
-            if gap > 0.05:
-                lines.append(f"The blended dense reward beat the binary reward by {gap:.1f} points of hit@{k}.")
-            elif gap < -0.05:
-                lines.append(f"The binary reward beat the blended dense reward by {-gap:.1f} points of hit@{k} "
-                             "in this run: the talk's effect did not show here.")
-            else:
-                lines.append(f"The two rewards ended level on held-out hit@{k}.")
+    if analysis:
+        labels = {"raw": "the raw query", "base": "the base rewriter", **{r.name: r.label for r in runs}}
+        lines += rewrite_comparison_lines(dict(analysis), labels, k)
     return lines
 
 
-def search_verdict(base: RunResult, grpo: RunResult | None, calibadv: RunResult | None) -> list[str]:
+def search_verdict(base: RunResult, runs: Sequence[RunResult], analysis: Mapping[str, Any] | None = None) -> list[str]:
+    """Each trained agent's held-out figures beside the base's, then its paired comparisons
+    with the base and the best constant answer (from the error analysis), worded by their
+    intervals."""
+    from calibrl.demo.error_analysis import BEST_CONSTANT, comparison
+    from calibrl.stats import describe_difference
+
     lines = []
     base_f1 = base.heldout.get("f1", math.nan)
-    for run in (grpo, calibadv):
-        if run is None:
-            continue
+    for run in runs:
         f1 = run.heldout.get("f1", math.nan)
         lines.append(
-            f"{run.label}: held-out answer F1 {_fmt(base_f1, True)} -> {_fmt(f1, True)} "
-            f"({100 * (f1 - base_f1):+.1f} points), well-formed trajectories "
-            f"{_fmt(run.heldout.get('well_formed', math.nan), True)}."
+            f"{run.label}: held-out answer F1 {_fmt(base_f1, True)} (base) -> {_fmt(f1, True)}, exact match "
+            f"{_fmt(base.heldout.get('em', math.nan), True)} -> {_fmt(run.heldout.get('em', math.nan), True)}, "
+            f"well-formed trajectories {_fmt(run.heldout.get('well_formed', math.nan), True)}."
         )
-    if grpo is not None and calibadv is not None:
-        g, c = grpo.heldout.get("f1", math.nan), calibadv.heldout.get("f1", math.nan)
-        if _is_number(g) and _is_number(c):
-            if g > 0:
-                lines.append(f"CalibAdv vs GRPO: {100 * (c - g) / g:+.1f}% relative answer F1 (the paper reports "
-                             "+11.8% on 3B-7B models; this is a tiny model after a few minutes of CPU training).")
-            else:
-                lines.append(f"CalibAdv vs GRPO: answer F1 {_fmt(c, True)} vs {_fmt(g, True)}.")
+    if not analysis:
+        return lines
+    labels = analysis["labels"]
+    names = [r.name for r in runs]
+    for a in names:
+        for b in (base.name, BEST_CONSTANT):
+            for metric, unit in (("f1", "points of answer F1"), ("em", "points of exact match")):
+                item = comparison(dict(analysis), a, b, metric)
+                if item:
+                    lines.append(describe_difference(labels[a], labels[b], item, unit))
+    for i, b in enumerate(names):
+        for a in names[i + 1:]:
+            item = comparison(dict(analysis), a, b, "f1")
+            if item:
+                lines.append(describe_difference(labels[a], labels[b], item, "points of answer F1"))
     return lines
 
 
@@ -260,6 +266,7 @@ class DemoReport:
     judge_sections: list[str] = field(default_factory=list)  # Markdown lines after the rewriter's section
     judge_results: dict[str, Any] = field(default_factory=dict)  # results.json "judge"
     search_analysis: dict[str, Any] = field(default_factory=dict)  # calibrl.demo.error_analysis.analysis_results
+    rewrite_analysis: dict[str, Any] = field(default_factory=dict)  # calibrl.demo.rewrite_analysis.rewrite_results
     concurrency: Any = None  # the training stage's processes (calibrl.demo.cli): spans, judge figures while paired
 
 
@@ -283,7 +290,8 @@ def write_report(report: DemoReport, out_dir: str | pathlib.Path) -> pathlib.Pat
         sections += [markdown_table(report.rewrite_runs, rewrite_columns(k)), ""]
         base = by_name.get("base")
         if base is not None:
-            sections += [f"- {line}" for line in rewrite_verdict(base, by_name.get("binary"), by_name.get("dense"), k)]
+            trained_runs = [r for r in report.rewrite_runs if r.trained]
+            sections += [f"- {line}" for line in rewrite_verdict(base, trained_runs, k, report.rewrite_analysis)]
             sections.append("")
         trained = [r for r in report.rewrite_runs if r.trained]
         for key, title, stem in STEP_PLOTS:
@@ -301,7 +309,7 @@ def write_report(report: DemoReport, out_dir: str | pathlib.Path) -> pathlib.Pat
         base = search_by_name.get("base_agent")
         if base is not None:
             sections += [f"- {line}" for line in search_verdict(
-                base, search_by_name.get("grpo"), search_by_name.get("calibadv"))]
+                base, [r for r in report.search_runs if r.trained], report.search_analysis)]
             sections.append("")
         trained = [r for r in report.search_runs if r.trained]
         for key, title, stem in STEP_PLOTS:
@@ -359,6 +367,7 @@ def _results_json(report: DemoReport) -> dict[str, Any]:
         "rewrite": [run_json(r) for r in report.rewrite_runs],
         "search": [run_json(r) for r in report.search_runs],
         "search_analysis": report.search_analysis,
+        "rewrite_analysis": report.rewrite_analysis,
         "stages": [[stage, round(s, 2)] for stage, s in report.stages],
         **({"judge": report.judge_results} if report.judge_results else {}),
     }
