@@ -43,13 +43,16 @@ def test_the_study_writes_its_report_tables_and_plots(tiny_study):
                     "## Held-out answer F1, stress setting", "## Collapse signals per step"):
         assert heading in text
     lines = text.splitlines()
-    for label in [a.label for a in ARMS] + ["base search agent (untrained)"]:
+    for label in [a.label for a in ARMS] + ["base search agent (untrained)",
+                                           "best constant answer per aspect (no search)"]:
         # per setting, a row of the F1 table ("| label | 41.7 [35.0, 48.3] | ...")
         assert sum(bool(re.match(rf"\| {re.escape(label)} \| [\d.]+ \[", line)) for line in lines) == 2
     for arm in ARMS:  # and a row of the collapse table per setting
         assert sum(line.startswith((f"| normal | {arm.label} | ", f"| stress | {arm.label} | ")) for line in lines) == 2
-    # Per setting: six pairs of arms and four arm-vs-base rows of F1, and four arm-vs-base rows of exact match.
-    assert sum(line.endswith(("| yes |", "| no |")) for line in lines) == 2 * (6 + 4 + 4)
+    # Per setting: six pairs of arms, four arm-vs-base and four arm-vs-best-constant rows of F1, and the same
+    # eight rows of exact match; each with its interval over questions and over seeds, then questions.
+    assert sum(bool(re.search(r"\| (yes|no) \| [+-][\d.]+ \[[+-][\d.]+, [+-][\d.]+\] \|$", line))
+               for line in lines) == 2 * (6 + 4 + 4 + 4 + 4)
     assert sum(line.startswith("Exact-match gain over the base (") for line in lines) == 2
     assert "CalibAdv" in text.split("## What the data shows")[1].split("##")[0]
     for stem in ("well_formed", "searches_per_trajectory", "repeated_share", "entropy", "ref_ppl", "reward"):
@@ -68,16 +71,22 @@ def test_the_numbers_are_consistent(tiny_study):
         arms = summary["settings"][setting]["arms"]
         means = {name: arm["f1"]["estimate"] for name, arm in arms.items()}
         means["base"] = base_mean
+        means["best_constant"] = sum(seed["constant"]["f1"]) / 4
         for name, arm in arms.items():
             scores = seed["runs"][setting][name]["scores"]
             assert arm["per_seed_f1"]["0"] == pytest.approx(sum(scores["f1"]) / 4, abs=SUM_TOL)
             assert arm["f1"]["low"] <= arm["f1"]["estimate"] <= arm["f1"]["high"]
             assert all(0.0 <= v <= 1.0 for v in scores["f1"] + scores["well_formed"])
         pairs = summary["settings"][setting]["paired"]
-        assert len(pairs) == 10
+        assert len(pairs) == 14
         for pair in pairs:  # the paired difference is the difference of the means on the same questions
             assert pair["estimate"] == pytest.approx(means[pair["a"]] - means[pair["b"]], abs=SUM_TOL)
             assert pair["low"] <= pair["estimate"] <= pair["high"]
+            # one seed: the hierarchical bootstrap draws that seed every time, so its interval is the
+            # clustered one's up to the bootstrap's own noise, around the same estimate
+            between = pair["between_seeds"]
+            assert between["estimate"] == pytest.approx(pair["estimate"], abs=SUM_TOL)
+            assert between["low"] <= between["estimate"] <= between["high"]
 
 
 def test_every_run_logged_its_collapse_signals_each_step(tiny_study):
@@ -205,6 +214,35 @@ def test_phrasings_of_one_question_are_resampled_together(tmp_path):
     assert clustered.estimate == pytest.approx(loose.estimate, abs=SUM_TOL)
     assert clustered.high - clustered.low > 1.3 * (loose.high - loose.low)
     assert study_report.summarize(PLAN, records)["clustered"] is True
+
+
+def test_best_constant_and_readout_join_the_summary_and_bridges_cluster(tmp_path):
+    """Seeds with a best-constant baseline and read-out fields: the constant is compared like
+    the base, read-out rates are pooled over (seed, question), and the questions through one
+    bridge document are resampled together."""
+    records = _hand_records(False)
+    for record in records:
+        count = len(record["questions"])
+        for i, question in enumerate(record["questions"]):
+            question["bridge"] = f"s{record['seed']}-bridge{i // 5}"
+        record["constant"] = {"answers": {"risk_rating": "2"}, "aspect": ["risk_rating"] * count,
+                              "f1": [0.25] * count, "em": [0.0] * count}
+        grpo = record["runs"]["normal"]["grpo"]["scores"]
+        grpo["found_answer_doc"] = [1.0] * (count // 2) + [0.0] * (count - count // 2)
+        grpo["em"] = [1.0] * (count // 4) + [0.0] * (count - count // 4)  # exact on half of what it found
+        grpo["grounded"] = [1.0] * count
+    summary = study_report.summarize(PLAN, records)
+    normal = summary["settings"]["normal"]
+    by_pair = {(p["a"], p["b"]): p for p in normal["paired"]}
+    assert summary["constant"]["f1"]["estimate"] == pytest.approx(0.25, abs=SUM_TOL)
+    assert ("grpo", study_report.CONSTANT) in by_pair and len(normal["paired"]) == 6 + 4 + 4
+    assert normal["arms"]["grpo"]["readout_rate"] == pytest.approx((10 + 12) / (20 + 25), abs=SUM_TOL)
+    assert normal["arms"]["grpo"]["grounded_share"] == 1.0 and "readout_rate" not in normal["arms"]["calibadv"]
+    assert study_report.question_clusters(records) is not None  # 5 questions per bridge
+    text = study_report.write_study(PLAN, records, tmp_path, command="hand", wall_s=1.0,
+                                    arm_labels={a.name: a.label for a in ARMS}).read_text(encoding="utf-8")
+    assert "| best constant answer per aspect (no search) | 25.0 [" in text
+    assert "best arm vs answering each aspect's most frequent training answer" in text
 
 
 def test_question_scores_average_to_the_evaluators_metrics(trainer_world: TrainerWorld):

@@ -673,13 +673,19 @@ def _train_and_evaluate(settings: DemoSettings, out: pathlib.Path, domain: Any, 
     )
 
 
+def search_aspects() -> list[str]:
+    """Every aspect a two-search question may ask about (the last part of its answer document id)."""
+    from calibrl.demo.domain import ACCOUNT_ASPECTS, FUND_ASPECTS, MANAGER_ASPECTS
+
+    return [a.key for a in (*FUND_ASPECTS, *MANAGER_ASPECTS, *ACCOUNT_ASPECTS)]
+
+
 def search_analysis(domain: Any, records: dict[str, list[Any]], labels: dict[str, str]) -> dict[str, Any]:
     """The error analysis of the held-out search records, beside the two shortcuts: the best
     constant answer per aspect (fitted on the training questions) and answering a constant."""
-    from calibrl.demo.domain import ACCOUNT_ASPECTS, FUND_ASPECTS, MANAGER_ASPECTS
     from calibrl.demo.error_analysis import analysis_results, best_constant_answers
 
-    aspects = [a.key for a in (*FUND_ASPECTS, *MANAGER_ASPECTS, *ACCOUNT_ASPECTS)]
+    aspects = search_aspects()
     constants = best_constant_answers(domain.multistep("train"), aspects)
     return analysis_results(records, labels, constants=constants, aspects=aspects,
                             passages={p.doc_id: p.text for p in domain.passages})

@@ -251,23 +251,30 @@ def readout(records: Sequence[SearchRecord], passages: dict[str, str]) -> dict[s
     exactly; ``correct`` exactly correct answers, ``grounded_share`` the share of those whose
     gold value appears (normalised, as a word sequence) in a passage the trajectory
     retrieved. Rates are None where nothing was counted."""
-    from calibrl.text import normalize_answer
-
-    found = [r for r in records if any(r.gold_doc_ids[-1] in docs for docs in r.found)]
+    found = [r for r in records if found_answer_doc(r)]
     correct = [r for r in records if r.em >= 1.0]
-
-    def grounded(record: SearchRecord) -> bool:
-        texts = [f" {normalize_answer(passages.get(d, ''))} " for docs in record.found for d in docs]
-        values = [f" {normalize_answer(a)} " for a in record.answers]
-        return any(value.strip() and value in text for value in values for text in texts)
-
     return {
         "questions": len(records),
         "found_answer_doc": len(found),
         "readout_rate": sum(r.em >= 1.0 for r in found) / len(found) if found else None,
         "correct": len(correct),
-        "grounded_share": sum(grounded(r) for r in correct) / len(correct) if correct else None,
+        "grounded_share": sum(grounded(r, passages) for r in correct) / len(correct) if correct else None,
     }
+
+
+def grounded(record: SearchRecord, passages: dict[str, str]) -> bool:
+    """Whether a gold value of the record appears (normalised, as a word sequence) in a
+    passage its searches retrieved."""
+    from calibrl.text import normalize_answer
+
+    texts = [f" {normalize_answer(passages.get(d, ''))} " for docs in record.found for d in docs]
+    values = [f" {normalize_answer(a)} " for a in record.answers]
+    return any(value.strip() and value in text for value in values for text in texts)
+
+
+def found_answer_doc(record: SearchRecord) -> bool:
+    """Whether some search of the trajectory returned the answer document."""
+    return bool(record.gold_doc_ids) and any(record.gold_doc_ids[-1] in docs for docs in record.found)
 
 
 def bridge_of(record: SearchRecord) -> str:
@@ -452,6 +459,7 @@ def _phrasings(results: dict[str, Any]) -> str:
 __all__ = [
     "BEST_CONSTANT", "CATEGORIES", "CATEGORY_LABELS", "CORRECT", "ErrorAnalysis", "MALFORMED", "MISSED_ANSWER_DOC",
     "MISSED_BRIDGE", "SearchRecord", "WRONG_ANSWER", "analyse", "analysis_markdown", "analysis_results", "aspect_of",
-    "best_constant_answers", "bridge_of", "classify", "comparison", "constant_records", "greedy_search_records",
+    "best_constant_answers", "bridge_of", "classify", "comparison", "constant_records", "found_answer_doc",
+    "greedy_search_records", "grounded",
     "modal_answer_shares", "paired_gain", "question_of", "readout", "summary_metrics",
 ]

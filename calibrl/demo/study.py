@@ -207,17 +207,19 @@ def _train_and_score(plan: StudyPlan, seed: int, out: pathlib.Path, domain: Any,
     heldout = load_tasks(files.multistep_heldout)
     heldout = heldout[: plan.heldout_limit or plan.design.eval_questions or None]
     eval_settings = search_eval_settings(plan.design)
+    passages = {p.doc_id: p.text for p in domain.passages}
     record: dict[str, Any] = {
-        "seed": seed, "questions": [{"task_id": t.task_id, "question": t.query} for t in heldout],
+        "seed": seed,
+        "questions": [{"task_id": t.task_id, "question": t.query, "bridge": t.gold_doc_ids[0]} for t in heldout],
         "train_questions": len(load_tasks(files.multistep_train)),
-        "base": question_scores(base_agent, heldout, clients, eval_settings), "runs": {}, "timings": timings,
-        "complete": False,
+        "base": question_scores(base_agent, heldout, clients, eval_settings, passages),
+        "constant": constant_scores(domain, heldout), "runs": {}, "timings": timings, "complete": False,
     }
     save_seed_result(out, record)
     for setting, arm in plan.run_order():
         run = train_arm(plan, setting, arm, base_agent, files, clients, out, seed, progress)
         eval_started = time.perf_counter()
-        run["scores"] = question_scores(run.pop("model"), heldout, clients, eval_settings)
+        run["scores"] = question_scores(run.pop("model"), heldout, clients, eval_settings, passages)
         run["eval_s"] = time.perf_counter() - eval_started
         record["runs"].setdefault(setting, {})[arm.name] = run
         timings["arms_s"] = time.perf_counter() - started - timings["base_agent_s"]
@@ -289,18 +291,42 @@ def train_arm(plan: StudyPlan, setting: str, arm: Arm, base_agent: pathlib.Path,
     return {"steps": steps, "wall_s": seconds, "model": str(find_checkpoint(run_dir))}
 
 
-def question_scores(model: str | pathlib.Path, tasks: Sequence[Any], clients: Any, settings: Any) -> dict[str, list]:
+def question_scores(model: str | pathlib.Path, tasks: Sequence[Any], clients: Any, settings: Any,
+                    passages: dict[str, str] | None = None) -> dict[str, list]:
     """Per held-out question, the demo's greedy record (``error_analysis.greedy_search_records``):
-    answer ``f1`` and ``em``, ``well_formed`` (0/1), ``searches`` and the error ``category``;
-    their means are ``calibrl.trainer.eval.evaluate_search``'s."""
-    from calibrl.demo.error_analysis import greedy_search_records
+    answer ``f1`` and ``em``, ``well_formed`` (0/1), ``searches``, the error ``category``, the
+    normalised ``answer`` and ``found_answer_doc`` (0/1); with ``passages`` (doc id -> text) also
+    ``grounded`` (0/1: a retrieved passage states the gold value). Their means are
+    ``calibrl.trainer.eval.evaluate_search``'s."""
+    from calibrl.demo.error_analysis import found_answer_doc, greedy_search_records, grounded
+    from calibrl.text import normalize_answer
     from calibrl.trainer.eval import resolve_model_path
 
     records = greedy_search_records(str(resolve_model_path(model)), tasks, clients.retrieval, settings,
                                     clients.background.run)
-    return {"f1": [r.f1 for r in records], "em": [float(r.em) for r in records],
-            "well_formed": [float(r.well_formed) for r in records], "searches": [len(r.queries) for r in records],
-            "category": [_category(r) for r in records]}
+    scores = {"f1": [r.f1 for r in records], "em": [float(r.em) for r in records],
+              "well_formed": [float(r.well_formed) for r in records], "searches": [len(r.queries) for r in records],
+              "category": [_category(r) for r in records],
+              "answer": [normalize_answer(r.answer) if r.answer is not None else "" for r in records],
+              "found_answer_doc": [float(found_answer_doc(r)) for r in records]}
+    if passages is not None:
+        scores["grounded"] = [float(grounded(r, passages)) for r in records]
+    return scores
+
+
+def constant_scores(domain: Any, tasks: Sequence[Any]) -> dict[str, Any]:
+    """The best-constant baseline on the held-out ``tasks``: per aspect the most frequent answer
+    of the training questions, its per-question ``f1`` and ``em``, and the ``aspect`` of each."""
+    from calibrl.demo.cli import search_aspects
+    from calibrl.demo.error_analysis import aspect_of, best_constant_answers
+    from calibrl.text import exact_match, token_f1
+
+    aspects = search_aspects()
+    constants = best_constant_answers(domain.multistep("train"), aspects)
+    answers = [constants.get(aspect_of(t.gold_doc_ids[-1], aspects)) for t in tasks]
+    return {"answers": constants, "aspect": [aspect_of(t.gold_doc_ids[-1], aspects) for t in tasks],
+            "f1": [token_f1(a, t.answers) if a else 0.0 for a, t in zip(answers, tasks)],
+            "em": [exact_match(a, t.answers) if a else 0.0 for a, t in zip(answers, tasks)]}
 
 
 def _category(record: Any) -> str:

@@ -7,7 +7,12 @@ questions: when every seed has its own questions (the demo generates a domain pe
 seed) each unit is a (seed, question) pair, resampled within its seed; when the
 seeds share their questions each question's F1 is first averaged over seeds. Phrasings
 of one question (task ids ``<question>-<n>``, ``calibrl.demo.error_analysis.question_of``)
-are resampled together; the demo's held-out set has one phrasing per question.
+are resampled together, and so are the questions through one bridge document (the same
+account or fund asked about different facts). Beside each paired interval, a
+hierarchical one (``calibrl.stats.hierarchical_difference``: seeds drawn, then each
+seed's bridge clusters) adds the variance of training seeds. The best constant answer
+per aspect (fitted on each seed's training questions; ``calibrl.demo.error_analysis``)
+is compared with every arm like the base.
 The verdict lines are computed from these numbers, never written in advance.
 """
 
@@ -19,9 +24,10 @@ import math
 import pathlib
 from typing import Any, Mapping, Sequence
 
-from calibrl.stats import Interval, average_over_seeds, mean_interval, paired_difference
+from calibrl.stats import Interval, average_over_seeds, hierarchical_difference, mean_interval, paired_difference
 
 BASE = "base"
+CONSTANT = "best_constant"  # the best constant answer per aspect, scored like an arm
 # Collapse signals drawn per step: (metric key in the run's step records, title, file stem).
 SIGNALS = (
     ("search/well_formed", "Well-formed trajectories (training rollouts)", "well_formed"),
@@ -51,8 +57,22 @@ def shared_questions(records: Sequence[Mapping[str, Any]]) -> bool:
 
 def scores_of(record: Mapping[str, Any], setting: str, arm: str, metric: str = "f1") -> list[float]:
     """Per-question ``metric`` of ``arm`` (or the base) under ``setting`` in one seed's record."""
-    source = record["base"] if arm == BASE else record["runs"][setting][arm]["scores"]
+    source = (record["base"] if arm == BASE else record["constant"] if arm == CONSTANT
+              else record["runs"][setting][arm]["scores"])
     return [float(v) for v in source[metric]]
+
+
+def has_constant(records: Sequence[Mapping[str, Any]]) -> bool:
+    """Whether every seed scored the best-constant baseline."""
+    return all("constant" in r for r in records)
+
+
+def _cluster_label(question: Mapping[str, Any]) -> Any:
+    """A question's resampling cluster: its bridge document where recorded, else the question
+    behind its phrasing."""
+    from calibrl.demo.error_analysis import question_of
+
+    return question.get("bridge") or question_of(question["task_id"])
 
 
 def units(records: Sequence[Mapping[str, Any]], setting: str, arm: str,
@@ -70,12 +90,10 @@ def units(records: Sequence[Mapping[str, Any]], setting: str, arm: str,
 def question_clusters(records: Sequence[Mapping[str, Any]]) -> list[Any] | None:
     """The question behind each unit of :func:`units` (its phrasings are not independent),
     or None when every unit is a question of its own (one phrasing each)."""
-    from calibrl.demo.error_analysis import question_of
-
     if shared_questions(records):
-        labels: list[Any] = [question_of(q["task_id"]) for q in records[0]["questions"]]
+        labels: list[Any] = [_cluster_label(q) for q in records[0]["questions"]]
     else:
-        labels = [(r["seed"], question_of(q["task_id"])) for r in records for q in r["questions"]]
+        labels = [(r["seed"], _cluster_label(q)) for r in records for q in r["questions"]]
     return labels if len(set(labels)) < len(labels) else None
 
 
@@ -85,13 +103,37 @@ def arm_summary(records: Sequence[Mapping[str, Any]], setting: str, arm: str, se
     values, strata = units(records, setting, arm)
     interval = mean_interval(values, strata=strata, clusters=question_clusters(records), seed=seed)
     per_seed = {str(r["seed"]): _mean(scores_of(r, setting, arm)) for r in records}
-    return {
+    summary = {
         "f1": interval.as_dict(), "per_seed_f1": per_seed,
         "em": _mean(units(records, setting, arm, "em")[0]),
+    }
+    if arm == CONSTANT:
+        return summary
+    summary.update({
         "well_formed": _mean(units(records, setting, arm, "well_formed")[0]),
         "searches": _mean(units(records, setting, arm, "searches")[0]),
         "categories": category_shares(records, setting, arm),
-    }
+    })
+    summary.update(readout_summary(records, setting, arm))
+    return summary
+
+
+def readout_summary(records: Sequence[Mapping[str, Any]], setting: str, arm: str) -> dict[str, Any]:
+    """Over every (seed, question): of the trajectories that found the answer document, the
+    share answering it exactly (``readout_rate``); of the exact answers, the share grounded in
+    a retrieved passage (``grounded_share``). Empty for records without these fields."""
+    sources = [r["base"] if arm == BASE else r["runs"][setting][arm]["scores"] for r in records]
+    if not all("found_answer_doc" in src for src in sources):
+        return {}
+    found = [(f, e) for src in sources for f, e in zip(src["found_answer_doc"], src["em"])]
+    hits = sum(f for f, _ in found)
+    out: dict[str, Any] = {"found_answer_doc": hits / len(found),
+                           "readout_rate": sum(f * e for f, e in found) / hits if hits else None}
+    if all("grounded" in src for src in sources):
+        pairs = [(g, e) for src in sources for g, e in zip(src["grounded"], src["em"])]
+        correct = sum(e for _, e in pairs)
+        out["grounded_share"] = sum(g * e for g, e in pairs) / correct if correct else None
+    return out
 
 
 def category_shares(records: Sequence[Mapping[str, Any]], setting: str, arm: str) -> dict[str, float]:
@@ -110,9 +152,24 @@ def paired(records: Sequence[Mapping[str, Any]], setting: str, a: str, b: str, s
     return paired_difference(left, right, strata=strata, clusters=question_clusters(records), seed=seed)
 
 
-def pairs_of(arms: Sequence[str]) -> list[tuple[str, str]]:
-    """Every pair of arms, then every arm against the base."""
-    return list(itertools.combinations(arms, 2)) + [(arm, BASE) for arm in arms]
+def between_seeds(records: Sequence[Mapping[str, Any]], setting: str, a: str, b: str, seed: int = 0,
+                  metric: str = "f1") -> Interval:
+    """The hierarchical bootstrap of ``a - b``: seeds drawn with replacement, then each drawn
+    seed's bridge clusters; the training seeds' variance is in its width."""
+    return hierarchical_difference(
+        [scores_of(r, setting, a, metric) for r in records], [scores_of(r, setting, b, metric) for r in records],
+        clusters_per_seed=[[_cluster_label(q) for q in r["questions"]] for r in records], seed=seed)
+
+
+def pairs_of(arms: Sequence[str], constant: bool = False) -> list[tuple[str, str]]:
+    """Every pair of arms, then every arm against the base (and the best constant)."""
+    return (list(itertools.combinations(arms, 2)) + [(arm, BASE) for arm in arms]
+            + ([(arm, CONSTANT) for arm in arms] if constant else []))
+
+
+def _pair(records: Sequence[Mapping[str, Any]], setting: str, a: str, b: str, metric: str = "f1") -> dict[str, Any]:
+    return {"a": a, "b": b, **paired(records, setting, a, b, metric=metric).as_dict(),
+            "between_seeds": between_seeds(records, setting, a, b, metric=metric).as_dict()}
 
 
 def signal_curves(records: Sequence[Mapping[str, Any]], setting: str, arm: str, key: str) -> list[float]:
@@ -157,13 +214,17 @@ def summarize(plan: Mapping[str, Any], records: Sequence[Mapping[str, Any]]) -> 
                            "questions_per_seed": {str(r["seed"]): len(r["questions"]) for r in records},
                            "base": arm_summary(records, plan["settings"][0], BASE), "settings": {},
                            "missing_runs": missing_runs(plan, records)}
+    constant = has_constant(records)
+    if constant:
+        out["constant"] = {**arm_summary(records, plan["settings"][0], CONSTANT),
+                           "answers": {str(r["seed"]): r["constant"]["answers"] for r in records}}
     for setting, arms in finished_arms(plan, records).items():
         out["settings"][setting] = {
             "arms": {arm: arm_summary(records, setting, arm) for arm in arms},
-            "paired": [{"a": a, "b": b, **paired(records, setting, a, b).as_dict()} for a, b in pairs_of(arms)],
+            "paired": [_pair(records, setting, a, b) for a, b in pairs_of(arms, constant)],
             # F1 gives a verbose answer that holds the value partial credit: exact match apart
-            "paired_em_vs_base": [{"a": arm, "b": BASE, **paired(records, setting, arm, BASE, metric="em").as_dict()}
-                                  for arm in arms],
+            "paired_em_vs_base": [_pair(records, setting, arm, b, metric="em")
+                                  for arm in arms for b in ((BASE, CONSTANT) if constant else (BASE,))],
             "signals": {arm: {key: signal_curves(records, setting, arm, key) for key, _, _ in SIGNALS}
                         for arm in arms},
         }
@@ -180,7 +241,8 @@ def write_study(plan: Mapping[str, Any], records: Sequence[Mapping[str, Any]], o
                 wall_s: float, arm_labels: Mapping[str, str], machine: str = "") -> pathlib.Path:
     """Write results.json, plots/ and report.md under ``out``; returns report.md's path."""
     summary = summarize(plan, records)
-    labels = {BASE: "base search agent (untrained)", **arm_labels}
+    labels = {BASE: "base search agent (untrained)", CONSTANT: "best constant answer per aspect (no search)",
+              **arm_labels}
     results = {"command": command, "wall_s": wall_s, "machine": machine, "plan": dict(plan), "summary": summary,
                "seeds": [_seed_json(r) for r in records]}
     (out / "results.json").write_text(json.dumps(_json_safe(results), indent=1), encoding="utf-8")
@@ -267,12 +329,21 @@ def _ci_points(interval: Mapping[str, float]) -> str:
 
 def arm_table(plan: Mapping[str, Any], summary: Mapping[str, Any], setting: str, labels: Mapping[str, str]) -> str:
     seeds = [str(s) for s in plan["seeds"]]
-    header = ["policy", "answer F1 % [95% CI]", *(f"seed {s}" for s in seeds), "EM %", "well-formed %", "searches"]
+    header = ["policy", "answer F1 % [95% CI]", *(f"seed {s}" for s in seeds), "EM %", "well-formed %", "searches",
+              "read-out %"]
     rows = []
-    for name, arm in [(BASE, summary["base"]), *summary["settings"][setting]["arms"].items()]:
+    arms = [(BASE, summary["base"]), *([(CONSTANT, summary["constant"])] if "constant" in summary else []),
+            *summary["settings"][setting]["arms"].items()]
+    for name, arm in arms:
+        searches = arm.get("searches")
         rows.append([labels[name], _ci(arm["f1"]), *(_pct(arm["per_seed_f1"][s]) for s in seeds), _pct(arm["em"]),
-                     _pct(arm["well_formed"]), f"{arm['searches']:.2f}"])
+                     _pct(arm.get("well_formed", math.nan)), "-" if searches is None else f"{searches:.2f}",
+                     _pct(_nan_if_none(arm.get("readout_rate")))])
     return _markdown(header, rows)
+
+
+def _nan_if_none(value: Any) -> float:
+    return math.nan if value is None else float(value)
 
 
 def category_table(summary: Mapping[str, Any], setting: str, labels: Mapping[str, str]) -> str:
@@ -286,9 +357,11 @@ def category_table(summary: Mapping[str, Any], setting: str, labels: Mapping[str
 
 
 def paired_table(summary: Mapping[str, Any], setting: str, labels: Mapping[str, str], key: str = "paired") -> str:
-    rows = [[labels[p["a"]], labels[p["b"]], _ci_points(p), "yes" if p["low"] > 0 or p["high"] < 0 else "no"]
+    rows = [[labels[p["a"]], labels[p["b"]], _ci_points(p), "yes" if p["low"] > 0 or p["high"] < 0 else "no",
+             _ci_points(p["between_seeds"]) if "between_seeds" in p else "-"]
             for p in summary["settings"][setting][key]]
-    return _markdown(["a", "b", "a - b, points [95% CI]", "interval excludes 0"], rows)
+    return _markdown(["a", "b", "a - b, points [95% CI over questions]", "interval excludes 0",
+                      "[95% CI over seeds, then questions]"], rows)
 
 
 def collapse_table(plan: Mapping[str, Any], summary: Mapping[str, Any], labels: Mapping[str, str]) -> str:
@@ -318,6 +391,9 @@ def verdict(plan: Mapping[str, Any], summary: Mapping[str, Any], labels: Mapping
             lines.append(calibadv_line(normal, labels))
     best = max(normal["arms"], key=lambda a: normal["arms"][a]["f1"]["estimate"])
     lines.append(_compare(by_pair[(best, BASE)], labels, f"{first} setting, best arm vs the untrained base"))
+    if (best, CONSTANT) in by_pair:
+        lines.append(_compare(by_pair[(best, CONSTANT)], labels,
+                              f"{first} setting, best arm vs answering each aspect's most frequent training answer"))
     for plain, stepped in (("grpo", "grpo_steps"), ("calibadv", "calibadv_steps")):
         if (plain, stepped) in by_pair:
             lines.append(_compare(by_pair[(plain, stepped)], labels, f"{first} setting", reverse=True))
@@ -422,7 +498,7 @@ def write_plots(plan: Mapping[str, Any], summary: Mapping[str, Any], labels: Map
 
 
 def _seed_json(record: Mapping[str, Any]) -> dict[str, Any]:
-    return {key: record[key] for key in ("seed", "questions", "base", "runs", "timings") if key in record}
+    return {key: record[key] for key in ("seed", "questions", "base", "constant", "runs", "timings") if key in record}
 
 
 def _markdown(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
