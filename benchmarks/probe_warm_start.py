@@ -3,12 +3,11 @@
 For each ``--steps`` value, build the demo's base search agent of ``--seed`` exactly as
 ``calibrl study`` builds it (the demo's tokenizer, seeded model, teacher and
 ``calibrl.demo.policy.warm_start``), with only ``warm_steps`` changed, and decode
-greedily (``calibrl study``'s ``question_scores``) on the held-out two-search questions
-and on every ``--train-stride``-th training question. Print one JSON line per
-setting: warm-start seconds, mean answer F1 and the error categories
-(``calibrl/demo/error_analysis.py``). No arm is trained: this measures the base
-only, which is what a warm-start setting may be chosen on (README, "The embedded
-demo": the design is fixed before arms are compared).
+greedily (``calibrl study``'s ``question_scores``) on every ``--train-stride``-th
+training question. Print one JSON line per setting: warm-start seconds, mean answer
+F1 and the error categories (``calibrl/demo/error_analysis.py``). No arm is trained
+and no held-out question is read: a design knob is chosen on training data only, by a
+rule written before the probe's first run (``experiments/LOG.md``).
 
     python benchmarks/probe_warm_start.py --seed 0 --steps 300,600,900
 
@@ -58,7 +57,6 @@ def main() -> None:
         domain = generate_domain(args.seed)
         files = write_domain(domain, out / "data")
         build_demo_index(files.corpus, out / "index")
-        heldout = load_tasks(files.multistep_heldout)
         train = load_tasks(files.multistep_train)[:: args.train_stride]
         with study._services(out) as (retrieval, judge), BackgroundLoop(name="probe") as background:
             clients = _Clients(retrieval, judge, background)
@@ -70,7 +68,7 @@ def main() -> None:
                                                    clients, args.seed, False)
                     row: dict = {"seed": args.seed, "warm_steps": warm_steps,
                                  "warm_s": round(time.perf_counter() - started, 1)}
-                    for name, tasks in (("heldout", heldout), ("train", train)):
+                    for name, tasks in (("train", train),):
                         scores = study.question_scores(agent, tasks, clients, eval_settings(design))
                         row[name] = {"questions": len(tasks), "f1": round(sum(scores["f1"]) / len(tasks), 4),
                                      "categories": dict(collections.Counter(scores["category"]))}

@@ -1,0 +1,174 @@
+"""The figures that README.md and the docs show, generated from committed records.
+
+No figure in the README or the docs is typed by hand. A page marks each generated
+block with a pair of comments::
+
+    <!-- BEGIN generated: demo-search -->
+    ...
+    <!-- END generated: demo-search -->
+
+and :func:`render_block` writes its content from the records under ``results/`` (the
+full demo's ``results.json``, the study's summary). ``python scripts/render_results.py``
+rewrites every block; ``tests/test_results_tables.py`` fails when a committed block
+differs from what the records give. Blocks:
+
+- ``demo-search``: the two-search agents beside the base and the best constant answer,
+  with read-out rates and paired, bridge-clustered intervals;
+- ``demo-rewrite``: the query rewriters, each comparison with its (product, topic)-clustered
+  interval, worded by it;
+- ``demo-judge``: the judges' agreement with the SME golden set and the gate's decision;
+- ``study``: the study's arms over seeds (or a line saying no study records are committed).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import pathlib
+import re
+from typing import Any, Callable, Mapping
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+RESULTS = ROOT / "results"
+DEMO_RESULTS = RESULTS / "demo" / "results.json"
+STUDY_RESULTS = RESULTS / "study" / "results.json"
+BLOCK = re.compile(r"(<!-- BEGIN generated: (?P<name>[a-z0-9-]+) -->\n)(?P<body>.*?)(<!-- END generated: (?P=name) -->)",
+                   re.DOTALL)
+
+
+def _pct(value: Any) -> str:
+    return "-" if value is None or (isinstance(value, float) and not math.isfinite(value)) else f"{100 * value:.1f}%"
+
+
+def _ci(item: Mapping[str, Any] | None) -> str:
+    if not item:
+        return "-"
+    mark = "" if item["low"] > 0 or item["high"] < 0 else " (includes 0)"
+    return (f"{100 * item['estimate']:+.1f} [{100 * item['low']:+.1f}, {100 * item['high']:+.1f}]{mark}")
+
+
+def _table(header: list[str], rows: list[list[str]]) -> list[str]:
+    return ["| " + " | ".join(header) + " |", "|" + "|".join(" --- " for _ in header) + "|",
+            *("| " + " | ".join(row) + " |" for row in rows)]
+
+
+def _source(demo: Mapping[str, Any]) -> str:
+    return f"Generated from `results/demo/results.json` (`{demo['command']}`, seed {demo['settings'].get('seed', '?')})."
+
+
+def demo_search(demo: Mapping[str, Any]) -> list[str]:
+    from calibrl.demo.error_analysis import BEST_CONSTANT, comparison
+
+    analysis = demo["search_analysis"]
+    labels = analysis["labels"]
+    runs = {r["name"]: r for r in demo["search"]}
+    readout = analysis.get("readout", {})
+    header = ["agent", "answer EM", "answer F1", "read-out rate", "F1 vs base, points [95% CI]",
+              "F1 vs best constant [95% CI]", "EM vs best constant [95% CI]"]
+    rows = []
+    for name, run in runs.items():
+        rows.append([run["label"], _pct(run["heldout"].get("em")), _pct(run["heldout"].get("f1")),
+                     _pct(readout.get(name, {}).get("readout_rate")),
+                     _ci(comparison(analysis, name, "base_agent", "f1")),
+                     _ci(comparison(analysis, name, BEST_CONSTANT, "f1")),
+                     _ci(comparison(analysis, name, BEST_CONSTANT, "em"))])
+    if "constant" in analysis:
+        constant = analysis["constant"]
+        rows.insert(1, [labels[BEST_CONSTANT], _pct(constant["em"]), _pct(constant["f1"]), "-", "-", "-", "-"])
+    lines = [_source(demo), "", *_table(header, rows), "",
+             f"{analysis['questions']} held-out questions in {analysis.get('bridge_clusters', '?')} bridge clusters; "
+             "intervals pair the same questions and resample whole clusters. The read-out rate is the share of "
+             "trajectories that found the answer document and then answered its value exactly."]
+    return lines
+
+
+def demo_rewrite(demo: Mapping[str, Any]) -> list[str]:
+    from calibrl.demo.rewrite_analysis import rewrite_comparison_lines
+
+    k = demo["top_k"]
+    header = ["rewriter", f"held-out hit@{k}", "frac_reward_zero_std (mean)"]
+    rows = [[r["label"], _pct(r["heldout"].get("hit")), _pct(r.get("mean_frac_reward_zero_std"))]
+            for r in demo["rewrite"]]
+    lines = [_source(demo), "", *_table(header, rows), ""]
+    analysis = demo.get("rewrite_analysis")
+    if analysis:
+        labels = {**{r["name"]: r["label"] for r in demo["rewrite"]}, "raw": "the raw query", "base": "the base rewriter"}
+        lines += [f"Paired by task over {analysis['tasks']} held-out tasks, resampling whole (product, topic) pairs "
+                  f"({analysis['clusters']} clusters):", ""]
+        lines += [f"- {line}" for line in rewrite_comparison_lines(analysis, labels, k)]
+    return lines
+
+
+def demo_judge(demo: Mapping[str, Any]) -> list[str]:
+    judge = demo.get("judge", {})
+    rows = []
+    for row in judge.get("validation", []):
+        interval = row.get("kappa_interval")
+        kappa = f"{row['kappa']:.3f}" if isinstance(row.get("kappa"), (int, float)) else "-"
+        if interval:
+            kappa += f" [{interval['low']:.3f}, {interval['high']:.3f}]"
+        rows.append([row.get("judge", "?"), str(row.get("golden_items", row.get("items", "-"))), kappa,
+                     "passed" if row.get("passed") else "failed"])
+    if not rows:
+        return [_source(demo), "", "The demo's results hold no judge validation."]
+    return [_source(demo), "", *_table(["judge", "golden items", "Cohen's kappa [95% CI]", "gate"], rows)]
+
+
+def study(records: Mapping[str, Any] | None) -> list[str]:
+    if records is None:
+        return ["No study records are committed yet: `calibrl study` writes them (`results.json`), and "
+                "`python scripts/render_results.py` fills this block from `results/study/results.json`."]
+    from calibrl.demo.study import ARMS
+
+    summary = records["summary"]
+    labels = {"base": "the base", "best_constant": "the best constant", **{a.name: a.label for a in ARMS}}
+    lines = [f"Generated from `results/study/results.json` (`{records['command']}`, seeds "
+             f"{', '.join(map(str, records['plan']['seeds']))}).", ""]
+    for setting, data in summary["settings"].items():
+        rows = [[f"{labels.get(p['a'], p['a'])} - {labels.get(p['b'], p['b'])}", _ci(p),
+                 _ci(p.get("between_seeds"))] for p in data["paired"]]
+        lines += [f"{setting} setting, answer F1 differences (points):", "",
+                  *_table(["a - b", "[95% CI over questions]", "[95% CI over seeds, then questions]"], rows), ""]
+    return lines
+
+
+def _load(path: pathlib.Path) -> dict[str, Any] | None:
+    return json.loads(path.read_text(encoding="utf-8")) if path.exists() else None
+
+
+def renderers(results: pathlib.Path = RESULTS) -> dict[str, Callable[[], list[str]]]:
+    """Block name -> a function giving its lines from the records under ``results``."""
+    def demo() -> dict[str, Any]:
+        data = _load(results / "demo" / "results.json")
+        if data is None:
+            raise FileNotFoundError(f"{results / 'demo' / 'results.json'}: no committed demo records")
+        return data
+
+    return {
+        "demo-search": lambda: demo_search(demo()),
+        "demo-rewrite": lambda: demo_rewrite(demo()),
+        "demo-judge": lambda: demo_judge(demo()),
+        "study": lambda: study(_load(results / "study" / "results.json")),
+    }
+
+
+def render_text(text: str, results: pathlib.Path = RESULTS) -> str:
+    """``text`` with every generated block rewritten from the records."""
+    table = renderers(results)
+
+    def fill(match: re.Match[str]) -> str:
+        name = match.group("name")
+        if name not in table:
+            raise KeyError(f"unknown generated block {name!r}: one of {sorted(table)}")
+        return match.group(1) + "\n".join(table[name]()) + "\n" + match.group(4)
+
+    return BLOCK.sub(fill, text)
+
+
+def pages(root: pathlib.Path = ROOT) -> list[pathlib.Path]:
+    """Every page that may hold generated blocks: README.md and the Markdown under docs/."""
+    return [root / "README.md", *sorted((root / "docs").rglob("*.md"))]
+
+
+__all__ = ["BLOCK", "DEMO_RESULTS", "RESULTS", "STUDY_RESULTS", "demo_judge", "demo_rewrite", "demo_search", "pages",
+           "render_text", "renderers", "study"]

@@ -1,0 +1,96 @@
+"""Every figure the README and the docs show is generated from committed records: a page
+whose generated block differs from what its records give fails here."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+
+import pytest
+
+from calibrl.demo import results_tables as rt
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+
+
+def test_every_committed_block_equals_what_its_records_give() -> None:
+    checked = 0
+    for page in rt.pages(ROOT):
+        if not page.exists():
+            continue
+        text = page.read_text(encoding="utf-8")
+        blocks = list(rt.BLOCK.finditer(text))
+        if not blocks:
+            continue
+        rendered = rt.render_text(text)
+        assert rendered == text, (f"{page.relative_to(ROOT)}: a generated block differs from results/; run "
+                                  "`python scripts/render_results.py` after updating the records")
+        checked += len(blocks)
+    assert checked >= 1, "no page shows a generated block"
+
+
+def test_the_readme_shows_the_demo_search_table_from_the_records() -> None:
+    text = (ROOT / "README.md").read_text(encoding="utf-8")
+    assert "<!-- BEGIN generated: demo-search -->" in text
+
+
+def _demo_records() -> dict:
+    def interval(estimate: float, low: float, high: float) -> dict:
+        return {"estimate": estimate, "low": low, "high": high, "units": 40, "confidence": 0.95}
+
+    return {
+        "command": "calibrl demo", "top_k": 1, "settings": {"seed": "0"},
+        "rewrite": [
+            {"name": "raw", "label": "raw query", "heldout": {"hit": 0.2}, "mean_frac_reward_zero_std": None},
+            {"name": "base", "label": "base rewriter", "heldout": {"hit": 0.3}, "mean_frac_reward_zero_std": None},
+            {"name": "dense", "label": "dense reward", "heldout": {"hit": 0.5}, "mean_frac_reward_zero_std": 0.1},
+        ],
+        "rewrite_analysis": {"tasks": 40, "clusters": 10, "resamples": 1000, "comparisons": [
+            {"a": "dense", "b": "base", "metric": "hit", **interval(0.2, 0.05, 0.35)},
+            {"a": "base", "b": "raw", "metric": "hit", **interval(0.1, -0.05, 0.25)},
+        ]},
+        "search": [
+            {"name": "base_agent", "label": "base agent", "heldout": {"em": 0.1, "f1": 0.3}},
+            {"name": "grpo", "label": "GRPO", "heldout": {"em": 0.2, "f1": 0.4}},
+        ],
+        "search_analysis": {
+            "questions": 40, "bridge_clusters": 12, "labels": {"base_agent": "base agent", "grpo": "GRPO",
+                                                               "best_constant": "best constant"},
+            "readout": {"grpo": {"readout_rate": 0.25}},
+            "constant": {"em": 0.15, "f1": 0.35, "per_aspect": {}},
+            "comparisons": [
+                {"a": "grpo", "b": "base_agent", "metric": "f1", **interval(0.1, 0.02, 0.18)},
+                {"a": "grpo", "b": "best_constant", "metric": "f1", **interval(0.05, -0.03, 0.12)},
+                {"a": "grpo", "b": "best_constant", "metric": "em", **interval(0.05, -0.01, 0.1)},
+            ],
+        },
+        "judge": {"validation": [{"judge": "programmatic judge", "kappa": 0.8, "passed": True, "golden_items": 90,
+                                  "kappa_interval": {"low": 0.7, "high": 0.9}}]},
+    }
+
+
+def test_blocks_render_the_records_with_their_intervals(tmp_path: pathlib.Path) -> None:
+    (tmp_path / "demo").mkdir()
+    (tmp_path / "demo" / "results.json").write_text(json.dumps(_demo_records()))
+    page = ("intro\n<!-- BEGIN generated: demo-search -->\nstale 99.9%\n<!-- END generated: demo-search -->\n"
+            "<!-- BEGIN generated: demo-rewrite -->\n<!-- END generated: demo-rewrite -->\n"
+            "<!-- BEGIN generated: demo-judge -->\n<!-- END generated: demo-judge -->\n"
+            "<!-- BEGIN generated: study -->\n<!-- END generated: study -->\nend\n")
+    text = rt.render_text(page, tmp_path)
+    assert "stale 99.9%" not in text and text.startswith("intro\n") and text.endswith("end\n")
+    assert "| GRPO | 20.0% | 40.0% | 25.0% | +10.0 [+2.0, +18.0] | +5.0 [-3.0, +12.0] (includes 0) |" in text
+    assert "| best constant | 15.0% | 35.0% | - |" in text
+    assert "40 held-out questions in 12 bridge clusters" in text
+    # the rewriter's comparisons are worded by their intervals
+    assert "- dense reward beats the base rewriter: +20.0 points of hit@1" in text
+    assert "- the base rewriter and the raw query are indistinguishable" in text
+    assert "| programmatic judge | 90 | 0.800 [0.700, 0.900] | passed |" in text
+    assert "No study records are committed yet" in text
+    assert rt.render_text(text, tmp_path) == text  # rendering is idempotent
+
+
+def test_an_unknown_block_or_missing_records_fail_loudly(tmp_path: pathlib.Path) -> None:
+    with pytest.raises(KeyError, match="unknown generated block 'demo-nothing'"):
+        rt.render_text("<!-- BEGIN generated: demo-nothing -->\n<!-- END generated: demo-nothing -->", tmp_path)
+    with pytest.raises(FileNotFoundError, match="no committed demo records"):
+        rt.render_text("<!-- BEGIN generated: demo-search -->\n<!-- END generated: demo-search -->", tmp_path)
