@@ -270,7 +270,8 @@ def test_all_equal_rewards_give_zero_everywhere() -> None:
     token_adv, metrics = compute_advantages("calibadv", _two_rollouts([0.4, 0.4], [[0.5, 0.0], [0.5, 0.0]]))
     assert bool((token_adv == 0).all())
     assert metrics["frac_reward_zero_std"] == 1.0
-    assert metrics["calibadv/frac_groups_answer_zeroed"] == 1.0
+    # the group's answers are zero because its rewards are equal, not because of the rebalance
+    assert metrics["calibadv/frac_groups_answer_zeroed"] == 0.0
     assert math.isnan(metrics["calibadv/rebalance_factor"])
 
 
@@ -357,3 +358,77 @@ def test_signals_feed_the_estimator_end_to_end() -> None:
     assert token_adv[2].tolist() == pytest.approx([negative] * 2 + [0, negative, negative, 0, negative])
     # Answers: P = 2|n| (one positive rollout) = N (two negative ones), so the factor is 1.
     assert float(token_adv[0, 6]) == pytest.approx(-2 * negative)
+
+
+# ---------------------------------------------------------------------------
+# A failed trajectory whose first search found the gold document: what each estimator does
+# ---------------------------------------------------------------------------
+
+
+def _good_search_group() -> AdvantageInputs:
+    """Four rollouts of one question, 3 tokens per segment: [search 0][search 1][answer].
+    Rollout 0 succeeds (reward 1); rollout 1 fails (reward 0) although its first search found
+    the gold document (step score 1.0) and its second found a new silver one (0.5); rollouts
+    2 and 3 fail with useless searches (score 0)."""
+    segments = torch.tensor([[0, 0, 0, 1, 1, 1, 2, 2, 2]] * 4)
+    mask = torch.ones(4, 9, dtype=torch.bool)
+    return AdvantageInputs(
+        rewards=torch.tensor([1.0, 0.0, 0.0, 0.0]), group_index=torch.zeros(4, dtype=torch.long),
+        completion_mask=mask, segment_index=segments, answer_mask=segments == 2,
+        step_scores=torch.tensor([[1.0, 1.0, math.nan], [1.0, 0.5, math.nan], [0.0, 0.0, math.nan],
+                                  [0.0, 0.0, math.nan]]),
+        step_found_gold=torch.tensor([[1.0, 1.0, math.nan], [1.0, 0.0, math.nan], [0.0, 0.0, math.nan],
+                                      [0.0, 0.0, math.nan]]))
+
+
+def test_calibadv_spares_the_good_search_of_a_failed_trajectory_that_grpo_punishes() -> None:
+    inputs = _good_search_group()
+    grpo, _ = compute_advantages("grpo", inputs, scale="group")
+    calib, metrics = compute_advantages("calibadv", inputs)
+    # Rewards 1, 0, 0, 0: mean 0.25, unbiased std 0.5. GRPO (eps 1e-4): every token of rollout 1
+    # gets (0 - 0.25) / (0.5 + 1e-4), its good first search included.
+    grpo_failed = -0.25 / (0.5 + 1e-4)
+    assert torch.allclose(grpo[1], torch.full((9,), grpo_failed), rtol=0, atol=1e-7)  # float32 rounding
+    # CalibAdv (eps 1e-6): A = -0.25 / (0.5 + 1e-6); search 0 (score 1) -> A * 0 = 0, search 1
+    # (score 0.5) -> A * 0.5, the answer keeps A.
+    a_failed = -0.25 / (0.5 + 1e-6)
+    assert calib[1, :3].tolist() == [0.0, 0.0, 0.0]
+    assert torch.allclose(calib[1, 3:6], torch.full((3,), 0.5 * a_failed), rtol=0, atol=1e-7)
+    assert torch.allclose(calib[1, 6:], torch.full((3,), a_failed), rtol=0, atol=1e-7)
+    # useless searches of failed rollouts keep the full negative advantage under both
+    assert torch.allclose(calib[2, :6], torch.full((6,), a_failed), rtol=0, atol=1e-7)
+    # the answers are rebalanced: P = 3 * 0.75 / (0.5 + 1e-6) and N = 3 * 3 * 0.25 / (0.5 + 1e-6) are
+    # equal (every answer has 3 tokens), so the factor N / P is 1 and the successful rollout keeps A
+    a_success = 0.75 / (0.5 + 1e-6)
+    assert metrics["calibadv/rebalance_factor"] == pytest.approx(1.0)
+    assert torch.allclose(calib[0], torch.full((9,), a_success), rtol=0, atol=1e-6)
+    # the interventions, counted: rollouts 1-3 have 6 negative search steps (what GRPO punishes in
+    # full); CalibAdv softened 2 of them, both in rollout 1; 1 of the 6 (and 1 of the 2) found gold
+    assert metrics["calibadv/neg_search_steps"] == 6.0
+    assert metrics["calibadv/frac_neg_search_steps_softened"] == pytest.approx(2 / 6)
+    assert metrics["calibadv/frac_neg_search_steps_found_gold"] == pytest.approx(1 / 6)
+    assert metrics["calibadv/frac_softened_found_gold"] == pytest.approx(1 / 2)
+    # mean change against A over the 24 search tokens: +|a| on 3 tokens, +|a|/2 on 3
+    assert metrics["calibadv/adv_change_search"] == pytest.approx((3 + 1.5) * -a_failed / 24)
+    # no answer token changes (factor 1); float32 rounding of the factor leaves < 1e-6
+    assert abs(metrics["calibadv/adv_change_answer"]) < 1e-6
+    # the group has unequal rewards, a positive and negative answers: nothing zeroed
+    assert metrics["calibadv/frac_groups_answer_zeroed"] == 0.0
+
+
+def test_answer_zeroed_counts_only_groups_with_a_learning_signal() -> None:
+    """All-equal groups have zero advantages whatever the rebalance does: they are not counted."""
+    inputs = _good_search_group()
+    equal = AdvantageInputs(rewards=torch.tensor([0.0, 0.0, 0.0, 0.0, 1.0, 0.0, 0.0, 0.0]),
+                            group_index=torch.tensor([0, 0, 0, 0, 1, 1, 1, 1]),
+                            completion_mask=torch.cat([inputs.completion_mask] * 2),
+                            segment_index=torch.cat([inputs.segment_index] * 2),
+                            answer_mask=torch.cat([inputs.answer_mask] * 2),
+                            step_scores=torch.cat([inputs.step_scores] * 2))
+    _, metrics = compute_advantages("calibadv", equal)
+    assert metrics["calibadv/frac_groups_answer_zeroed"] == 0.0
+    assert "calibadv/frac_neg_search_steps_found_gold" not in metrics  # no gold labels given
+    with pytest.raises(InvalidArgument, match="step_found_gold"):
+        AdvantageInputs(rewards=inputs.rewards, group_index=inputs.group_index,
+                        completion_mask=inputs.completion_mask, segment_index=inputs.segment_index,
+                        answer_mask=inputs.answer_mask, step_found_gold=torch.full((4, 3), 0.5))

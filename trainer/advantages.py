@@ -113,6 +113,11 @@ class AdvantageInputs:
     step_rewards: (B, S) float, optional
         Dense reward of each search step (segment k = step k); NaN where a
         rollout has no step k. Read by grpo with ``step_credit=True``.
+    step_found_gold: (B, S) float, optional
+        1 where search step k retrieved a gold document, 0 where it did not, NaN
+        where a rollout has no step k (or no gold labels). Diagnostics only: it
+        never changes an advantage (CalibAdv reports how many of the steps it
+        softened, and of those GRPO penalises, had found one).
     """
 
     rewards: Tensor
@@ -122,6 +127,7 @@ class AdvantageInputs:
     answer_mask: Tensor
     step_scores: Tensor | None = None
     step_rewards: Tensor | None = None
+    step_found_gold: Tensor | None = None
 
     def __post_init__(self) -> None:
         _validate_inputs(self)
@@ -221,6 +227,14 @@ def _validate_inputs(inputs: AdvantageInputs) -> None:
             raise InvalidArgument("step_rewards", f"must be a float tensor of shape ({batch}, S)")
         if bool(torch.isinf(step_rewards).any()):
             raise InvalidArgument("step_rewards", "must be finite (NaN marks a step a rollout does not have)")
+    found = inputs.step_found_gold
+    if found is not None:
+        devices.add(found.device)
+        if found.dim() != 2 or found.shape[0] != batch or not found.dtype.is_floating_point:
+            raise InvalidArgument("step_found_gold", f"must be a float tensor of shape ({batch}, S)")
+        known = found[~torch.isnan(found)]
+        if bool(((known != 0) & (known != 1)).any()):
+            raise InvalidArgument("step_found_gold", "must hold 0, 1 or NaN")
     if len(devices) > 1:
         raise InvalidArgument("inputs", f"all tensors must be on one device, got {sorted(map(str, devices))}")
 
@@ -411,13 +425,14 @@ def _calibadv_batch_inputs(batch: "RolloutBatch",
                            settings: "CalibAdvAdvantage") -> tuple[dict[str, Tensor], dict[str, float]]:
     """CalibAdv's step scores ``(B, S)`` of a batch of search rollouts (settings:
     ``f1_threshold``, ``use_gold``, ``similarity_threshold``) and their mean."""
-    from calibrl.trainer.calibadv import search_step_scores
+    from calibrl.trainer.calibadv import search_step_found_gold, search_step_scores
 
-    step_scores = search_step_scores(batch.rollouts, batch.group_index, batch.segment_index, settings).to(
-        batch.input_ids.device
-    )
+    device = batch.input_ids.device
+    step_scores = search_step_scores(batch.rollouts, batch.group_index, batch.segment_index, settings).to(device)
+    found_gold = search_step_found_gold(batch.rollouts, step_scores.shape[1]).to(device)
     known = step_scores[~torch.isnan(step_scores)]
-    return {"step_scores": step_scores}, {"calibadv/mean_step_score": float(known.mean()) if known.numel() else 0.0}
+    return ({"step_scores": step_scores, "step_found_gold": found_gold},
+            {"calibadv/mean_step_score": float(known.mean()) if known.numel() else 0.0})
 
 
 @register_advantage("calibadv", batch_inputs=_calibadv_batch_inputs)
@@ -481,5 +496,49 @@ def calibadv_advantages(
     reduced = softened & (token_score > 0)
     metrics["calibadv/frac_tokens_softened"] = float(reduced.sum()) / trained_count if trained_count else 0.0
     metrics["calibadv/rebalance_factor"] = float(factor[balanced].mean()) if bool(balanced.any()) else math.nan
-    metrics["calibadv/frac_groups_answer_zeroed"] = float((~balanced).double().mean())
+    # The rebalance zeroes a group's answers when it has no positive or no negative answer; groups
+    # whose rewards are all equal have zero advantages anyway, so only the others count.
+    unequal = groups.std > ZERO_STD_ATOL
+    zeroed = unequal & ~balanced
+    metrics["calibadv/frac_groups_answer_zeroed"] = (float(zeroed.sum()) / int(unequal.sum())
+                                                     if bool(unequal.any()) else 0.0)
+    metrics.update(_calibadv_interventions(inputs, advantage, token_adv.double(), scores, groups))
     return token_adv, metrics
+
+
+def _calibadv_interventions(inputs: AdvantageInputs, advantage: Tensor, token_adv: Tensor, scores: Tensor,
+                            groups: _Groups) -> dict[str, float]:
+    """What CalibAdv changed against the plain group advantage ``A`` (what GRPO would give
+    every trained token), per search step and per token kind.
+
+    A search step is an intermediate segment k of a rollout with at least one trained token.
+    GRPO penalises every search step of a rollout with ``A < 0`` in full; CalibAdv softens
+    those with ``s_k > 0``. With ``step_found_gold`` the steps that retrieved a gold
+    document are counted too."""
+    trained, answer = inputs.trained, inputs.answer
+    intermediate = trained & ~answer
+    slots = scores.shape[1]
+    rows = torch.arange(advantage.shape[0], device=advantage.device)[:, None].expand_as(intermediate)
+    has_step = torch.zeros(advantage.shape[0], slots, dtype=torch.bool, device=advantage.device)
+    has_step[rows[intermediate], inputs.segment_index[intermediate]] = True
+    negative_steps = has_step & (advantage < 0)[:, None]
+    softened_steps = negative_steps & (scores > 0)
+    count = int(negative_steps.sum())
+    out = {
+        "calibadv/neg_search_steps": float(count),
+        "calibadv/frac_neg_search_steps_softened": float(softened_steps.sum()) / count if count else 0.0,
+    }
+    if inputs.step_found_gold is not None:
+        found = torch.nan_to_num(inputs.step_found_gold.double(), nan=0.0)[:, :slots] > 0
+        if found.shape[1] < slots:
+            found = torch.nn.functional.pad(found, (0, slots - found.shape[1]))
+        out["calibadv/frac_neg_search_steps_found_gold"] = (
+            float((negative_steps & found).sum()) / count if count else 0.0)
+        softened = int(softened_steps.sum())
+        out["calibadv/frac_softened_found_gold"] = (
+            float((softened_steps & found).sum()) / softened if softened else 0.0)
+    change = token_adv - torch.where(trained, advantage[:, None], 0.0)
+    for name, mask in (("search", intermediate), ("answer", answer)):
+        tokens = int(mask.sum())
+        out[f"calibadv/adv_change_{name}"] = float(change[mask].sum()) / tokens if tokens else 0.0
+    return out

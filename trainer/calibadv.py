@@ -48,7 +48,8 @@ if TYPE_CHECKING:  # pragma: no cover
     from calibrl.trainer.config import CalibAdvAdvantage
     from calibrl.trainer.rewards import SearchRollout
 
-__all__ = ["SearchStep", "search_step_scores", "select_silver_docs", "step_scores", "word_edit_similarity"]
+__all__ = ["SearchStep", "search_step_found_gold", "search_step_scores", "select_silver_docs", "step_scores",
+           "word_edit_similarity"]
 
 
 @dataclass(frozen=True)
@@ -209,3 +210,19 @@ def search_step_scores(rollouts: Sequence["SearchRollout"], group_index: "torch.
             for k, value in enumerate(values[:slots]):
                 scores[r, k] = value
     return scores
+
+
+def search_step_found_gold(rollouts: Sequence["SearchRollout"], slots: int) -> "torch.Tensor":
+    """(B, slots) float: 1 where search step k of rollout b retrieved one of its task's gold
+    documents, 0 where it did not, NaN where the rollout has no step k or its task no gold
+    labels (diagnostics of CalibAdv's interventions; no advantage reads it)."""
+    import torch
+
+    found = torch.full((len(rollouts), max(1, slots)), float("nan"), dtype=torch.float32)
+    for row, rollout in enumerate(rollouts):
+        gold = set(rollout.task.gold_doc_ids)
+        if not gold:
+            continue
+        for k, step in enumerate(rollout.steps[: found.shape[1]]):
+            found[row, k] = float(bool(gold & set(step.result.doc_ids)))
+    return found

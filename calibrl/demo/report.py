@@ -229,6 +229,7 @@ def search_verdict(base: RunResult, runs: Sequence[RunResult], analysis: Mapping
             f"{_fmt(base.heldout.get('em', math.nan), True)} -> {_fmt(run.heldout.get('em', math.nan), True)}, "
             f"well-formed trajectories {_fmt(run.heldout.get('well_formed', math.nan), True)}."
         )
+    lines += [line for run in runs if (line := calibadv_interventions(run))]
     if not analysis:
         return lines
     labels = analysis["labels"]
@@ -245,6 +246,23 @@ def search_verdict(base: RunResult, runs: Sequence[RunResult], analysis: Mapping
             if item:
                 lines.append(describe_difference(labels[a], labels[b], item, "points of answer F1"))
     return lines
+
+
+def calibadv_interventions(run: RunResult) -> str:
+    """What a CalibAdv run changed against plain group advantages, as means over its steps;
+    "" for a run that logged no CalibAdv interventions."""
+    if not _is_number(run.mean_of("calibadv/neg_search_steps")):
+        return ""
+    return (f"{run.label} changed GRPO's advantages this way (means over its training steps): of the search steps "
+            f"of trajectories with a negative advantage ({run.mean_of('calibadv/neg_search_steps'):.1f} per step, "
+            f"each penalised in full by GRPO) it softened "
+            f"{_fmt(run.mean_of('calibadv/frac_neg_search_steps_softened'), True)}; "
+            f"{_fmt(run.mean_of('calibadv/frac_neg_search_steps_found_gold'), True)} of those steps, and "
+            f"{_fmt(run.mean_of('calibadv/frac_softened_found_gold'), True)} of the softened ones, had retrieved a "
+            f"gold document; mean advantage change {run.mean_of('calibadv/adv_change_search'):+.3f} on search tokens "
+            f"and {run.mean_of('calibadv/adv_change_answer'):+.3f} on answer tokens; the rebalance zeroed the answers "
+            f"of {_fmt(run.mean_of('calibadv/frac_groups_answer_zeroed'), True)} of the groups with a learning "
+            "signal.")
 
 
 # --- the report -----------------------------------------------------------------------------------------------------

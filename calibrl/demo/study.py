@@ -56,7 +56,10 @@ STUDY_FILE = "study.json"  # the command, the plan and the start time (calibrl s
 KEPT_METRICS = ("reward", "reward_std", "frac_reward_zero_std", "kl", "entropy", "grad_norm", "policy/ref_ppl",
                 "search/well_formed", "search/answered", "search/searches_per_trajectory", "search/repeated_share",
                 "steps/reward/mean", "steps/new_gold_share", "completions/mean_length",
-                "calibadv/frac_tokens_softened", "calibadv/frac_groups_answer_zeroed", "calibadv/mean_step_score")
+                "calibadv/frac_tokens_softened", "calibadv/frac_groups_answer_zeroed", "calibadv/mean_step_score",
+                "calibadv/neg_search_steps", "calibadv/frac_neg_search_steps_softened",
+                "calibadv/frac_neg_search_steps_found_gold", "calibadv/frac_softened_found_gold",
+                "calibadv/adv_change_search", "calibadv/adv_change_answer")
 
 
 @dataclass(frozen=True)

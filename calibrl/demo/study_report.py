@@ -41,7 +41,9 @@ SIGNAL_COLUMNS = {"search/well_formed": "well-formed", "search/searches_per_traj
                   "search/repeated_share": "repeated", "entropy": "entropy", "policy/ref_ppl": "reference PPL",
                   "reward": "reward"}
 # What CalibAdv changed, per step (the verdict's "why" when it does not beat GRPO).
-CALIBADV_SIGNALS = ("calibadv/frac_tokens_softened", "calibadv/frac_groups_answer_zeroed", "frac_reward_zero_std")
+CALIBADV_SIGNALS = ("calibadv/frac_tokens_softened", "calibadv/frac_groups_answer_zeroed", "frac_reward_zero_std",
+                    "calibadv/frac_neg_search_steps_softened", "calibadv/frac_neg_search_steps_found_gold",
+                    "calibadv/frac_softened_found_gold", "calibadv/adv_change_search", "calibadv/adv_change_answer")
 LAST_STEPS = 5  # the collapse table averages each signal over the last this many steps
 COLLAPSED_WELL_FORMED = 0.9  # a sign of collapse: held-out well-formed rate below this share of the base's
 PPL_GROWTH = 2.0  # a sign of collapse: reference PPL over the last steps above this multiple of the first step's
@@ -420,14 +422,25 @@ def _compare(pair: Mapping[str, Any], labels: Mapping[str, str], where: str, rev
 def calibadv_line(setting: Mapping[str, Any], labels: Mapping[str, str]) -> str:
     """What CalibAdv changed over GRPO's advantages during training (means over steps and seeds)."""
     curves = setting["calibadv_signals"]
-    softened = _mean_finite(curves["calibadv/frac_tokens_softened"])
-    zeroed = _mean_finite(curves["calibadv/frac_groups_answer_zeroed"])
-    no_signal = _mean_finite(curves["frac_reward_zero_std"])
-    return (f"What CalibAdv changed: during {labels['calibadv']} training {_pct(softened)}% of the trained "
-            f"tokens had their negative advantage softened by a step score, the answer advantages of "
-            f"{_pct(zeroed)}% of the groups were zeroed by the rebalance (no positive or no negative answer in the "
-            f"group), and {_pct(no_signal)}% of the groups had all-equal rewards (no signal for either estimator); "
-            "everywhere else CalibAdv's advantages are GRPO's.")
+
+    def mean(key: str) -> float:
+        return _mean_finite(curves.get(key, []))
+
+    softened = mean("calibadv/frac_tokens_softened")
+    zeroed = mean("calibadv/frac_groups_answer_zeroed")
+    no_signal = mean("frac_reward_zero_std")
+    line = (f"What CalibAdv changed: during {labels['calibadv']} training {_pct(softened)}% of the trained "
+            f"tokens had their negative advantage softened by a step score, the rebalance zeroed the answer "
+            f"advantages of {_pct(zeroed)}% of the groups that had a learning signal, and {_pct(no_signal)}% of "
+            "the groups had all-equal rewards (no signal for either estimator)")
+    steps = mean("calibadv/frac_neg_search_steps_softened")
+    if math.isfinite(steps):
+        line += (f"; of the search steps of failed trajectories (which GRPO penalises in full) it softened "
+                 f"{_pct(steps)}%, {_pct(mean('calibadv/frac_neg_search_steps_found_gold'))}% of them had retrieved a "
+                 f"gold document ({_pct(mean('calibadv/frac_softened_found_gold'))}% of the softened ones), and the "
+                 f"mean advantage moved by {_num(mean('calibadv/adv_change_search'))} on search tokens and "
+                 f"{_num(mean('calibadv/adv_change_answer'))} on answer tokens")
+    return line + "; everywhere else CalibAdv's advantages are GRPO's."
 
 
 def stress_line(summary: Mapping[str, Any], labels: Mapping[str, str]) -> str:
