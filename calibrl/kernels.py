@@ -7,6 +7,12 @@ last bits, and training amplifies those bits: the demo's LLM judge trained to
 kappa 0.579 on an AVX-512 Intel CPU and to 0.773 on an AVX2 AMD one. Pinning the
 three to AVX2 makes an AVX-512 CPU compute what an AVX2-only CPU computes.
 
+MKL honours ``MKL_CBWR=AVX2`` on Intel CPUs only: elsewhere (AMD) it reports the
+``AUTO`` branch and runs the same BLAS code whatever is asked of it (native, capped
+with ``MKL_ENABLE_INSTRUCTIONS=AVX2`` or "pinned" give the same bits there), so a
+report names the MKL code path it actually ran (:func:`describe`), and trained
+figures are reproducible bit for bit among CPUs that report the same line.
+
 Each library reads its variable once, when it first runs a kernel, so :func:`pin`
 must run before torch is imported: ``calibrl demo`` and ``calibrl study`` call it
 first thing, and every process they start (services, ``calibrl train``) inherits
@@ -52,6 +58,15 @@ def cpu_has_avx2(cpuinfo: pathlib.Path = pathlib.Path("/proc/cpuinfo")) -> bool:
         return False
     words = set(flags.split())
     return {"avx2", "fma"} <= words
+
+
+def cpu_vendor(cpuinfo: pathlib.Path = pathlib.Path("/proc/cpuinfo")) -> str:
+    """The CPU's vendor id (``GenuineIntel``, ``AuthenticAMD``, ...), or "" where unknown."""
+    try:
+        line = next((line for line in cpuinfo.read_text().splitlines() if line.startswith("vendor_id")), "")
+    except OSError:
+        return ""
+    return line.partition(":")[2].strip()
 
 
 def pin(environ: MutableMapping[str, str] | None = None, *, native: bool = False,

@@ -21,6 +21,8 @@ from calibrl import kernels
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 HAS_AVX2 = kernels.cpu_has_avx2()
 HAS_AVX512 = HAS_AVX2 and "avx512f" in pathlib.Path("/proc/cpuinfo").read_text()
+# MKL takes MKL_CBWR=AVX2 on Intel CPUs only; elsewhere it reports AUTO and runs one code path.
+MKL_PINNED_PATH = "AVX2" if kernels.cpu_vendor() == "GenuineIntel" else "AUTO"
 AVX2_ONLY_CPU = {"ATEN_CPU_CAPABILITY": "avx2", "MKL_ENABLE_INSTRUCTIONS": "AVX2", "ONEDNN_MAX_CPU_ISA": "AVX2"}
 
 # Trains a 2-layer Llama (hidden 64) for 30 AdamW steps on seeded random tokens, one thread,
@@ -82,6 +84,13 @@ def test_native_switch_and_cpus_without_avx2_leave_the_kernels_alone() -> None:
     assert not result.pinned and "not x86-64 with AVX2" in result.reason and env == {}
 
 
+def test_cpu_vendor_is_read_from_cpuinfo(tmp_path: pathlib.Path) -> None:
+    info = tmp_path / "cpuinfo"
+    info.write_text("processor : 0\nvendor_id\t: AuthenticAMD\nflags : avx2\n")
+    assert kernels.cpu_vendor(info) == "AuthenticAMD"
+    assert kernels.cpu_vendor(tmp_path / "missing") == ""
+
+
 def test_cpu_flags_are_read_from_cpuinfo(tmp_path: pathlib.Path) -> None:
     info = tmp_path / "cpuinfo"
     info.write_text("processor : 0\nflags : fpu sse2 avx avx2 fma\n")
@@ -95,7 +104,7 @@ def test_cpu_flags_are_read_from_cpuinfo(tmp_path: pathlib.Path) -> None:
 def test_pinned_training_equals_an_avx2_only_cpu() -> None:
     pinned, described, reason = _train("pin", {})
     assert reason == "pinned to AVX2"
-    assert described == "ATen AVX2, MKL code path AVX2, oneDNN max ISA AVX2"
+    assert described == f"ATen AVX2, MKL code path {MKL_PINNED_PATH}, oneDNN max ISA AVX2"
     avx2_cpu, described_avx2, _ = _train("native", AVX2_ONLY_CPU)
     assert described_avx2.startswith("ATen AVX2, MKL code path native")
     assert pinned == avx2_cpu  # bit for bit: the same weights as a CPU that has nothing beyond AVX2
