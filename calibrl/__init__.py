@@ -7,16 +7,22 @@ What a user imports::
     from calibrl import InProcessRetrievalClient, InProcessJudgeClient  # the same, without a network
     from calibrl import TrainConfig, load_train_config, train         # the trainer
 
-Everything is imported on first use, so ``import calibrl`` (and ``calibrl --help``)
-loads neither torch nor faiss. The distribution holds four top-level packages:
+    from calibrl import Task, TaskKind, register_task_kind            # extension points: a new task kind,
+    from calibrl import AdvantageInputs, register_advantage           # a new advantage estimator
 
-- ``calibrl``          shared core: errors, config loading, gRPC serving, batching,
-                       text normalisation, devices, the ``calibrl`` CLI, generated wire
-                       code (``calibrl.v1``), the embedded demo (``calibrl.demo``) and
-                       the helpers of tests and benchmarks (``calibrl.testing``).
-- ``retrieval_server`` the fixed index and its reward signals, served over gRPC.
-- ``judge_server``     rubric judges distilled from SME grades, served over gRPC.
-- ``trainer``          the GRPO / CalibAdv trainer, a client of both services.
+Everything is imported on first use, so ``import calibrl`` (and ``calibrl --help``)
+loads neither torch nor faiss. The distribution installs one package, ``calibrl``:
+
+- ``calibrl``                  shared core: errors, config loading, gRPC serving, batching,
+                               text normalisation, devices, the ``calibrl`` CLI, generated wire
+                               code (``calibrl.v1``), the embedded demo (``calibrl.demo``) and
+                               the helpers of tests and benchmarks (``calibrl.testing``);
+- ``calibrl.retrieval_server`` the fixed index and its reward signals, served over gRPC
+                               (source folder ``retrieval_server/``);
+- ``calibrl.judge_server``     rubric judges distilled from SME grades, served over gRPC
+                               (``judge_server/``);
+- ``calibrl.trainer``          the GRPO / CalibAdv trainer, a client of both services
+                               (``trainer/``).
 
 The errors every part raises on purpose are in ``calibrl.errors`` (``CalibrlError``
 and its subclasses), exported here too.
@@ -47,6 +53,11 @@ _EXPORTS = {
     "load_train_config": "calibrl.trainer.config",
     "train": "calibrl.trainer.loop",
     "TrainResult": "calibrl.trainer.loop",
+    "Task": "calibrl.trainer.tasks",
+    "TaskKind": "calibrl.trainer.task_kinds",
+    "register_task_kind": "calibrl.trainer.task_kinds",
+    "AdvantageInputs": "calibrl.trainer.advantages",
+    "register_advantage": "calibrl.trainer.advantages",
     "CalibrlError": "calibrl.errors",
     "ConfigError": "calibrl.errors",
     "InvalidArgument": "calibrl.errors",
@@ -67,6 +78,9 @@ if TYPE_CHECKING:  # pragma: no cover
     from calibrl.trainer.inprocess import InProcessJudgeClient, InProcessRetrievalClient
     from calibrl.trainer.loop import TrainResult, train
     from calibrl.trainer.rewards import RewardModel
+    from calibrl.trainer.advantages import AdvantageInputs, register_advantage
+    from calibrl.trainer.task_kinds import TaskKind, register_task_kind
+    from calibrl.trainer.tasks import Task
 
 
 def __getattr__(name: str) -> Any:

@@ -1,6 +1,6 @@
 """`calibrl train` and `calibrl eval`.
 
-    calibrl train --config configs/rewriter_tiny.yaml steps=20 optimizer.lr=1e-5
+    calibrl train --config configs/rewriter_grpo.yaml steps=20 optimizer.lr=1e-5
     calibrl train --config run.yaml --resume runs/rewriter            # continue the latest checkpoint
     calibrl train --print-config                                      # every field, default and doc
     torchrun --nproc_per_node 2 -m calibrl train --config run.yaml    # several processes

@@ -2,7 +2,7 @@
 
 Launch with torchrun; every rank runs the same loop::
 
-    torchrun --nproc_per_node 2 -m calibrl train --config configs/rewriter_tiny.yaml
+    torchrun --nproc_per_node 2 -m calibrl train --config configs/rewriter_grpo.yaml
 
 Each rank generates and scores its own shard of the step's prompts (whole groups,
 so group baselines never cross ranks). After the backward pass the gradients are

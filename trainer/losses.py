@@ -17,8 +17,8 @@ Aggregation over the trained tokens (``mask``):
   ``"dapo"`` when the batch is the whole accumulated batch);
 * ``constant``: sum / (B * max_completion_length) (TRL ``"dr_grpo"``, Dr. GRPO).
 
-The loss is the raw aggregate: dividing by the number of gradient-accumulation
-steps is the training loop's job (TRL folds it into the loss).
+The loss is the raw aggregate: weighting each micro-batch for gradient accumulation
+is ``calibrl.trainer.update.micro_batch_weight``'s job (TRL folds it into the loss).
 """
 
 from __future__ import annotations

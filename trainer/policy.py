@@ -70,9 +70,6 @@ class Policy:
     def is_lora(self) -> bool:
         return _is_peft(self.model)
 
-    def trainable_parameters(self) -> list["torch.nn.Parameter"]:
-        return [p for p in self.model.parameters() if p.requires_grad]
-
 
 # --------------------------------------------------------------------------- loading
 

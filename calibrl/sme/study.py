@@ -73,10 +73,6 @@ class StudyResult:
         values = [(-1.0 if k is None else k) for k in self.kappas(method, budget)]
         return statistics.median(values) if values else None
 
-    def share_passing(self, method: str, budget: int) -> float:
-        points = [p for p in self.points if p.method == method and p.budget == budget]
-        return sum(p.passed for p in points) / len(points) if points else 0.0
-
     def reviews_needed(self, method: str) -> int | None:
         """Smallest budget whose (median) kappa passes the gate; None when none does."""
         for budget in self.budgets():
