@@ -314,6 +314,22 @@ def panel_agreement(reviews: Sequence[PanelReview], *, seed: int = 0,
     return pairs
 
 
+def read_panel(path: Any) -> list[PanelReview]:
+    """The panel's reviews as :func:`calibrl.demo.domain.write_domain` wrote them (``sme_panel.jsonl``)."""
+    import json
+    import pathlib
+
+    reviews = []
+    for line in pathlib.Path(path).read_text(encoding="utf-8").splitlines():
+        if line.strip():
+            data = json.loads(line)
+            reviews.append(PanelReview(
+                data["id"], data["task_id"], data["query"], data["output"],
+                RewriteQuality(data["product"], data["topic"]), data["gold_rank"], dict(data["grades"]),
+                {k: tuple(v) for k, v in data["error_tags"].items()}, data["assigned"], data.get("move", "")))
+    return reviews
+
+
 def agreement_line(pairs: Sequence[PairKappa]) -> str:
     """One sentence: the experts' pairwise kappas with their intervals."""
     return "experts' pairwise Cohen's kappa on pass/fail: " + ", ".join(
@@ -323,5 +339,6 @@ def agreement_line(pairs: Sequence[PairKappa]) -> str:
 
 __all__ = [
     "CatalogueSearch", "DEFECT_COST", "DEFECT_TAG", "Expert", "PANEL", "PairKappa", "PanelReview", "REVIEW_MOVES",
-    "RewriteQuality", "agreement_line", "panel_agreement", "query_quality", "review_sample", "reviewed_rewrite",
+    "RewriteQuality", "agreement_line", "panel_agreement", "query_quality", "read_panel", "review_sample",
+    "reviewed_rewrite",
 ]
