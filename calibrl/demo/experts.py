@@ -134,7 +134,7 @@ def _realise(task: "RewriteTask", quality: RewriteQuality, rng: random.Random) -
             aspect = rng.choice([a for a in pool if a.key != aspect.key])
         terms = rng.choice(aspect.glossary)
         text = rng.choice(_TERMS_FORMS).format(e=mention, t=terms) if mention else terms
-    text = re.sub(r"\s+", " ", text).strip()
+    text = " ".join(text.split())
     return text[0].upper() + text[1:]
 
 
@@ -295,13 +295,14 @@ class PairKappa:
 
 
 def panel_agreement(reviews: Sequence[PanelReview], *, seed: int = 0,
-                    resamples: int = 10_000) -> list[PairKappa]:
+                    resamples: int | None = None) -> list[PairKappa]:
     """Cohen's kappa on pass/fail of each pair of experts over every review, with a 95%
     bootstrap interval that resamples whole tasks (the reviews of one query go together)."""
     from itertools import combinations
 
-    from calibrl.stats import kappa_interval
+    from calibrl.stats import DEFAULT_RESAMPLES, kappa_interval
 
+    resamples = DEFAULT_RESAMPLES if resamples is None else resamples
     names = [e.name for e in PANEL]
     tasks = [r.task_id for r in reviews]
     pairs = []
