@@ -223,7 +223,8 @@ def agreement(rubric: Rubric, model_id: str, golden: Sequence[FeedbackRecord], s
     elif passed:
         reason = f"kappa {interval} >= min_kappa {options.min_kappa} ({judged_at})"
     else:
-        reason = "; ".join(reasons) + f" ({judged_at}). " + _advice(expert_pass, judge_pass, per_criterion, options)
+        reason = "; ".join(reasons) + f" ({judged_at}). " + _advice(expert_pass, judge_pass, per_criterion, options,
+                                                                   auto=threshold_choice is not None)
     return ValidationRecord(
         rubric_id=rubric.id,
         rubric_hash=rubric.hash,
@@ -279,14 +280,18 @@ def _kappa_bounds(golden: Sequence[FeedbackRecord], expert_pass: Sequence[str], 
 
 
 def _advice(expert_pass: Sequence[str], judge_pass: Sequence[str], per_criterion: dict[str, Any],
-            options: ValidationOptions) -> str:
+            options: ValidationOptions, auto: bool = False) -> str:
     """What to look at when the gate fails: the threshold against the SME pass line, and the
     criteria that disagree most with the experts' error tags."""
     n = max(len(expert_pass), 1)
     expert_rate, judge_rate = expert_pass.count("pass") / n, judge_pass.count("pass") / n
     hints = [f"Experts passed {expert_rate:.0%} of the golden items (grade >= {options.pass_grade} or verdict "
              f"'pass'), the judge {judge_rate:.0%} at pass_threshold {options.pass_threshold:g}"]
-    if judge_rate < expert_rate - 0.1:
+    if auto and abs(judge_rate - expert_rate) > 0.1:
+        hints.append("the threshold was the best-kappa one on the non-golden feedback, so a better one for "
+                     "these items would be chosen on the golden set itself: the judge orders items unlike the "
+                     "experts; check the criteria")
+    elif judge_rate < expert_rate - 0.1:
         hints.append("the threshold looks too strict for the SME pass line: try a lower --pass-threshold, "
                      "or --pass-threshold auto --feedback <the distilled feedback>")
     elif judge_rate > expert_rate + 0.1:
