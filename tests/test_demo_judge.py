@@ -39,7 +39,7 @@ def built(tmp_path_factory):
     settings = JudgeModelSettings(warm_steps=demo_cli.QUICK.judge_warm_steps, epochs=demo_cli.QUICK.judge_epochs)
     judge = build_and_validate_judge(domain, files.sme_feedback, rubric, rubric_path, golden, out / "golden.jsonl",
                                      out / "judge_model", settings, pass_threshold=demo_cli.PASS_THRESHOLD,
-                                     progress=False)
+                                     gate=demo_cli.GATE, progress=False)
     return out, rubric, rubric_path, golden, judge
 
 
@@ -138,3 +138,26 @@ def test_server_section_lists_every_served_rubric():
     lines = jr.server_section(stats, {"llm": "LLM judge x", "steps": "programmatic criteria"}, {"llm": ["dense"]})
     assert "| llm | LLM judge x | dense | 4 | 2 | 15.0 | 0 | 0 | 2 | 30 |" in lines
     assert "| steps | programmatic criteria | none in this run | 0 | 0 | - | 0 | 0 | 0 | 0 |" in lines
+
+
+def test_validation_section_states_each_kappa_with_its_interval_and_the_gates_decision():
+    from calibrl.demo.experts import PairKappa
+    from calibrl.judge_server.validation import ValidationRecord
+
+    def record(kappa, low, high, passed, reason):
+        return ValidationRecord(rubric_id="r", rubric_hash="h", model_id="m", passed=passed, kappa=kappa,
+                                min_kappa=0.6, pass_threshold=0.42, n_items=81, golden_sha256="g", reason=reason,
+                                pass_threshold_source="auto", kappa_low=low, kappa_high=high, gate="lower_bound")
+
+    records = {"programmatic judge": record(0.448, 0.25, 0.63, False, "kappa 0.448 [0.25, 0.63]: its 95% ..."),
+               "LLM judge": record(0.9, 0.81, 0.96, True, "kappa 0.900 [0.81, 0.96]: the whole 95% ...")}
+    panel = [PairKappa("a", "b", 0.88, 0.82, 0.93, 300, 210)]
+    text = "\n".join(jr.validation_section(records, 0.6, panel))
+    assert "| 0.42 (auto) | 0.448 [0.25, 0.63] |" in text and "FAILED (interval's low end vs 0.6)" in text
+    assert "| 0.900 [0.81, 0.96] |" in text and "passed (interval's low end vs 0.6)" in text
+    assert "the whole 95% bootstrap interval of Cohen's kappa on pass/fail >= 0.6" in text
+    assert "- programmatic judge: gate FAILED: kappa 0.448 [0.25, 0.63]" in text
+    assert "a vs b 0.880 [0.82, 0.93]" in text
+    rows = jr.validation_rows(records)
+    assert [(r["kappa_low"], r["kappa_high"], r["gate"]) for r in rows] == [(0.25, 0.63, "lower_bound"),
+                                                                           (0.81, 0.96, "lower_bound")]
