@@ -124,6 +124,11 @@ def test_validate_auto_threshold_is_picked_off_the_golden_set_and_recorded(works
     base = ["--rubric", str(rubric), "--golden", str(golden), "--judge", "programmatic"]
     code, out = _run(cli.validate, [*base, "--pass-threshold", "0.999", "--no-record"])
     assert code == 1 and "gate FAILED" in out and "pass_threshold 0.999" in out and "too strict" in out
+    code, out = _run(cli.validate, [*base, "--gate", "lower-bound", "--no-record"])
+    summary = json.loads(out[out.index("{"):out.rindex("}") + 1])
+    low, high = summary["kappa_95_interval"]
+    assert summary["gate"] == "lower_bound" and low <= summary["kappa"] <= high
+    assert code == (0 if low >= summary["min_kappa"] else 1) and f"[{low:.2f}, {high:.2f}]" in out
 
     assert cli.validate([*base, "--pass-threshold", "auto"]) == 2
     assert "--pass-threshold auto needs --feedback" in capsys.readouterr().err
