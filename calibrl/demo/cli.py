@@ -196,7 +196,7 @@ def run_demo(settings: DemoSettings, out: pathlib.Path, *, seed: int = 0, thread
                   f"{len(domain.sme_feedback)} SME reviews -> {files.root}")
             from calibrl.demo.experts import agreement_line, panel_agreement
 
-            print(f"    {agreement_line(panel_agreement(domain.sme_panel, seed=seed))}")
+            print(f"    {agreement_line(panel_agreement(domain.sme_panel))}")
 
         # 4, started now: `calibrl index build` runs as a process beside stages 2-3b (one torch
         # thread each, so the two use both cores; a separate process shares no state), joined at stage 4
