@@ -222,7 +222,7 @@ def test_quick_demo_end_to_end(tmp_path: pathlib.Path) -> None:
     assert all(a["end_s"] <= b["start_s"] for a, b in zip(later, later[1:]))
     assert later[0]["start_s"] >= max(spans[n]["end_s"] for n in processes)
     during = judge["server_during_pair"]
-    assert set(during) == {"demo-rewriter-llm", "search-steps"}  # both agents called the server while both ran
+    assert set(during) == {dense_rubric, "search-steps"}  # both agents called the server while both ran
     for rubric_id, figures in during.items():
         whole = judge["server"][rubric_id]
         assert 0 < figures["calls"] <= whole["calls"] and figures["beside_batches"] <= figures["batches"]

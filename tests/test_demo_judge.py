@@ -153,7 +153,7 @@ def test_validation_section_states_each_kappa_with_its_interval_and_the_gates_de
                "LLM judge": record(0.9, 0.81, 0.96, True, "kappa 0.900 [0.81, 0.96]: the whole 95% ...")}
     panel = [PairKappa("a", "b", 0.88, 0.82, 0.93, 300, 210)]
     text = "\n".join(jr.validation_section(records, 0.6, panel))
-    assert "| 0.42 (auto) | 0.448 [0.25, 0.63] |" in text and "FAILED (interval's low end vs 0.6)" in text
+    assert "| 0.420 (auto) | 0.448 [0.25, 0.63] |" in text and "FAILED (interval's low end vs 0.6)" in text
     assert "| 0.900 [0.81, 0.96] |" in text and "passed (interval's low end vs 0.6)" in text
     assert "the whole 95% bootstrap interval of Cohen's kappa on pass/fail >= 0.6" in text
     assert "- programmatic judge: gate FAILED: kappa 0.448 [0.25, 0.63]" in text

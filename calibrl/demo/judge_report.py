@@ -74,7 +74,7 @@ def validation_section(records: Mapping[str, Any], min_kappa: float,
     for row in rows:
         source = " (auto)" if row["pass_threshold_source"] == "auto" else ""
         lines.append(f"| {row['judge']} | {row['rubric']} | `{row['model_id']}` | {row['n_items']} | "
-                     f"{row['pass_threshold']:g}{source} | {_with_interval(row)} | "
+                     f"{row['pass_threshold']:.3f}{source} | {_with_interval(row)} | "
                      f"{_fmt(row['quadratic_weighted_kappa'])} | {_gate_text(row)} |")
     lines += [""] + [f"- {row['judge']}: gate {'passed' if row['passed'] else 'FAILED'}: {row['reason']}"
                      for row in rows]
