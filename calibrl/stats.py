@@ -241,6 +241,57 @@ def _interval(data: list[float], means: Any, confidence: float) -> Interval:
     return Interval(estimate, min(float(low), estimate), max(float(high), estimate), len(data), confidence)
 
 
+# --------------------------------------------------------------------------- agreement
+
+
+def kappa_interval(first: Sequence[bool], second: Sequence[bool], *, clusters: Sequence[Any] | None = None,
+                   resamples: int = DEFAULT_RESAMPLES, confidence: float = DEFAULT_CONFIDENCE,
+                   seed: int = 0) -> Interval:
+    """Cohen's kappa of two raters' pass/fail (``first[i]``, ``second[i]``: their verdicts on
+    item i) with its bootstrap percentile interval: each resample draws items (or whole
+    ``clusters`` of items, e.g. the reviews of one task) with replacement, both raters'
+    verdicts of a drawn item together, and recomputes kappa.
+
+    Kappa is undefined when both raters use one class (chance agreement 1): the estimate
+    is then NaN, and resamples where it is undefined are left out of the percentiles
+    (when more than half are, the interval is NaN too: the items cannot tell)."""
+    import numpy as np
+
+    if len(first) != len(second):
+        raise InvalidArgument("second", f"has {len(second)} verdicts but first has {len(first)}")
+    if not first:
+        raise InvalidArgument("first", "is empty: kappa needs at least one item")
+    _check_resampling(resamples, confidence)
+    members = _cluster_members(clusters, len(first))
+    # Per cluster: items where both pass, first only, second only (both fail = size - the rest).
+    cells = np.asarray([[sum(bool(first[i]) and bool(second[i]) for i in units),
+                         sum(bool(first[i]) and not bool(second[i]) for i in units),
+                         sum(not bool(first[i]) and bool(second[i]) for i in units),
+                         len(units)] for units in members], dtype=np.float64)
+    estimate = float(_kappa_of_cells(cells.sum(axis=0, keepdims=True))[0])
+    rng = np.random.default_rng(seed)
+    draws = rng.integers(0, len(members), size=(resamples, len(members)))
+    kappas = _kappa_of_cells(cells[draws].sum(axis=1))
+    defined = kappas[np.isfinite(kappas)]
+    if not math.isfinite(estimate) or len(defined) * 2 < resamples:
+        return Interval(estimate, math.nan, math.nan, len(first), confidence)
+    tail = 100 * (1 - confidence) / 2
+    low, high = np.percentile(defined, [tail, 100 - tail])
+    return Interval(estimate, min(float(low), estimate), max(float(high), estimate), len(first), confidence)
+
+
+def _kappa_of_cells(cells: Any) -> Any:
+    """Cohen's kappa of rows (both pass, first only, second only, n) of pass/fail counts."""
+    import numpy as np
+
+    both, only_first, only_second, n = cells[:, 0], cells[:, 1], cells[:, 2], cells[:, 3]
+    with np.errstate(divide="ignore", invalid="ignore"):
+        observed = (n - only_first - only_second) / n
+        first_pass, second_pass = (both + only_first) / n, (both + only_second) / n
+        chance = first_pass * second_pass + (1 - first_pass) * (1 - second_pass)
+        kappa = (observed - chance) / (1 - chance)
+    return np.where(chance < 1 - 1e-12, kappa, np.nan)
+
+
 __all__ = ["DEFAULT_CONFIDENCE", "DEFAULT_RESAMPLES", "Interval", "average_over_seeds", "describe_difference",
-           "hierarchical_difference",
-           "mean_interval", "paired_difference"]
+           "hierarchical_difference", "kappa_interval", "mean_interval", "paired_difference"]

@@ -198,6 +198,9 @@ def validate(argv: list[str]) -> int:
     parser.add_argument("--flag-threshold", type=float, default=0.5,
                         help="a criterion flags an item when its score is below this (0.5)")
     parser.add_argument("--min-items", type=int, default=10, help="least golden items for the gate to pass (10)")
+    parser.add_argument("--gate", choices=("estimate", "lower-bound"), default="estimate",
+                        help="what must reach --min-kappa: the kappa estimate (default), or the lower bound of its "
+                        "95%% bootstrap interval (golden items resampled by query)")
     parser.add_argument("--config", help="YAML of judge options (JudgeConfig), e.g. embedder, device")
     parser.add_argument("--out", help="validation file (default: <rubric>.validation.json)")
     parser.add_argument("--no-record", action="store_true", help="print the report, write no record")
@@ -219,7 +222,7 @@ def validate(argv: list[str]) -> int:
             return _fail("--pass-threshold auto needs --feedback FILE: the threshold is picked on the feedback "
                          "records that are not in the golden set")
         options = ValidationOptions(args.min_kappa, 0.6 if auto else args.pass_threshold, args.pass_grade,
-                                    args.flag_threshold, args.min_items)
+                                    args.flag_threshold, args.min_items, gate=args.gate.replace("-", "_"))
         options.validate()
         calibration = read_feedback(args.feedback, parse_field_map(args.field_map)) if auto else None
         record = validate_judge(load_rubric(args.rubric), read_feedback(args.golden), config, options, calibration)
@@ -259,6 +262,8 @@ def _summary(record) -> dict:
     return {
         "passed": record.passed,
         "kappa": record.kappa,
+        "kappa_95_interval": [record.kappa_low, record.kappa_high],
+        "gate": record.gate,
         "min_kappa": record.min_kappa,
         "pass_threshold": record.pass_threshold,
         "pass_threshold_source": record.pass_threshold_source,

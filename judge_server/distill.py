@@ -2,9 +2,12 @@
 
 Steps (all deterministic: same feedback, same rubric, byte for byte):
 
-1. **Split.** A record goes to the golden hold-out when the first 64 bits of its
-   content hash, read as a fraction of 2**64, fall below ``golden_fraction``. The
-   split depends on the record alone, so adding records never moves old ones.
+1. **Split.** A record goes to the golden hold-out when the first 64 bits of the
+   hash of its (query, output) text (:func:`text_key`: case and spacing folded),
+   read as a fraction of 2**64, fall below ``golden_fraction``. The split depends on
+   the record alone, so adding records never moves old ones; and two reviews of the
+   same (query, output) text (another expert, another grade) always land on the same
+   side, so no golden text is ever trained on.
 2. **Cost of each error tag** (training records only). A record's grade is its
    expert grade, or 5 / 1 for a verdict-only pass / fail. The baseline is the mean
    grade of error-free records (5 when there are none). For tag t:
@@ -132,9 +135,19 @@ def canonical_tag(tag: str) -> str:
     return ALIASES.get(tag, tag)
 
 
+def text_key(record: FeedbackRecord) -> str:
+    """SHA-256 of a record's (query, output) text, case and spacing folded: reviews of the
+    same rewrite of the same query share it, whoever graded them and however."""
+    import hashlib
+    import json
+
+    folded = [" ".join(record.query.lower().split()), " ".join(record.output.lower().split())]
+    return hashlib.sha256(json.dumps(folded, ensure_ascii=False).encode("utf-8")).hexdigest()
+
+
 def is_golden(record: FeedbackRecord, golden_fraction: float) -> bool:
-    """The deterministic hold-out rule (see module doc)."""
-    return int(record.record_hash[:16], 16) / 2**64 < golden_fraction
+    """The deterministic hold-out rule (see module doc): by the record's (query, output) text."""
+    return int(text_key(record)[:16], 16) / 2**64 < golden_fraction
 
 
 def split_golden(records: Sequence[FeedbackRecord], golden_fraction: float) -> tuple[list, list]:

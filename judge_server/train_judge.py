@@ -71,7 +71,7 @@ from typing import Any, Callable, Sequence
 
 from calibrl.errors import ConfigError, InvalidArgument
 from calibrl.judge_server import prompts
-from calibrl.judge_server.distill import canonical_tag, grade_value, is_golden
+from calibrl.judge_server.distill import canonical_tag, grade_value, is_golden, text_key
 from calibrl.judge_server.feedback import FeedbackRecord
 from calibrl.judge_server.rubric import Criterion, Rubric, RubricError
 
@@ -144,8 +144,10 @@ def criterion_target(criterion: Criterion, record: FeedbackRecord, pass_grade: i
 def split_for_training(records: Sequence[FeedbackRecord], golden_fraction: float,
                        golden_hashes: frozenset[str] = frozenset()) -> tuple[list, list]:
     """(training records, held-out records): held out = golden by the distil rule or listed."""
-    train = [r for r in records if not is_golden(r, golden_fraction) and r.record_hash not in golden_hashes]
-    held_out = [r for r in records if is_golden(r, golden_fraction) or r.record_hash in golden_hashes]
+    held = [is_golden(r, golden_fraction) or r.record_hash in golden_hashes or text_key(r) in golden_hashes
+            for r in records]  # golden_hashes may hold record hashes and (query, output) text keys
+    train = [r for r, out in zip(records, held) if not out]
+    held_out = [r for r, out in zip(records, held) if out]
     return train, held_out
 
 
@@ -409,7 +411,8 @@ def train_judge(
     records = read_feedback(feedback_path)
     golden_hashes: frozenset[str] = frozenset()
     if golden_path is not None:
-        golden_hashes = frozenset(r.record_hash for r in read_feedback(golden_path))
+        # a golden file excludes its records and every review of the same (query, output) text
+        golden_hashes = frozenset(key for r in read_feedback(golden_path) for key in (r.record_hash, text_key(r)))
     train, held_out = split_for_training(records, options.golden_fraction, golden_hashes)
     if not train:
         raise ConfigError(f"{feedback_path}: all {len(records)} records are golden (golden_fraction="

@@ -9,8 +9,16 @@ the criterion's ``tags``), and the confusion matrices. The gate passes when the
 golden set has at least ``min_items`` items and kappa >= ``min_kappa``; when it fails, the
 record's ``reason`` says the kappa, the gate, the threshold used and what to look at.
 
+Every kappa comes with its 95% bootstrap interval (:func:`calibrl.stats.kappa_interval`,
+10,000 resamples, seeded): golden items are resampled in clusters of the same query (the
+reviews of one task are not independent). The gate decides on the estimate
+(``gate="estimate"``, the default) or on the interval's lower bound
+(``gate="lower_bound"``: passes only when the whole interval clears ``min_kappa``); the
+decision line states the interval either way.
+
 ``pass_threshold`` may instead be picked (``--pass-threshold auto``) by
-:func:`pick_pass_threshold` on the NON-golden feedback, so the golden set stays a hold-out;
+:func:`pick_pass_threshold` on the NON-golden feedback, so the golden set stays a hold-out
+(a feedback record is left out when it is golden or has a golden item's (query, output) text);
 the record keeps the choice (``pass_threshold_source``, ``metrics["threshold_selection"]``).
 
 The result is a :class:`ValidationRecord` bound to (rubric hash, judge model id),
@@ -36,6 +44,8 @@ from calibrl.judge_server.rubric import Rubric
 from calibrl.judge_server.types import ItemScore
 
 VALIDATION_SUFFIX = ".validation.json"
+GATES = ("estimate", "lower_bound")
+KAPPA_RESAMPLES = 10_000  # bootstrap resamples of every kappa interval (seed 0)
 
 
 @dataclass
@@ -45,8 +55,11 @@ class ValidationOptions:
     pass_grade: int = 4
     flag_threshold: float = 0.5
     min_items: int = 10
+    gate: str = "estimate"  # "estimate": kappa >= min_kappa; "lower_bound": the interval's low end >= min_kappa
 
     def validate(self) -> None:
+        if self.gate not in GATES:
+            raise ConfigError(f"gate={self.gate!r}: must be one of {', '.join(GATES)}")
         if not -1.0 <= self.min_kappa <= 1.0:
             raise ConfigError(f"min_kappa={self.min_kappa}: must be in [-1, 1]")
         for name in ("pass_threshold", "flag_threshold"):
@@ -75,6 +88,19 @@ class ValidationRecord:
     # Where pass_threshold came from: "given" (the command line) or "auto" (picked on the
     # non-golden feedback, see metrics["threshold_selection"]).
     pass_threshold_source: str = "given"
+    # Cohen's kappa's 95% bootstrap interval (golden items resampled in clusters of one query) and
+    # what the gate decided on ("estimate" or "lower_bound").
+    kappa_low: float | None = None
+    kappa_high: float | None = None
+    gate: str = "estimate"
+
+    def kappa_text(self) -> str:
+        """The kappa with its interval, e.g. ``0.744 [0.60, 0.88]``."""
+        if self.kappa is None:
+            return "n/a"
+        if self.kappa_low is None or self.kappa_high is None:
+            return f"{self.kappa:.3f}"
+        return f"{self.kappa:.3f} [{_bound(self.kappa_low)}, {_bound(self.kappa_high)}]"
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -155,6 +181,7 @@ def agreement(rubric: Rubric, model_id: str, golden: Sequence[FeedbackRecord], s
     expert_pass = ["pass" if r.expert_pass(options.pass_grade) else "fail" for r in golden]
     judge_pass = ["pass" if s.total >= options.pass_threshold else "fail" for s in scores]
     kappa = metrics.cohen_kappa(expert_pass, judge_pass, ["pass", "fail"])
+    low, high, n_clusters = _kappa_bounds(golden, expert_pass, judge_pass, kappa)
     agree = sum(a == b for a, b in zip(expert_pass, judge_pass)) / len(golden) if golden else None
 
     graded = [(r.grade, s) for r, s in zip(golden, scores) if r.grade is not None]
@@ -176,19 +203,28 @@ def agreement(rubric: Rubric, model_id: str, golden: Sequence[FeedbackRecord], s
         tagged = [bool(set(criterion.tags) & set(_canonical_tags(r))) for r in golden]
         per_criterion[criterion.name] = {"tags": list(criterion.tags), **metrics.precision_recall(flagged, tagged)}
 
+    interval = "n/a" if kappa is None else f"{kappa:.3f}" + (
+        "" if low is None else f" [{_bound(low)}, {_bound(high)}]")
     reasons = []
     if len(golden) < options.min_items:
         reasons.append(f"golden set has {len(golden)} items, fewer than min_items={options.min_items}")
     if kappa is None:
         reasons.append("kappa is undefined (experts and judge each used a single class)")
+    elif options.gate == "lower_bound" and (low is None or low < options.min_kappa):
+        reasons.append(f"kappa {interval}: its 95% interval reaches below min_kappa {options.min_kappa} "
+                       "(the gate needs the whole interval above it)")
     elif kappa < options.min_kappa:
-        reasons.append(f"kappa {kappa:.3f} < min_kappa {options.min_kappa}")
+        reasons.append(f"kappa {interval} < min_kappa {options.min_kappa}")
     passed = not reasons
-    judged_at = f"judge pass = total >= pass_threshold {options.pass_threshold:g}"
-    if passed:
-        reason = f"kappa {kappa:.3f} >= min_kappa {options.min_kappa} ({judged_at})"
+    judged_at = (f"judge pass = total >= pass_threshold {options.pass_threshold:g}; 95% bootstrap interval over "
+                 f"{len(golden)} golden items in {n_clusters} query clusters")
+    if passed and options.gate == "lower_bound":
+        reason = f"kappa {interval}: the whole 95% interval is >= min_kappa {options.min_kappa} ({judged_at})"
+    elif passed:
+        reason = f"kappa {interval} >= min_kappa {options.min_kappa} ({judged_at})"
     else:
-        reason = "; ".join(reasons) + f" ({judged_at}). " + _advice(expert_pass, judge_pass, per_criterion, options)
+        reason = "; ".join(reasons) + f" ({judged_at}). " + _advice(expert_pass, judge_pass, per_criterion, options,
+                                                                   auto=threshold_choice is not None)
     return ValidationRecord(
         rubric_id=rubric.id,
         rubric_hash=rubric.hash,
@@ -202,7 +238,8 @@ def agreement(rubric: Rubric, model_id: str, golden: Sequence[FeedbackRecord], s
         reason=reason,
         metrics={
             "pass_fail": {
-                "kappa": kappa, "agreement": agree,
+                "kappa": kappa, "kappa_low": low, "kappa_high": high, "kappa_clusters": n_clusters,
+                "kappa_resamples": KAPPA_RESAMPLES, "agreement": agree,
                 "expert_pass_rate": expert_pass.count("pass") / len(golden) if golden else None,
                 "judge_pass_rate": judge_pass.count("pass") / len(golden) if golden else None,
                 "confusion": {"labels": ["pass", "fail"], "rows": "expert", "columns": "judge",
@@ -216,18 +253,45 @@ def agreement(rubric: Rubric, model_id: str, golden: Sequence[FeedbackRecord], s
         },
         created_at=datetime.datetime.now(datetime.timezone.utc).replace(microsecond=0).isoformat(),
         pass_threshold_source="auto" if threshold_choice else "given",
+        kappa_low=low,
+        kappa_high=high,
+        gate=options.gate,
     )
 
 
+def _bound(value: float) -> str:
+    """A kappa interval bound, two decimals (no "-0.00" for float noise around 0)."""
+    return f"{value + 0.0:.2f}".replace("-0.00", "0.00")
+
+
+def _kappa_bounds(golden: Sequence[FeedbackRecord], expert_pass: Sequence[str], judge_pass: Sequence[str],
+                  kappa: float | None) -> tuple[float | None, float | None, int]:
+    """(low, high, query clusters) of kappa's 95% bootstrap interval; bounds None where undefined."""
+    from calibrl.stats import kappa_interval
+
+    clusters = [" ".join(r.query.lower().split()) for r in golden]
+    if kappa is None or not golden:
+        return None, None, len(set(clusters))
+    interval = kappa_interval([e == "pass" for e in expert_pass], [j == "pass" for j in judge_pass],
+                              clusters=clusters, resamples=KAPPA_RESAMPLES, seed=0)
+    if not (math.isfinite(interval.low) and math.isfinite(interval.high)):
+        return None, None, len(set(clusters))
+    return interval.low, interval.high, len(set(clusters))
+
+
 def _advice(expert_pass: Sequence[str], judge_pass: Sequence[str], per_criterion: dict[str, Any],
-            options: ValidationOptions) -> str:
+            options: ValidationOptions, auto: bool = False) -> str:
     """What to look at when the gate fails: the threshold against the SME pass line, and the
     criteria that disagree most with the experts' error tags."""
     n = max(len(expert_pass), 1)
     expert_rate, judge_rate = expert_pass.count("pass") / n, judge_pass.count("pass") / n
     hints = [f"Experts passed {expert_rate:.0%} of the golden items (grade >= {options.pass_grade} or verdict "
              f"'pass'), the judge {judge_rate:.0%} at pass_threshold {options.pass_threshold:g}"]
-    if judge_rate < expert_rate - 0.1:
+    if auto and abs(judge_rate - expert_rate) > 0.1:
+        hints.append("the threshold was the best-kappa one on the non-golden feedback, so a better one for "
+                     "these items would be chosen on the golden set itself: the judge orders items unlike the "
+                     "experts; check the criteria")
+    elif judge_rate < expert_rate - 0.1:
         hints.append("the threshold looks too strict for the SME pass line: try a lower --pass-threshold, "
                      "or --pass-threshold auto --feedback <the distilled feedback>")
     elif judge_rate > expert_rate + 0.1:
@@ -263,16 +327,19 @@ def validate_judge(rubric: Rubric, golden: Sequence[FeedbackRecord], config: Any
 
     ``calibration``: non-golden feedback records (``--pass-threshold auto``); the pass
     threshold is then picked on them by :func:`pick_pass_threshold` and recorded, and
-    ``options.pass_threshold`` is ignored. Records that are also in ``golden`` are left
-    out, so the golden set never decides its own threshold."""
+    ``options.pass_threshold`` is ignored. Records that are also in ``golden``, or share a
+    golden item's (query, output) text, are left out, so the golden set never decides its
+    own threshold."""
     from calibrl.judge_server.judge import Judge, load_llm
 
     options.validate()
     judge = Judge([rubric], config, llm=load_llm(config))
     choice = None
     if calibration is not None:
-        golden_hashes = {r.record_hash for r in golden}
-        calibration = [r for r in calibration if r.record_hash not in golden_hashes]
+        from calibrl.judge_server.distill import text_key
+
+        golden_keys = {r.record_hash for r in golden} | {text_key(r) for r in golden}
+        calibration = [r for r in calibration if r.record_hash not in golden_keys and text_key(r) not in golden_keys]
         choice = pick_pass_threshold(calibration, _judge_scores(judge, rubric, config, calibration),
                                      options.pass_grade)
     scores = _judge_scores(judge, rubric, config, golden)

@@ -11,14 +11,9 @@ from calibrl.demo import domain as dm
 from calibrl.demo import search_domain as sd
 from calibrl.demo.domain import (
     FAILURE_MODES,
-    INVENTED_ENTITY,
-    MISSED_INTENT,
-    MISSING_KEY_ENTITIES,
     UNDERSPECIFIED,
     candidate_rewrite,
     generate_domain,
-    rewrite_errors,
-    sme_grade,
     write_domain,
 )
 
@@ -81,12 +76,13 @@ def test_at_least_a_hundred_independent_heldout_questions_whose_answers_never_tr
         assert task.shortcut_query.split()[0] in task.question
 
 
-# sha256 of the rewriter half (rewrite tasks, SME feedback, glossary) as the generator gave it
-# before the search half moved to its own random stream; and of its 142 passages.
+# sha256 of the rewriter half (rewrite tasks, glossary) as the generator gave it before the search
+# half moved to its own random stream; and of its 142 passages. (The SME reviews drawn after them
+# come from the simulated expert panel, calibrl/demo/experts.py, since it replaced the rule-based SME.)
 _REWRITER_HALF = {
-    0: ("a69e4d46c945f6b7695eddd6d9286cd846e8bc6136a1de67de03a74118b66ac0", "f722bc3a406cdeca"),
-    1: ("af9caef6247865e0e722e1b36a5343eb3a6f133681cf3045d367484b1a1fa4d3", "b4c8a8aa0a2ad7ab"),
-    2: ("d193099e5c399da69f34a2dd0012f32aea687b0abe767f165d40af2131355014", "cd37bd589150f675"),
+    0: ("a0fafc93671a28afb0b9822508d704f518660215c03a7f5699e3339084e84ad5", "f722bc3a406cdeca"),
+    1: ("bf3d48f59c1b42735bdd5034f2d1f3c7013f1094db673613005b5f9143dd92b3", "b4c8a8aa0a2ad7ab"),
+    2: ("95a69f27eda30bfd82712e9dc7b3d69769851db4813e388eaa6e07ce02ca8c7b", "cd37bd589150f675"),
 }
 
 
@@ -97,8 +93,7 @@ def test_the_rewriter_half_is_what_the_generator_gave_before_the_search_half_gre
 
     domain = generate_domain(seed)
     payload = {"rewrite_tasks": [t.record() | {"failure_mode": t.failure_mode, "split": t.split}
-                                 for t in domain.rewrite_tasks],
-               "sme_feedback": [r.record() for r in domain.sme_feedback], "glossary": domain.glossary()}
+                                 for t in domain.rewrite_tasks], "glossary": domain.glossary()}
     digest = hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()
     old_passages = json.dumps([dataclasses.asdict(p) for p in domain.rewriter_passages()])
     assert (digest, hashlib.sha256(old_passages.encode()).hexdigest()[:16]) == _REWRITER_HALF[seed]
@@ -174,34 +169,6 @@ def test_bm25_copying_fails_and_the_expert_rewrite_succeeds(domain: dm.Domain, t
     assert 0.12 < rate < 0.35
 
 
-@pytest.mark.parametrize(
-    ("query_mode", "move", "expected"),
-    [
-        ("underspecified", "copy", {UNDERSPECIFIED}),
-        ("underspecified", "expert", set()),
-        ("none", "copy", set()),
-        ("none", "drop_tail", {MISSING_KEY_ENTITIES}),
-        ("underspecified", "wrong_entity", {MISSED_INTENT}),
-        ("underspecified", "made_up_ticker", {INVENTED_ENTITY}),
-    ],
-)
-def test_the_simulated_sme_style_guide(domain: dm.Domain, query_mode: str, move: str, expected: set[str]) -> None:
-    import random
-
-    task = next(t for t in domain.tasks("train") if t.failure_mode == query_mode and t.aspect_key == "expense_ratio")
-    rewrite = candidate_rewrite(task, move, random.Random(0))
-    tags = set(rewrite_errors(task, rewrite))
-    if move == "drop_tail":  # half a query may or may not keep three meaningful words
-        tags.discard(UNDERSPECIFIED)
-    assert tags == expected, (task.query, rewrite)
-
-
-def test_sme_grades_follow_severity() -> None:
-    assert sme_grade(()) == 5
-    assert sme_grade((UNDERSPECIFIED,)) == 3
-    assert sme_grade((MISSED_INTENT, MISSING_KEY_ENTITIES, INVENTED_ENTITY)) == 1
-
-
 def test_written_files_load_in_every_component(domain: dm.Domain, tmp_path: pathlib.Path) -> None:
     from calibrl.judge_server.feedback import read_feedback
     from calibrl.retrieval_server.corpus import read_beir_corpus
@@ -225,21 +192,26 @@ def test_written_files_load_in_every_component(domain: dm.Domain, tmp_path: path
     assert qrels[0] == "query-id\tcorpus-id\tscore" and len(qrels) == 1 + len(domain.rewrite_tasks)
 
 
-def test_distilled_rubric_passes_validation_against_the_sme_golden_set(domain: dm.Domain) -> None:
-    """The demo's rubric, distilled from the simulated SMEs, agrees with their held-out
-    grades at the threshold the demo validates with (and the gate means something:
-    the same judge with the criteria's weights scrambled agrees less)."""
+def test_distilled_rubric_is_validated_with_a_threshold_picked_off_the_golden_set(domain: dm.Domain) -> None:
+    """The demo's rubric, distilled from the simulated SMEs, validated as the demo validates it:
+    the pass threshold picked on the non-golden reviews, the gate on the kappa interval. No
+    figure is pinned: the decision must follow the interval, whatever the kappa."""
     from calibrl.judge_server.config import JudgeConfig
-    from calibrl.judge_server.distill import DistillOptions, distill
+    from calibrl.judge_server.distill import DistillOptions, distill, text_key
     from calibrl.judge_server.feedback import parse_record
     from calibrl.judge_server.judge import Judge
-    from calibrl.judge_server.validation import ValidationOptions, agreement
+    from calibrl.judge_server.validation import ValidationOptions, agreement, pick_pass_threshold
 
     records = [parse_record(r.record()) for r in domain.sme_feedback]
     result = distill(records, DistillOptions(rubric_id="demo", criteria_mode="programmatic",
                                              glossary=tuple(domain.glossary_terms())))
     assert {c.scorer for c in result.rubric.criteria} >= {"specificity", "entity_coverage"}
+    assert not {text_key(r) for r in result.train} & {text_key(r) for r in result.golden}
     judge = Judge([result.rubric], JudgeConfig(allow_unvalidated=True, cache_size=0))
+    choice = pick_pass_threshold(result.train, judge.compute(result.rubric, [r.to_item() for r in result.train]))
     scores = judge.compute(result.rubric, [r.to_item() for r in result.golden])
-    record = agreement(result.rubric, judge.model_id, result.golden, scores, ValidationOptions(pass_threshold=0.8))
-    assert record.passed and record.kappa >= 0.6 and record.n_items >= 50
+    record = agreement(result.rubric, judge.model_id, result.golden, scores,
+                       ValidationOptions(gate="lower_bound"), threshold_choice=choice)
+    assert record.n_items >= 50 and record.pass_threshold == choice.threshold
+    assert record.kappa_low <= record.kappa <= record.kappa_high
+    assert record.passed == (record.kappa_low >= record.min_kappa) and record.kappa_text() in record.reason

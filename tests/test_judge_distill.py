@@ -156,3 +156,18 @@ def test_distill_cli_is_byte_for_byte_deterministic(tmp_path):
     done = _run_distill(bad, tmp_path / "x.yaml", tmp_path / "y.jsonl", 0)
     assert done.returncode == 2 and f"{bad}:1: grade: must be an integer 1..5" in done.stderr
     assert not (tmp_path / "x.yaml").exists()
+
+
+def test_reviews_of_one_text_land_on_one_side_of_the_golden_split():
+    """Two reviews of the same (query, output) text, graded apart, are both golden or both
+    trained on: a golden text never reaches training."""
+    import dataclasses
+
+    from calibrl.judge_server.distill import text_key
+
+    records = synthetic_feedback(200, seed=3)
+    again = [dataclasses.replace(r, id=f"again-{n}", grade=6 - (r.grade or 3), output=f"  {r.output.upper()} ",
+                                 notes="another expert") for n, r in enumerate(records)]
+    train, golden = split_golden(records + again, 0.3)
+    assert {text_key(r) for r in train}.isdisjoint({text_key(r) for r in golden})
+    assert len(golden) == 2 * len(split_golden(records, 0.3)[1])  # each golden text's second review joined it

@@ -12,6 +12,7 @@ from calibrl.v1 import judge_pb2 as pb
 from calibrl.v1 import judge_pb2_grpc
 from calibrl.judge_server import cli, validation, wire
 from calibrl.judge_server.config import JudgeServerConfig
+from calibrl.judge_server.distill import text_key
 from calibrl.judge_server.feedback import FeedbackRecord, parse_field_map, read_feedback, write_feedback
 from calibrl.judge_server.rubric import load_rubric
 from calibrl.judge_server.server import start
@@ -62,12 +63,12 @@ def test_a_failed_gate_says_the_kappa_the_gate_the_threshold_and_what_to_look_at
     scores = [_score(0.55)] * 8 + [_score(0.2)] * 4  # the judge ranks well but never reaches 0.6
     record = agreement(rubric, "m", golden, scores, ValidationOptions(pass_threshold=0.6))
     assert not record.passed and record.pass_threshold_source == "given"
-    for needed in ("kappa 0.000 < min_kappa 0.6", "pass_threshold 0.6", "Experts passed 67%", "the judge 0%",
+    for needed in ("kappa 0.000 [0.00, 0.00] < min_kappa 0.6", "pass_threshold 0.6", "Experts passed 67%", "the judge 0%",
                    "too strict", "--pass-threshold auto"):
         assert needed in record.reason, (needed, record.reason)
     # The same judge at a threshold below its pass scores agrees perfectly, and says so.
     record = agreement(rubric, "m", golden, scores, ValidationOptions(pass_threshold=0.5))
-    assert record.passed and "kappa 1.000 >= min_kappa 0.6" in record.reason and "pass_threshold 0.5" in record.reason
+    assert record.passed and "kappa 1.000 [1.00, 1.00] >= min_kappa 0.6" in record.reason and "pass_threshold 0.5" in record.reason
 
 
 def test_field_map_reads_another_teams_names():
@@ -123,6 +124,11 @@ def test_validate_auto_threshold_is_picked_off_the_golden_set_and_recorded(works
     base = ["--rubric", str(rubric), "--golden", str(golden), "--judge", "programmatic"]
     code, out = _run(cli.validate, [*base, "--pass-threshold", "0.999", "--no-record"])
     assert code == 1 and "gate FAILED" in out and "pass_threshold 0.999" in out and "too strict" in out
+    code, out = _run(cli.validate, [*base, "--gate", "lower-bound", "--no-record"])
+    summary = json.loads(out[out.index("{"):out.rindex("}") + 1])
+    low, high = summary["kappa_95_interval"]
+    assert summary["gate"] == "lower_bound" and low <= summary["kappa"] <= high
+    assert code == (0 if low >= summary["min_kappa"] else 1) and f"[{low:.2f}, {high:.2f}]" in out
 
     assert cli.validate([*base, "--pass-threshold", "auto"]) == 2
     assert "--pass-threshold auto needs --feedback" in capsys.readouterr().err
@@ -141,6 +147,7 @@ def test_validate_auto_threshold_is_picked_off_the_golden_set_and_recorded(works
     all_records = read_feedback(workspace / "documented.jsonl")
     assert len(seen) == len(all_records) - len(golden_records) > 0
     assert not {r.record_hash for r in seen} & {r.record_hash for r in golden_records}  # never the golden set
+    assert not {text_key(r) for r in seen} & {text_key(r) for r in golden_records}  # nor a golden text
     [record] = read_records(str(rubric) + ".validation.json")
     selection = record.metrics["threshold_selection"]
     assert record.pass_threshold_source == "auto" and record.pass_threshold == selection["threshold"]
@@ -204,3 +211,52 @@ def test_the_readme_field_map_line_reads_another_teams_feedback(tmp_path, monkey
     assert calibrl_main(same) == 0
     assert pathlib.Path("rubrics/funds.yaml").read_bytes() == pathlib.Path("same.yaml").read_bytes()
     assert pathlib.Path("golden.jsonl").read_bytes() == pathlib.Path("same-golden.jsonl").read_bytes()
+
+
+def test_auto_threshold_leaves_out_every_review_of_a_golden_text(workspace, monkeypatch):
+    """A second review of a golden (query, output) text (another id, another grade) is golden
+    too: it never decides the threshold."""
+    import dataclasses
+
+    from calibrl.config import load_config
+    from calibrl.judge_server.config import JudgeConfig
+
+    golden = read_feedback(workspace / "golden.jsonl")
+    feedback = read_feedback(workspace / "documented.jsonl")
+    regraded = [dataclasses.replace(r, id=f"again-{n}", grade=6 - (r.grade or 3), notes="a second reviewer")
+                for n, r in enumerate(golden)]
+    seen = []
+    real_pick = validation.pick_pass_threshold
+
+    def spy(records, scores, pass_grade=4, prefer=0.6):
+        seen.extend(records)
+        return real_pick(records, scores, pass_grade, prefer)
+
+    monkeypatch.setattr(validation, "pick_pass_threshold", spy)
+    config = load_config(JudgeConfig, None, ["backend=programmatic", "allow_unvalidated=true", "cache_size=0"])
+    validation.validate_judge(load_rubric(workspace / "rubrics" / "funds.yaml"), golden, config, ValidationOptions(),
+                              calibration=feedback + regraded)
+    assert seen and not {text_key(r) for r in seen} & {text_key(r) for r in golden}
+    assert len(seen) == len(feedback) - len(golden)
+
+
+def test_every_kappa_carries_its_interval_and_the_gate_can_decide_on_its_lower_bound():
+    from calibrl.judge_server.rubric import parse_rubric
+
+    rubric = parse_rubric("id: r\nversion: '1'\ncriteria:\n  - name: entities\n    kind: programmatic\n"
+                          "    scorer: entity_coverage\n    weight: 1.0\n", "r.yaml")
+    # 12 items, the judge agrees on 11: kappa 0.833, but 12 items cannot pin it down.
+    golden = [_record(g, n) for n, g in enumerate([5, 5, 5, 5, 5, 5, 1, 1, 1, 1, 1, 1])]
+    scores = [_score(t) for t in [0.9] * 5 + [0.1] + [0.1] * 6]
+    estimate = agreement(rubric, "m", golden, scores, ValidationOptions(pass_threshold=0.5))
+    lower = agreement(rubric, "m", golden, scores, ValidationOptions(pass_threshold=0.5, gate="lower_bound"))
+    for record in (estimate, lower):
+        assert record.kappa == pytest.approx(5 / 6)
+        assert record.kappa_low < 0.6 < record.kappa <= record.kappa_high
+        assert record.kappa_text() in record.reason  # the decision line states the interval
+        assert record.metrics["pass_fail"]["kappa_low"] == record.kappa_low
+    assert estimate.passed and estimate.gate == "estimate"
+    # The gate follows the interval: its low end is below min_kappa, so the lower-bound gate fails.
+    assert not lower.passed and lower.gate == "lower_bound" and "reaches below min_kappa 0.6" in lower.reason
+    with pytest.raises(ConfigError, match="gate="):
+        ValidationOptions(gate="median").validate()

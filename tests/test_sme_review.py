@@ -101,11 +101,13 @@ def test_pairwise_agreement_matches_cohen_kappa(tmp_path):
     expected = metrics.cohen_kappa(["pass" if g >= 4 else "fail" for g in alice[:7]],
                                    ["pass" if g >= 4 else "fail" for g in bob[:7]], ["pass", "fail"])
     assert ab.n_common == 7 and ab.kappa == pytest.approx(expected)
+    assert -1.0 <= ab.kappa_low <= ab.kappa <= ab.kappa_high <= 1.0  # its bootstrap interval
     assert ab.grade_kappa == pytest.approx(metrics.quadratic_weighted_kappa(alice[:7], bob[:7]))
     assert [d.item_id for d in ab.disagreements] == [items[3].id, items[6].id]  # pass/fail differ
     assert ab.disagreements[0].first == "fail, grade 1" and ab.disagreements[0].second == "pass, grade 4"
     # One common item, both "pass": chance agreement is 1, so kappa is undefined (None), not a number.
     assert pairs[("alice", "carol")].n_common == 1 and pairs[("alice", "carol")].kappa is None
+    assert pairs[("alice", "carol")].kappa_low is None
     assert pairs[("alice", "carol")].disagreements == []
     assert set(pairs) == {("alice", "bob"), ("alice", "carol"), ("bob", "carol")}
 

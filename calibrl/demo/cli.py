@@ -73,7 +73,11 @@ CONCURRENT_PAIR = ("dense", "grpo")
 OTHER_RUNS = ("calibadv", "binary", "binary_ds")
 MARKER = ".calibrl-demo"  # marks a folder as a demo run's output, which a later run may replace
 RETRIEVAL_MODE = "bm25"
-PASS_THRESHOLD = 0.8  # the judge passes a golden item when its rubric total is at least this
+# The judge passes a golden item when its rubric total reaches a threshold picked on the NON-golden
+# reviews (best kappa, calibrl.judge_server.validation.pick_pass_threshold); the gate passes when the
+# whole 95% bootstrap interval of the golden kappa is at least min_kappa (docs/concepts/simulated-experts.md).
+PASS_THRESHOLD = "auto"
+GATE = "lower_bound"
 
 
 @dataclass(frozen=True)
@@ -193,6 +197,9 @@ def run_demo(settings: DemoSettings, out: pathlib.Path, *, seed: int = DEFAULT_S
                   f"{len(domain.tasks('heldout'))} held-out rewrite tasks, {len(domain.multistep('train'))} train / "
                   f"{len(domain.multistep('heldout'))} held-out two-search questions, "
                   f"{len(domain.sme_feedback)} SME reviews -> {files.root}")
+            from calibrl.demo.experts import agreement_line, panel_agreement
+
+            print(f"    {agreement_line(panel_agreement(domain.sme_panel))}")
 
         # 4, started now: `calibrl index build` runs as a process beside stages 2-3b (one torch
         # thread each, so the two use both cores; a separate process shares no state), joined at stage 4
@@ -219,9 +226,8 @@ def run_demo(settings: DemoSettings, out: pathlib.Path, *, seed: int = DEFAULT_S
 
         # 3 ---------------------------------------------------------------- validate
         with stages.stage("calibrl rubric validate: programmatic judge vs the SME golden set"):
-            validation = validate_rubric(rubric, golden_records, rubric_path)
-            print(f"    gate {'PASSED' if validation.passed else 'FAILED'}: Cohen's kappa {validation.kappa:.3f} "
-                  f"on {validation.n_items} golden items (judge pass = total >= {PASS_THRESHOLD})")
+            validation = validate_rubric(rubric, golden_records, rubric_path, files.sme_feedback)
+            print(f"    gate {'PASSED' if validation.passed else 'FAILED'}: {validation.reason}")
             allow_unvalidated = not validation.passed
             if allow_unvalidated:
                 notes.append("The rubric FAILED its validation gate in this run; the judge was started with "
@@ -294,8 +300,9 @@ def run_demo(settings: DemoSettings, out: pathlib.Path, *, seed: int = DEFAULT_S
         report.command = command
         report.machine = machine
         report.notes = notes + report.notes
-        report.settings = {**report.settings, f"validation kappa (judge pass = total >= {PASS_THRESHOLD})":
-                           f"{validation.kappa:.3f} on {validation.n_items} items"}
+        report.settings = {**report.settings,
+                           f"validation kappa (judge pass = total >= {validation.pass_threshold:g}, picked on the "
+                           f"non-golden reviews)": f"{validation.kappa_text()} on {validation.n_items} items"}
     finally:
         for service in services:
             service.stop()
@@ -346,22 +353,17 @@ def distill_rubric(feedback: pathlib.Path, glossary: Sequence[str], rubric_path:
     return result.rubric, list(result.golden)
 
 
-def validate_rubric(rubric: Any, golden: Sequence[Any], rubric_path: pathlib.Path) -> Any:
-    """Stage 3: the programmatic judge against the golden set; the validation record is
-    written beside the rubric (the judge server reads it) and returned."""
+def validate_rubric(rubric: Any, golden: Sequence[Any], rubric_path: pathlib.Path, feedback: pathlib.Path) -> Any:
+    """Stage 3: the programmatic judge against the golden set (pass threshold picked on the
+    non-golden reviews of ``feedback``); the validation record is written beside the rubric
+    (the judge server reads it) and returned."""
     from calibrl.config import load_config
     from calibrl.judge_server.config import JudgeConfig
-    from calibrl.judge_server.validation import (
-        ValidationOptions,
-        find_record,
-        read_records,
-        validate_judge,
-        validation_path,
-        write_record,
-    )
+    from calibrl.demo.judge_model import validation_options
+    from calibrl.judge_server.validation import find_record, read_records, validate_judge, validation_path, write_record
 
     config = load_config(JudgeConfig, None, ["backend=programmatic", "allow_unvalidated=true", "cache_size=0"])
-    record = validate_judge(rubric, golden, config, ValidationOptions(pass_threshold=PASS_THRESHOLD))
+    record = validate_judge(rubric, golden, config, *validation_options(PASS_THRESHOLD, GATE, feedback))
     path = validation_path(rubric_path)
     write_record(path, record)
     stored = find_record(read_records(path), record.rubric_hash, record.model_id)
@@ -404,7 +406,7 @@ def build_llm_judge(settings: DemoSettings, domain: Any, feedback: pathlib.Path,
     judge = build_and_validate_judge(
         domain, feedback, rubric, rubric_path, golden, golden_path, out / "judge_model",
         JudgeModelSettings(warm_steps=settings.judge_warm_steps, epochs=settings.judge_epochs),
-        pass_threshold=PASS_THRESHOLD, seed=seed, progress=progress)
+        pass_threshold=PASS_THRESHOLD, gate=GATE, seed=seed, progress=progress)
     first, last = judge.warm_losses
     print(f"    judge model {judge.model_id}: warm-start loss {first:.2f} -> {last:.2f}; "
           f"trained on {len(judge.training.train)} reviews (golden {len(judge.training.held_out)} never); "
@@ -413,9 +415,7 @@ def build_llm_judge(settings: DemoSettings, domain: Any, feedback: pathlib.Path,
         f"{name} {figures['final'].get('agreement', math.nan):.2f}"
         for name, figures in judge.training.record["criteria"].items()))
     v = judge.validation
-    kappa = v.kappa if v.kappa is not None else math.nan
-    print(f"    gate {'PASSED' if v.passed else 'FAILED'}: Cohen's kappa {kappa:.3f} "
-          f"on {v.n_items} golden items (judge pass = total >= {PASS_THRESHOLD})")
+    print(f"    gate {'PASSED' if v.passed else 'FAILED'}: {v.reason}")
     return judge
 
 
@@ -442,7 +442,10 @@ def _add_judge_sections(report: Any, validations: dict[str, Any], judge_model: A
     step_callers = [r.name for r in report.search_runs if any("steps/reward/mean" in s for s in r.steps)]
     if step_callers:
         callers[STEP_RUBRIC_ID] = step_callers
-    lines = jr.validation_section(validations, min(v.min_kappa for v in validations.values()))
+    from calibrl.demo.experts import panel_agreement, read_panel
+
+    panel = panel_agreement(read_panel(out / "data" / "sme_panel.jsonl"))
+    lines = jr.validation_section(validations, min(v.min_kappa for v in validations.values()), panel)
     scored_by = [f"{runs[n].label}: no judge (retrieval only)" for n in ("binary", "binary_ds") if n in runs]
     if "dense" in runs:
         scored_by.append(f"{runs['dense'].label}: rubric {dense_rubric}, {served.get(dense_rubric, '?')}")

@@ -14,9 +14,10 @@ from one seed, with no download:
   fund -> its manager -> a fact of that manager) in the Search-R1 format, over these
   entities and the search-only ones of :mod:`calibrl.demo.search_domain` (its own
   random stream, so the rewriter half below stays as it is whatever it draws);
-- a simulated SME feedback sample (grades 1-5 and error tags from the SMEs' style
-  guide, :func:`rewrite_errors`) on rewrites of training queries, from which the
-  judge distils its rubric;
+- a simulated SME feedback sample (grades 1-5 and error tags) on rewrites of training
+  queries, from which the judge distils its rubric: a panel of simulated experts
+  (:mod:`calibrl.demo.experts`) grades each rewrite from its hidden quality, the
+  catalogue search they run and their own habits, never from rules a judge uses;
 - the glossary of key entities (names, tickers, nicknames) and topic terms.
 
 Design, so that the effect of the reward can show with a tiny model in minutes:
@@ -39,7 +40,7 @@ import pathlib
 import random
 import re
 from dataclasses import dataclass, field
-from typing import Iterable
+from typing import Any, Iterable
 
 # Error tags of the SME taxonomy (docs/design.md, "Rewards": missed intent, missing key entities,
 # under-specification, plus the critical penalty for invented entities), spelled as
@@ -49,10 +50,6 @@ MISSING_KEY_ENTITIES = "missing_entity"
 UNDERSPECIFIED = "underspecified"
 INVENTED_ENTITY = "invented_entity"
 ERROR_TAGS = (MISSED_INTENT, MISSING_KEY_ENTITIES, UNDERSPECIFIED, INVENTED_ENTITY)
-
-# Grade cost of each error for the simulated SME (a grade starts at 5).
-SME_SEVERITY = {MISSED_INTENT: 2.0, MISSING_KEY_ENTITIES: 2.0, UNDERSPECIFIED: 2.0, INVENTED_ENTITY: 3.0}
-PASS_GRADE = 4
 
 FAILURE_MODES = ("none", MISSING_KEY_ENTITIES, MISSED_INTENT, UNDERSPECIFIED)
 DOMAIN_NAME = "lumen-harbor-investments"
@@ -372,6 +369,9 @@ class Domain:
     aspects: list[Aspect] = field(default_factory=list)
     search_entities: list[Entity] = field(default_factory=list)  # funds, plans, managers of the search half only
     search_passages: list[Passage] = field(default_factory=list)  # their passages (also in ``passages``, at the end)
+    # The simulated SME panel's reviews behind ``sme_feedback`` (calibrl.demo.experts.PanelReview): every
+    # expert's grade and the rewrite's hidden quality. No judge reads them.
+    sme_panel: list[Any] = field(default_factory=list)
 
     def rewriter_passages(self) -> list[Passage]:
         """The passages of the rewriter half (its products and topics, the guides): what the
@@ -570,7 +570,7 @@ def generate_domain(seed: int = 0, heldout_fraction: float = 0.25) -> Domain:
             ))
 
     rng.shuffle(list(range(_LEGACY_SPLIT_DRAW)))
-    sme = _sme_feedback([t for t in rewrite_tasks if t.split == "train"], rng)
+    sme, panel = _sme_feedback([t for t in rewrite_tasks if t.split == "train"], list(passages), rng)
     search = search_half(seed, facts, default_funds, fund_managers)
     return Domain(
         seed=seed,
@@ -579,6 +579,7 @@ def generate_domain(seed: int = 0, heldout_fraction: float = 0.25) -> Domain:
         rewrite_tasks=rewrite_tasks,
         multistep_tasks=search.tasks,
         sme_feedback=sme,
+        sme_panel=panel,
         entities=[*FUNDS, *ACCOUNTS, *MANAGERS],
         aspects=[*FUND_ASPECTS, *ACCOUNT_ASPECTS, *MANAGER_ASPECTS],
         search_entities=search.entities,
@@ -671,86 +672,31 @@ _ENTITY_BY_KEY = {e.key: e for e in (*FUNDS, *ACCOUNTS, *MANAGERS)}
 _ASPECT_BY_KEY = {a.key: a for a in (*FUND_ASPECTS, *ACCOUNT_ASPECTS, *MANAGER_ASPECTS)}
 
 
-# The simulated SMEs' style guide for a search-query rewrite.
-FILLER_WORDS = frozenset({"thing", "things", "stuff", "info", "details", "detail", "something", "whatever"})
-_FUNCTION_WORDS = frozenset(
-    """a an the of for to in on at by with and or is are be what how much does do did i me my that this it any
-    can which who when where why if so from into up out about""".split()
-)
+ENTITY_BY_KEY = _ENTITY_BY_KEY  # public names for calibrl.demo.experts
+ASPECT_BY_KEY = _ASPECT_BY_KEY
 
 
-def _words(text: str) -> list[str]:
-    return re.findall(r"[a-z0-9]+(?:[-'][a-z0-9]+)*", text.lower())
+def _sme_feedback(train_tasks: list[RewriteTask], passages: list[Passage], rng: random.Random,
+                  count: int = 300) -> tuple[list[SMEFeedback], list[Any]]:
+    """Reviews of rewrites of training queries by the simulated SME panel
+    (:mod:`calibrl.demo.experts`): each review carries the grade and error tags of the
+    expert it was assigned to; the panel's reviews (every expert's grade, the rewrite's
+    hidden quality) come second."""
+    from calibrl.demo.experts import review_sample
 
-
-def meaningful_words(text: str) -> list[str]:
-    """Words of ``text`` that are neither function words nor filler."""
-    return [w for w in _words(text) if w not in _FUNCTION_WORDS and w not in FILLER_WORDS]
-
-
-def _names(entity: Entity) -> list[str]:
-    return [entity.name.lower(), *([entity.ticker.lower()] if entity.ticker else [])]
-
-
-def rewrite_errors(task: RewriteTask, rewrite: str) -> tuple[str, ...]:
-    """The error tags the simulated SMEs give ``rewrite`` of ``task`` (their style guide).
-
-    - missing_entity: drops a product name, ticker or catalogue term the user gave;
-    - missed_intent: asks about another product or another topic than the user did;
-    - underspecified: fewer than three meaningful words, or fewer than four and filler
-      words (thing, stuff, info, ...): too vague to single out one passage;
-    - invented_entity: names a product or ticker that does not exist.
-    The SMEs know the catalogue, so they know which product a nickname means.
-    """
-    entity = _ENTITY_BY_KEY[task.entity_key]
-    aspect = _ASPECT_BY_KEY[task.aspect_key]
-    query, text = task.query.lower(), rewrite.lower()
-    words = set(_words(rewrite))
-    tags = []
-    given = [n for n in _names(entity) if n in query] + [t for t in aspect.glossary if t in query]
-    if any(term not in text for term in given):
-        tags.append(MISSING_KEY_ENTITIES)
-    others = [e for e in (*FUNDS, *ACCOUNTS) if e.key != entity.key and e.name.lower() in text]
-    other_topics = [a for a in (*FUND_ASPECTS, *ACCOUNT_ASPECTS)
-                    if a.key != aspect.key and any(t in text and t not in query for t in a.glossary)]
-    if others or other_topics:
-        tags.append(MISSED_INTENT)
-    meaningful = len(meaningful_words(rewrite))
-    if meaningful < 3 or (words & FILLER_WORDS and meaningful < 4):
-        tags.append(UNDERSPECIFIED)
-    tickers = {e.ticker for e in FUNDS}
-    if any(t not in tickers for t in re.findall(r"\b[A-Z]{4}X\b", rewrite)):
-        tags.append(INVENTED_ENTITY)
-    return tuple(tags)
-
-
-def sme_grade(tags: Iterable[str]) -> int:
-    """Grade 1-5: 5 minus the severity of each error, floored at 1."""
-    return max(1, int(round(5 - sum(SME_SEVERITY[t] for t in tags))))
-
-
-def _sme_feedback(train_tasks: list[RewriteTask], rng: random.Random, count: int = 300) -> list[SMEFeedback]:
-    """Reviews of plausible rewrites of training queries, graded by the SME style guide
-    with a little disagreement (about 1 review in 12 is off by one grade), as real SMEs are."""
-    sample = [rng.choice(train_tasks) for _ in range(count)]
-    records = []
-    for i, task in enumerate(sample):
-        rewrite = candidate_rewrite(task, rng.choices(_CANDIDATE_MOVES, _CANDIDATE_WEIGHTS)[0], rng)
-        tags = rewrite_errors(task, rewrite)
-        grade = sme_grade(tags)
-        if rng.random() < 1 / 12:
-            grade = min(5, max(1, grade + rng.choice((-1, 1))))
-        records.append(SMEFeedback(
-            feedback_id=f"sme-{i:04d}",
-            query=task.query,
-            rewrite=rewrite,
-            grade=grade,
-            error_tags=tags,
-            comment=_comment(tags),
-            key_entities=task.key_entities,
-            intent=task.intent,
-        ))
-    return records
+    panel = review_sample(train_tasks, passages, rng, count)
+    by_id = {t.task_id: t for t in train_tasks}
+    records = [SMEFeedback(
+        feedback_id=r.feedback_id,
+        query=r.query,
+        rewrite=r.rewrite,
+        grade=r.grades[r.assigned],
+        error_tags=r.tags[r.assigned],
+        comment=_comment(r.tags[r.assigned]),
+        key_entities=by_id[r.task_id].key_entities,
+        intent=by_id[r.task_id].intent,
+    ) for r in panel]
+    return records, panel
 
 
 # Rewrites the SMEs reviewed: what base rewriters produce, from verbatim copies to expert rewrites.
@@ -837,6 +783,7 @@ class DomainFiles:
     multistep_heldout: pathlib.Path
     sme_feedback: pathlib.Path
     glossary: pathlib.Path
+    sme_panel: pathlib.Path  # every expert's grade and each rewrite's hidden quality (no judge reads it)
 
 
 def write_domain(domain: Domain, root: str | pathlib.Path) -> DomainFiles:
@@ -854,6 +801,7 @@ def write_domain(domain: Domain, root: str | pathlib.Path) -> DomainFiles:
         multistep_heldout=root / "multistep_heldout.jsonl",
         sme_feedback=root / "sme_feedback.jsonl",
         glossary=root / "glossary.json",
+        sme_panel=root / "sme_panel.jsonl",
     )
     _write_jsonl(files.corpus, ({"_id": p.doc_id, "title": p.title, "text": p.text} for p in domain.passages))
     _write_jsonl(files.queries, ({"_id": t.task_id, "text": t.query} for t in domain.rewrite_tasks))
@@ -867,6 +815,7 @@ def write_domain(domain: Domain, root: str | pathlib.Path) -> DomainFiles:
     _write_jsonl(files.multistep_train, (t.record() for t in domain.multistep("train")))
     _write_jsonl(files.multistep_heldout, (t.record() for t in domain.multistep("heldout")))
     _write_jsonl(files.sme_feedback, (r.record() for r in domain.sme_feedback))
+    _write_jsonl(files.sme_panel, (r.record() for r in domain.sme_panel))
     files.glossary.write_text(json.dumps(domain.glossary(), indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
     return files
 
@@ -879,6 +828,6 @@ def _write_jsonl(path: pathlib.Path, records: Iterable[dict]) -> None:
 
 __all__ = [
     "Aspect", "Domain", "DomainFiles", "Entity", "ERROR_TAGS", "FAILURE_MODES", "MultiStepTask", "Passage",
-    "RewriteTask", "SMEFeedback", "SearchStep", "answer_of", "generate_domain", "passage_text", "rewrite_errors",
-    "sme_grade", "value_choices", "write_domain",
+    "RewriteTask", "SMEFeedback", "SearchStep", "answer_of", "generate_domain", "passage_text",
+    "value_choices", "write_domain",
 ]

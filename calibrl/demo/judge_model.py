@@ -10,14 +10,18 @@ No pretrained LLM can be downloaded, so the demo builds its judge the way
    trained on the domain's passages and queries and on the judge's prompts, with the
    fixed text of those prompts (instructions, field labels, each criterion's question)
    added as single tokens, as the policies' prompt templates are.
-3. **Warm start**: language modelling on the domain text (passages, user queries, SME
-   rewrites): the model knows the catalogue's words before it learns to judge them.
+3. **Warm start**: language modelling on the domain text (the rewriter half's passages,
+   the user queries of its training tasks, the training part of the SME reviews): the model
+   knows the catalogue's words before it learns to judge them. Nothing golden is read: no
+   golden (query, rewrite) pair, no review of a golden text, no golden rewrite
+   (:func:`domain_text_examples`).
 4. **Fine-tuning**: :func:`calibrl.judge_server.train_judge.train_judge` (the library
    behind ``calibrl rubric train-judge``) on the training part of the SME feedback,
    never the golden part, with the prompts the transformers backend scores.
 5. **Validation**: :func:`calibrl.judge_server.validation.validate_judge` (the library
-   behind ``calibrl rubric validate --judge transformers:DIR``) on the golden set; the
-   record is written beside the rubric, where ``calibrl serve judge`` reads it.
+   behind ``calibrl rubric validate --judge transformers:DIR``) on the golden set, the pass
+   threshold given or picked (``"auto"``) on the non-golden reviews; the record is written
+   beside the rubric, where ``calibrl serve judge`` reads it.
 
 Judge prompts show no retrieved passages (``max_docs=0``, at training, validation and
 serving alike): every criterion compares the rewrite with the query, the SME records
@@ -106,21 +110,32 @@ def judge_prompt_constants(rubric: Any) -> list[str]:
     return sorted(pieces, key=lambda p: (-len(p), p))
 
 
-def domain_text_examples(domain: Domain) -> list[Example]:
-    """Warm-start texts: the rewriter half's passages, user queries and the SME-reviewed rewrites
-    (all trained on); the search-only passages say nothing about rewrites."""
+def domain_text_examples(domain: Domain, golden: Sequence[Any]) -> list[Example]:
+    """Warm-start texts: the rewriter half's passages, the user queries of its training tasks and
+    the SME-reviewed rewrites that are not golden (all trained on); the search-only passages say
+    nothing about rewrites. ``golden`` (feedback records): a review with a golden item's (query,
+    rewrite) text is left out whatever its id or grade, and so is any text equal to a golden rewrite."""
+    from calibrl.judge_server.distill import text_key
+    from calibrl.judge_server.feedback import FeedbackRecord
+
+    golden_keys = {text_key(r) for r in golden}
+    golden_rewrites = {" ".join(r.output.lower().split()) for r in golden}
+    reviews = [r for r in domain.sme_feedback
+               if text_key(FeedbackRecord(query=r.query, output=r.rewrite)) not in golden_keys]
     texts = [f"{p.title} {p.text}" for p in domain.rewriter_passages()]
-    texts += [t.query for t in domain.rewrite_tasks]
-    texts += [f"User query: {r.query}\nAgent output: {r.rewrite}" for r in domain.sme_feedback]
+    texts += [t.query for t in domain.tasks("train")]
+    texts += [f"User query: {r.query}\nAgent output: {r.rewrite}" for r in reviews]
+    texts = [t for t in texts if " ".join(t.lower().split()) not in golden_rewrites]
     return [Example(((text, True),), "text") for text in texts]
 
 
 def build_judge_base(domain: Domain, rubric: Any, out: pathlib.Path, settings: JudgeModelSettings, *, seed: int,
-                     progress: bool) -> tuple[pathlib.Path, Any]:
-    """Tokenizer + warm-started model, saved as a Hugging Face folder ``out``."""
+                     progress: bool, golden: Sequence[Any]) -> tuple[pathlib.Path, Any]:
+    """Tokenizer + warm-started model, saved as a Hugging Face folder ``out``; neither reads a
+    ``golden`` text (:func:`domain_text_examples`)."""
     from calibrl.judge_server import prompts
 
-    examples = domain_text_examples(domain)
+    examples = domain_text_examples(domain, golden)
     answers = [" yes", " no", " 1", " 2", " 3", " 4", " 5"]
     corpus = ["".join(text for text, _ in e.pieces) for e in examples]
     corpus += [f"Answer:{a}" for a in answers] * 20  # the answer words become tokens of their own
@@ -138,17 +153,20 @@ def build_judge_base(domain: Domain, rubric: Any, out: pathlib.Path, settings: J
 
 def build_and_validate_judge(domain: Domain, feedback: pathlib.Path, rubric: Any, rubric_path: pathlib.Path,
                              golden: Sequence[Any], golden_path: pathlib.Path, out: pathlib.Path,
-                             settings: JudgeModelSettings = JudgeModelSettings(), *, pass_threshold: float,
-                             seed: int = 0, progress: bool = True) -> JudgeModel:
+                             settings: JudgeModelSettings = JudgeModelSettings(), *, pass_threshold: float | str,
+                             gate: str = "estimate", seed: int = 0, progress: bool = True) -> JudgeModel:
     """Build, fine-tune and validate the LLM judge (module doc); the validation record is
     written beside ``rubric_path``. ``golden`` is the golden set the programmatic judge was
-    validated on; it is also excluded from training by name (``golden_path``)."""
+    validated on; it is also excluded from training by name (``golden_path``) and from the
+    warm start. ``pass_threshold``: a number, or ``"auto"`` to pick it on the reviews of
+    ``feedback`` that are not golden; ``gate``: what must reach min_kappa (ValidationOptions.gate)."""
     from calibrl.judge_server.train_judge import TrainJudgeOptions, train_judge
-    from calibrl.judge_server.validation import ValidationOptions, validate_judge, validation_path, write_record
+    from calibrl.judge_server.validation import validate_judge, validation_path, write_record
 
     seconds: dict[str, float] = {}
     started = time.perf_counter()
-    base, warm = build_judge_base(domain, rubric, out / "judge_base", settings, seed=seed, progress=progress)
+    base, warm = build_judge_base(domain, rubric, out / "judge_base", settings, seed=seed, progress=progress,
+                                  golden=golden)
     seconds["warm start"] = time.perf_counter() - started
 
     started = time.perf_counter()
@@ -165,15 +183,26 @@ def build_and_validate_judge(domain: Domain, feedback: pathlib.Path, rubric: Any
     started = time.perf_counter()
     spec = f"transformers:{out / 'judge'}"
     config = judge_config(spec, allow_unvalidated=True, cache_size=0)
-    record = validate_judge(rubric, golden, config, ValidationOptions(pass_threshold=pass_threshold))
+    record = validate_judge(rubric, golden, config, *validation_options(pass_threshold, gate, feedback))
     write_record(validation_path(rubric_path), record)
     seconds["validation"] = time.perf_counter() - started
     return JudgeModel(out / "judge", spec, record.model_id, training, record,
                       (warm.losses[0], warm.losses[-1]), seconds)
 
 
+def validation_options(pass_threshold: float | str, gate: str, feedback: pathlib.Path) -> tuple[Any, Any]:
+    """(ValidationOptions, calibration records) of a validation: ``"auto"`` calibrates the pass
+    threshold on the reviews of ``feedback`` (validate_judge leaves the golden ones out)."""
+    from calibrl.judge_server.feedback import read_feedback
+    from calibrl.judge_server.validation import ValidationOptions
+
+    if pass_threshold == "auto":
+        return ValidationOptions(gate=gate), read_feedback(feedback)
+    return ValidationOptions(pass_threshold=float(pass_threshold), gate=gate), None
+
+
 __all__ = [
     "JUDGE_MAX_DOCS", "JudgeModel", "JudgeModelSettings", "LLM_RUBRIC_ID", "build_and_validate_judge",
     "build_judge_base", "distill_llm_rubric", "domain_text_examples", "judge_config", "judge_prompt_constants",
-    "serve_overrides",
+    "serve_overrides", "validation_options",
 ]

@@ -32,25 +32,57 @@ def validation_rows(records: Mapping[str, Any]) -> list[dict[str, Any]]:
         grades = record.metrics.get("grades", {})
         rows.append({"judge": label, "rubric": record.rubric_id, "model_id": record.model_id,
                      "passed": record.passed, "kappa": record.kappa,
+                     "kappa_low": getattr(record, "kappa_low", None), "kappa_high": getattr(record, "kappa_high", None),
+                     "gate": getattr(record, "gate", "estimate"), "min_kappa": record.min_kappa,
+                     "reason": record.reason,
                      "quadratic_weighted_kappa": grades.get("quadratic_weighted_kappa"),
                      "n_items": record.n_items, "pass_threshold": record.pass_threshold,
+                     "pass_threshold_source": record.pass_threshold_source,
                      "criteria": {name: {k: c.get(k) for k in ("tags", "precision", "recall", "support")}
                                   for name, c in record.metrics.get("criteria", {}).items()}})
     return rows
 
 
-def validation_section(records: Mapping[str, Any], min_kappa: float) -> list[str]:
-    """Markdown: the overall agreement of each judge and its per-criterion precision and recall."""
-    lines = ["## Two judges on the SME golden set", "",
-             f"Both judges were validated on the same golden hold-out (never trained on); the gate is Cohen's "
-             f"kappa >= {min_kappa:g} on pass/fail.", "",
-             "| judge | rubric | model id | golden items | Cohen's kappa | quadratic-weighted kappa | gate |",
-             "| --- | --- | --- | --- | --- | --- | --- |"]
+def _with_interval(row: Mapping[str, Any]) -> str:
+    if row["kappa_low"] is None or row["kappa_high"] is None:
+        return _fmt(row["kappa"])
+    return f"{_fmt(row['kappa'])} [{row['kappa_low']:.2f}, {row['kappa_high']:.2f}]"
+
+
+def _gate_text(row: Mapping[str, Any]) -> str:
+    verdict = "passed" if row["passed"] else "FAILED"
+    on = "interval's low end" if row["gate"] == "lower_bound" else "estimate"
+    return f"{verdict} ({on} vs {row['min_kappa']:g})"
+
+
+def validation_section(records: Mapping[str, Any], min_kappa: float,
+                       panel: Sequence[Any] = ()) -> list[str]:
+    """Markdown: the overall agreement of each judge (kappa with its 95% bootstrap interval, the
+    pass threshold and where it was picked, the gate's decision), its per-criterion precision
+    and recall, and the experts' own agreement (``panel``: :class:`calibrl.demo.experts.PairKappa`)."""
     rows = validation_rows(records)
+    lower = any(row["gate"] == "lower_bound" for row in rows)
+    gate = (f"the whole 95% bootstrap interval of Cohen's kappa on pass/fail >= {min_kappa:g}" if lower
+            else f"Cohen's kappa on pass/fail >= {min_kappa:g}")
+    lines = ["## Two judges on the SME golden set", "",
+             f"Both judges were validated on the same golden hold-out (never trained on, nor read by a warm start); "
+             f"each judge's pass threshold was picked on the non-golden reviews; the gate is {gate}. Intervals "
+             "resample golden items in clusters of one query (10,000 resamples, seed 0).", "",
+             "| judge | rubric | model id | golden items | pass threshold | Cohen's kappa [95% interval] | "
+             "quadratic-weighted kappa | gate |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
     for row in rows:
+        source = " (auto)" if row["pass_threshold_source"] == "auto" else ""
         lines.append(f"| {row['judge']} | {row['rubric']} | `{row['model_id']}` | {row['n_items']} | "
-                     f"{_fmt(row['kappa'])} | {_fmt(row['quadratic_weighted_kappa'])} | "
-                     f"{'passed' if row['passed'] else 'FAILED'} |")
+                     f"{row['pass_threshold']:.3f}{source} | {_with_interval(row)} | "
+                     f"{_fmt(row['quadratic_weighted_kappa'])} | {_gate_text(row)} |")
+    lines += [""] + [f"- {row['judge']}: gate {'passed' if row['passed'] else 'FAILED'}: {row['reason']}"
+                     for row in rows]
+    if panel:
+        from calibrl.demo.experts import agreement_line
+
+        lines += ["", "What a judge can be expected to reach: the simulated experts' " + agreement_line(panel)[
+            len("experts' "):] + ". Each golden item carries one expert's grade."]
     lines += ["", "Per criterion (a criterion flags an item when its score is below 0.5; the truth is the SME's "
               "error tag):", "", "| judge | criterion | SME tag | tagged items | precision | recall |",
               "| --- | --- | --- | --- | --- | --- |"]

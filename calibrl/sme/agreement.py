@@ -2,8 +2,10 @@
 
 For each pair of reviewers, over the items both answered: Cohen's kappa on
 pass/fail (a record's verdict, else ``grade >= pass_grade``, as distillation reads
-it), quadratic-weighted kappa on the 1-5 grades where both gave one, raw agreement,
-and the items they disagree on (different pass/fail, or grades two or more apart).
+it) with its 95% bootstrap interval (items resampled, 10,000 resamples, seed 0;
+:func:`calibrl.stats.kappa_interval`), quadratic-weighted kappa on the 1-5 grades where
+both gave one, raw agreement, and the items they disagree on (different pass/fail, or
+grades two or more apart).
 """
 
 from __future__ import annotations
@@ -33,6 +35,8 @@ class PairAgreement:
     grade_kappa: float | None  # quadratic-weighted kappa on grades; None where undefined
     n_graded: int  # common items both gave a grade
     disagreements: list[Disagreement] = field(default_factory=list)
+    kappa_low: float | None = None  # the 95% bootstrap interval of ``kappa``; None where undefined
+    kappa_high: float | None = None
 
 
 def _describe(answer: Answer, pass_grade: int) -> str:
@@ -63,9 +67,11 @@ def pairwise(answers: Sequence[Answer], pass_grade: int = 4) -> list[PairAgreeme
             if p != q or (x.record.grade is not None and y.record.grade is not None
                           and abs(x.record.grade - y.record.grade) >= 2)
         ]
+        kappa = metrics.cohen_kappa(pass_a, pass_b, ["pass", "fail"])
+        low, high = _interval(pass_a, pass_b) if kappa is not None else (None, None)
         pairs.append(PairAgreement(
             first=first, second=second, n_common=len(common),
-            kappa=metrics.cohen_kappa(pass_a, pass_b, ["pass", "fail"]),
+            kappa=kappa, kappa_low=low, kappa_high=high,
             agreement=sum(p == q for p, q in zip(pass_a, pass_b)) / len(common),
             grade_kappa=metrics.quadratic_weighted_kappa([g for g, _ in graded], [h for _, h in graded])
             if graded else None,
@@ -73,3 +79,14 @@ def pairwise(answers: Sequence[Answer], pass_grade: int = 4) -> list[PairAgreeme
             disagreements=disagreements,
         ))
     return pairs
+
+
+def _interval(pass_a: Sequence[str], pass_b: Sequence[str]) -> tuple[float | None, float | None]:
+    import math
+
+    from calibrl.stats import kappa_interval
+
+    interval = kappa_interval([a == "pass" for a in pass_a], [b == "pass" for b in pass_b])
+    if not (math.isfinite(interval.low) and math.isfinite(interval.high)):
+        return None, None
+    return interval.low, interval.high
