@@ -297,6 +297,16 @@ class SentenceEmbedder:
         return vectors
 
 
+def check_onnx_installed(field: str) -> None:
+    """ConfigError naming ``field`` when the onnx backend is chosen but onnxruntime or onnx is missing."""
+    import importlib.util
+
+    missing = [name for name in ("onnxruntime", "onnx") if importlib.util.find_spec(name) is None]
+    if missing:
+        raise ConfigError(f"{field}=onnx needs {' and '.join(missing)}: pip install onnxruntime onnx "
+                          f"(or set {field}=torch)")
+
+
 def _check_backend(backend: str, device: str, layout: _Layout | None, label: str) -> None:
     if backend not in ENCODER_BACKENDS:
         raise ConfigError(f"encoder backend={backend!r}: must be one of {list(ENCODER_BACKENDS)}")
@@ -307,11 +317,7 @@ def _check_backend(backend: str, device: str, layout: _Layout | None, label: str
                           "use device=cpu or backend=torch")
     if layout is None:
         raise ConfigError(f"encoder backend=onnx: {label} is not encoder + mean/CLS pooling; use backend=torch")
-    try:
-        import onnxruntime  # noqa: F401
-    except ImportError:
-        raise FailedPrecondition("encoder backend=onnx needs onnxruntime and onnx: pip install onnxruntime onnx "
-                                 "(or choose backend=torch)") from None
+    check_onnx_installed("encoder backend")
 
 
 def _progress(total: int, show: bool):

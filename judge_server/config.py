@@ -69,6 +69,10 @@ class JudgeConfig:
                      "max_request_chars", "vllm_tensor_parallel_size"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"judge.{name}={getattr(self, name)}: must be > 0")
+        if self.embedder == "minilm" and self.embedder_backend == "onnx":
+            from calibrl.embedding import check_onnx_installed
+
+            check_onnx_installed("judge.embedder_backend")
         if self.embedder_cache_size < 0:
             raise ConfigError(f"judge.embedder_cache_size={self.embedder_cache_size}: must be >= 0 (0 disables it)")
         if self.cache_size < 0:

@@ -72,6 +72,10 @@ class RetrievalServerConfig:
             value = getattr(self, name)
             if value < 1:
                 raise ConfigError(f"{name}={value}: must be >= 1")
+        if self.encoder_backend == "onnx":
+            from calibrl.embedding import check_onnx_installed
+
+            check_onnx_installed("encoder_backend")
         if self.embedding_cache_size < 0:
             raise ConfigError(f"embedding_cache_size={self.embedding_cache_size}: must be >= 0 (0 disables it)")
         if self.torch_threads < 0:
