@@ -85,10 +85,9 @@ def bench_dense(args, index: pathlib.Path, queries: list[str]) -> list[str]:
     for threads in args.threads:
         torch.set_num_threads(threads)
         faiss.omp_set_num_threads(threads)
+        # one cache per encoder in a process: off for the cold rounds, then filled for the cached ones
         encoders = {name: SentenceEmbedder(None, "cpu", backend=name, cache_size=0, threads=threads)
                     for name in ("torch", "onnx")}
-        cached = SentenceEmbedder(None, "cpu", backend="onnx", cache_size=len(queries), threads=threads)
-        cached.encode(queries)
 
         def calibrl(embedder):
             def run():
@@ -99,9 +98,16 @@ def bench_dense(args, index: pathlib.Path, queries: list[str]) -> list[str]:
         fns = {
             "anchor": lambda: anchor_index.search(anchor_model.encode(queries, batch_size=32, convert_to_numpy=True,
                                                                       normalize_embeddings=True), 10),
-            "torch": calibrl(encoders["torch"]), "onnx": calibrl(encoders["onnx"]), "cached": calibrl(cached),
+            "torch": calibrl(encoders["torch"]), "onnx": calibrl(encoders["onnx"]),
         }
         best = best_interleaved(fns, args.repeats)
+        encoders["onnx"].cache.resize(len(queries))
+        encoders["onnx"].encode(queries)
+        stats = encoders["onnx"].cache.stats()
+        second = best_interleaved({"anchor": fns["anchor"], "cached": calibrl(encoders["onnx"])}, args.repeats)
+        best["anchor"], best["cached"] = min(best["anchor"], second["anchor"]), second["cached"]
+        assert encoders["onnx"].cache.stats().misses == stats.misses, "the cached rounds must all hit"
+        encoders["onnx"].cache.resize(0)
         rate = {name: len(queries) / seconds for name, seconds in best.items()}
         print(f"dense, {threads} thread(s): " + ", ".join(f"{k} {v:.1f} q/s" for k, v in rate.items()), file=sys.stderr)
         lines.append(f"| {threads} | {rate['anchor']:.1f} | " + " | ".join(

