@@ -9,6 +9,8 @@ run, repeats interleaved (the fastest of each kept):
   and on ONNX with every query already in the embedding cache; at each ``--threads``.
 - ``bm25``: bm25s + PyStemmer ``retrieve`` on the same saved index (anchor) vs
   ``Retriever.search(mode=bm25)``.
+- ``rankings``: the demo index embedded by torch and by ONNX, every held-out query
+  the demo can send: top-10 rankings that differ, per mode.
 - ``judge``: one Score of 32 items (programmatic rubric: intent similarity, entity
   coverage, specificity) on a served judge (``calibrl serve judge`` in a child process,
   its settings as shipped, result cache off), new items every call, per encoder backend.
@@ -130,7 +132,7 @@ def bench_bm25(args, index: pathlib.Path, queries: list[str]) -> list[str]:
 
     def anchor_run():
         tokens = bm25s.tokenize(queries, stopwords="en", stemmer=stemmer, show_progress=False)
-        anchor.retrieve(tokens, k=10, show_progress=False, n_threads=1)
+        anchor.retrieve(tokens, k=10, show_progress=False)  # n_threads=0: no thread pool
 
     best = best_interleaved({"anchor": anchor_run,
                              "calibrl": lambda: retriever.search(queries, top_k=10, mode="bm25")}, args.repeats * 3)
@@ -139,6 +141,39 @@ def bench_bm25(args, index: pathlib.Path, queries: list[str]) -> list[str]:
     return [f"BM25, the same {len(queries)} queries and index, top 10 (queries/s):", "",
             "| bm25s + PyStemmer retrieve | calibrl Retriever.search(mode=bm25) | ratio |", "| --- | --- | --- |",
             f"| {rate['anchor']:.0f} | {rate['calibrl']:.0f} | {rate['calibrl'] / rate['anchor']:.2f}x |"]
+
+
+def compare_rankings(args) -> list[str]:
+    """The demo index built by each encoder, every held-out query the demo can send: how
+    many top-10 rankings differ between the two, per mode."""
+    import numpy as np
+
+    from calibrl.demo.domain import generate_domain
+    from calibrl.retrieval_server.retriever import Retriever
+
+    indexes = {backend: demo_index(args.workdir, backend)[0] for backend in ("torch", "onnx")}
+    retrievers = {b: Retriever.load(path, device="cpu", embedding_cache_size=0) for b, path in indexes.items()}
+    moved = np.abs(np.load(indexes["torch"] / "embeddings.npy") - np.load(indexes["onnx"] / "embeddings.npy")).max()
+    domain = generate_domain(0)
+    queries = [t.query for t in domain.tasks("heldout")]
+    for task in domain.multistep("heldout"):
+        queries += [task.question, *(step.query for step in task.steps), task.shortcut_query]
+    queries = [q for q in dict.fromkeys(queries) if q]
+    lines = [f"Demo index embedded by torch vs ONNX ({retrievers['onnx'].doc_count} passages, largest passage-vector "
+             f"difference {moved:.1e}), {len(queries)} held-out queries, top 10:", "",
+             "| mode | rankings that differ | of which only reordered |", "| --- | --- | --- |"]
+    for mode in ("dense", "hybrid", "bm25"):
+        differ = reordered = 0
+        for start in range(0, len(queries), 64):
+            chunk = queries[start : start + 64]
+            pairs = zip(*(retrievers[b].search(chunk, top_k=10, mode=mode) for b in ("torch", "onnx")))
+            for torch_hits, onnx_hits in pairs:
+                ids = ([h.doc_id for h in torch_hits], [h.doc_id for h in onnx_hits])
+                differ += ids[0] != ids[1]
+                reordered += ids[0] != ids[1] and sorted(ids[0]) == sorted(ids[1])
+        print(f"rankings, {mode}: {differ} of {len(queries)} differ", file=sys.stderr)
+        lines.append(f"| {mode} | {differ} of {len(queries)} | {reordered} |")
+    return lines
 
 
 RUBRIC = """\
@@ -207,7 +242,8 @@ async def _score_calls(port: int, queries: list[str], calls: int) -> list[float]
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--parts", default="dense,bm25,judge", help="dense, bm25, judge (comma-separated)")
+    parser.add_argument("--parts", default="dense,bm25,judge",
+                        help="dense, bm25, judge, rankings (comma-separated; rankings builds a torch index: minutes)")
     parser.add_argument("--threads", default="1,2", help="CPU thread counts of the dense part")
     parser.add_argument("--repeats", type=int, default=3, help="interleaved rounds (the fastest kept)")
     parser.add_argument("--workdir", type=pathlib.Path, default=pathlib.Path("/tmp/calibrl-bench"))
@@ -222,6 +258,8 @@ def main() -> int:
         lines += bench_bm25(args, index, queries) + [""]
     if "judge" in parts:
         lines += bench_judge(args, args.workdir, queries) + [""]
+    if "rankings" in parts:
+        lines += compare_rankings(args) + [""]
     print("\n".join(lines))
     return 0
 

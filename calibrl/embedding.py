@@ -362,9 +362,10 @@ class HashedNgramEmbedder:
         return out
 
 
+@functools.lru_cache(maxsize=8)
 def load_embedder(name: str, device: str = "cpu", backend: str | None = None,
                   cache_size: int | None = None) -> Embedder:
-    """The judge embedder called ``name`` (models are loaded once per process and device).
+    """The judge embedder called ``name`` (once per process and arguments: loading MiniLM takes seconds).
 
     backend, cache_size: as :class:`SentenceEmbedder` (MiniLM only)."""
     if name == "minilm":
