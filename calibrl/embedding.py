@@ -172,7 +172,8 @@ class SentenceEmbedder:
 
     backend: ``torch`` (each text its own forward pass) or ``onnx`` (ONNX Runtime, texts
     of equal token length together, proven invariant at start: ``calibrl.onnx_encoder``);
-    None or ``auto``: :func:`default_backend` of the device. threads: ONNX Runtime threads (None: torch's
+    None or ``auto``: :func:`default_backend` of the device (torch for a folder that
+    only sentence-transformers can run). threads: ONNX Runtime threads (None: torch's
     current thread count, so one setting governs both). cache_size: entries of this
     encoder's text -> vector cache (``calibrl.embedding_cache``; None leaves it as it
     is, 0 disables it).
@@ -189,8 +190,10 @@ class SentenceEmbedder:
 
         self.label, self.path = resolve_embedder(name_or_path)
         self.device = resolve_device(device)
-        self.backend = default_backend(self.device) if backend in (None, "auto") else backend
         self._layout = _direct_layout(self.path)
+        if backend in (None, "auto"):  # a layout sentence-transformers must run stays on torch
+            backend = default_backend(self.device) if self._layout is not None else "torch"
+        self.backend = backend
         _check_backend(self.backend, self.device, self._layout, self.label)
         self._onnx = None
         if self.backend == "onnx":
