@@ -104,15 +104,54 @@ def equal_length_batches(embedder, length: int, threads: int) -> tuple[int, floa
         torch.set_num_threads(before)
 
 
+def onnx_equal_length_groups(length: int, threads: int, rows: int = 16) -> tuple[int, float]:
+    """ONNX Runtime: ``rows`` random token sequences of one length, in groups of 1-8 rows at
+    random positions, vs each alone, on ``threads`` threads."""
+    import numpy as np
+
+    from calibrl.embedding import SentenceEmbedder
+
+    runner = SentenceEmbedder(None, "cpu", backend="onnx", cache_size=0, threads=threads)._onnx
+    rng = np.random.default_rng(length)
+    ids = rng.integers(1000, 20000, size=(rows, length))
+    ids[:, 0], ids[:, -1] = runner.tokenizer.cls_token_id, runner.tokenizer.sep_token_id
+    sequences = ids.tolist()
+    alone = np.stack(runner.encode_ids(sequences, grouped=False))
+    order = rng.permutation(rows)
+    grouped = np.zeros_like(alone)
+    start = 0
+    while start < rows:
+        size = int(rng.integers(1, 9))
+        chunk = order[start : start + size]
+        for row, vector in zip(chunk, runner.encode_ids([sequences[i] for i in chunk], grouped=True)):
+            grouped[row] = vector
+        start += size
+    return differing(grouped, alone)
+
+
+def onnx_thread_counts(texts: list[str]) -> tuple[int, float]:
+    """ONNX Runtime at 1 vs 2 threads, each text alone."""
+    import numpy as np
+
+    from calibrl.embedding import SentenceEmbedder
+
+    one, two = (SentenceEmbedder(None, "cpu", backend="onnx", cache_size=0, threads=t) for t in (1, 2))
+    return differing(np.stack([two.encode([t])[0] for t in texts]), np.stack([one.encode([t])[0] for t in texts]))
+
+
 def bench_embedding(args, rows: list, probe: list) -> None:
     from calibrl.embedding import SentenceEmbedder
 
-    embedder = SentenceEmbedder(None, device="cpu")
+    embedder = SentenceEmbedder(None, device="cpu", backend="torch", cache_size=0)
+    onnx = SentenceEmbedder(None, device="cpu", backend="onnx", cache_size=0)
     texts = make_texts(args.texts, seed=1)
     before = best_of(args.repeats, lambda: padded_batch_embeddings(embedder, texts))
     now = best_of(args.repeats, lambda: embedder.encode(texts))
-    rows.append(("MiniLM embedding (retrieval queries, judge intent similarity)", "texts/s",
+    grouped = best_of(args.repeats, lambda: onnx.encode(texts))
+    rows.append(("MiniLM embedding, torch (retrieval queries, judge intent similarity)", "texts/s",
                  len(texts) / before, len(texts) / now))
+    rows.append(("MiniLM embedding, ONNX Runtime equal-length groups (vs torch padded)", "texts/s",
+                 len(texts) / before, len(texts) / grouped))
     if args.probe:
         alone = [embedder.encode([t])[0] for t in texts]
         probe.append(("MiniLM, padded batch of %d" % len(texts), *differing(padded_batch_embeddings(embedder, texts),
@@ -122,6 +161,12 @@ def bench_embedding(args, rows: list, probe: list) -> None:
                 probe.append((f"MiniLM, batches of 8 sequences of {length} tokens (no padding), {threads} thread(s)",
                               *equal_length_batches(embedder, length, threads), 16))
         probe.append(("MiniLM, invariant (each text alone)", *differing(embedder.encode(texts), alone), len(texts)))
+        for length in (10, 40):
+            for threads in (1, 2):
+                probe.append((f"MiniLM on ONNX Runtime, groups of 1-8 sequences of {length} tokens at random "
+                              f"positions, {threads} thread(s)", *onnx_equal_length_groups(length, threads), 16))
+        probe.append(("MiniLM on ONNX Runtime, each text alone, 1 vs 2 threads", *onnx_thread_counts(texts),
+                      len(texts)))
         import torch
 
         threads = torch.get_num_threads()

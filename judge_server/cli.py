@@ -28,6 +28,9 @@ def _fail(message: str) -> int:
 # --------------------------------------------------------------------------- serve
 
 def serve(argv: list[str]) -> int:
+    from calibrl.threads import passive_openmp
+
+    passive_openmp()  # before torch loads its OpenMP runtime (calibrl.threads)
     from calibrl.config import describe
 
     parser = argparse.ArgumentParser(
@@ -74,6 +77,9 @@ def serve(argv: list[str]) -> int:
 
     from calibrl.serving import serve_until_signal, stop_on_signals
     from calibrl.judge_server.server import start
+    from calibrl.threads import apply_thread_policy
+
+    apply_thread_policy(config.torch_threads, "judge server")  # before the models load: they size to it
 
     async def run() -> None:
         stop_requested = stop_on_signals()  # before the port is announced: a SIGTERM from then on drains

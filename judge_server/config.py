@@ -28,6 +28,10 @@ class JudgeConfig:
     embedder: Literal["minilm", "hashed-ngrams"] = option(
         "minilm", "Intent-similarity embedder; hashed-ngrams is a cheap surface-overlap fallback.")
     embedder_device: str = option("cpu", "Device of the sentence embedder.")
+    embedder_backend: Literal["auto", "torch", "onnx"] = option(
+        "auto", "MiniLM encoder: onnx (ONNX Runtime, equal-length groups, self-tested at start; CPU only), torch "
+        "(one text per forward pass), auto (onnx on the CPU, torch on a GPU). See docs/concepts/encoders.md.")
+    embedder_cache_size: int = option(16384, "Texts whose MiniLM vector is kept in the exact LRU cache; 0 disables it.")
     llm_mode: Literal["prefix_cache", "flat", "generate"] = option(
         "prefix_cache", "transformers: shared-prefix KV reuse, one flat left-padded batch, or generate-and-parse.")
     device: str = option("auto", "transformers device: auto (cuda when available), cpu, cuda, cuda:1, ...")
@@ -65,6 +69,13 @@ class JudgeConfig:
                      "max_request_chars", "vllm_tensor_parallel_size"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"judge.{name}={getattr(self, name)}: must be > 0")
+        if self.embedder == "minilm" and (self.embedder_backend == "onnx" or (
+                self.embedder_backend == "auto" and self.embedder_device.startswith("cpu"))):
+            from calibrl.embedding import check_onnx_installed
+
+            check_onnx_installed("judge.embedder_backend")
+        if self.embedder_cache_size < 0:
+            raise ConfigError(f"judge.embedder_cache_size={self.embedder_cache_size}: must be >= 0 (0 disables it)")
         if self.cache_size < 0:
             raise ConfigError(f"judge.cache_size={self.cache_size}: must be >= 0 (0 disables the cache)")
         if not 0.0 < self.vllm_gpu_memory_utilization <= 1.0:
@@ -88,10 +99,15 @@ class JudgeServerConfig:
         16, "Most items scored together in one batch (all callers); a large request is split, so other "
             "callers wait for at most one such batch.")
     max_queue_items: int = option(4096, "Items waiting to be scored before RESOURCE_EXHAUSTED.")
+    torch_threads: int = option(
+        0, "CPU threads of the judge's models (torch.set_num_threads; ONNX Runtime uses as many), set at start; "
+           "0 keeps torch's default. Scores may depend on it: docs/concepts/encoders.md.")
 
     def validate(self) -> None:
         if not self.rubrics:
             raise ConfigError("rubrics: required, the folder of rubric files (--rubrics DIR)")
+        if self.torch_threads < 0:
+            raise ConfigError(f"torch_threads={self.torch_threads}: must be >= 0 (0 keeps torch's default)")
         if self.max_wait_ms < 0:
             raise ConfigError(f"max_wait_ms={self.max_wait_ms}: must be >= 0")
         if self.max_batch_items <= 0 or self.max_queue_items <= 0:

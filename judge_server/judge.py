@@ -306,7 +306,8 @@ class Judge:
             if self._embedder is None:
                 from calibrl.embedding import load_embedder
 
-                self._embedder = load_embedder(self.config.embedder, self.config.embedder_device)
+                self._embedder = load_embedder(self.config.embedder, self.config.embedder_device,
+                                               self.config.embedder_backend, self.config.embedder_cache_size)
         return self._embedder.encode(texts)
 
     def close(self) -> None:

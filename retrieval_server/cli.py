@@ -39,6 +39,9 @@ def index_build(argv: Sequence[str]) -> int:
     parser.add_argument("--index-type", choices=INDEX_TYPES, default="flat",
                         help="dense index: flat (exact, default), hnsw, ivf, or torch (exact torch.topk)")
     parser.add_argument("--device", default="auto", help="embedder device: auto, cpu, cuda, cuda:N (default: auto)")
+    parser.add_argument("--encoder-backend", choices=("torch", "onnx"), default=None,
+                        help="what embeds the passages (default: onnx on the CPU, torch on a GPU); the manifest "
+                             "records it and servers must match it")
     parser.add_argument("--batch-size", type=int, default=64, help="passages tokenised together (each is embedded alone)")
     parser.add_argument("--hnsw-m", type=int, default=32, help="HNSW links per node (index type hnsw)")
     parser.add_argument("--ivf-nlist", type=int, default=0, help="IVF cells; 0 = about 4*sqrt(n) (index type ivf)")
@@ -64,6 +67,7 @@ def index_build(argv: Sequence[str]) -> int:
             corpus_sha256=file_sha256(corpus_path),
             corpus_format=args.format,
             embedder=args.embedder,
+            encoder_backend=args.encoder_backend,
             index_type=args.index_type,
             device=args.device,
             encode_batch_size=args.batch_size,
@@ -101,6 +105,8 @@ def index_info(argv: Sequence[str]) -> int:
         print(f"index:          {args.index_dir}")
         print(f"passages:       {manifest.doc_count}")
         print(f"embedder:       {manifest.embedder} ({manifest.dimension}-d)")
+        print("encoder:        " + (", ".join(f"{k} {v}" for k, v in sorted(manifest.encoder.items()))
+                                     or "not recorded (built with torch before encoders were recorded)"))
         print(f"dense index:    {manifest.index_type}")
         print(f"corpus:         {manifest.corpus_format}, sha256 {manifest.corpus_sha256}")
         print(f"built:          {manifest.created_at}")

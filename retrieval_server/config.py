@@ -33,9 +33,14 @@ class RetrievalServerConfig:
         "auto", "auto: the index's own type; torch: exact torch.topk search over the stored embeddings."
     )
     embedder: str = option("", "Local sentence-transformers folder overriding the manifest's embedder.")
-    encode_batch_size: int = option(64, "Queries tokenised together (each is embedded by its own forward pass).")
+    encode_batch_size: int = option(64, "Queries tokenised together (each is embedded alone or in an invariant group).")
+    encoder_backend: Literal["auto", "torch", "onnx"] = option(
+        "auto", "Query encoder: auto (the backend the index manifest records), torch or onnx; it must match the "
+        "manifest's (docs/concepts/encoders.md).")
+    embedding_cache_size: int = option(16384, "Query vectors kept in the exact LRU cache; 0 disables it.")
     torch_threads: int = option(
-        0, "CPU threads of the embedder (torch.set_num_threads) in `calibrl serve`; 0 keeps torch's default."
+        0, "CPU threads of the embedder (torch.set_num_threads; ONNX Runtime uses as many) in `calibrl serve`; 0 keeps "
+        "torch's default."
     )
     hnsw_ef_search: int = option(128, "HNSW search breadth (raised to at least max_top_k).")
     ivf_nprobe: int = option(16, "IVF cells visited per query.")
@@ -67,6 +72,12 @@ class RetrievalServerConfig:
             value = getattr(self, name)
             if value < 1:
                 raise ConfigError(f"{name}={value}: must be >= 1")
+        if self.encoder_backend == "onnx":
+            from calibrl.embedding import check_onnx_installed
+
+            check_onnx_installed("encoder_backend")
+        if self.embedding_cache_size < 0:
+            raise ConfigError(f"embedding_cache_size={self.embedding_cache_size}: must be >= 0 (0 disables it)")
         if self.torch_threads < 0:
             raise ConfigError(f"torch_threads={self.torch_threads}: must be >= 0 (0 keeps torch's default)")
         if self.batch_max_wait_ms < 0:

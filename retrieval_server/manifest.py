@@ -1,5 +1,13 @@
 """The manifest of an index folder: what was built, from what, with which libraries,
-and the SHA-256 of every file, checked before an index is served."""
+and the SHA-256 of every file, checked before an index is served.
+
+``encoder`` records what computed the passage vectors (backend, runtime version,
+weights SHA-256, and the exporter's versions for ONNX): vectors from another encoder
+differ by ~1e-7, so :func:`check_encoder` refuses to serve the index with one that
+does not match. A manifest written before this field existed has ``encoder = {}``:
+such an index was embedded by the torch backend, so it is served with torch and its
+versions are not checked (a warning says so).
+"""
 
 from __future__ import annotations
 
@@ -29,6 +37,7 @@ class Manifest:
     library_versions: dict[str, str]
     params: dict[str, Any]
     files: dict[str, dict[str, Any]] = field(default_factory=dict)  # relative path -> {sha256, bytes}
+    encoder: dict[str, str] = field(default_factory=dict)  # backend, version, weights_sha256 (module doc)
     created_at: str = ""
     format_version: int = FORMAT_VERSION
 
@@ -42,7 +51,7 @@ def library_versions() -> dict[str, str]:
 
     versions = {}
     for dist in ("faiss-cpu", "faiss-gpu", "bm25s", "PyStemmer", "sentence-transformers", "transformers", "torch",
-                 "numpy", "calibrl"):
+                 "onnxruntime", "onnx", "numpy", "calibrl"):
         try:
             versions[dist] = metadata.version(dist)
         except metadata.PackageNotFoundError:
@@ -110,3 +119,32 @@ def verify_files(index_dir: str | pathlib.Path, manifest: Manifest) -> list[str]
         for path in sorted(index_dir.rglob("*"))
         if path.is_file() and path.name != MANIFEST_FILE and path.relative_to(index_dir).as_posix() not in listed
     ]
+
+
+LEGACY_ENCODER_BACKEND = "torch"  # what embedded an index whose manifest has no encoder record
+
+
+def manifest_backend(manifest: Manifest) -> str:
+    """The encoder backend that embedded the index (``torch`` for a manifest without the record)."""
+    return manifest.encoder.get("backend", LEGACY_ENCODER_BACKEND)
+
+
+def check_encoder(manifest: Manifest, served: dict[str, str], index_dir: Any = "") -> None:
+    """Raise FailedPrecondition when ``served`` (``SentenceEmbedder.encoder_record()``) is not
+    the encoder the index was built with; a manifest without the record is not checked."""
+    import logging
+
+    if not manifest.encoder:
+        logging.getLogger(__name__).warning(
+            "%s: the manifest does not record its encoder (built before calibrl recorded it); serving with %s, "
+            "not checked. Rebuild the index to record it.", index_dir or "index", served.get("backend"))
+        return
+    differing = [f"{key}: index {manifest.encoder.get(key)!r}, server {served.get(key)!r}"
+                 for key in sorted(set(manifest.encoder) | set(served)) if manifest.encoder.get(key) != served.get(key)]
+    if differing:
+        raise FailedPrecondition(
+            f"index {index_dir or ''} was embedded by another encoder than this server runs ("
+            + "; ".join(differing) + "): query vectors would not match the passage vectors bit for bit. "
+            "Serve it with encoder_backend=" + manifest_backend(manifest) + " and the library versions it records, "
+            "or rebuild the index with `calibrl index build`."
+        )

@@ -80,6 +80,8 @@ class Retriever:
         device: str = "auto",
         dense_backend: str = "auto",
         embedder: Any = None,
+        encoder_backend: str = "auto",
+        embedding_cache_size: int | None = None,
         verify: bool = True,
         hybrid_depth: int = 100,
         rrf_k: int = RRF_K,
@@ -90,11 +92,15 @@ class Retriever:
         """Load an index folder, checking its files against the manifest first.
 
         embedder: an :class:`~calibrl.embedding.SentenceEmbedder`, a local model path
-        overriding the one in the manifest, or None for the manifest's.
-        Raises FailedPrecondition when the folder does not match its manifest.
+        overriding the one in the manifest, or None for the manifest's. encoder_backend:
+        ``auto`` (the one the manifest records), ``torch`` or ``onnx``. embedding_cache_size:
+        the query-vector cache's entries (None: as it is; 0: off).
+        Raises FailedPrecondition when the folder does not match its manifest, or its
+        passages were embedded by another encoder than the one that would embed queries.
         """
         from calibrl.errors import FailedPrecondition
         from calibrl.retrieval_server.dense import load_searcher
+        from calibrl.retrieval_server.manifest import check_encoder, manifest_backend
         from calibrl.embedding import SentenceEmbedder, resolve_device
         from calibrl.retrieval_server.index import read_docs
         from calibrl.retrieval_server.sparse import BM25_DIR, BM25Searcher
@@ -107,7 +113,14 @@ class Retriever:
                 log.warning("files in %s not listed in its manifest (ignored): %s", index_dir, extra)
         device = resolve_device(device)
         if not isinstance(embedder, SentenceEmbedder):
-            embedder = SentenceEmbedder(embedder or manifest.embedder, device=device)
+            backend = manifest_backend(manifest) if encoder_backend == "auto" else encoder_backend
+            embedder = SentenceEmbedder(embedder or manifest.embedder, device=device, backend=backend,
+                                        cache_size=embedding_cache_size)
+        elif embedding_cache_size is not None:
+            embedder.cache.resize(embedding_cache_size)
+        check_encoder(manifest, embedder.encoder_record(), index_dir)
+        manifest = served_manifest(manifest, embedder)
+        log.info("queries of %s are embedded by %s", index_dir, embedder.describe())
         if embedder.dimension != manifest.dimension:
             raise FailedPrecondition(
                 f"embedder {embedder.label} makes {embedder.dimension}-d vectors, the index holds "
@@ -151,6 +164,8 @@ class Retriever:
             device=config.device,
             dense_backend=config.dense_backend,
             embedder=config.embedder or None,
+            encoder_backend=config.encoder_backend,
+            embedding_cache_size=config.embedding_cache_size,
             verify=config.verify_checksums,
             hybrid_depth=config.hybrid_depth,
             encode_batch_size=config.encode_batch_size,
@@ -180,10 +195,7 @@ class Retriever:
         """Ranked hits per query, best first (at most ``top_k``; BM25 may return fewer)."""
         mode = rules.parse_mode(mode, self.default_mode)
         rules.check_search(queries, top_k, self.limits)
-        ranked = self.ranked(queries, top_k, mode)
-        if include_text:
-            return ranked
-        return [[_without_text(h) for h in hits] for hits in ranked]
+        return self.ranked(queries, top_k, mode, include_text=include_text)
 
     def score(
         self,
@@ -199,8 +211,10 @@ class Retriever:
         return [score_hits(item, hits, top_k, include_text) for item, hits in zip(items, ranked)]
 
     # ---------------------------------------------------------------- internals
-    def ranked(self, queries: Sequence[str], top_k: int, mode: SearchMode) -> list[list[Hit]]:
-        """Unchecked ranking (inputs already validated); hits carry their passage text."""
+    def ranked(self, queries: Sequence[str], top_k: int, mode: SearchMode, include_text: bool = True
+               ) -> list[list[Hit]]:
+        """Unchecked ranking (inputs already validated); hits carry their passage text unless
+        ``include_text`` is False (each Hit is built once)."""
         if mode is SearchMode.DENSE:
             rankings = self._dense(queries, top_k)
         elif mode is SearchMode.BM25:
@@ -212,7 +226,7 @@ class Retriever:
                 reciprocal_rank_fusion([[i for i, _ in d], [i for i, _ in s]], top_k, self.rrf_k)
                 for d, s in zip(dense, sparse)
             ]
-        return [self._hits(ranking) for ranking in rankings]
+        return [self._hits(ranking, include_text) for ranking in rankings]
 
     def _dense(self, queries: Sequence[str], k: int) -> list[Ranking]:
         """Top ``k`` per query. Searched at the fixed fusion depth whatever ``k`` (the server
@@ -226,13 +240,27 @@ class Retriever:
             rankings.append(sorted(ranking, key=lambda hit: (-hit[1], hit[0]))[:k])
         return rankings
 
-    def _hits(self, ranking: Ranking) -> list[Hit]:
-        hits = []
-        for rank, (index, score) in enumerate(ranking, start=1):
-            passage = self.passages[index]
-            hits.append(Hit(doc_id=passage.doc_id, title=passage.title, score=score, rank=rank, text=passage.text))
-        return hits
+    def _hits(self, ranking: Ranking, include_text: bool = True) -> list[Hit]:
+        passages = self.passages
+        if include_text:
+            return [Hit(doc_id=passages[i].doc_id, title=passages[i].title, score=score, rank=rank,
+                        text=passages[i].text) for rank, (i, score) in enumerate(ranking, start=1)]
+        return [Hit(doc_id=passages[i].doc_id, title=passages[i].title, score=score, rank=rank)
+                for rank, (i, score) in enumerate(ranking, start=1)]
 
 
-def _without_text(hit: Hit) -> Hit:
-    return Hit(doc_id=hit.doc_id, title=hit.title, score=hit.score, rank=hit.rank)
+SERVED_ENCODER_KEY = "serving.encoder"  # in library_versions: GetIndexInfo reports it without a new field
+
+
+def served_manifest(manifest: Manifest, embedder: Any) -> Manifest:
+    """``manifest`` with what embeds the queries added to its library versions (in memory
+    only): the backend, its runtime version and, on onnx, the start-up self-test's verdict,
+    so a client reading GetIndexInfo sees whether groups or one text per pass run."""
+    import dataclasses
+
+    describe = getattr(embedder, "describe", None)
+    if describe is None:
+        return manifest
+    return dataclasses.replace(manifest, library_versions={**manifest.library_versions,
+                                                           SERVED_ENCODER_KEY: describe()})
+

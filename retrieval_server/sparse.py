@@ -59,11 +59,17 @@ class BM25Searcher:
         self.doc_count = int(self.model.scores["num_docs"])
 
     def search(self, queries: Sequence[str], k: int) -> list[list[tuple[int, float]]]:
-        results = []
-        for tokens in tokenize(queries):
-            scores = self.model.get_scores_from_ids(self.model.get_tokens_ids(tokens))
-            results.append(top_positive(scores, k))
+        """Each query's scores are computed on their own (bm25s sums its term columns per
+        query), then the top k of a block of queries is selected at once."""
+        rows = [self.model.get_scores_from_ids(self.model.get_tokens_ids(tokens)) for tokens in tokenize(queries)]
+        block = max(1, SELECT_BLOCK_CELLS // max(1, self.doc_count))
+        results: list[list[tuple[int, float]]] = []
+        for start in range(0, len(rows), block):
+            results.extend(top_positive_rows(np.stack(rows[start : start + block]), k))
         return results
+
+
+SELECT_BLOCK_CELLS = 1 << 22  # queries x passages selected at once (16 MiB of float32 scores)
 
 
 def top_positive(scores: np.ndarray, k: int) -> list[tuple[int, float]]:
@@ -76,3 +82,20 @@ def top_positive(scores: np.ndarray, k: int) -> list[tuple[int, float]]:
     order = np.lexsort((positive, -scores[positive]))[:k]
     chosen = positive[order]
     return [(int(i), float(scores[i])) for i in chosen]
+
+
+def top_positive_rows(scores: np.ndarray, k: int) -> list[list[tuple[int, float]]]:
+    """:func:`top_positive` of each row of ``scores`` (queries, passages), the k-th largest
+    score of every row found by one partition; the same pairs, in the same order."""
+    count = scores.shape[1]
+    if k >= count:
+        thresholds = np.zeros(len(scores), dtype=scores.dtype)
+    else:  # a row's k-th largest score; with k or fewer positive scores it is <= 0 and every positive one stays
+        thresholds = -np.partition(-scores, k - 1, axis=1)[:, k - 1]
+    rows, columns = np.nonzero((scores > 0) & (scores >= thresholds[:, None]))
+    values = scores[rows, columns]
+    order = np.lexsort((columns, -values, rows))  # by row, then best score, then lower index
+    rows, columns, values = rows[order], columns[order].tolist(), values[order].tolist()
+    bounds = np.searchsorted(rows, np.arange(len(scores) + 1)).tolist()
+    return [list(zip(columns[bounds[i] : min(bounds[i + 1], bounds[i] + k)],
+                     values[bounds[i] : min(bounds[i + 1], bounds[i] + k)])) for i in range(len(scores))]

@@ -70,8 +70,13 @@ one_torch_thread = pytest.fixture(scope="module", autouse=True)(torch_threads_on
 
 # ---------------------------------------------------------------------------------- library level
 
-def test_sentence_embedding_is_the_same_alone_and_in_any_batch():
-    embedder = SentenceEmbedder(None, device="cpu")
+ENCODER_BACKENDS = ["torch", pytest.param("onnx", marks=pytest.mark.skipif(
+    __import__("importlib").util.find_spec("onnxruntime") is None, reason="onnxruntime is not installed"))]
+
+
+@pytest.mark.parametrize("backend", ENCODER_BACKENDS)
+def test_sentence_embedding_is_the_same_alone_and_in_any_batch(backend):
+    embedder = SentenceEmbedder(None, device="cpu", backend=backend, cache_size=0)  # every vector computed
     alone = {text: embedder.encode([text])[0].tobytes() for text in TEXTS}
     for seed, batch in enumerate(compositions(TEXTS, seed=1)):
         vectors = embedder.encode(batch, batch_size=[1, 3, 64][seed % 3])
@@ -131,6 +136,7 @@ RUBRIC_LLM = RUBRIC_PROGRAMMATIC + """\
 """
 JUDGE_VARIANTS = {  # name -> (rubric, embedder, needs an LLM)
     "programmatic-minilm": (RUBRIC_PROGRAMMATIC, "minilm", False),
+    "programmatic-minilm-onnx": (RUBRIC_PROGRAMMATIC, "minilm-onnx", False),
     "programmatic-hashed-ngrams": (RUBRIC_PROGRAMMATIC, "hashed-ngrams", False),
     "transformers-tiny": (RUBRIC_LLM, "hashed-ngrams", True),
 }
@@ -153,8 +159,10 @@ def judge_setup(variant: str, root, tiny_judge_model) -> tuple[str, JudgeConfig]
     folder.mkdir(exist_ok=True)
     (folder / "rewriter.yaml").write_text(rubric)
     backend = f"transformers:{tiny_judge_model}" if needs_llm else "programmatic"
+    embedder, onnx_suffix, _ = embedder.partition("-onnx")  # "minilm-onnx": MiniLM on ONNX Runtime
     return str(folder), JudgeConfig(backend=backend, embedder=embedder, device="cpu", allow_unvalidated=True,
-                                    cache_size=0)
+                                    cache_size=0, embedder_cache_size=0,
+                                    embedder_backend="onnx" if onnx_suffix else "torch")
 
 
 def score_bits(criteria, total) -> tuple:
@@ -225,9 +233,9 @@ class Replica:
                 self.process.wait()
 
 
-@pytest.fixture(scope="module")
-def tiny_index(tmp_path_factory):
-    return build_test_index(tmp_path_factory.mktemp("invariance") / "index")
+@pytest.fixture(scope="module", params=ENCODER_BACKENDS)
+def tiny_index(request, tmp_path_factory):
+    return build_test_index(tmp_path_factory.mktemp("invariance") / "index", encoder_backend=request.param)
 
 
 SCORE_ITEMS = [ScoreItem(text, gold_doc_ids=("mozart", "penicillin", "everest")) for text in TEXTS]
@@ -294,7 +302,8 @@ async def judge_reference(port: int) -> dict[JudgeItem, tuple]:
 async def test_judge_scores_agree_across_callers_restart_and_replica(variant, tmp_path, tiny_judge_model):
     folder, judge_config = judge_setup(variant, tmp_path, tiny_judge_model)
     replica = Replica("judge", "--rubrics", folder, "--backend", judge_config.backend, "--allow-unvalidated",
-                      f"judge.embedder={judge_config.embedder}", "judge.device=cpu", "judge.cache_size=0")
+                      f"judge.embedder={judge_config.embedder}", "judge.device=cpu", "judge.cache_size=0",
+                      f"judge.embedder_backend={judge_config.embedder_backend}", "judge.embedder_cache_size=0")
     try:
         reference = await judge_reference(replica.port)
     finally:

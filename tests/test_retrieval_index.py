@@ -293,3 +293,17 @@ def test_concurrent_library_calls_from_threads_agree_with_sequential_ones(retrie
     with concurrent.futures.ThreadPoolExecutor(max_workers=8) as pool:
         got = list(pool.map(one, range(40)))
     assert got == [expected[p % len(queries)] for p in range(40)]
+
+
+@pytest.mark.parametrize("k", [1, 3, 10, 40, 45])
+def test_bm25_block_selection_equals_the_row_by_row_reference(k):
+    """The block selection (one partition for many queries) returns exactly what the
+    per-query reference returns: the same pairs, ties to the lower index, zeros dropped."""
+    from calibrl.retrieval_server.sparse import top_positive, top_positive_rows
+
+    rng = np.random.default_rng(k)
+    scores = rng.integers(0, 6, size=(25, 40)).astype(np.float32) * np.float32(0.75)  # many ties and zeros
+    scores[3] = 0.0  # a query that matches nothing
+    scores[4, :] = 0.0
+    scores[4, 7] = 2.0  # fewer positives than k
+    assert top_positive_rows(scores, k) == [top_positive(row, k) for row in scores]

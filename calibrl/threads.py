@@ -1,0 +1,40 @@
+"""The CPU thread policy of a server process, set once at start and recorded.
+
+Scores depend on the thread count: a torch kernel may split a sum differently on 1 and
+on 4 threads, which moves the last bit of a float (the ONNX encoder's self-test runs at
+the thread count it serves with). So a server sets its threads once, before its models
+load, logs them, and a replica with the same setting computes the same bits.
+
+OpenMP wait policy: with ``OMP_WAIT_POLICY=PASSIVE`` idle OpenMP workers sleep instead of
+spinning, leaving the cores to the event loop and gRPC threads between encoder calls
+(spinning workers made served calls many times slower on a small shared machine,
+``benchmarks/README.md``). It must be in the environment before torch loads its OpenMP
+runtime, so :func:`passive_openmp` runs first thing in a server's entry point; a value
+the user set wins. ONNX Runtime sessions follow it (``allow_spinning`` off when passive).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+log = logging.getLogger(__name__)
+
+
+def passive_openmp() -> None:
+    """Default ``OMP_WAIT_POLICY`` to PASSIVE (before torch is imported; the user's value wins)."""
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+
+def apply_thread_policy(torch_threads: int, process: str) -> dict[str, str]:
+    """Set torch's CPU threads (0 keeps torch's default) and log the policy; returns it
+    as a dict (torch threads, OpenMP wait policy) for a server to report."""
+    import torch
+
+    if torch_threads:
+        torch.set_num_threads(torch_threads)
+    policy = {"torch_threads": str(torch.get_num_threads()),
+              "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", "(OpenMP default)")}
+    log.info("%s thread policy: %d torch thread(s) (ONNX Runtime encoders use as many), OMP_WAIT_POLICY=%s",
+             process, torch.get_num_threads(), policy["omp_wait_policy"])
+    return policy
