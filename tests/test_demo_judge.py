@@ -104,21 +104,24 @@ def _steps(n: int, **series: float) -> list[dict]:
     return [{"step": s, **{k: v for k, v in series.items()}} for s in range(1, n + 1)]
 
 
-def test_dynamic_sampling_lines_compare_the_three_arms():
+def test_dynamic_sampling_lines_compare_the_three_arms_by_their_intervals():
+    from calibrl.demo.rewrite_analysis import rewrite_results
+
     binary = RunResult("binary", "binary", "rewrite", {"hit": 0.25}, steps=_steps(3))
     dynamic = RunResult("binary_ds", "binary+ds", "rewrite", {"hit": 0.30},
                         steps=_steps(3, **{"sampling/kept_groups": 6.0, "sampling/extra_rollouts": 32.0}))
     dense = RunResult("dense", "dense", "rewrite", {"hit": 0.45}, steps=_steps(3))
-    lines = jr.dynamic_sampling_lines(binary, dynamic, dense, k=1, n_tasks=100)
+    clusters = [i // 5 for i in range(100)]
+    hits = {"binary": [float(i % 20 < 5) for i in range(100)],
+            "binary_ds": [float(i % 20 < 6) for i in range(100)],  # +5 points, every cluster alike
+            "dense": [float(i % 20 < 6) if (i // 5) % 2 else float(i % 20 < 10) for i in range(100)]}
+    lines = jr.dynamic_sampling_lines(binary, dynamic, dense, 1, rewrite_results(hits, clusters, resamples=1000))
     assert "kept 6.0 groups" in lines[0] and "drew 32.0 extra rollouts" in lines[0]
-    assert "30.0% against 25.0%" in lines[0] and "(+5.0 points)" in lines[0]
-    assert "still beat binary + dynamic sampling by 15.0 points" in lines[1]
-    assert jr.dynamic_sampling_lines(binary, None, dense, k=1, n_tasks=100) == []
-    # one task of 119 apart is one seed's noise, not a finding
-    close = RunResult("dense", "dense", "rewrite", {"hit": 0.412}, steps=_steps(3))
-    dynamic.heldout["hit"] = 0.403
-    level = jr.dynamic_sampling_lines(binary, dynamic, close, k=1, n_tasks=119)[1]
-    assert "ended level (+0.9 points, within two of the 119 held-out tasks)" in level
+    assert lines[1].startswith("binary+ds beats binary: +5.0 points of hit@1")
+    assert lines[2].startswith("dense") and "binary+ds" in lines[2] and len(lines) == 3
+    assert jr.dynamic_sampling_lines(binary, None, dense, 1) == []
+    # without task-by-task records no comparison is worded at all
+    assert len(jr.dynamic_sampling_lines(binary, dynamic, dense, 1)) == 1
 
 
 def test_disagreement_plot_and_lines(tmp_path):

@@ -293,8 +293,7 @@ def run_demo(settings: DemoSettings, out: pathlib.Path, *, seed: int = DEFAULT_S
                         domain, lambda qs: [[h.doc_id for h in hits] for hits in clients.search_many(qs, 1)], out,
                         seed=seed, quick=settings.name == "quick", progress=lambda line: print(f"    {line}"))
                 _add_judge_sections(report, {"programmatic judge": validation, "LLM judge": judge_model.validation},
-                                    judge_model, dense_rubric, metrics_port, rubrics, out,
-                                    len(domain.tasks("heldout")))
+                                    judge_model, dense_rubric, metrics_port, rubrics, out)
             finally:
                 clients.close()
         report.command = command
@@ -427,7 +426,7 @@ def _has_prometheus() -> bool:
 
 
 def _add_judge_sections(report: Any, validations: dict[str, Any], judge_model: Any, dense_rubric: str,
-                        metrics_port: int, rubrics: pathlib.Path, out: pathlib.Path, n_heldout: int) -> None:
+                        metrics_port: int, rubrics: pathlib.Path, out: pathlib.Path) -> None:
     """The report's judge part (:mod:`calibrl.demo.judge_report`): both validations side by
     side, which judge scored which run, the server's per-rubric figures, the
     judge/retrieval disagreement plot and the dynamic-sampling verdict."""
@@ -477,7 +476,8 @@ def _add_judge_sections(report: Any, validations: dict[str, Any], judge_model: A
         lines += ["", f"![Judge vs retrieval disagreement](plots/{path.name})"]
     lines += ["", "## Does dynamic sampling rescue the binary reward?", ""]
     lines += [f"- {line}" for line in jr.dynamic_sampling_lines(runs.get("binary"), runs.get("binary_ds"),
-                                                                 runs.get("dense"), report.top_k, n_heldout)] + [""]
+                                                                 runs.get("dense"), report.top_k,
+                                                                 report.rewrite_analysis)] + [""]
     report.judge_sections = lines
     report.judge_results = {
         "validation": jr.validation_rows(validations),

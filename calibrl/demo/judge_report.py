@@ -249,30 +249,24 @@ def disagreement_lines(runs: Sequence[Any], band: float) -> list[str]:
 # --- dynamic sampling -----------------------------------------------------------------------------------------------
 
 
-def dynamic_sampling_lines(binary: Any, dynamic: Any, dense: Any, k: int, n_tasks: int) -> list[str]:
+def dynamic_sampling_lines(binary: Any, dynamic: Any, dense: Any, k: int,
+                           analysis: Mapping[str, Any] | None = None) -> list[str]:
     """Does dynamic sampling rescue the binary reward, or does the reward's density matter?
-    A gap of at most two of the ``n_tasks`` held-out tasks is read as level (one seed)."""
+    The comparisons come from the task-by-task analysis
+    (:func:`calibrl.demo.rewrite_analysis.rewrite_results`), each worded by its interval."""
+    from calibrl.demo.rewrite_analysis import rewrite_comparison_lines
+
     if binary is None or dynamic is None:
         return []
-    hit = {run.name: run.heldout.get("hit", math.nan) for run in (binary, dynamic, dense) if run is not None}
     kept = dynamic.mean_of("sampling/kept_groups")
     extra = dynamic.mean_of("sampling/extra_rollouts")
     lines = [f"Binary reward + dynamic sampling kept {_fmt(kept, 1)} groups with unequal rewards per step on average "
-             f"and drew {_fmt(extra, 1)} extra rollouts per step to find them; held-out hit@{k} "
-             f"{100 * hit[dynamic.name]:.1f}% against {100 * hit[binary.name]:.1f}% for the binary reward alone "
-             f"({100 * (hit[dynamic.name] - hit[binary.name]):+.1f} points), same number of policy updates."]
-    if dense is not None and all(math.isfinite(v) for v in hit.values()):
-        gap = 100 * (hit[dense.name] - hit[dynamic.name])
-        noise = 100 * 2 / max(1, n_tasks)  # two held-out tasks
-        if gap > noise:
-            lines.append(f"The blended dense reward still beat binary + dynamic sampling by {gap:.1f} points: "
-                         "in this run the reward's density mattered beyond filtering out flat groups.")
-        elif gap < -noise:
-            lines.append(f"Binary + dynamic sampling beat the blended dense reward by {-gap:.1f} points in this run.")
-        else:
-            lines.append(f"Binary + dynamic sampling and the blended dense reward ended level ({gap:+.1f} points, "
-                         f"within two of the {n_tasks} held-out tasks): in this run, keeping only the groups with "
-                         "a learning signal recovered what the dense reward gained.")
+             f"and drew {_fmt(extra, 1)} extra rollouts per step to find them (same number of policy updates)."]
+    if analysis:
+        wanted = {(dynamic.name, binary.name)} | ({(dense.name, dynamic.name)} if dense is not None else set())
+        picked = {**analysis, "comparisons": [c for c in analysis["comparisons"] if (c["a"], c["b"]) in wanted]}
+        labels = {run.name: run.label for run in (binary, dynamic, dense) if run is not None}
+        lines += rewrite_comparison_lines(picked, labels, k)
     return lines
 
 
