@@ -17,6 +17,13 @@ ARG BASE_IMAGE=python:3.11-slim
 
 FROM scratch AS wheelhouse
 
+# The requirement list, derived from pyproject.toml in a stage of its own: the large layer
+# below is keyed on this list and the lock, not on every edit of pyproject.toml.
+FROM ${BASE_IMAGE} AS requirements
+ARG TRAINING_ONLY=matplotlib,tensorboard
+COPY pyproject.toml docker/requirements.py /req/
+RUN python /req/requirements.py /req/pyproject.toml --without "$TRAINING_ONLY" > /req/base.txt
+
 FROM ${BASE_IMAGE}
 
 # Default: the CPU build. TORCH_INDEX is asked with a short timeout and one retry, so a build
@@ -24,8 +31,6 @@ FROM ${BASE_IMAGE}
 # the wheelhouse. GPU: TORCH_SPEC=torch==2.13.0 TORCH_INDEX=https://download.pytorch.org/whl/cu126
 ARG TORCH_SPEC=torch==2.13.0+cpu
 ARG TORCH_INDEX=https://download.pytorch.org/whl/cpu
-# Core dependencies only the trainer uses: they go into the trainer image, not here.
-ARG TRAINING_ONLY=matplotlib,tensorboard
 
 ENV PYTHONDONTWRITEBYTECODE=1 \
     PYTHONUNBUFFERED=1 \
@@ -50,16 +55,17 @@ RUN --mount=type=secret,id=pip_conf --mount=type=secret,id=ca_bundle \
     torch_dir="$(python -c 'import importlib.util as u; print(u.find_spec("torch").submodule_search_locations[0])')"; \
     rm -rf "$torch_dir/include" "$torch_dir"/bin/test_* "$torch_dir"/bin/*Test "$torch_dir"/bin/protoc*
 
-# Every other dependency the images share, at the versions CI tested (requirements/lock.txt),
+# Every other dependency the images share (core dependencies only the trainer uses,
+# TRAINING_ONLY, go into the trainer image), at the versions CI tested (requirements/lock.txt),
 # plus setuptools for the offline install of calibrl in the images built FROM this one. Test
 # suites shipped inside packages are dropped in the same step.
-COPY requirements/lock.txt pyproject.toml docker/requirements.py /tmp/calibrl-deps/
+COPY requirements/lock.txt /tmp/calibrl-deps/
+COPY --from=requirements /req/base.txt /tmp/calibrl-deps/
 RUN --mount=type=secret,id=pip_conf --mount=type=secret,id=ca_bundle \
     --mount=type=bind,from=wheelhouse,target=/wheelhouse \
     if [ -s /run/secrets/pip_conf ]; then export PIP_CONFIG_FILE=/run/secrets/pip_conf; fi; \
     if [ -s /run/secrets/ca_bundle ]; then export PIP_CERT=/run/secrets/ca_bundle; fi; \
     cd /tmp/calibrl-deps; \
-    python requirements.py pyproject.toml --without "$TRAINING_ONLY" > base.txt; \
     pip install --find-links /wheelhouse -c lock.txt -r base.txt setuptools; \
     site="$(python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"; \
     find "$site" -depth -type d -name tests -path '*/site-packages/*/*' -exec rm -rf {} +; \

@@ -17,17 +17,21 @@ COPY judge_server ./judge_server
 COPY trainer ./trainer
 RUN pip install --no-deps --no-build-isolation --no-index --prefix /install .
 
-FROM ${BASE_IMAGE}
+# Extras (GPU: faiss-gpu) as a requirement list of its own; empty for the CPU image.
+FROM ${BASE_IMAGE} AS requirements
 ARG EXTRAS=""
+COPY pyproject.toml docker/requirements.py /req/
+RUN python /req/requirements.py /req/pyproject.toml --only "" --extras "$EXTRAS" > /req/extras.txt
+
+FROM ${BASE_IMAGE}
 SHELL ["/bin/sh", "-euc"]
-COPY requirements/lock.txt pyproject.toml docker/requirements.py /tmp/calibrl-deps/
+COPY requirements/lock.txt /tmp/calibrl-deps/
+COPY --from=requirements /req/extras.txt /tmp/calibrl-deps/
 RUN --mount=type=secret,id=pip_conf --mount=type=secret,id=ca_bundle \
     --mount=type=bind,from=wheelhouse,target=/wheelhouse \
-    if [ -n "$EXTRAS" ]; then \
+    if [ -s /tmp/calibrl-deps/extras.txt ]; then \
       if [ -s /run/secrets/pip_conf ]; then export PIP_CONFIG_FILE=/run/secrets/pip_conf; fi; \
       if [ -s /run/secrets/ca_bundle ]; then export PIP_CERT=/run/secrets/ca_bundle; fi; \
-      python /tmp/calibrl-deps/requirements.py /tmp/calibrl-deps/pyproject.toml --only "" --extras "$EXTRAS" \
-        > /tmp/calibrl-deps/extras.txt; \
       pip install --find-links /wheelhouse -c /tmp/calibrl-deps/lock.txt -r /tmp/calibrl-deps/extras.txt; \
     fi; \
     rm -rf /tmp/calibrl-deps

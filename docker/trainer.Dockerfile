@@ -18,18 +18,23 @@ COPY judge_server ./judge_server
 COPY trainer ./trainer
 RUN pip install --no-deps --no-build-isolation --no-index --prefix /install .
 
-FROM ${BASE_IMAGE}
-# The core dependencies the base leaves out (see base.Dockerfile) and the extras.
+# The core dependencies the base leaves out (see base.Dockerfile) and the extras, as a
+# requirement list of its own (the install below reruns only when this list or the lock changes).
+FROM ${BASE_IMAGE} AS requirements
 ARG TRAINING_ONLY=matplotlib,tensorboard
 ARG EXTRAS=lora
+COPY pyproject.toml docker/requirements.py /req/
+RUN python /req/requirements.py /req/pyproject.toml --only "$TRAINING_ONLY" --extras "$EXTRAS" > /req/training.txt
+
+FROM ${BASE_IMAGE}
 SHELL ["/bin/sh", "-euc"]
-COPY requirements/lock.txt pyproject.toml docker/requirements.py /tmp/calibrl-deps/
+COPY requirements/lock.txt /tmp/calibrl-deps/
+COPY --from=requirements /req/training.txt /tmp/calibrl-deps/
 RUN --mount=type=secret,id=pip_conf --mount=type=secret,id=ca_bundle \
     --mount=type=bind,from=wheelhouse,target=/wheelhouse \
     if [ -s /run/secrets/pip_conf ]; then export PIP_CONFIG_FILE=/run/secrets/pip_conf; fi; \
     if [ -s /run/secrets/ca_bundle ]; then export PIP_CERT=/run/secrets/ca_bundle; fi; \
     cd /tmp/calibrl-deps; \
-    python requirements.py pyproject.toml --only "$TRAINING_ONLY" --extras "$EXTRAS" > training.txt; \
     pip install --find-links /wheelhouse -c lock.txt -r training.txt; \
     site="$(python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"; \
     find "$site" -depth -type d -name tests -path '*/site-packages/*/*' -exec rm -rf {} +; \

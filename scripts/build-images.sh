@@ -38,7 +38,7 @@ if [ -z "${TORCH_INDEX+set}" ]; then
   if [ -n "$WHEELHOUSE" ] && compgen -G "$WHEELHOUSE/$torch_wheel*.whl" >/dev/null; then TORCH_INDEX=""; fi
 fi
 
-common=(--label "io.calibrl.source-hash=$(python3 scripts/image_build_inputs.py hash)")
+common=()
 if [ "$ENGINE" = podman ]; then
   # HEALTHCHECK is kept only in the docker format; --jobs: stages built at once.
   common+=(--format docker --layers --jobs "$BUILD_JOBS")
@@ -48,6 +48,11 @@ fi
 common+=(--secret "id=pip_conf,src=$PIP_CONF")
 [ -z "$CA_BUNDLE" ] || common+=(--secret "id=ca_bundle,src=$CA_BUNDLE")
 [ -z "$WHEELHOUSE" ] || common+=(--build-context "wheelhouse=$WHEELHOUSE")
+
+# The service images carry the digest of the tree they were built from (a test reuses images
+# of the same tree). The base does not: a label there would change its id with every source
+# edit, and with it the cache key of every layer built on it.
+source_label=(--label "io.calibrl.source-hash=$(python3 scripts/image_build_inputs.py hash)")
 
 build() {  # build NAME DOCKERFILE [ARGS...]
   local name="$1" dockerfile="$2" start
@@ -60,6 +65,7 @@ build() {  # build NAME DOCKERFILE [ARGS...]
 build "calibrl-base:$TAG" docker/base.Dockerfile --build-arg "BASE_IMAGE=$BASE_IMAGE" \
   --build-arg "TORCH_SPEC=$TORCH_SPEC" --build-arg "TORCH_INDEX=$TORCH_INDEX"
 for service in "${SERVICES[@]}"; do
-  build "calibrl-$service:$TAG" "docker/$service.Dockerfile" --build-arg "BASE_IMAGE=calibrl-base:$TAG"
+  build "calibrl-$service:$TAG" "docker/$service.Dockerfile" --build-arg "BASE_IMAGE=calibrl-base:$TAG" \
+    "${source_label[@]}"
 done
 "$ENGINE" image ls --filter "reference=*calibrl-*:$TAG"

@@ -114,6 +114,26 @@ def test_source_hash_follows_the_files_the_images_are_built_from(tmp_path):
     assert build_inputs.source_hash(tmp_path, ("pyproject.toml", "calibrl")) != first
 
 
+def test_saved_models_are_readable_by_other_users_as_the_umask_allows(tmp_path):
+    """safetensors writes 0600; calibrl's save sites give model files the umask's mode, so
+    uid 10001 in a container can read a policy saved on the host (and the reverse)."""
+    from calibrl.fileperms import current_umask, honour_umask
+    from calibrl.testing import save_tiny_policy
+
+    assert current_umask() == 0o022, "these checks assume the usual umask 022"
+    policy = save_tiny_policy(tmp_path / "policy")
+    modes = {p.name: stat.S_IMODE(p.stat().st_mode) for p in policy.iterdir()}
+    assert modes["model.safetensors"] == 0o644 and set(modes.values()) == {0o644}, modes
+    private = tmp_path / "private"
+    private.mkdir()
+    (private / "weights.bin").touch(mode=0o600)
+    (private / "wide.bin").touch()
+    (private / "wide.bin").chmod(0o775)
+    honour_umask(private)
+    assert stat.S_IMODE((private / "weights.bin").stat().st_mode) == 0o644
+    assert stat.S_IMODE((private / "wide.bin").stat().st_mode) == 0o775  # nothing is taken away
+
+
 # =============================================================================== the engine and the images
 
 
@@ -157,7 +177,7 @@ def images(engine: str, tmp_path_factory: pytest.TempPathFactory) -> dict[str, s
     """``{service: image}``, built from this tree unless images with its source hash exist."""
     names = {service: f"calibrl-{service}:{TAG}" for service in ("base", *SERVICES)}
     wanted = build_inputs.source_hash()
-    if all(_label(engine, image) == wanted for image in names.values()):
+    if all(_label(engine, names[service]) == wanted for service in SERVICES):
         return names
     log = tmp_path_factory.mktemp("build") / "build.log"
     env = dict(os.environ, ENGINE=engine, TAG=TAG)
@@ -166,7 +186,7 @@ def images(engine: str, tmp_path_factory: pytest.TempPathFactory) -> dict[str, s
                                 stderr=subprocess.STDOUT, env=env, timeout=BUILD_TIMEOUT_S, cwd=ROOT)
     if result.returncode != 0:
         pytest.fail(f"scripts/build-images.sh failed ({result.returncode}):\n{log.read_text()[-6000:]}")
-    assert all(_label(engine, image) == wanted for image in names.values())
+    assert all(_label(engine, names[service]) == wanted for service in SERVICES)
     return names
 
 
@@ -212,7 +232,8 @@ import glob, json, os, pathlib, subprocess, sys
 found = [p for pattern in ('/etc/pip.conf', '/etc/xdg/pip/*', '/root/.pip/*', '/root/.config/pip/*',
                            '/usr/local/pip.conf', '/run/secrets/*', '/wheelhouse/*', '/tmp/calibrl-deps')
          for p in glob.glob(pattern)]
-config = subprocess.run([sys.executable, '-m', 'pip', 'config', 'list'], capture_output=True, text=True).stdout
+listing = subprocess.run([sys.executable, '-m', 'pip', 'config', 'list'], capture_output=True, text=True).stdout
+config = [line for line in listing.splitlines() if not line.startswith(':env:')]  # the image's own ENV
 bundles = ['/etc/ssl/certs/ca-certificates.crt'] + glob.glob('/usr/local/lib/python3*/site-packages/certifi/cacert.pem')
 blocks = set()
 for bundle in bundles:
@@ -224,7 +245,7 @@ print(json.dumps({'found': found, 'config': config, 'env': sorted(k for k in os.
     for name, image in images.items():
         report = json.loads(_run(engine, "run", "--rm", "--user", "0", "--entrypoint", "python", image,
                                  "-c", probe).stdout)
-        assert report["found"] == [] and report["config"].strip() == "", f"{name}: {report['found']} {report['config']}"
+        assert report["found"] == [] and report["config"] == [], f"{name}: {report['found']} {report['config']}"
         assert set(report["env"]) <= {"PIP_NO_CACHE_DIR", "PIP_DISABLE_PIP_VERSION_CHECK"}, report["env"]
         image_certs = set(report["blocks"])
         debian_like = host_certs & image_certs
