@@ -65,8 +65,7 @@ RUN --mount=type=secret,id=pip_conf --mount=type=secret,id=ca_bundle \
     --mount=type=bind,from=wheelhouse,target=/wheelhouse \
     if [ -s /run/secrets/pip_conf ]; then export PIP_CONFIG_FILE=/run/secrets/pip_conf; fi; \
     if [ -s /run/secrets/ca_bundle ]; then export PIP_CERT=/run/secrets/ca_bundle; fi; \
-    cd /tmp/calibrl-deps; \
-    pip install --find-links /wheelhouse -c lock.txt -r base.txt setuptools; \
+    pip install --find-links /wheelhouse -c /tmp/calibrl-deps/lock.txt -r /tmp/calibrl-deps/base.txt setuptools; \
     site="$(python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"; \
     find "$site" -depth -type d -name tests -path '*/site-packages/*/*' -exec rm -rf {} +; \
-    cd /; rm -rf /tmp/calibrl-deps
+    rm -rf /tmp/calibrl-deps

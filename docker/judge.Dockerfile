@@ -17,7 +17,7 @@ COPY calibrl ./calibrl
 COPY retrieval_server ./retrieval_server
 COPY judge_server ./judge_server
 COPY trainer ./trainer
-RUN pip install --no-deps --no-build-isolation --no-index --prefix /install .
+RUN pip install --no-cache-dir --no-deps --no-build-isolation --no-index --prefix /install .
 
 FROM ${BASE_IMAGE}
 COPY --from=build /install /usr/local

@@ -16,7 +16,7 @@ COPY calibrl ./calibrl
 COPY retrieval_server ./retrieval_server
 COPY judge_server ./judge_server
 COPY trainer ./trainer
-RUN pip install --no-deps --no-build-isolation --no-index --prefix /install .
+RUN pip install --no-cache-dir --no-deps --no-build-isolation --no-index --prefix /install .
 
 # The core dependencies the base leaves out (see base.Dockerfile) and the extras, as a
 # requirement list of its own (the install below reruns only when this list or the lock changes).
@@ -34,11 +34,11 @@ RUN --mount=type=secret,id=pip_conf --mount=type=secret,id=ca_bundle \
     --mount=type=bind,from=wheelhouse,target=/wheelhouse \
     if [ -s /run/secrets/pip_conf ]; then export PIP_CONFIG_FILE=/run/secrets/pip_conf; fi; \
     if [ -s /run/secrets/ca_bundle ]; then export PIP_CERT=/run/secrets/ca_bundle; fi; \
-    cd /tmp/calibrl-deps; \
-    pip install --find-links /wheelhouse -c lock.txt -r training.txt; \
+    pip install --no-cache-dir --find-links /wheelhouse -c /tmp/calibrl-deps/lock.txt \
+      -r /tmp/calibrl-deps/training.txt; \
     site="$(python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"; \
     find "$site" -depth -type d -name tests -path '*/site-packages/*/*' -exec rm -rf {} +; \
-    cd /; rm -rf /tmp/calibrl-deps; \
+    rm -rf /tmp/calibrl-deps; \
     mkdir -p /runs; chown 10001:10001 /runs
 COPY --from=build /install /usr/local
 
