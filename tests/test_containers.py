@@ -147,11 +147,22 @@ def _engine() -> str:
 
 
 @pytest.fixture(scope="module")
-def engine() -> str:
+def engine():
+    """podman (with the project's containers.conf, as scripts/podman-env.sh sets it) or docker."""
     name = _engine()
+    previous = os.environ.get("CONTAINERS_CONF")
     if name == "podman":
         os.environ["CONTAINERS_CONF"] = str(ROOT / "docker" / "podman" / "containers.conf")
-    return name
+    yield name
+    if previous is None:
+        os.environ.pop("CONTAINERS_CONF", None)
+    else:
+        os.environ["CONTAINERS_CONF"] = previous
+
+
+def _rm(engine: str, container: str) -> None:
+    now = ["--time", "0"] if engine == "podman" else []  # docker rm --force kills at once anyway
+    _run(engine, "rm", "--force", *now, container, check=False, timeout=120)
 
 
 def _run(engine: str, *args: str, timeout: float = 300, check: bool = True) -> subprocess.CompletedProcess:
@@ -273,7 +284,7 @@ class Stack:
 
     def remove(self) -> None:
         for name in self.containers.values():
-            _run(self.engine, "rm", "--force", "--time", "0", name, check=False, timeout=120)
+            _rm(self.engine, name)
         _run(self.engine, "volume", "rm", "--force", self.volume, check=False, timeout=120)
         _run(self.engine, "network", "rm", "--force", self.network, check=False, timeout=120)
 
@@ -283,7 +294,7 @@ def _remove_leftovers(engine: str) -> None:
     listed = _run(engine, "ps", "--all", "--filter", f"label={TEST_LABEL}", "--format", "{{.Names}}", check=False)
     for name in listed.stdout.split():
         if name.startswith("calibrl-test-"):
-            _run(engine, "rm", "--force", "--time", "0", name, check=False, timeout=120)
+            _rm(engine, name)
 
 
 @pytest.fixture
