@@ -11,7 +11,8 @@
 #   scripts/build-images.sh                    # all four, tagged :cpu
 #   scripts/build-images.sh retrieval judge    # the base (cached) and those two
 # Settings (environment): ENGINE=podman|docker, TAG=cpu, BASE_IMAGE=python:3.11-slim,
-#   PIP_CONF, CA_BUNDLE, WHEELHOUSE (default: from this machine's pip configuration),
+#   BUILD_PIP_CONF (a pip.conf), CA_BUNDLE (a PEM file), WHEELHOUSE (a folder of wheels);
+#   each defaults to what this machine's pip configuration gives,
 #   TORCH_SPEC, TORCH_INDEX (default: empty when the wheelhouse holds the torch wheel, else
 #   the CPU wheel index), BUILD_JOBS=1. No registry reachable: scripts/build-base-image.sh
 #   makes BASE_IMAGE from Debian packages first.
@@ -27,8 +28,11 @@ if [ "$ENGINE" = podman ]; then . scripts/podman-env.sh; fi
 
 secrets_dir="$(mktemp -d)"
 trap 'rm -rf "$secrets_dir"' EXIT
+given_pip_conf="${BUILD_PIP_CONF:-}" given_ca="${CA_BUNDLE:-}" given_wheelhouse="${WHEELHOUSE:-}"
 eval "$(python3 scripts/image_build_inputs.py pip --out "$secrets_dir/pip")"
-PIP_CONF="${PIP_CONF_OVERRIDE:-$PIP_CONF}"
+PIP_CONF="${given_pip_conf:-$PIP_CONF}"
+CA_BUNDLE="${given_ca:-$CA_BUNDLE}"
+WHEELHOUSE="${given_wheelhouse:-$WHEELHOUSE}"
 echo "pip configuration for the build: $PIP_CONF (left out: ${DROPPED:-nothing})"
 echo "CA bundle: ${CA_BUNDLE:-none}; wheelhouse: ${WHEELHOUSE:-none}"
 TORCH_SPEC="${TORCH_SPEC:-torch==2.13.0+cpu}"
