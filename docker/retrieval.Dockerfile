@@ -32,7 +32,8 @@ RUN --mount=type=secret,id=pip_conf --mount=type=secret,id=ca_bundle \
     if [ -s /tmp/calibrl-deps/extras.txt ]; then \
       if [ -s /run/secrets/pip_conf ]; then export PIP_CONFIG_FILE=/run/secrets/pip_conf; fi; \
       if [ -s /run/secrets/ca_bundle ]; then export PIP_CERT=/run/secrets/ca_bundle; fi; \
-      pip install --no-cache-dir --find-links /wheelhouse -c /tmp/calibrl-deps/lock.txt -r /tmp/calibrl-deps/extras.txt; \
+      pip install --no-cache-dir --find-links /wheelhouse -c /tmp/calibrl-deps/lock.txt \
+        -r /tmp/calibrl-deps/extras.txt; \
     fi; \
     rm -rf /tmp/calibrl-deps
 COPY --from=build /install /usr/local
