@@ -70,6 +70,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 from calibrl.errors import ConfigError, InvalidArgument
+from calibrl.fileperms import honour_umask
 from calibrl.judge_server import prompts
 from calibrl.judge_server.distill import canonical_tag, grade_value, is_golden, text_key
 from calibrl.judge_server.feedback import FeedbackRecord
@@ -505,6 +506,7 @@ def train_judge(
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(str(out))
     tokenizer.save_pretrained(str(out))
+    honour_umask(out)
     fingerprint = model_fingerprint(out)
     record = {
         "format": RECORD_FORMAT,

@@ -1,5 +1,7 @@
 """The container files: lint clean, non-root, gRPC health checks, GPU reservations,
-read-only data volumes and a CPU-only profile."""
+read-only data volumes, a CPU-only profile, one shared base image, and build secrets
+(never files) for the package index configuration. tests/test_containers.py builds and
+runs the images."""
 
 import pathlib
 import shutil
@@ -13,15 +15,40 @@ DOCKER = pathlib.Path(__file__).resolve().parent.parent / "docker"
 DOCKERFILES = sorted(DOCKER.glob("*.Dockerfile"))
 
 
-def test_there_is_an_image_per_service_and_the_trainer():
-    assert {p.name for p in DOCKERFILES} == {"retrieval.Dockerfile", "judge.Dockerfile", "trainer.Dockerfile"}
+def test_there_is_an_image_per_service_and_the_trainer_on_one_shared_base():
+    assert {p.name for p in DOCKERFILES} == {"base.Dockerfile", "retrieval.Dockerfile", "judge.Dockerfile",
+                                             "trainer.Dockerfile"}
+    for dockerfile in DOCKERFILES:
+        lines = dockerfile.read_text().splitlines()
+        first_from = next(i for i, line in enumerate(lines) if line.startswith("FROM "))
+        assert any(line.startswith("ARG BASE_IMAGE=") for line in lines[:first_from]), dockerfile.name
+        if dockerfile.name != "base.Dockerfile":
+            assert "ARG BASE_IMAGE=calibrl-base:cpu" in lines, dockerfile.name
+
+
+@pytest.mark.parametrize("dockerfile", DOCKERFILES, ids=lambda p: p.name)
+def test_package_index_settings_come_in_as_build_secrets_never_as_files(dockerfile):
+    """Every RUN that may reach a package index mounts the pip_conf and ca_bundle secrets;
+    nothing copies or adds a pip configuration or certificate into a layer."""
+    text = dockerfile.read_text().replace("\\\n", " ")
+    for instruction in text.split("\nRUN ")[1:]:
+        instruction = instruction.split("\n")[0]
+        if "pip install" in instruction and "--no-index" not in instruction:
+            assert "--mount=type=secret,id=pip_conf" in instruction, instruction
+            assert "--mount=type=secret,id=ca_bundle" in instruction, instruction
+    for line in text.splitlines():
+        if line.startswith(("COPY", "ADD")):
+            assert not any(word in line for word in ("pip.conf", "pip.ini", ".pem", ".crt", "certs")), line
+    assert "PIP_INDEX_URL" not in text and "PIP_CERT=" not in text.replace("PIP_CERT=/run/secrets/ca_bundle", "")
 
 
 @pytest.mark.parametrize("dockerfile", DOCKERFILES, ids=lambda p: p.name)
 def test_dockerfile_lints_clean_and_runs_as_non_root(dockerfile):
     text = dockerfile.read_text()
     users = [line.split()[1] for line in text.splitlines() if line.startswith("USER ")]
-    assert users and users[-1] not in ("root", "0"), "the image must end on a non-root USER"
+    if "ENTRYPOINT" in text:  # an image that runs (the base is only built on)
+        assert users and users[-1] not in ("root", "0"), "the image must end on a non-root USER"
+        assert users[-1] == "10001", "the images run as uid 10001 (mounted files must be readable by it)"
     if "\"serve\"" in text:
         assert "HEALTHCHECK" in text and "calibrl\", \"health\"" in text
     # The dev extra installs hadolint beside the interpreter (the venv may not be on PATH).

@@ -32,6 +32,7 @@ from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any, Mapping, TypedDict
 
 from calibrl.errors import NotFound
+from calibrl.fileperms import honour_umask
 
 if TYPE_CHECKING:  # pragma: no cover
     import numpy as np
@@ -160,6 +161,7 @@ def save_checkpoint(
             model.save_pretrained(model_dir, state_dict=full_model_state, safe_serialization=True)
         if tokenizer is not None:
             tokenizer.save_pretrained(model_dir)
+        honour_umask(model_dir)  # safetensors writes 0600
         torch.save(optimizer_state if optimizer_state is not None else optimizer.state_dict(), staging / "optimizer.pt")
         torch.save(scheduler.state_dict(), staging / "scheduler.pt")
         (staging / "config.yaml").write_text(config_yaml, encoding="utf-8")

@@ -39,6 +39,7 @@ from typing import Any, Sequence
 
 from calibrl.demo.domain import Domain
 from calibrl.demo.policy import Example, PolicySpec, build_model, train_tokenizer, warm_start
+from calibrl.fileperms import honour_umask
 
 LLM_RUBRIC_ID = "demo-rewriter-llm"
 JUDGE_MAX_DOCS = 0  # judge prompts show no retrieved passages (module doc)
@@ -148,6 +149,7 @@ def build_judge_base(domain: Domain, rubric: Any, out: pathlib.Path, settings: J
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
+    honour_umask(out)
     return out, result
 
 

@@ -48,6 +48,7 @@ from calibrl.demo.domain import (
     user_query,
     value_choices,
 )
+from calibrl.fileperms import honour_umask
 from calibrl.tiny_lm import TinyLMSpec
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -516,6 +517,7 @@ def _warm_start_and_save(folder: pathlib.Path, tokenizer: Any, spec: PolicySpec,
     folder.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
+    honour_umask(folder)
     return result
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import pathlib
 from typing import Any, Iterable
 
+from calibrl.fileperms import honour_umask
 from calibrl.tiny_lm import TinyLMSpec, build_tiny_lm
 
 # A minimal chat template for tests that need one (a user turn, then the assistant's).
@@ -89,6 +90,7 @@ def build_tiny_causal_lm(
                       max_positions=max_positions, tie_word_embeddings=True, initializer_range=initializer_range)
     model = build_tiny_lm(tokenizer, spec, seed)
     model.save_pretrained(str(folder))
+    honour_umask(folder)
     return folder
 
 
@@ -146,4 +148,5 @@ def save_tiny_policy(folder: pathlib.Path, *, seed: int = 0) -> pathlib.Path:
     folder.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
+    honour_umask(folder)
     return folder
