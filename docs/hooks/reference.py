@@ -397,6 +397,37 @@ PAGES = {
 }
 
 
+def _first(function: Any) -> Any:
+    """Run this hook's event before the plugins' (mkdocstrings reads its paths in its own on_config)."""
+    try:
+        from mkdocs.plugins import event_priority
+    except ImportError:  # imported outside mkdocs (tests/test_docs.py)
+        return function
+    return event_priority(100)(function)
+
+
+@_first
+def on_config(config: Any) -> Any:
+    """mkdocstrings reads source statically (griffe), but trainer/, judge_server/ and
+    retrieval_server/ install as calibrl.trainer, ... (package-dir): give it a folder where the
+    package has that shape, made of symlinks to the real files."""
+    import atexit
+    import shutil
+    import tempfile
+
+    shadow = pathlib.Path(tempfile.mkdtemp(prefix="calibrl-docs-src-"))
+    atexit.register(shutil.rmtree, shadow, True)
+    package = shadow / "calibrl"
+    package.mkdir()
+    for entry in (ROOT / "calibrl").iterdir():
+        (package / entry.name).symlink_to(entry)
+    for name in ("trainer", "judge_server", "retrieval_server"):
+        (package / name).symlink_to(ROOT / name)
+    handlers = config["plugins"]["mkdocstrings"].config["handlers"]
+    handlers.setdefault("python", {})["paths"] = [str(shadow)]
+    return config
+
+
 def on_files(files: Any, config: Any) -> Any:
     from mkdocs.structure.files import File
 
