@@ -8,7 +8,7 @@ order, as one bash script in a fresh folder that sees the repository's files (co
 examples/, ...) and ../shared beside it, as a reader following the page from the
 repository root would; Python blocks run with this interpreter. Background processes a
 page starts (`calibrl serve ... &`) are stopped with SIGTERM at the end. The fixed service
-ports the pages use (50051, 50052) are swapped for free ones, so pages never collide with
+ports the pages use (50051, 50052, 9464) are swapped for free ones, so pages never collide with
 anything else on the machine.
 """
 
@@ -30,7 +30,7 @@ DOCS = ROOT / "docs"
 FENCE = re.compile(r"^```(\w*)[^\n]*\n(.*?)^```\s*$", re.M | re.S)
 SKIP = re.compile(r"<!--\s*skip:\s*(.+?)\s*-->\s*$")
 EXECUTED = ("bash", "python")
-SERVICE_PORTS = ("50051", "50052")
+SERVICE_PORTS = ("50051", "50052", "9464")
 
 # Pages written by other parts of the docs at the same time; until they land these are
 # one-line placeholders. The lead empties this list when merging.
@@ -112,7 +112,9 @@ def run_page(path: pathlib.Path, tmp_path: pathlib.Path, timeout: float) -> subp
     ports = {documented: str(free_port()) for documented in SERVICE_PORTS}
     script = page_script(path, ports)
     env = {**os.environ, "PATH": f"{pathlib.Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",
-           "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1"}
+           "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1",
+           # one thread per process: tiny models and the embedder run fastest so on a shared machine
+           "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
     return subprocess.run(["bash", "-c", script], cwd=reader_folder(tmp_path), env=env, text=True,
                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=timeout)
 
@@ -295,7 +297,7 @@ def test_generated_reference_covers_the_code():
         parser = hook.command_parser(words)
         assert f"## calibrl {' '.join(words)}" in cli
         for action in parser._actions:
-            for option in action.option_strings:
+            for option in set(action.option_strings) - {"-h", "--help"}:
                 assert f"`{option}`" in cli, (words, option)
     config = hook.config_reference()
     from calibrl.retrieval_server.config import RetrievalServerConfig

@@ -86,7 +86,7 @@ def _action_row(action: argparse.Action) -> str:
     if action.nargs == 0 or action.default in (None, argparse.SUPPRESS):
         default = ""
     else:
-        default = _code(action.default)
+        default = _default_text(action.default)
     extra = []
     if action.choices:
         extra.append("one of " + ", ".join(_code(c) for c in action.choices))
