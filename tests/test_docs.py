@@ -14,6 +14,7 @@ anything else on the machine.
 
 from __future__ import annotations
 
+import json
 import os
 import pathlib
 import re
@@ -229,6 +230,32 @@ def test_slow_page_snippets_run(path, tmp_path):
     """Pages that build indexes, start services and train (each sized to a few minutes)."""
     result = run_page(path, tmp_path, timeout=900)
     assert result.returncode == 0, f"{page_name(path)} failed:\n{result.stdout[-6000:]}"
+    # every metric a training run of the page logged is on the metrics reference page
+    logged = set()
+    for metrics_file in (tmp_path / "calibrl").glob("runs/**/metrics.jsonl"):
+        for line in metrics_file.read_text(encoding="utf-8").splitlines():
+            logged.update(json.loads(line))
+    undocumented = sorted(name for name in logged if not documented_metric(name))
+    assert not undocumented, f"metrics missing from docs/reference/metrics.md: {undocumented}"
+
+
+def documented_metric(name: str) -> bool:
+    """Whether docs/reference/metrics.md names this metric (`<component>`, `<name>` match any part)."""
+    page = (DOCS / "reference" / "metrics.md").read_text(encoding="utf-8")
+    for row in page.splitlines():
+        if not row.startswith("| `"):
+            continue
+        for documented in re.findall(r"`([^`]+)`", row.split(" | ")[0]):
+            pattern = re.escape(documented).replace(re.escape("<component>"), "[^/]+").replace(re.escape("<name>"), ".+")
+            if re.fullmatch(pattern, name):
+                return True
+    return False
+
+
+def test_metrics_page_matches_the_names_it_documents():
+    for name in ("reward", "rewards/retrieval/mean", "rewards/rubric/std", "calibadv/rebalance_factor", "kl"):
+        assert documented_metric(name), name
+    assert not documented_metric("rewards/retrieval/median")
 
 
 # --------------------------------------------------------------------------- the site

@@ -92,7 +92,7 @@ def _action_row(action: argparse.Action) -> str:
         extra.append("one of " + ", ".join(_code(c) for c in action.choices))
     if action.nargs in ("*", "+", "append") or isinstance(action, argparse._AppendAction):
         extra.append("repeatable")
-    if action.required:
+    if action.required and action.nargs not in ("*", "?"):
         extra.append("required")
     help_text = (action.help or "").replace("%%", "%")
     if "%(default)" in help_text:
