@@ -212,20 +212,44 @@ def config_reference() -> str:
     return "\n".join(lines)
 
 
+def refusal_texts() -> str:
+    """The text of every refusal the servers raise (string parts of each `raise ResourceExhausted(...)`
+    and `raise InvalidArgument(...)`): a config field named there is a limit that can refuse a request."""
+    texts = []
+    for folder in ("retrieval_server", "judge_server", "calibrl"):
+        for path in sorted((ROOT / folder).glob("*.py")):
+            tree = ast.parse(path.read_text(encoding="utf-8"))
+            if path.name == "limits.py":  # the retrieval server's request rules: every name in it refuses
+                texts += [c.value for c in ast.walk(tree) if isinstance(c, ast.Constant) and isinstance(c.value, str)]
+            for node in ast.walk(tree):
+                if (isinstance(node, ast.Raise) and isinstance(node.exc, ast.Call)
+                        and getattr(node.exc.func, "id", "") in ("ResourceExhausted", "InvalidArgument")):
+                    texts += [c.value for c in ast.walk(node.exc)
+                              if isinstance(c, ast.Constant) and isinstance(c.value, str)]
+    return "\n".join(texts)
+
+
 def limits_reference() -> str:
-    """Every request limit of both servers: the config fields that bound a request's size or the queue."""
-    pattern = re.compile(r"(^|\.)(max_|batch_max_)")
-    lines = [GENERATED_NOTE.format(source="the server config dataclasses"),
+    """Every request limit of both servers: the config fields their refusal messages name."""
+    refusals = refusal_texts()
+    lines = [GENERATED_NOTE.format(source="the server config dataclasses and the servers' refusal messages"),
              "# Limits\n",
-             "Every limit a server applies to a request, with its default. A request over a limit is refused "
-             "before any work with `RESOURCE_EXHAUSTED` (sizes, full queue) or `INVALID_ARGUMENT` (a value "
-             "outside its range), and the message names the field and the limit, e.g. "
+             "Every setting of a server that can refuse a request, with its default. A request over a limit is "
+             "refused before any work with `RESOURCE_EXHAUSTED` (sizes, full queue) or `INVALID_ARGUMENT` (a "
+             "value outside its range), and the message names the field and the limit, e.g. "
              "`top_k: must be in 1..100 (max_top_k), got 0`. `GetIndexInfo` reports the retrieval server's "
              "limits at run time. Per-tenant request size and rate limits live in the API-keys file "
              "([TLS, API keys and tenants](../guides/security.md)).\n"]
     for title, target, _ in CONFIGS[1:]:
         cls = _load(target)
-        rows = [r for r in config_rows(cls) if pattern.search(r.split("`")[1])]
+        rows = []
+        for row in config_rows(cls):
+            key = row.split("`")[1]
+            leaf = key.rsplit(".", 1)[-1]
+            named = re.search(rf"(?<![\w.]){re.escape(leaf)}(?!\w)", refusals)
+            queue_bound = "RESOURCE_EXHAUSTED" in row
+            if leaf.startswith(("max_", "batch_max_")) and (named or queue_bound or key.startswith("serving.")):
+                rows.append(row)
         lines += [f"## {title}", "", "| key | type | default | meaning |", "| --- | --- | --- | --- |", *rows, ""]
     return "\n".join(lines)
 
