@@ -280,6 +280,9 @@ def test_mkdocs_build_strict(built_site):
     for page in ("index.html", "reference/cli/index.html", "reference/config/index.html",
                  "reference/grpc/index.html", "reference/python/index.html", "reference/errors/index.html"):
         assert (built_site / page).is_file(), page
+    # a skipped snippet's reason is shown on the built page
+    html = (built_site / "guides" / "vllm-judge" / "index.html").read_text(encoding="utf-8")
+    assert "Not run by the documentation tests" in html and "needs a GPU, vLLM and a judge model folder" in html
 
 
 def test_every_page_is_in_the_nav():

@@ -452,6 +452,16 @@ def on_config(config: Any) -> Any:
     return config
 
 
+SKIP_MARKER = re.compile(r"^<!--\s*skip:\s*(.+?)\s*-->[ \t]*$", re.M)
+
+
+def on_page_markdown(markdown: str, page: Any, config: Any, files: Any) -> str:
+    """Show why a snippet is not run by the docs tests: the `<!-- skip: reason -->` line before
+    its fence (which tests/test_docs.py reads) gets a visible note above it."""
+    return SKIP_MARKER.sub(lambda m: f'!!! note "Not run by the documentation tests"\n    {m.group(1)}\n\n{m.group(0)}',
+                           markdown)
+
+
 def on_files(files: Any, config: Any) -> Any:
     from mkdocs.structure.files import File
 
