@@ -188,7 +188,8 @@ def test_the_readme_field_map_line_reads_another_teams_feedback(tmp_path, monkey
 
     from calibrl.cli import main as calibrl_main
 
-    readme = (pathlib.Path(__file__).resolve().parent.parent / "README.md").read_text(encoding="utf-8")
+    readme = (pathlib.Path(__file__).resolve().parent.parent / "docs" / "guides" / "rubric-from-feedback.md").read_text(
+        encoding="utf-8")
     section = readme[readme.index("<!-- section:judge -->"):readme.index("<!-- /section:judge -->")]
     [line] = [text for block in re.findall(r"```sh\n(.*?)```", section, re.S) for text in block.splitlines()
               if "--field-map" in text]

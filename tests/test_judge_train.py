@@ -24,7 +24,7 @@ from calibrl.judge_server.validation import golden_digest, read_records
 
 torch = pytest.importorskip("torch")
 
-README = pathlib.Path(__file__).resolve().parent.parent / "README.md"
+README = pathlib.Path(__file__).resolve().parent.parent / "docs" / "guides" / "rubric-from-feedback.md"
 FUNDS = ["VTSAX", "VFIAX", "VBTLX", "VTIAX", "VGSLX", "VWIAX"]
 TOPICS = ["expense ratio", "minimum investment", "dividend schedule", "turnover rate"]
 # Seeded runs (bases of seeds 0, 1, 2) reach 1.0 golden balanced accuracy on every criterion

@@ -137,11 +137,11 @@ def test_lr_schedules_warm_up_then_decay_to_the_floor():
 
 
 def test_readme_trainer_commands_use_real_flags(capsys):
-    """Every --flag of a `calibrl train|eval` command in the README's trainer section
+    """Every --flag of a `calibrl train|eval` command on the docs' training page
     is one the command accepts (docs that cannot drift)."""
     import re
 
-    readme = (ROOT / "README.md").read_text()
+    readme = (ROOT / "docs" / "concepts" / "training.md").read_text()
     section = readme[readme.index("<!-- section:trainer -->"):readme.index("<!-- /section:trainer -->")]
     commands = re.findall(r"calibrl (train|eval)((?:[^\n]*\\\n)*[^\n]*)", section)
     assert {name for name, _ in commands} == {"train", "eval"}
@@ -150,7 +150,7 @@ def test_readme_trainer_commands_use_real_flags(capsys):
             calibrl_main([name, "--help"])
         help_text = capsys.readouterr().out
         for flag in re.findall(r"(--[a-z][a-z-]*)", text):
-            assert flag in help_text, f"README uses calibrl {name} {flag}"
+            assert flag in help_text, f"docs/concepts/training.md uses calibrl {name} {flag}"
 
 
 # --------------------------------------------------------------------------- prompt template
