@@ -79,7 +79,7 @@ def pin(environ: MutableMapping[str, str] | None = None, *, native: bool = False
         return PinResult(False, "native kernels (asked for): trained numbers depend on this CPU")
     if not (cpu_has_avx2() if has_avx2 is None else has_avx2):
         return PinResult(False, "native kernels: this CPU is not x86-64 with AVX2, so trained numbers may differ "
-                                "from the README's")
+                                "from the published results (docs/results/demo.md)")
     if "torch" in sys.modules and environ is None:
         already = all(env.get(name) == value for name, value in PINNED.items())
         return PinResult(already, "pinned to AVX2" if already else

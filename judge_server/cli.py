@@ -111,7 +111,7 @@ def distill(argv: list[str]) -> int:
         description="Distil SME feedback (JSONL) into a rubric (YAML) and a golden hold-out set (JSONL). "
         "Deterministic: the same feedback gives the same files, byte for byte.",
     )
-    parser.add_argument("--feedback", required=True, help="SME feedback JSONL (see README, judge section)")
+    parser.add_argument("--feedback", required=True, help="SME feedback JSONL (docs/guides/rubric-from-feedback.md)")
     parser.add_argument("--out", required=True, help="rubric YAML to write")
     parser.add_argument("--golden-out", required=True, help="golden hold-out JSONL to write")
     parser.add_argument("--id", help="rubric id (default: the feedback file's stem)")
@@ -127,7 +127,7 @@ def distill(argv: list[str]) -> int:
     parser.add_argument("--glossary", help="text file of domain terms, one a line")
     parser.add_argument("--field-map", default="", metavar="DOCUMENTED=THEIRS,...",
                         help="feedback written with other field names, e.g. grade=score,output=rewrite,"
-                        "error_tags=issues (see README, feedback fields)")
+                        "error_tags=issues (docs/guides/rubric-from-feedback.md)")
     args = parser.parse_args(argv)
 
     from calibrl.judge_server.distill import DistillOptions

@@ -6,7 +6,7 @@ scores into the ``(B, S)`` ``step_scores`` tensor of
 inputs, registered with it), and the estimator does the rest.
 
 The rules are those of the authors' code (Wu et al., arXiv 2604.18235, verl
-fork; docs/design.md, "CalibAdv", rules 1-3), checked rule by rule:
+fork; docs/design.md, "Advantages and loss", CalibAdv rules 1-3), checked rule by rule:
 
 1. **Reward** of a search rollout is ``F1 x format``: answer token F1 times 1
    when the trajectory is well formed (:func:`calibrl.trainer.search_format.check_format`),

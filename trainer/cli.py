@@ -215,7 +215,7 @@ def _eval_parser() -> argparse.ArgumentParser:
     parser.add_argument("--device", default="auto", help="policy device (default auto)")
     parser.add_argument("--out", help="write the results as JSON here")
     parser.add_argument("--sme-items", metavar="FILE",
-                        help="also write each model's outputs as items for 'calibrl sme sample' (README: SME review)")
+                        help="also write each model's outputs as items for 'calibrl sme sample' (docs/guides/sme-review.md)")
     parser.add_argument("--run-dir", metavar="RUN",
                         help="a `calibrl train` output_dir: add the results, one row per checkpoint of it, as a table "
                         "to the run's own tracker runs (ids in RUN/trackers.json; nothing they hold is dropped)")

@@ -18,7 +18,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from calibrl.demo.policy import AgentTeacher
     from calibrl.trainer.eval import EvalSettings
 
-# The arms, each from the same base agent with the same design (see docs/design.md, "Search agents").
+# The arms, each from the same base agent with the same design (docs/design.md, "Comparing arms").
 ARMS = {
     "grpo": "GRPO (answer F1 x format)",
     "calibadv": "CalibAdv (answer F1 x format)",
@@ -61,7 +61,7 @@ class SearchDesign:
 
 
 # Fixed from the untrained base's error analysis and pilots of both arms with identical settings
-# (README, "The embedded demo"): the full demo and the multi-seed study run FULL_SEARCH.
+# (docs/getting-started/demo.md): the full demo and the multi-seed study run FULL_SEARCH.
 # warm_steps: the smallest probed length (300, 600, 900, ... steps) after which the base finds the bridge
 # document on every probed training question (benchmarks/probe_warm_start.py; the base alone, no arm
 # trained). Shorter warm starts leave it writing a memorised account or fund name of the same shape in

@@ -23,7 +23,7 @@ def sample(argv: Sequence[str]) -> int:
     parser = argparse.ArgumentParser(
         prog="calibrl sme sample",
         description="Choose N items worth an expert's review from rollouts or eval outputs (the sample-input "
-        "JSONL, README 'SME review'): representatives of each outcome (retrieval hit / miss) by k-means over "
+        "JSONL, docs/guides/sme-review.md): representatives of each outcome (retrieval hit / miss) by k-means over "
         "MiniLM embeddings, the items a current judge is least sure of, and those where judge and retrieval "
         "disagree. Deterministic for a seed; prints a coverage summary and why each item was chosen.",
     )

@@ -17,10 +17,10 @@ when vLLM was already imported without it, the judge refuses to start rather tha
 serve scores that depend on the batch. ``vllm_batch_invariant=false`` turns it off.
 Whether the mode is bitwise invariant together with prefix caching and
 ``processed_logprobs`` for a given model is vLLM's claim, not checked by us: no
-machine we test on can run vLLM (see README: verified hardware).
+machine we test on can run vLLM (docs/results/hardware.md).
 
 vLLM is imported only here, only when a ``vllm:`` judge is built: CPU installs never
-touch it. Not exercised by the CPU test suite (see README: verified hardware).
+touch it. Not exercised by the CPU test suite (docs/results/hardware.md).
 """
 
 from __future__ import annotations
