@@ -22,7 +22,6 @@ vector kernel either.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import hashlib
 import logging
@@ -241,6 +240,3 @@ def self_test(runner: OnnxRunner) -> SelfTest:
         differing += sum(1 for i, v in zip(order, vectors) if v.tobytes() != alone[i])
     return SelfTest(differing == 0, checked, differing, runner.threads)
 
-
-def describe_runner(runner: OnnxRunner) -> dict[str, Any]:
-    return {"graph": str(runner.graph), **dataclasses.asdict(runner.self_test), "mode": runner.self_test.mode}
