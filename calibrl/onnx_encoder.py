@@ -22,7 +22,6 @@ vector kernel either.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import hashlib
 import logging
@@ -43,9 +42,11 @@ MAX_GROUP_TOKENS = 8192  # rows x length of one forward pass at most (memory bou
 PROBE_SHAPES = ((3, 6), (9, 16), (24, 6), (61, 6), (128, 4))
 
 
-def _cache_root() -> pathlib.Path:
+def _cache_roots() -> list[pathlib.Path]:
+    """Where graphs are cached: ``$CALIBRL_CACHE_DIR`` (else ``~/.cache/calibrl``), then the
+    temporary folder for a home that cannot be written (a read-only container)."""
     root = os.environ.get(CACHE_ENV) or os.path.join(os.environ.get("XDG_CACHE_HOME") or "~/.cache", "calibrl")
-    return pathlib.Path(root).expanduser() / "onnx"
+    return [pathlib.Path(root).expanduser() / "onnx", pathlib.Path(tempfile.gettempdir()) / "calibrl" / "onnx"]
 
 
 @functools.lru_cache(maxsize=8)
@@ -76,16 +77,33 @@ def runtime_version() -> str:
 
 
 def export_path(folder: str) -> pathlib.Path:
-    """Where the graph of ``folder`` is cached: keyed by weights hash + exporter versions."""
+    """Where the graph of ``folder`` is cached: keyed by weights hash + exporter versions
+    (the first cache folder that holds it, else the first one)."""
     key = hashlib.sha256(f"{weights_sha256(folder)}|{exporter_versions()}|{EXPORT_FORMAT}".encode()).hexdigest()
-    return _cache_root() / key[:32] / "encoder.onnx"
+    paths = [root / key[:32] / "encoder.onnx" for root in _cache_roots()]
+    return next((path for path in paths if path.is_file()), paths[0])
 
 
 def ensure_exported(folder: str) -> pathlib.Path:
-    """The cached ONNX graph of ``folder``, exported first if it is not there yet."""
+    """The cached ONNX graph of ``folder``, exported first if it is not there yet (into the
+    temporary folder when the cache folder cannot be written)."""
     target = export_path(folder)
     if target.is_file():
         return target
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        probe = tempfile.NamedTemporaryFile(dir=target.parent)
+        probe.close()
+    except OSError as exc:
+        fallback = _cache_roots()[1] / target.parent.name / target.name
+        log.warning("cannot write the ONNX cache %s (%s); exporting to %s", target.parent, exc, fallback)
+        target = fallback
+        if target.is_file():
+            return target
+    return _export(folder, target)
+
+
+def _export(folder: str, target: pathlib.Path) -> pathlib.Path:
     import torch
     from transformers import AutoModel
 
@@ -241,6 +259,3 @@ def self_test(runner: OnnxRunner) -> SelfTest:
         differing += sum(1 for i, v in zip(order, vectors) if v.tobytes() != alone[i])
     return SelfTest(differing == 0, checked, differing, runner.threads)
 
-
-def describe_runner(runner: OnnxRunner) -> dict[str, Any]:
-    return {"graph": str(runner.graph), **dataclasses.asdict(runner.self_test), "mode": runner.self_test.mode}

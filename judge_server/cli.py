@@ -80,6 +80,10 @@ def serve(argv: list[str]) -> int:
     from calibrl.threads import apply_thread_policy
 
     apply_thread_policy(config.torch_threads, "judge server")  # before the models load: they size to it
+    try:
+        _load_embedder_if_needed(config)
+    except CalibrlError as exc:
+        return _fail(str(exc))
 
     async def run() -> None:
         stop_requested = stop_on_signals()  # before the port is announced: a SIGTERM from then on drains
@@ -95,6 +99,24 @@ def serve(argv: list[str]) -> int:
 
     exit_after_shutdown(0)  # skips the slow interpreter teardown: exit within drain + grace + 1 s
     return 0
+
+
+def _load_embedder_if_needed(config) -> None:
+    """Load the judge's MiniLM encoder before serving when a rubric scores intent similarity,
+    so its ONNX export and self-test run at start, not inside the first caller's Score (the
+    judge then finds the same encoder: ``load_embedder`` keeps one per arguments)."""
+    from calibrl.embedding import load_embedder
+    from calibrl.judge_server import programmatic
+    from calibrl.judge_server.rubric import load_rubric_dir
+
+    judge = config.judge
+    if judge.embedder != "minilm":
+        return
+    criteria = [c for rubric in load_rubric_dir(config.rubrics) for c in rubric.criteria if c.kind == "programmatic"]
+    if any(programmatic.SCORERS[c.scorer].needs_embedder for c in criteria if c.scorer in programmatic.SCORERS):
+        embedder = load_embedder(judge.embedder, judge.embedder_device, judge.embedder_backend,
+                                 judge.embedder_cache_size)
+        logging.getLogger(__name__).info("intent-similarity encoder: %s", embedder.describe())
 
 
 def _server_config_cls() -> type:

@@ -165,3 +165,19 @@ def test_an_old_manifest_without_the_record_is_served_with_torch(onnx_index, tmp
         retriever = Retriever.load(copy, device="cpu")
     assert retriever.embedder.backend == "torch"
     assert "does not record its encoder" in caplog.text
+
+
+def test_an_unwritable_cache_folder_falls_back_to_the_temporary_folder(onnx_embedder, tmp_path, monkeypatch, caplog):
+    """A read-only home (a container) must not stop a server: the graph goes to the temp folder."""
+    import tempfile
+
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a folder")
+    monkeypatch.setenv(onnx_encoder.CACHE_ENV, str(blocker / "cache"))  # mkdir under a file fails
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))
+    (tmp_path / "tmp").mkdir()
+    with caplog.at_level(logging.WARNING, logger="calibrl.onnx_encoder"):
+        graph = onnx_encoder.ensure_exported(str(onnx_embedder.path))
+    assert graph.is_file() and graph.is_relative_to(tmp_path / "tmp" / "calibrl" / "onnx")
+    assert "cannot write the ONNX cache" in caplog.text
+    assert onnx_encoder.export_path(str(onnx_embedder.path)) == graph  # found there next time
