@@ -11,9 +11,12 @@ cost model; 1 when none is given), and every call a tenant (the API key's tenant
 else the client's peer). The rules that keep one tenant from deciding another's
 latency:
 
-- **Bounded units.** A batch holds at most ``max_batch_items`` items and, beyond
-  its first item, at most ``max_batch_cost`` of estimated work: a large request
-  is split into such units, interleaved with other tenants' work.
+- **Bounded units.** A batch holds at most ``max_batch_items`` items and, while
+  tenants compete (two or more submitted work within the last second), beyond its
+  first item at most ``max_batch_cost`` of estimated work (less on a host measured
+  slower than the cost model): a large request is split into such units,
+  interleaved with other tenants' work. A tenant alone gets units of up to
+  ``SOLO_UNIT_COST`` (0.5 s of estimated work; with costs in seconds).
 - **Weighted fair queueing.** Each tenant has a virtual finish time, the cost
   served to it divided by its weight. The next unit is filled item by item from
   the tenant that is furthest behind (then, within a tenant, from the call that
@@ -56,6 +59,11 @@ ResultT = TypeVar("ResultT")
 # Admit a call only when the expected wait, times this, fits its deadline: the estimate
 # is an average, and tenants arriving later take their share too.
 DEADLINE_SAFETY = 1.5
+# Tenants compete (units are bounded) while two or more have submitted work this recently.
+CONTENTION_WINDOW_S = 1.0
+# A tenant alone gets larger units (batches are cheapest large), still bounded so that work
+# stops soon after its caller gives up.
+SOLO_UNIT_COST = 0.5
 
 
 @dataclass(eq=False)
@@ -202,7 +210,9 @@ class MicroBatcher(Generic[ItemT, ResultT]):
         self._tenants: dict[str, _Tenant] = {}  # tenants with queued calls
         self._finish_of: dict[str, float] = {}  # virtual finish time of every tenant seen (bounded below)
         self._virtual_now = 0.0
+        self._last_submit: dict[str, float] = {}  # tenant -> time.monotonic() of its last admitted call
         self._running_cost = 0.0  # estimated cost of the unit in progress
+        self._running_since = 0.0  # time.perf_counter() when it started
         self._queued_items = 0
         self._wakeup: asyncio.Event | None = None
         self._window_cut: asyncio.Event | None = None  # set by end_windows(): a window ends early
@@ -226,7 +236,9 @@ class MicroBatcher(Generic[ItemT, ResultT]):
         own = cost + (own_state.queued_cost if own_state else 0.0)
         others = sum(min(t.queued_cost, own * t.weight / weight)
                      for name, t in self._tenants.items() if name != tenant)
-        return (own + others + self._running_cost) * self.stats.seconds_per_cost
+        running_s = max(0.0, self._running_cost * self.stats.seconds_per_cost
+                        - (time.perf_counter() - self._running_since))
+        return (own + others) * self.stats.seconds_per_cost + running_s
 
     async def submit(self, key: Hashable, items: Sequence[ItemT], timeout_s: float | None = None,
                      *, tenant: str | None = None, costs: Sequence[float] | None = None) -> list[ResultT]:
@@ -258,6 +270,8 @@ class MicroBatcher(Generic[ItemT, ResultT]):
             if not self._windows_open:
                 self._window_cut.set()
             self._worker = loop.create_task(self._run())
+        self._last_submit.pop(name, None)
+        self._last_submit[name] = time.monotonic()
         state = self._tenants.get(name)
         if state is None:  # back from idle: start at the current virtual time, no banked credit
             state = self._tenants[name] = _Tenant(name, self.weights.get(name, 1.0))
@@ -313,9 +327,10 @@ class MicroBatcher(Generic[ItemT, ResultT]):
         tenant_stats.shed += 1
         telemetry.record("refusals", 1, tenant=tenant or "none", reason=reason, batcher=self.name)
         telemetry.record("cost_refused", cost, tenant=tenant or "none", reason=reason, batcher=self.name)
-        # come back when this tenant's backlog (at its share) would have drained enough
+        # come back when this tenant's backlog (at its share) would have drained enough; never
+        # sooner than a quarter of the wait, so an estimate near the line is not retried in a loop
         retry_after = wait_s - (timeout_s / DEADLINE_SAFETY if timeout_s is not None else cost)
-        raise Shed(message, retry_after_s=max(0.01, retry_after))
+        raise Shed(message, retry_after_s=max(0.01, 0.25 * wait_s, retry_after))
 
     def _forget(self, pending: _Pending) -> None:
         state = pending.tenant
@@ -361,19 +376,33 @@ class MicroBatcher(Generic[ItemT, ResultT]):
                         best, chosen = rank, pending
         return chosen
 
+    def _competing(self) -> bool:
+        """Whether two or more tenants have had work queued within the last ``CONTENTION_WINDOW_S``."""
+        now = time.monotonic()
+        recent = [name for name, seen in self._last_submit.items() if now - seen <= CONTENTION_WINDOW_S]
+        if len(self._last_submit) > 1000:
+            self._last_submit = {name: self._last_submit[name] for name in recent}
+        return len(recent) + sum(1 for name in self._tenants if name not in recent) >= 2
+
     def _take_unit(self) -> tuple[Hashable, list[tuple[_Pending, int, int]], float]:
         """One bounded unit of work: items of one key, at most ``max_batch_items`` and
         (beyond the first) ``max_batch_cost``, taken item by item in fair order."""
         first = self._next_call(None)
         assert first is not None
         key = first.key
+        # bounded while tenants compete, in measured seconds (on a host slower than the cost
+        # model units hold less); a tenant alone keeps the large batches that are cheapest
+        limit = max(self.max_batch_cost, SOLO_UNIT_COST)
+        if self._competing():
+            limit = self.max_batch_cost
+        limit /= max(1.0, self.stats.seconds_per_cost)
         self._virtual_now = max(self._virtual_now, first.tenant.finish)
         taken: dict[int, list] = {}  # id(pending) -> [pending, start, stop]
         count, cost = 0, 0.0
         pending: _Pending | None = first
         while pending is not None and count < self.max_batch_items:
             item_cost = pending.costs[pending.next_index]
-            if count and cost + item_cost > self.max_batch_cost:
+            if count and cost + item_cost > limit:
                 break
             entry = taken.setdefault(id(pending), [pending, pending.next_index, pending.next_index])
             entry[2] += 1
@@ -413,7 +442,7 @@ class MicroBatcher(Generic[ItemT, ResultT]):
             self._record_queue_times(slices, loop.time())
             flat = [item for pending, start, stop in slices for item in pending.items[start:stop]]
             self._running_cost = cost
-            started = time.perf_counter()
+            started = self._running_since = time.perf_counter()
             try:
                 results = await loop.run_in_executor(self._executor, self._process, key, flat)
                 if len(results) != len(flat):
