@@ -64,6 +64,8 @@ CONTENTION_WINDOW_S = 1.0
 # A tenant alone gets larger units (batches are cheapest large), still bounded so that work
 # stops soon after its caller gives up.
 SOLO_UNIT_COST = 0.5
+# Tenants remembered (statistics, virtual times): without keys every connection is a tenant.
+MAX_TENANT_STATS = 1000
 
 
 @dataclass(eq=False)
@@ -133,7 +135,12 @@ class BatcherStats:
             self.batch_sizes.append(size)
 
     def tenant(self, name: str) -> TenantStats:
-        return self.tenants.setdefault(name, TenantStats())
+        stats = self.tenants.get(name)
+        if stats is None:
+            if len(self.tenants) >= MAX_TENANT_STATS:  # peers come and go: forget the oldest
+                del self.tenants[next(iter(self.tenants))]
+            stats = self.tenants[name] = TenantStats()
+        return stats
 
 
 class _DaemonWorker(concurrent.futures.Executor):
@@ -350,7 +357,7 @@ class MicroBatcher(Generic[ItemT, ResultT]):
         if not state.calls and self._tenants.get(state.name) is state:
             self._finish_of[state.name] = state.finish
             del self._tenants[state.name]
-            if len(self._finish_of) > 100_000:  # peers come and go; only the recent matter
+            if len(self._finish_of) > MAX_TENANT_STATS:  # peers come and go; only the recent matter
                 self._finish_of = {n: f for n, f in self._finish_of.items() if f >= self._virtual_now}
 
     def _drop_abandoned(self, now: float) -> None:
@@ -470,8 +477,9 @@ class MicroBatcher(Generic[ItemT, ResultT]):
             if start == 0:  # the call's first unit: its time in the queue ends here
                 waited = now - pending.enqueued
                 samples = self.stats.tenant(pending.tenant.name).queue_seconds
-                if len(samples) < 100_000:
-                    samples.append(waited)
+                if len(samples) >= 1000:  # the recent ones
+                    del samples[:500]
+                samples.append(waited)
                 telemetry.record("queue_time", waited, tenant=pending.tenant.name or "none", batcher=self.name)
 
     def _learn_speed(self, cost: float, seconds: float) -> None:
