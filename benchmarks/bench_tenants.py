@@ -24,6 +24,7 @@ import time
 
 TENANTS = {"t1": 1, "t2": 1, "t3": 1, "t4": 1, "w1": 1, "w2": 2, "w4": 4, "small": 1, "flood": 1, "cancel": 1,
            "crowd": 1}
+OWN_CONNECTION = [("grpc.use_local_subchannel_pool", 1)]
 WORDS = "fund expense ratio annual fee account eligibility manager contribution limit tax ".split()
 RUBRIC = ("id: bench\nversion: '1'\ncriteria:\n"
           "  - {name: intent, kind: programmatic, scorer: intent_similarity, weight: 0.5}\n"
@@ -124,13 +125,14 @@ def _fits(error) -> int:
     return int(dict(error.trailing_metadata())["calibrl-max-items"])
 
 
-async def _largest_accepted(call, build, metadata) -> tuple[object, int]:
-    """The largest prefix of ``build(256)`` the server accepts (from its calibrl-max-items)."""
+async def _largest_accepted(call, build, metadata, probe: int = 32) -> tuple[object, int]:
+    """The largest prefix of ``build(probe)`` the server accepts (from its calibrl-max-items);
+    ``probe`` stays within the 4 MiB transport limit."""
     import grpc
 
     try:
-        await call(build(256, "probe"), metadata=metadata, timeout=600)
-        return build(256, "x"), 256
+        await call(build(probe, "probe"), metadata=metadata, timeout=600)
+        return build(probe, "x"), probe
     except grpc.aio.AioRpcError as exc:
         if exc.code() != grpc.StatusCode.RESOURCE_EXHAUSTED:
             raise
@@ -214,7 +216,8 @@ async def small_tenant(address: str, service: str, seconds: float) -> list[dict]
                    if service == "retrieval" else ("judge", _requests()[
                        "judge Score: 8000-char query and output, 5 x 8000 retrieved chars (MiniLM rubric)"][1]))
     keyed = service == "retrieval"  # the judge runs without keys: each channel is its own tenant
-    channels = {t: grpc.aio.insecure_channel(address) for t in ("small", "flood", "cancel")}
+    # own connections (channels of one process share one otherwise): without keys, a tenant each
+    channels = {t: grpc.aio.insecure_channel(address, options=OWN_CONNECTION) for t in ("small", "flood", "cancel")}
     calls = {t: _stubs(c, c)[kind] for t, c in channels.items()}
     meta = {t: _key(t) if keyed else [] for t in channels}
     heavy, n = await _largest_accepted(calls["flood"], build, meta["flood"])
@@ -277,17 +280,17 @@ async def small_tenant(address: str, service: str, seconds: float) -> list[dict]
 
 # --------------------------------------------------------------------------- fair shares
 
-async def fair_shares(address: str, tenants: dict[str, int], seconds: float, doc_count: int) -> dict:
-    """Tenants saturating the retrieval server, each with 4 callers and its own request size;
-    served cost = the cost model's estimate of every query answered."""
+async def fair_shares(index: pathlib.Path, keys: pathlib.Path, tenants: dict[str, int], seconds: float) -> dict:
+    """Tenants saturating a retrieval server (in this process, to read its batcher), each with 4
+    callers and its own request size (1, 4, 16, 32 queries); served cost = the estimated cost
+    of the queries run for each tenant during the window (the batcher's per-tenant figure)."""
     import grpc
 
-    from calibrl.retrieval_server.limits import query_cost_s
-    from calibrl.retrieval_server.types import SearchMode
+    from calibrl.testing import start_test_server
     from calibrl.v1 import retrieval_pb2 as pb
     from calibrl.v1 import retrieval_pb2_grpc as pb_grpc
 
-    served = {t: 0.0 for t in tenants}
+    running = await start_test_server(index, f"serving.api_keys_file={keys}", "device=cpu")
     stop = asyncio.Event()
 
     async def caller(tenant: str, stub, size: int, index: int) -> None:
@@ -296,29 +299,37 @@ async def fair_shares(address: str, tenants: dict[str, int], seconds: float, doc
             queries = [f"{WORDS[(index + i + j) % len(WORDS)]} fee {tenant} {i} {j}" for j in range(size)]
             try:
                 await stub.Search(pb.SearchRequest(queries=queries, top_k=10, mode=pb.SEARCH_MODE_HYBRID),
-                                  metadata=_key(tenant), timeout=60)
+                                  metadata=_key(tenant), timeout=120)
             except grpc.aio.AioRpcError as exc:
-                if exc.code() != grpc.StatusCode.RESOURCE_EXHAUSTED:
+                if exc.code() not in (grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.CANCELLED):
                     raise
                 await asyncio.sleep(0.05)
-                continue
-            if not stop.is_set():
-                served[tenant] += sum(query_cost_s(q, 10, SearchMode.HYBRID, doc_count) for q in queries)
             i += 1
 
-    channels = {t: grpc.aio.insecure_channel(address) for t in tenants}
+    channels = {t: grpc.aio.insecure_channel(running.address, options=OWN_CONNECTION) for t in tenants}
     sizes = [1, 4, 16, 32]
     tasks = [asyncio.ensure_future(caller(t, pb_grpc.RetrievalServiceStub(channels[t]), sizes[n % 4], c))
              for n, t in enumerate(tenants) for c in range(4)]
+    stats = running.batcher.stats
+    await asyncio.sleep(2.0)  # every tenant backlogged
+    before = {t: stats.tenant(t).served_cost for t in tenants}
     await asyncio.sleep(seconds)
+    served = {t: stats.tenant(t).served_cost - before[t] for t in tenants}
     stop.set()
+    for task in tasks:
+        task.cancel()
     await asyncio.gather(*tasks, return_exceptions=True)
     for channel in channels.values():
         await channel.close()
+    await running.stop(grace=0)
     values = list(served.values())
-    result = {"tenants": {t: {"weight": w, "served_cost_s": round(served[t], 2),
-                              "share": round(served[t] / sum(values), 3)} for t, w in tenants.items()},
-              "jain": round(sum(values) ** 2 / (len(values) * sum(v * v for v in values)), 3)}
+    total = sum(values) or 1.0
+    normalised = [served[t] / w for t, w in tenants.items()]
+    result = {"tenants": {t: {"weight": w, "request_queries": sizes[n % 4], "served_cost_s": round(served[t], 3),
+                              "share": round(served[t] / total, 3)} for n, (t, w) in enumerate(tenants.items())},
+              "jain_of_served_per_weight": round(sum(normalised) ** 2 / (len(normalised)
+                                                                          * sum(v * v for v in normalised)), 3),
+              "units": stats.batches}
     print(result, flush=True)
     return result
 
@@ -339,7 +350,7 @@ async def overload(address: str, service: str, process: subprocess.Popen, caller
     shed_ms: list[float] = []
     ok_ms: list[float] = []
     stop = asyncio.Event()
-    channels = [grpc.aio.insecure_channel(address) for _ in range(min(callers, 50))]
+    channels = [grpc.aio.insecure_channel(address, options=OWN_CONNECTION) for _ in range(min(callers, 50))]
     stubs = [_stubs(c, c) for c in channels]
 
     async def caller(index: int) -> None:
@@ -405,6 +416,8 @@ def main() -> None:
     parser.add_argument("--callers", type=int, default=200, help="concurrent callers of the overload phase")
     parser.add_argument("--overload-seconds", type=float, default=20.0, help="length of the overload phase")
     parser.add_argument("--deadline", type=float, default=5.0, help="deadline of each overload call, seconds")
+    parser.add_argument("--retrieval-args", default="", help="extra key=value overrides of the retrieval server")
+    parser.add_argument("--judge-args", default="", help="extra key=value overrides of the judge server")
     parser.add_argument("--only", default="", help="sections: calibrate, worst, small, fair, overload")
     parser.add_argument("--workdir", default="", help="folder for the index and logs (default: a temp folder)")
     parser.add_argument("--json", default="", help="write the results here")
@@ -425,9 +438,10 @@ def main() -> None:
 async def _served(args, work: pathlib.Path, index: pathlib.Path, only: set[str]) -> dict:
     retrieval, retrieval_address = _start(
         ["serve", "retrieval", "--index", str(index), "--port", "0", "device=cpu", "torch_threads=1",
-         f"serving.api_keys_file={work / 'keys.yaml'}"], work / "retrieval.log")
+         f"serving.api_keys_file={work / 'keys.yaml'}", *args.retrieval_args.split()], work / "retrieval.log")
     judge, judge_address = _start(["serve", "judge", "--rubrics", str(work / "rubrics"), "--port", "0",
-                                   "--allow-unvalidated", "judge.cache_size=0"], work / "judge.log")
+                                   "--allow-unvalidated", "judge.cache_size=0", *args.judge_args.split()],
+                                  work / "judge.log")
     results: dict = {}
     try:
         if "worst" in only:
@@ -436,10 +450,10 @@ async def _served(args, work: pathlib.Path, index: pathlib.Path, only: set[str])
             results["small"] = (await small_tenant(retrieval_address, "retrieval", args.seconds)
                                 + await small_tenant(judge_address, "judge", args.seconds))
         if "fair" in only:
-            results["fair_equal"] = await fair_shares(retrieval_address, {t: 1 for t in ("t1", "t2", "t3", "t4")},
-                                                      args.seconds, 980)
-            results["fair_weighted"] = await fair_shares(retrieval_address, {"w1": 1, "w2": 2, "w4": 4},
-                                                         args.seconds, 980)
+            keys = work / "keys.yaml"
+            results["fair_equal"] = await fair_shares(index, keys, {t: 1 for t in ("t1", "t2", "t3", "t4")},
+                                                      args.seconds)
+            results["fair_weighted"] = await fair_shares(index, keys, {"w1": 1, "w2": 2, "w4": 4}, args.seconds)
         if "overload" in only:
             results["overload"] = [
                 await overload(retrieval_address, "retrieval", retrieval, args.callers, args.overload_seconds,

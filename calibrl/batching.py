@@ -16,7 +16,7 @@ latency:
   first item at most ``max_batch_cost`` of estimated work (less on a host measured
   slower than the cost model): a large request is split into such units,
   interleaved with other tenants' work. A tenant alone gets units of up to
-  ``SOLO_UNIT_COST`` (0.5 s of estimated work; with costs in seconds).
+  ``SOLO_UNIT_COST`` (0.5 s of estimated work, with costs in seconds).
 - **Weighted fair queueing.** Each tenant has a virtual finish time, the cost
   served to it divided by its weight. The next unit is filled item by item from
   the tenant that is furthest behind (then, within a tenant, from the call that
@@ -401,8 +401,7 @@ class MicroBatcher(Generic[ItemT, ResultT]):
         # model units hold less); a tenant alone keeps the large batches that are cheapest
         limit = max(self.max_batch_cost, SOLO_UNIT_COST)
         if self._competing():
-            limit = self.max_batch_cost
-        limit /= max(1.0, self.stats.seconds_per_cost)
+            limit = self.max_batch_cost / max(1.0, self.stats.seconds_per_cost)
         self._virtual_now = max(self._virtual_now, first.tenant.finish)
         taken: dict[int, list] = {}  # id(pending) -> [pending, start, stop]
         count, cost = 0, 0.0

@@ -175,8 +175,9 @@ async def test_the_judge_reports_its_budget_and_refuses_above_it(rubric_dir):
 async def test_without_keys_each_client_connection_is_its_own_tenant(tiny_index, retriever):
     running = await start_test_server(tiny_index, retriever=retriever)
     try:
-        for _ in range(2):
-            async with grpc.aio.insecure_channel(running.address) as channel:
+        for _ in range(2):  # channels of one process share a connection unless told not to
+            async with grpc.aio.insecure_channel(running.address,
+                                                 options=[("grpc.use_local_subchannel_pool", 1)]) as channel:
                 await pb_grpc.RetrievalServiceStub(channel).Search(
                     pb.SearchRequest(queries=["Mozart"], top_k=1, mode=pb.SEARCH_MODE_BM25), timeout=30)
         peers = [name for name in running.batcher.stats.tenants if name.startswith("peer:")]
