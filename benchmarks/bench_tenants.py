@@ -140,35 +140,43 @@ async def _largest_accepted(call, build, metadata, probe: int = 32) -> tuple[obj
         return build(n, "x"), n
 
 
+SIZES = {"query": 2048, "judge": 8000}  # longest texts the requests use (--query-chars, --judge-chars)
+
+
 def _requests():
     from calibrl.v1 import judge_pb2 as jpb
     from calibrl.v1 import retrieval_pb2 as pb
 
     def search(n, salt):
-        return pb.SearchRequest(queries=[_text(2048, f"{salt}{i}") for i in range(n)], top_k=100,
+        return pb.SearchRequest(queries=[_text(SIZES["query"], f"{salt}{i}") for i in range(n)], top_k=100,
                                 mode=pb.SEARCH_MODE_HYBRID, include_text=True)
 
     def score(n, salt):
         return pb.ScoreRetrievalRequest(items=[pb.ScoreItem(
-            query=_text(2048, f"{salt}{i}"), gold_answers=[_text(512, str(j)) for j in range(8)],
+            query=_text(SIZES["query"], f"{salt}{i}"), gold_answers=[_text(512, str(j)) for j in range(8)],
             gold_doc_ids=[f"d{j}" for j in range(32)], seen_doc_ids=[f"s{j}" for j in range(32)])
             for i in range(n)], top_k=100, mode=pb.SEARCH_MODE_HYBRID)
 
     def prose(n, salt):
         return jpb.ScoreRequest(rubric_id="bench", items=[jpb.JudgeItem(
-            query=_text(8000, f"{salt}q{i}"), output=_text(8000, f"{salt}o{i}"),
-            retrieved_texts=[_text(8000, str(j)) for j in range(5)]) for i in range(n)])
+            query=_text(SIZES["judge"], f"{salt}q{i}"), output=_text(SIZES["judge"], f"{salt}o{i}"),
+            retrieved_texts=[_text(SIZES["judge"], str(j)) for j in range(5)]) for i in range(n)])
 
-    entity_query = " ".join(f"Ab{i}" for i in range(1600))[:8000]
+    entity_query = " ".join(f"Ab{i}" for i in range(1600))[:SIZES["judge"]]
 
     def entities(n, salt):
         return jpb.ScoreRequest(rubric_id="bench", items=[jpb.JudgeItem(
-            query=entity_query, output=_text(7000, f"{salt}{i}") + " " + entity_query[:900]) for i in range(n)])
+            query=entity_query, output=(_text(7000, f"{salt}{i}") + " " + entity_query[:900])[-SIZES["judge"]:])
+            for i in range(n)])
 
-    return {"retrieval Search: 2048-char queries, top_k 100, hybrid, include_text": ("search", search),
-            "retrieval ScoreRetrieval: 2048-char queries, 8 x 512-char answers, 64 ids, top_k 100": ("score", score),
-            "judge Score: 8000-char query and output, 5 x 8000 retrieved chars (MiniLM rubric)": ("judge", prose),
-            "judge Score: entity shape (1600 entity tokens in the query)": ("judge", entities)}
+    q, j = SIZES["query"], SIZES["judge"]
+    return {"search": (f"retrieval Search: {q}-char queries, top_k 100, hybrid, include_text", "search", search),
+            "score": (f"retrieval ScoreRetrieval: {q}-char queries, 8 x 512-char answers, 64 ids, top_k 100",
+                      "score", score),
+            "prose": (f"judge Score: {j}-char query and output, 5 x {j} retrieved chars (MiniLM rubric)",
+                      "judge", prose),
+            "entities": (f"judge Score: entity shape (up to 1600 entity tokens in a {j}-char query)", "judge",
+                         entities)}
 
 
 def _stubs(retrieval_channel, judge_channel):
@@ -187,7 +195,7 @@ async def worst(retrieval_address: str, judge_address: str, repeats: int = 3) ->
     rows = []
     async with grpc.aio.insecure_channel(retrieval_address) as rc, grpc.aio.insecure_channel(judge_address) as jc:
         calls = _stubs(rc, jc)
-        for name, (kind, build) in _requests().items():
+        for name, kind, build in _requests().values():
             metadata = _key("small") if kind != "judge" else []
             _, n = await _largest_accepted(calls[kind], build, metadata)
             times = []
@@ -212,9 +220,7 @@ async def small_tenant(address: str, service: str, seconds: float) -> list[dict]
     from calibrl.v1 import judge_pb2 as jpb
     from calibrl.v1 import retrieval_pb2 as pb
 
-    kind, build = (("search", _requests()["retrieval Search: 2048-char queries, top_k 100, hybrid, include_text"][1])
-                   if service == "retrieval" else ("judge", _requests()[
-                       "judge Score: 8000-char query and output, 5 x 8000 retrieved chars (MiniLM rubric)"][1]))
+    _, kind, build = _requests()["search" if service == "retrieval" else "prose"]
     keyed = service == "retrieval"  # the judge runs without keys: each channel is its own tenant
     # own connections (channels of one process share one otherwise): without keys, a tenant each
     channels = {t: grpc.aio.insecure_channel(address, options=OWN_CONNECTION) for t in ("small", "flood", "cancel")}
@@ -364,16 +370,18 @@ async def overload(address: str, service: str, process: subprocess.Popen, caller
                 request = jpb.ScoreRequest(rubric_id="bench", items=[jpb.JudgeItem(
                     query="VTSAX expense ratio", output=f"VTSAX fee {index} {i} {j}") for j in range(8)])
             started = time.perf_counter()
+            trailers: dict = {}
             try:
                 await call(request, metadata=_key("crowd") if service == "retrieval" else [], timeout=deadline_s)
                 code = "OK"
             except grpc.aio.AioRpcError as exc:
-                code = exc.code().name
+                code, trailers = exc.code().name, dict(exc.trailing_metadata() or ())
             elapsed = (time.perf_counter() - started) * 1000
             codes[code] = codes.get(code, 0) + 1
             (shed_ms if code == "RESOURCE_EXHAUSTED" else ok_ms).append(elapsed)
-            if code == "RESOURCE_EXHAUSTED":
-                await asyncio.sleep(0.2)  # a client would honour the pushback
+            if code == "RESOURCE_EXHAUSTED":  # honour the pushback, as the trainer's clients do
+                pushback = trailers.get("grpc-retry-pushback-ms", "200")
+                await asyncio.sleep(int(pushback) / 1000)
             i += 1
 
     tasks = [asyncio.ensure_future(caller(i)) for i in range(callers)]
@@ -418,10 +426,13 @@ def main() -> None:
     parser.add_argument("--deadline", type=float, default=5.0, help="deadline of each overload call, seconds")
     parser.add_argument("--retrieval-args", default="", help="extra key=value overrides of the retrieval server")
     parser.add_argument("--judge-args", default="", help="extra key=value overrides of the judge server")
+    parser.add_argument("--query-chars", type=int, default=2048, help="query length of the largest retrieval requests")
+    parser.add_argument("--judge-chars", type=int, default=8000, help="text length of the largest judge requests")
     parser.add_argument("--only", default="", help="sections: calibrate, worst, small, fair, overload")
     parser.add_argument("--workdir", default="", help="folder for the index and logs (default: a temp folder)")
     parser.add_argument("--json", default="", help="write the results here")
     args = parser.parse_args()
+    SIZES.update(query=args.query_chars, judge=args.judge_chars)
     work = pathlib.Path(args.workdir or tempfile.mkdtemp(prefix="bench-tenants-"))
     work.mkdir(parents=True, exist_ok=True)
     index = _prepare(work)

@@ -20,7 +20,8 @@ latency:
 - **Weighted fair queueing.** Each tenant has a virtual finish time, the cost
   served to it divided by its weight. The next unit is filled item by item from
   the tenant that is furthest behind (then, within a tenant, from the call that
-  has been served least), so a tenant's backlog delays others by at most its
+  has been served least, or the one with the earliest deadline), so a tenant's
+  backlog delays others by at most its
   share, whatever the sizes of its requests. A tenant that comes back from idle
   starts at the current virtual time: idle time banks no credit, and work taken
   for a caller that then cancels is charged to its tenant all the same.
@@ -236,13 +237,19 @@ class MicroBatcher(Generic[ItemT, ResultT]):
     def expected_wait_s(self, tenant: str, cost: float) -> float:
         """Seconds until a new call of ``tenant`` costing ``cost`` would be done, as under
         generalised processor sharing of the current backlog: its own backlog and the new
-        call, plus each other tenant's backlog up to that tenant's share meanwhile, plus
-        the unit in progress; scaled by the measured seconds per unit of cost."""
+        call, plus each other tenant's backlog up to that tenant's share meanwhile (a full
+        share for a tenant active within the last second but idle now), plus the unit in
+        progress; scaled by the measured seconds per unit of cost."""
         weight = self.weights.get(tenant, 1.0)
         own_state = self._tenants.get(tenant)
         own = cost + (own_state.queued_cost if own_state else 0.0)
         others = sum(min(t.queued_cost, own * t.weight / weight)
                      for name, t in self._tenants.items() if name != tenant)
+        # tenants active within the contention window but with nothing queued now are likely to
+        # come back meanwhile and take their share: count it, so an admitted call keeps its deadline
+        now = time.monotonic()
+        others += sum(own * self.weights.get(name, 1.0) / weight for name, seen in self._last_submit.items()
+                      if name != tenant and name not in self._tenants and now - seen <= CONTENTION_WINDOW_S)
         running_s = max(0.0, self._running_cost * self.stats.seconds_per_cost
                         - (time.perf_counter() - self._running_since))
         return (own + others) * self.stats.seconds_per_cost + running_s
@@ -372,13 +379,16 @@ class MicroBatcher(Generic[ItemT, ResultT]):
 
     def _next_call(self, key: Hashable | None) -> _Pending | None:
         """The call that gets the next item: of the tenant furthest behind (least virtual
-        finish time), its call served least; only calls of ``key`` when given."""
-        best: tuple[float, float, int] | None = None
+        finish time), its call with the earliest deadline (so a call admitted for its deadline
+        is not overtaken by the tenant's later calls), else its call served least; only calls
+        of ``key`` when given."""
+        best: tuple | None = None
         chosen = None
         for order, state in enumerate(self._tenants.values()):
             for pending in state.calls:
                 if pending.waiting and (key is None or pending.key == key):
-                    rank = (state.finish, pending.served_cost, order)
+                    within = ((0, pending.deadline) if pending.deadline is not None else (1, pending.served_cost))
+                    rank = (state.finish, *within, order)
                     if best is None or rank < best:
                         best, chosen = rank, pending
         return chosen
