@@ -20,8 +20,7 @@ latency:
 - **Weighted fair queueing.** Each tenant has a virtual finish time, the cost
   served to it divided by its weight. The next unit is filled item by item from
   the tenant that is furthest behind (then, within a tenant, from the call that
-  has been served least, or the one with the earliest deadline), so a tenant's
-  backlog delays others by at most its
+  has been served least), so a tenant's backlog delays others by at most its
   share, whatever the sizes of its requests. A tenant that comes back from idle
   starts at the current virtual time: idle time banks no credit, and work taken
   for a caller that then cancels is charged to its tenant all the same.
@@ -379,16 +378,14 @@ class MicroBatcher(Generic[ItemT, ResultT]):
 
     def _next_call(self, key: Hashable | None) -> _Pending | None:
         """The call that gets the next item: of the tenant furthest behind (least virtual
-        finish time), its call with the earliest deadline (so a call admitted for its deadline
-        is not overtaken by the tenant's later calls), else its call served least; only calls
-        of ``key`` when given."""
-        best: tuple | None = None
+        finish time), its call served least (a tenant's callers share its turn, so its small
+        call is not stuck behind its own large one); only calls of ``key`` when given."""
+        best: tuple[float, float, int] | None = None
         chosen = None
         for order, state in enumerate(self._tenants.values()):
             for pending in state.calls:
                 if pending.waiting and (key is None or pending.key == key):
-                    within = ((0, pending.deadline) if pending.deadline is not None else (1, pending.served_cost))
-                    rank = (state.finish, *within, order)
+                    rank = (state.finish, pending.served_cost, order)
                     if best is None or rank < best:
                         best, chosen = rank, pending
         return chosen
