@@ -83,6 +83,7 @@ class _Pending(Generic[ItemT, ResultT]):
     next_index: int = 0
     finished: int = 0
     served_cost: float = 0.0
+    started: float | None = None  # loop.time() when its first unit started
 
     @property
     def waiting(self) -> int:
@@ -305,6 +306,21 @@ class MicroBatcher(Generic[ItemT, ResultT]):
         except asyncio.CancelledError:
             self._forget(pending)  # the caller gave up: its queued items never run
             raise
+        finally:
+            self._annotate_span(pending)
+
+    @staticmethod
+    def _annotate_span(pending: _Pending) -> None:
+        """The call's tenant, estimated cost and queue time on its server span (when tracing)."""
+        if not telemetry.enabled():
+            return
+        from opentelemetry import trace
+
+        span = trace.get_current_span()
+        span.set_attribute("calibrl.tenant", pending.tenant.name or "none")
+        span.set_attribute("calibrl.cost_s", float(sum(pending.costs)))
+        if pending.started is not None:
+            span.set_attribute("calibrl.queue_s", pending.started - pending.enqueued)
 
     def _register_gauge(self) -> None:
         if not self._gauge_registered and telemetry.enabled():
@@ -481,6 +497,7 @@ class MicroBatcher(Generic[ItemT, ResultT]):
     def _record_queue_times(self, slices: list[tuple[_Pending, int, int]], now: float) -> None:
         for pending, start, _ in slices:
             if start == 0:  # the call's first unit: its time in the queue ends here
+                pending.started = now
                 waited = now - pending.enqueued
                 samples = self.stats.tenant(pending.tenant.name).queue_seconds
                 if len(samples) >= 1000:  # the recent ones

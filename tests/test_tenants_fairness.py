@@ -227,3 +227,48 @@ async def test_an_expired_call_stops_between_units_and_is_counted():
     assert stats.cancelled_items == 100 - ran and len(stats.queue_seconds) == 1
     assert stats.admitted_cost == pytest.approx(1.0) and stats.served_cost == pytest.approx(0.01 * ran)
     await batcher.close()
+
+
+async def test_tenant_figures_reach_the_metrics_and_the_span():
+    from opentelemetry.sdk.metrics.export import InMemoryMetricReader
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    from calibrl import telemetry
+    from calibrl.telemetry import TelemetryConfig
+
+    spans, metrics = InMemorySpanExporter(), InMemoryMetricReader()
+    telemetry.configure(TelemetryConfig(enabled=True), "test", span_exporter=spans, metric_reader=metrics)
+    try:
+        backend = Backend()
+        batcher = MicroBatcher(backend, max_wait_ms=0, max_tenant_queue_cost=0.5)
+        with telemetry.tracer().start_as_current_span("call"):
+            await batcher.submit("k", [("a", 0.2)], tenant="a", costs=[0.2])
+        first = await _hold_first_unit(batcher, backend)
+        queued = submit(batcher, "a", 4, 0.1)
+        await asyncio.sleep(0)
+        with pytest.raises(Shed):
+            await batcher.submit("k", [("a", 0.2)], tenant="a", costs=[0.2])
+        dropped = submit(batcher, "b", 3, 0.01)
+        await asyncio.sleep(0)
+        dropped.cancel()
+        backend.gate.set()
+        await asyncio.gather(first, queued)
+        await batcher.close()
+        points = {}
+        for rm in metrics.get_metrics_data().resource_metrics:
+            for sm in rm.scope_metrics:
+                for m in sm.metrics:
+                    for point in m.data.data_points:
+                        tenant = point.attributes.get("tenant")
+                        value = point.value if hasattr(point, "value") else point.sum
+                        points[(m.name, tenant, point.attributes.get("reason"))] = value
+        assert points[("calibrl.tenant.cost.admitted", "a", None)] == pytest.approx(0.6)
+        assert points[("calibrl.tenant.cost.refused", "a", "tenant_queue_full")] == pytest.approx(0.2)
+        assert points[("calibrl.tenant.refusals", "a", "tenant_queue_full")] == 1
+        assert points[("calibrl.tenant.cancelled.items", "b", None)] == 3
+        assert ("calibrl.tenant.queue.time", "a", None) in points
+        span = next(s for s in spans.get_finished_spans() if s.name == "call")
+        assert span.attributes["calibrl.tenant"] == "a" and span.attributes["calibrl.cost_s"] == 0.2
+        assert span.attributes["calibrl.queue_s"] >= 0
+    finally:
+        telemetry.shutdown()
