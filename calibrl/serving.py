@@ -59,7 +59,7 @@ class ServingConfig:
     tls_cert_file: str = option("", "PEM server certificate; with tls_key_file, serve TLS instead of plaintext.")
     tls_key_file: str = option("", "PEM private key of tls_cert_file.")
     tls_client_ca_file: str = option("", "PEM CA bundle; when set, clients must present a certificate it signed (mTLS).")
-    api_keys_file: str = option("", "YAML file of tenants (key SHA-256, limits); when set every call needs a key.")
+    api_keys_file: str = option("", "YAML file of tenants (key SHA-256, limits, weight); when set every call needs a key.")
     telemetry: TelemetryConfig = option(factory=TelemetryConfig, doc="OpenTelemetry spans and metrics.")
 
     def validate(self) -> None:
