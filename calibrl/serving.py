@@ -139,6 +139,16 @@ def _cancelling(task: "asyncio.Future[Any]") -> Callable[[], Awaitable[None]]:
     return cancel
 
 
+# A gRPC service config for clients other than calibrl's own (which retry with tenacity): gRPC
+# retries shed calls itself and waits the server's grpc-retry-pushback-ms (gRFC A6). Pass it as
+# the channel option ("grpc.service_config", RETRY_SERVICE_CONFIG).
+RETRY_SERVICE_CONFIG = (
+    '{"methodConfig": [{"name": [{"service": "calibrl.v1.JudgeService"}, {"service": "calibrl.v1.RetrievalService"}],'
+    ' "retryPolicy": {"maxAttempts": 5, "initialBackoff": "0.1s", "maxBackoff": "5s", "backoffMultiplier": 2,'
+    ' "retryableStatusCodes": ["UNAVAILABLE", "RESOURCE_EXHAUSTED"]}}]}'
+)
+
+
 def tenant_of_call(context: Any) -> str:
     """Whom a call's work is queued for: the API key's tenant (calibrl.security), else the
     client's peer address (each client connection is its own tenant when there are no keys)."""

@@ -242,3 +242,22 @@ async def test_health_says_serving_only_after_a_probe_item_is_scored(rubric_dir)
         judge.gate.set()
         if not starting.done():
             starting.cancel()
+
+
+async def test_the_published_service_config_makes_grpc_retry_shed_calls(tiny_index, retriever):
+    from calibrl.serving import RETRY_SERVICE_CONFIG
+
+    # every call is above the tenant's queue bound: shed at once, each time
+    running = await start_test_server(tiny_index, "serving.max_tenant_queue_cost_s=0.0000001", retriever=retriever)
+    try:
+        options = [("grpc.service_config", RETRY_SERVICE_CONFIG), ("grpc.enable_retries", 1),
+                   ("grpc.use_local_subchannel_pool", 1)]
+        async with grpc.aio.insecure_channel(running.address, options=options) as channel:
+            with pytest.raises(grpc.aio.AioRpcError) as shed:
+                await pb_grpc.RetrievalServiceStub(channel).Search(
+                    pb.SearchRequest(queries=["Mozart"], top_k=1, mode=pb.SEARCH_MODE_BM25), timeout=30)
+        assert shed.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        (tenant,) = [t for t in running.batcher.stats.tenants.values() if t.shed]
+        assert tenant.shed == 5  # the service config's maxAttempts: gRPC retried the shed call itself
+    finally:
+        await running.stop(grace=1.0)
