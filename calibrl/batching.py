@@ -1,4 +1,4 @@
-"""Cross-caller micro-batching behind a bounded, fair queue.
+"""Cross-caller micro-batching behind a cost-bounded, weighted-fair queue.
 
 Both services receive many small concurrent calls (one per rollout group or
 per agent) while their work is cheapest in large batches (one embedding pass,
@@ -6,20 +6,32 @@ one FAISS search, one judge forward). :class:`MicroBatcher` collects the items
 of concurrent callers that share a key, runs them as one batch in a worker
 thread, and hands each caller its own slice of the results.
 
-Three rules keep one caller from hurting the others:
+Every item carries an estimated cost (seconds of server time, from the service's
+cost model; 1 when none is given), and every call a tenant (the API key's tenant,
+else the client's peer). The rules that keep one tenant from deciding another's
+latency:
 
-- **Bounded queue.** A submit that would overflow it (counted in items) raises
-  :class:`~calibrl.errors.ResourceExhausted` at once rather than queueing without
-  limit (callers retry with backoff).
-- **Fair batches.** A batch holds at most ``max_batch_items`` items. A large
-  request is split: each batch gives every waiting caller of the key an equal
-  share of its room (what a caller leaves unused goes to the others), and keys
-  take turns, so a small call waits for at most the batch in progress and its
-  own, however heavy the other callers are.
-- **Abandoned work is dropped.** When a caller gives up (its task is cancelled:
-  the client cancelled, disconnected or passed its deadline) or its ``timeout_s``
-  passes, its items still queued are removed; the batch already running is
-  the only work that finishes for it (the next batch boundary).
+- **Bounded units.** A batch holds at most ``max_batch_items`` items and, while
+  tenants compete (two or more submitted work within the last second), beyond its
+  first item at most ``max_batch_cost`` of estimated work (less on a host measured
+  slower than the cost model): a large request is split into such units,
+  interleaved with other tenants' work. A tenant alone gets units of up to
+  ``SOLO_UNIT_COST`` (0.5 s of estimated work, with costs in seconds).
+- **Weighted fair queueing.** Each tenant has a virtual finish time, the cost
+  served to it divided by its weight. The next unit is filled item by item from
+  the tenant that is furthest behind (then, within a tenant, from the call that
+  has been served least), so a tenant's backlog delays others by at most its
+  share, whatever the sizes of its requests. A tenant that comes back from idle
+  starts at the current virtual time: idle time banks no credit, and work taken
+  for a caller that then cancels is charged to its tenant all the same.
+- **Shedding with pushback.** A call is refused at once with
+  :class:`~calibrl.admission.Shed` (RESOURCE_EXHAUSTED + retry pushback) when its
+  tenant's queue is full (items or cost) or when the expected wait, estimated as
+  under generalised processor sharing and scaled by the measured seconds per unit
+  of estimated cost, would pass the call's deadline.
+- **Abandoned work is dropped.** When a caller gives up (cancelled, disconnected,
+  past its deadline) its items still queued are removed before the next unit;
+  only the unit already running finishes for it.
 """
 
 from __future__ import annotations
@@ -27,13 +39,16 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import logging
+import math
 import queue as queue_module
 import threading
+import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Generic, Hashable, Sequence, TypeVar
+from typing import Any, Callable, Generic, Hashable, Mapping, Sequence, TypeVar
 
 from calibrl import telemetry
-from calibrl.errors import DeadlineExceeded, ResourceExhausted, Unavailable
+from calibrl.admission import Shed
+from calibrl.errors import DeadlineExceeded, Unavailable
 from calibrl.security import current_tenant
 
 log = logging.getLogger(__name__)
@@ -41,21 +56,63 @@ log = logging.getLogger(__name__)
 ItemT = TypeVar("ItemT")
 ResultT = TypeVar("ResultT")
 
+# Admit a call only when the expected wait, times this, fits its deadline: the estimate
+# is an average, and tenants arriving later take their share too.
+DEADLINE_SAFETY = 1.5
+# Tenants compete (units are bounded) while two or more have submitted work this recently.
+CONTENTION_WINDOW_S = 1.0
+# A tenant alone gets larger units (batches are cheapest large), still bounded so that work
+# stops soon after its caller gives up.
+SOLO_UNIT_COST = 0.5
+# Tenants remembered (statistics, virtual times): without keys every connection is a tenant.
+MAX_TENANT_STATS = 1000
+
 
 @dataclass(eq=False)
 class _Pending(Generic[ItemT, ResultT]):
     """One caller's items: those not yet handed to a batch start at ``next_index``."""
 
+    key: Hashable
+    tenant: "_Tenant"
     items: Sequence[ItemT]
+    costs: Sequence[float]
     future: asyncio.Future
+    enqueued: float  # loop.time() at submit
     deadline: float | None = None  # loop.time() after which the caller no longer waits
     results: list = field(default_factory=list)
     next_index: int = 0
     finished: int = 0
+    served_cost: float = 0.0
+    started: float | None = None  # loop.time() when its first unit started
 
     @property
     def waiting(self) -> int:
         return len(self.items) - self.next_index
+
+    @property
+    def waiting_cost(self) -> float:
+        return float(sum(self.costs[self.next_index:]))
+
+
+@dataclass(eq=False)
+class _Tenant:
+    name: str
+    weight: float
+    calls: list = field(default_factory=list)  # its _Pending, in arrival order
+    finish: float = 0.0  # virtual finish time: cost served / weight
+    queued_items: int = 0
+    queued_cost: float = 0.0
+
+
+@dataclass
+class TenantStats:
+    """What one tenant asked of the batcher (exported as metrics, read by tests)."""
+
+    admitted_cost: float = 0.0
+    served_cost: float = 0.0
+    shed: int = 0
+    cancelled_items: int = 0  # queued items dropped because the caller gave up or ran out of time
+    queue_seconds: list[float] = field(default_factory=list)  # submit -> first unit started, per call
 
 
 @dataclass
@@ -68,6 +125,8 @@ class BatcherStats:
     rejected: int = 0
     abandoned_items: int = 0  # items dropped from the queue because their caller gave up
     batch_sizes: list[int] = field(default_factory=list)
+    tenants: dict[str, TenantStats] = field(default_factory=dict)
+    seconds_per_cost: float = 1.0  # measured batch seconds per unit of estimated cost (moving average)
 
     def record(self, size: int) -> None:
         self.batches += 1
@@ -75,6 +134,14 @@ class BatcherStats:
         self.largest_batch = max(self.largest_batch, size)
         if len(self.batch_sizes) < 10_000:
             self.batch_sizes.append(size)
+
+    def tenant(self, name: str) -> TenantStats:
+        stats = self.tenants.get(name)
+        if stats is None:
+            if len(self.tenants) >= MAX_TENANT_STATS:  # peers come and go: forget the oldest
+                del self.tenants[next(iter(self.tenants))]
+            stats = self.tenants[name] = TenantStats()
+        return stats
 
 
 class _DaemonWorker(concurrent.futures.Executor):
@@ -119,7 +186,8 @@ class MicroBatcher(Generic[ItemT, ResultT]):
 
     ``process`` receives up to ``max_batch_items`` queued items of one key and must
     return one result per item, in order. Calls with different keys (e.g. search
-    mode, rubric hash) are never mixed in one batch.
+    mode, rubric hash) are never mixed in one batch. ``weights`` maps tenant names
+    to their weights (1 for a tenant not listed).
     """
 
     def __init__(
@@ -129,6 +197,10 @@ class MicroBatcher(Generic[ItemT, ResultT]):
         max_batch_items: int = 256,
         max_queue_items: int = 4096,
         max_wait_ms: float = 2.0,
+        max_batch_cost: float = math.inf,
+        max_tenant_queue_items: int | None = None,
+        max_tenant_queue_cost: float = math.inf,
+        weights: Mapping[str, float] | None = None,
         executor: concurrent.futures.Executor | None = None,
         name: str = "batcher",
     ) -> None:
@@ -137,10 +209,18 @@ class MicroBatcher(Generic[ItemT, ResultT]):
         self._process = process
         self.max_batch_items = max_batch_items
         self.max_queue_items = max_queue_items
+        self.max_batch_cost = max_batch_cost
+        self.max_tenant_queue_items = max_tenant_queue_items or max_queue_items
+        self.max_tenant_queue_cost = max_tenant_queue_cost
+        self.weights = dict(weights or {})
         self.max_wait_s = max_wait_ms / 1000.0
         self._executor = executor or _DaemonWorker(name)
-        # key -> callers in arrival order; dict order is the turn order of the keys
-        self._queues: dict[Hashable, list[_Pending]] = {}
+        self._tenants: dict[str, _Tenant] = {}  # tenants with queued calls
+        self._finish_of: dict[str, float] = {}  # virtual finish time of every tenant seen (bounded below)
+        self._virtual_now = 0.0
+        self._last_submit: dict[str, float] = {}  # tenant -> time.monotonic() of its last admitted call
+        self._running_cost = 0.0  # estimated cost of the unit in progress
+        self._running_since = 0.0  # time.perf_counter() when it started
         self._queued_items = 0
         self._wakeup: asyncio.Event | None = None
         self._window_cut: asyncio.Event | None = None  # set by end_windows(): a window ends early
@@ -154,29 +234,49 @@ class MicroBatcher(Generic[ItemT, ResultT]):
         """Items waiting, all keys together."""
         return self._queued_items
 
-    async def submit(self, key: Hashable, items: Sequence[ItemT], timeout_s: float | None = None) -> list[ResultT]:
-        """Queue ``items`` under ``key`` and wait for their results.
+    def expected_wait_s(self, tenant: str, cost: float) -> float:
+        """Seconds until a new call of ``tenant`` costing ``cost`` would be done, as under
+        generalised processor sharing of the current backlog: its own backlog and the new
+        call, plus each other tenant's backlog up to that tenant's share meanwhile (a full
+        share for a tenant active within the last second but idle now), plus the unit in
+        progress; scaled by the measured seconds per unit of cost."""
+        weight = self.weights.get(tenant, 1.0)
+        own_state = self._tenants.get(tenant)
+        own = cost + (own_state.queued_cost if own_state else 0.0)
+        others = sum(min(t.queued_cost, own * t.weight / weight)
+                     for name, t in self._tenants.items() if name != tenant)
+        # tenants active within the contention window but with nothing queued now are likely to
+        # come back meanwhile and take their share: count it, so an admitted call keeps its deadline
+        now = time.monotonic()
+        others += sum(own * self.weights.get(name, 1.0) / weight for name, seen in self._last_submit.items()
+                      if name != tenant and name not in self._tenants and now - seen <= CONTENTION_WINDOW_S)
+        running_s = max(0.0, self._running_cost * self.stats.seconds_per_cost
+                        - (time.perf_counter() - self._running_since))
+        return (own + others) * self.stats.seconds_per_cost + running_s
 
-        ``timeout_s`` (e.g. the call's remaining deadline): past it, items not yet
-        in a batch are dropped and :class:`~calibrl.errors.DeadlineExceeded` is raised.
+    async def submit(self, key: Hashable, items: Sequence[ItemT], timeout_s: float | None = None,
+                     *, tenant: str | None = None, costs: Sequence[float] | None = None) -> list[ResultT]:
+        """Queue ``items`` under ``key`` for ``tenant`` and wait for their results.
+
+        ``tenant`` defaults to the call's authenticated tenant (calibrl.security); ``costs``
+        are the items' estimated costs in seconds (1 each when not given: then no call is
+        shed for its deadline, the batcher cannot tell seconds). ``timeout_s`` (the call's
+        remaining deadline): a call that could not be served in time is refused at once
+        (:class:`~calibrl.admission.Shed`); past it, items not yet in a batch are dropped
+        and :class:`~calibrl.errors.DeadlineExceeded` is raised.
         """
         if self._closing:
             raise Unavailable("server is shutting down")
         if not items:
             return []
-        if not self._gauge_registered and telemetry.enabled():
-            telemetry.observe_gauge(
-                "calibrl.queue.depth", lambda: float(self._queued_items), "Items waiting to be batched",
-                batcher=self.name,
-            )
-            self._gauge_registered = True
-        if self._queued_items + len(items) > self.max_queue_items:
-            self.stats.rejected += 1
-            telemetry.record("refusals", 1, tenant=current_tenant() or "none", reason="queue_full", batcher=self.name)
-            raise ResourceExhausted(
-                f"request queue full ({self._queued_items} items waiting, limit "
-                f"{self.max_queue_items}); retry with backoff"
-            )
+        self._register_gauge()
+        name = tenant if tenant is not None else (current_tenant() or "")
+        estimated = costs is not None
+        costs = [1.0] * len(items) if costs is None else [max(1e-9, float(c)) for c in costs]
+        if len(costs) != len(items):
+            raise ValueError(f"{len(costs)} costs for {len(items)} items")
+        cost = float(sum(costs))
+        self._admit(name, len(items), cost, timeout_s if estimated else None)
         loop = asyncio.get_running_loop()
         if self._worker is None or self._worker.done():
             self._wakeup = asyncio.Event()
@@ -184,63 +284,172 @@ class MicroBatcher(Generic[ItemT, ResultT]):
             if not self._windows_open:
                 self._window_cut.set()
             self._worker = loop.create_task(self._run())
+        self._last_submit.pop(name, None)
+        self._last_submit[name] = time.monotonic()
+        state = self._tenants.get(name)
+        if state is None:  # back from idle: start at the current virtual time, no banked credit
+            state = self._tenants[name] = _Tenant(name, self.weights.get(name, 1.0))
+            state.finish = max(self._finish_of.get(name, 0.0), self._virtual_now)
         deadline = loop.time() + timeout_s if timeout_s is not None else None
-        pending = _Pending(items=items, future=loop.create_future(), deadline=deadline,
-                           results=[None] * len(items))
-        self._queues.setdefault(key, []).append(pending)
+        pending = _Pending(key=key, tenant=state, items=items, costs=costs, future=loop.create_future(),
+                           enqueued=loop.time(), deadline=deadline, results=[None] * len(items))
+        state.calls.append(pending)
+        state.queued_items += len(items)
+        state.queued_cost += cost
         self._queued_items += len(items)
+        self.stats.tenant(name).admitted_cost += cost
+        telemetry.record("cost_admitted", cost, tenant=name, batcher=self.name)
         assert self._wakeup is not None
         self._wakeup.set()
         try:
             return await pending.future
         except asyncio.CancelledError:
-            self._forget(key, pending)  # the caller gave up: its queued items never run
+            self._forget(pending)  # the caller gave up: its queued items never run
             raise
+        finally:
+            self._annotate_span(pending)
 
-    def _forget(self, key: Hashable, pending: _Pending) -> None:
-        queue = self._queues.get(key)
-        if queue is None or pending not in queue:
+    @staticmethod
+    def _annotate_span(pending: _Pending) -> None:
+        """The call's tenant, estimated cost and queue time on its server span (when tracing)."""
+        if not telemetry.enabled():
             return
-        queue.remove(pending)
-        if not queue:
-            del self._queues[key]
-        self._queued_items -= pending.waiting
+        from opentelemetry import trace
+
+        span = trace.get_current_span()
+        span.set_attribute("calibrl.tenant", pending.tenant.name or "none")
+        span.set_attribute("calibrl.cost_s", float(sum(pending.costs)))
+        if pending.started is not None:
+            span.set_attribute("calibrl.queue_s", pending.started - pending.enqueued)
+
+    def _register_gauge(self) -> None:
+        if not self._gauge_registered and telemetry.enabled():
+            telemetry.observe_gauge(
+                "calibrl.queue.depth", lambda: float(self._queued_items), "Items waiting to be batched",
+                batcher=self.name,
+            )
+            self._gauge_registered = True
+
+    def _admit(self, tenant: str, count: int, cost: float, timeout_s: float | None) -> None:
+        """Shed a call at once when a queue is full or it could not be served before its deadline
+        (``timeout_s``: only for calls whose costs were estimated, in seconds)."""
+        state = self._tenants.get(tenant)
+        queued_items = state.queued_items if state else 0
+        queued_cost = state.queued_cost if state else 0.0
+        reason = message = ""
+        wait_s = self.expected_wait_s(tenant, cost)
+        if self._queued_items + count > self.max_queue_items:
+            reason, message = "queue_full", (f"request queue full ({self._queued_items} items waiting, limit "
+                                             f"{self.max_queue_items})")
+        elif queued_items + count > self.max_tenant_queue_items or queued_cost + cost > self.max_tenant_queue_cost:
+            reason, message = "tenant_queue_full", (
+                f"tenant {tenant or 'anonymous'!r} queue full ({queued_items} items, {queued_cost:.2f} s of work "
+                f"waiting; limits {self.max_tenant_queue_items} items, {self.max_tenant_queue_cost:g} s)")
+        elif (timeout_s is not None and wait_s * DEADLINE_SAFETY > timeout_s
+              and wait_s > cost * self.stats.seconds_per_cost):  # only queued work ahead sheds a call
+            reason, message = "deadline", (f"expected wait {wait_s:.2f} s (x{DEADLINE_SAFETY} margin) exceeds the "
+                                           f"call's deadline of {timeout_s:.2f} s")
+        if not reason:
+            return
+        self.stats.rejected += 1
+        tenant_stats = self.stats.tenant(tenant)
+        tenant_stats.shed += 1
+        telemetry.record("refusals", 1, tenant=tenant or "none", reason=reason, batcher=self.name)
+        telemetry.record("cost_refused", cost, tenant=tenant or "none", reason=reason, batcher=self.name)
+        # come back when this tenant's backlog (at its share) would have drained enough; never
+        # sooner than a quarter of the wait, so an estimate near the line is not retried in a loop
+        retry_after = wait_s - (timeout_s / DEADLINE_SAFETY if timeout_s is not None else cost)
+        raise Shed(message, retry_after_s=max(0.01, 0.25 * wait_s, retry_after))
+
+    def _forget(self, pending: _Pending) -> None:
+        state = pending.tenant
+        if pending not in state.calls:
+            return
+        state.calls.remove(pending)
+        self._unqueue(pending, pending.waiting, pending.waiting_cost)
         self.stats.abandoned_items += pending.waiting
+        self.stats.tenant(state.name).cancelled_items += pending.waiting
+        telemetry.record("cancelled_items", pending.waiting, tenant=state.name or "none", batcher=self.name)
+
+    def _unqueue(self, pending: _Pending, count: int, cost: float) -> None:
+        state = pending.tenant
+        state.queued_items -= count
+        state.queued_cost = max(0.0, state.queued_cost - cost)
+        self._queued_items -= count
+        if not state.calls and self._tenants.get(state.name) is state:
+            self._finish_of[state.name] = state.finish
+            del self._tenants[state.name]
+            if len(self._finish_of) > MAX_TENANT_STATS:  # peers come and go; only the recent matter
+                self._finish_of = {n: f for n, f in self._finish_of.items() if f >= self._virtual_now}
 
     def _drop_abandoned(self, now: float) -> None:
         """Remove callers that are done (cancelled, failed) or past their deadline."""
-        for key in list(self._queues):
-            for pending in list(self._queues[key]):
+        for state in list(self._tenants.values()):
+            for pending in list(state.calls):
                 if not pending.future.done() and pending.deadline is not None and now >= pending.deadline:
                     pending.future.set_exception(DeadlineExceeded(
                         f"deadline passed with {pending.waiting} of {len(pending.items)} items not yet started"))
                 if pending.future.done():
-                    self._forget(key, pending)
+                    self._forget(pending)
 
-    def _take_fair(self, queue: list[_Pending]) -> list[tuple[_Pending, int, int]]:
-        """Up to ``max_batch_items`` items of one key: equal shares of the room for every
-        waiting caller, the room a caller leaves unused shared again by the others."""
-        grants = [0] * len(queue)
-        room = self.max_batch_items
-        while room > 0:
-            wanting = [i for i, p in enumerate(queue) if p.waiting > grants[i]]
-            if not wanting:
+    def _next_call(self, key: Hashable | None) -> _Pending | None:
+        """The call that gets the next item: of the tenant furthest behind (least virtual
+        finish time), its call served least (a tenant's callers share its turn, so its small
+        call is not stuck behind its own large one); only calls of ``key`` when given."""
+        best: tuple[float, float, int] | None = None
+        chosen = None
+        for order, state in enumerate(self._tenants.values()):
+            for pending in state.calls:
+                if pending.waiting and (key is None or pending.key == key):
+                    rank = (state.finish, pending.served_cost, order)
+                    if best is None or rank < best:
+                        best, chosen = rank, pending
+        return chosen
+
+    def _competing(self) -> bool:
+        """Whether two or more tenants have had work queued within the last ``CONTENTION_WINDOW_S``."""
+        now = time.monotonic()
+        recent = [name for name, seen in self._last_submit.items() if now - seen <= CONTENTION_WINDOW_S]
+        if len(self._last_submit) > 1000:
+            self._last_submit = {name: self._last_submit[name] for name in recent}
+        return len(recent) + sum(1 for name in self._tenants if name not in recent) >= 2
+
+    def _take_unit(self) -> tuple[Hashable, list[tuple[_Pending, int, int]], float]:
+        """One bounded unit of work: items of one key, at most ``max_batch_items`` and
+        (beyond the first) ``max_batch_cost``, taken item by item in fair order."""
+        first = self._next_call(None)
+        assert first is not None
+        key = first.key
+        # bounded while tenants compete, in measured seconds (on a host slower than the cost
+        # model units hold less); a tenant alone keeps the large batches that are cheapest
+        limit = max(self.max_batch_cost, SOLO_UNIT_COST)
+        if self._competing():
+            limit = self.max_batch_cost / max(1.0, self.stats.seconds_per_cost)
+        self._virtual_now = max(self._virtual_now, first.tenant.finish)
+        taken: dict[int, list] = {}  # id(pending) -> [pending, start, stop]
+        count, cost = 0, 0.0
+        pending: _Pending | None = first
+        while pending is not None and count < self.max_batch_items:
+            item_cost = pending.costs[pending.next_index]
+            if count and cost + item_cost > limit:
                 break
-            share = max(1, room // len(wanting))
-            for i in wanting:
-                n = min(share, queue[i].waiting - grants[i], room)
-                grants[i] += n
-                room -= n
-                if room == 0:
-                    break
-        slices = []
-        for pending, n in zip(queue, grants):
-            if n:
-                slices.append((pending, pending.next_index, pending.next_index + n))
-                pending.next_index += n
-        self._queued_items -= sum(grants)
-        queue[:] = [p for p in queue if p.waiting]
-        return slices
+            entry = taken.setdefault(id(pending), [pending, pending.next_index, pending.next_index])
+            entry[2] += 1
+            pending.next_index += 1
+            pending.served_cost += item_cost
+            pending.tenant.finish += item_cost / pending.tenant.weight
+            count += 1
+            cost += item_cost
+            self._unqueue_item(pending, item_cost)
+            pending = self._next_call(key)
+        return key, [(p, start, stop) for p, start, stop in taken.values()], cost
+
+    def _unqueue_item(self, pending: _Pending, cost: float) -> None:
+        state = pending.tenant
+        if not pending.waiting:
+            state.calls.remove(pending)
+        self.stats.tenant(state.name).served_cost += cost
+        self._unqueue(pending, 1, cost)
 
     async def _run(self) -> None:
         assert self._wakeup is not None
@@ -258,35 +467,60 @@ class MicroBatcher(Generic[ItemT, ResultT]):
                 self._drop_abandoned(loop.time())
                 if not self._queued_items:
                     continue
-            key = next(iter(self._queues))  # the key that has waited longest for its turn
-            queue = self._queues.pop(key)
-            slices = self._take_fair(queue)
-            if queue:
-                self._queues[key] = queue  # back of the line: other keys go first
+            key, slices, cost = self._take_unit()
+            self._record_queue_times(slices, loop.time())
             flat = [item for pending, start, stop in slices for item in pending.items[start:stop]]
+            self._running_cost = cost
+            started = self._running_since = time.perf_counter()
             try:
                 results = await loop.run_in_executor(self._executor, self._process, key, flat)
                 if len(results) != len(flat):
                     raise RuntimeError(f"batch returned {len(results)} results for {len(flat)} items")
             except BaseException as exc:  # noqa: BLE001 - delivered to every caller of the batch
+                self._running_cost = 0.0
                 cancelled = isinstance(exc, asyncio.CancelledError)
                 if cancelled:  # close() gave up on this batch
                     exc = Unavailable("server is shutting down; the batch was abandoned")
                 for pending, _, _ in slices:
                     if not pending.future.done():
                         pending.future.set_exception(exc)
+                    self._forget(pending)  # the rest of a failed call never runs
                 if cancelled:
                     raise
                 continue
+            self._running_cost = 0.0
+            self._learn_speed(cost, time.perf_counter() - started)
             self.stats.record(len(flat))
             telemetry.record("batch_size", len(flat), batcher=self.name)
-            offset = 0
-            for pending, start, stop in slices:
-                pending.results[start:stop] = results[offset : offset + stop - start]
-                pending.finished += stop - start
-                offset += stop - start
-                if pending.finished == len(pending.items) and not pending.future.done():
-                    pending.future.set_result(pending.results)
+            self._deliver(slices, results)
+
+    def _record_queue_times(self, slices: list[tuple[_Pending, int, int]], now: float) -> None:
+        for pending, start, _ in slices:
+            if start == 0:  # the call's first unit: its time in the queue ends here
+                pending.started = now
+                waited = now - pending.enqueued
+                samples = self.stats.tenant(pending.tenant.name).queue_seconds
+                if len(samples) >= 1000:  # the recent ones
+                    del samples[:500]
+                samples.append(waited)
+                telemetry.record("queue_time", waited, tenant=pending.tenant.name or "none", batcher=self.name)
+
+    def _learn_speed(self, cost: float, seconds: float) -> None:
+        """Moving average of measured seconds per unit of estimated cost (the host may be
+        slower or busier than the one the cost model was measured on)."""
+        if cost > 0 and math.isfinite(cost):
+            ratio = min(100.0, max(1e-4, seconds / cost))
+            self.stats.seconds_per_cost = 0.8 * self.stats.seconds_per_cost + 0.2 * ratio
+
+    @staticmethod
+    def _deliver(slices: list[tuple[_Pending, int, int]], results: list) -> None:
+        offset = 0
+        for pending, start, stop in slices:
+            pending.results[start:stop] = results[offset : offset + stop - start]
+            pending.finished += stop - start
+            offset += stop - start
+            if pending.finished == len(pending.items) and not pending.future.done():
+                pending.future.set_result(pending.results)
 
     async def _batching_window(self) -> None:
         """Wait ``max_wait_s`` for concurrent callers to join the batch, or less if
@@ -325,11 +559,11 @@ class MicroBatcher(Generic[ItemT, ResultT]):
             except asyncio.TimeoutError:
                 log.warning("%s: work still running after %.1fs at shutdown; abandoned", self.name, timeout_s)
                 self._worker.cancel()
-                for key, queue in list(self._queues.items()):
-                    for pending in list(queue):
+                for state in list(self._tenants.values()):
+                    for pending in list(state.calls):
                         if not pending.future.done():
                             pending.future.set_exception(Unavailable("server is shutting down"))
-                        self._forget(key, pending)
+                        self._forget(pending)
                 self._executor.shutdown(wait=False)
                 return
         self._executor.shutdown(wait=True)

@@ -12,6 +12,8 @@
   rubrics). It decides from the call's metadata alone: an unknown key or a tenant
   over its rate is refused before the request body is read, and a body over the
   tenant's size limit is refused before it is parsed, so refused calls cost no memory.
+- Fair shares: a tenant's ``weight`` is its share of a busy server against the other
+  tenants with work queued (``calibrl.batching``); :func:`tenant_weights` reads them.
 
 Keys file (YAML)::
 
@@ -21,6 +23,7 @@ Keys file (YAML)::
         max_request_bytes: 1048576    # optional, default: no per-tenant limit
         rate_per_second: 50           # optional token bucket, default: unlimited
         burst: 100                    # optional, default: 2 x rate
+        weight: 2                     # optional share of a busy server (weighted fair queueing), default 1
 
 ``python -c "import hashlib,sys; print(hashlib.sha256(sys.argv[1].encode()).hexdigest())" KEY``
 prints a key's digest.
@@ -65,6 +68,12 @@ class Tenant:
     max_request_bytes: int | None = None
     rate_per_second: float | None = None
     burst: float | None = None
+    weight: float = 1.0
+
+
+def tenant_weights(path: str | pathlib.Path | None) -> dict[str, float]:
+    """Tenant name -> weight from a keys file (empty without one: every tenant weighs 1)."""
+    return {t.name: t.weight for t in load_tenants(path)} if path else {}
 
 
 def load_tenants(path: str | pathlib.Path) -> list[Tenant]:
@@ -87,12 +96,15 @@ def load_tenants(path: str | pathlib.Path) -> list[Tenant]:
         digest = str(entry["key_sha256"]).lower()
         if len(digest) != 64 or any(c not in "0123456789abcdef" for c in digest):
             raise ConfigError(f"{where}.key_sha256: expected 64 hex characters (the SHA-256 of the key)")
-        unknown = set(entry) - {"name", "key_sha256", "max_request_bytes", "rate_per_second", "burst"}
+        unknown = set(entry) - {"name", "key_sha256", "max_request_bytes", "rate_per_second", "burst", "weight"}
         if unknown:
             raise ConfigError(f"{where}: unknown keys {sorted(unknown)}")
         rate = entry.get("rate_per_second")
         if rate is not None and float(rate) <= 0:
             raise ConfigError(f"{where}.rate_per_second={rate}: must be > 0 (omit it for no limit)")
+        weight = entry.get("weight", 1.0)
+        if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not 0 < weight <= 1000:
+            raise ConfigError(f"{where}.weight={weight!r}: must be a number in (0, 1000] (default 1)")
         tenants.append(
             Tenant(
                 name=str(entry["name"]),
@@ -100,6 +112,7 @@ def load_tenants(path: str | pathlib.Path) -> list[Tenant]:
                 max_request_bytes=int(entry["max_request_bytes"]) if entry.get("max_request_bytes") else None,
                 rate_per_second=float(rate) if rate is not None else None,
                 burst=float(entry["burst"]) if entry.get("burst") else None,
+                weight=float(weight),
             )
         )
     if len({t.key_sha256 for t in tenants}) != len(tenants):
@@ -176,9 +189,10 @@ class AuthInterceptor(_make_interceptor_base()):  # type: ignore[misc]
         bucket = self._buckets.get(tenant.name)
         if bucket is not None and not bucket.take():
             telemetry.record("refusals", 1, tenant=tenant.name, reason="rate_limit", method=method)
+            pushback_ms = str(max(1, round(1000 / tenant.rate_per_second)))  # one token's refill
             return _refusal(grpc.StatusCode.RESOURCE_EXHAUSTED,
                             f"rate: tenant {tenant.name!r} is above its limit of {tenant.rate_per_second:g} "
-                            "calls/s; retry with backoff")
+                            "calls/s; retry with backoff", (("grpc-retry-pushback-ms", pushback_ms),))
         inner, decode = handler.unary_unary, handler.request_deserializer
         limit = tenant.max_request_bytes
 
@@ -212,7 +226,7 @@ class _Oversize:
         self.size = size
 
 
-def _refusal(code: Any, details: str) -> Any:
+def _refusal(code: Any, details: str, trailing_metadata: tuple = ()) -> Any:
     """A handler that answers ``code`` without reading the request.
 
     Declared request-streaming, so grpc.aio runs it before any message is received
@@ -222,7 +236,7 @@ def _refusal(code: Any, details: str) -> Any:
     import grpc
 
     async def refuse(request_iterator: Any, context: Any) -> Any:
-        await context.abort(code, details)
+        await context.abort(code, details, trailing_metadata=trailing_metadata)
 
     return grpc.stream_unary_rpc_method_handler(refuse)
 

@@ -47,10 +47,19 @@ class ServingConfig:
         4.0, "Largest request message, in MiB: the transport refuses a bigger one (RESOURCE_EXHAUSTED) "
              "before it is parsed.")
     max_message_mb: int = option(32, "Largest response message, in MiB.")
+    max_request_cost_s: float = option(
+        1.0, "Budget of one request: its estimated server time (each service's measured cost model), above "
+             "which it is refused at once with RESOURCE_EXHAUSTED naming the cost and the limit; 0: no budget.")
+    max_unit_cost_s: float = option(
+        0.05, "Most estimated work in one batch beyond its first item: a large request is split into such "
+              "units, interleaved fairly with other tenants' work (the judge's default is 0.1).")
+    max_tenant_queue_cost_s: float = option(
+        30.0, "Estimated work one tenant may have queued; beyond it the tenant's calls are shed at once "
+              "(RESOURCE_EXHAUSTED with grpc-retry-pushback-ms).")
     tls_cert_file: str = option("", "PEM server certificate; with tls_key_file, serve TLS instead of plaintext.")
     tls_key_file: str = option("", "PEM private key of tls_cert_file.")
     tls_client_ca_file: str = option("", "PEM CA bundle; when set, clients must present a certificate it signed (mTLS).")
-    api_keys_file: str = option("", "YAML file of tenants (key SHA-256, limits); when set every call needs a key.")
+    api_keys_file: str = option("", "YAML file of tenants (key SHA-256, limits, weight); when set every call needs a key.")
     telemetry: TelemetryConfig = option(factory=TelemetryConfig, doc="OpenTelemetry spans and metrics.")
 
     def validate(self) -> None:
@@ -67,6 +76,11 @@ class ServingConfig:
         if not 0 < self.max_request_mb <= 2047:
             raise ConfigError(f"serving.max_request_mb={self.max_request_mb}: must be in (0, 2047] "
                               "(gRPC's limit is a signed 32-bit byte count)")
+        if self.max_request_cost_s < 0:
+            raise ConfigError(f"serving.max_request_cost_s={self.max_request_cost_s}: must be >= 0 (0: no budget)")
+        for name in ("max_unit_cost_s", "max_tenant_queue_cost_s"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"serving.{name}={getattr(self, name)}: must be > 0")
         if self.max_message_mb <= 0:
             raise ConfigError(f"serving.max_message_mb={self.max_message_mb}: must be > 0")
 
@@ -80,7 +94,9 @@ def rpc_errors(method: Callable[..., Awaitable[Any]]) -> Callable[..., Awaitable
         try:
             return await method(self, request, context)
         except CalibrlError as exc:
-            await context.abort(grpc_status_for(exc), str(exc))
+            # hints a client can act on: retry pushback (shed calls), items that fit a budget
+            trailer = exc.trailing_metadata() if hasattr(exc, "trailing_metadata") else ()
+            await context.abort(grpc_status_for(exc), str(exc), trailing_metadata=trailer)
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # noqa: BLE001 - the boundary of the service
@@ -121,6 +137,31 @@ def _cancelling(task: "asyncio.Future[Any]") -> Callable[[], Awaitable[None]]:
         task.cancel()
 
     return cancel
+
+
+# A gRPC service config for clients other than calibrl's own (which retry with tenacity): gRPC
+# retries shed calls itself and waits the server's grpc-retry-pushback-ms (gRFC A6). Pass it as
+# the channel option ("grpc.service_config", RETRY_SERVICE_CONFIG).
+RETRY_SERVICE_CONFIG = (
+    '{"methodConfig": [{"name": [{"service": "calibrl.v1.JudgeService"}, {"service": "calibrl.v1.RetrievalService"}],'
+    ' "retryPolicy": {"maxAttempts": 5, "initialBackoff": "0.1s", "maxBackoff": "5s", "backoffMultiplier": 2,'
+    ' "retryableStatusCodes": ["UNAVAILABLE", "RESOURCE_EXHAUSTED"]}}]}'
+)
+
+
+def tenant_of_call(context: Any) -> str:
+    """Whom a call's work is queued for: the API key's tenant (calibrl.security), else the
+    client's peer address (each client connection is its own tenant when there are no keys)."""
+    from calibrl.security import current_tenant
+
+    tenant = current_tenant()
+    if tenant:
+        return tenant
+    try:
+        peer = context.peer()
+    except Exception:  # noqa: BLE001 - a context without a peer (tests)
+        peer = ""
+    return f"peer:{peer}" if peer else ""
 
 
 def time_remaining(context: Any) -> float | None:
@@ -225,9 +266,13 @@ async def start_server(
     on_stop: Iterable[Callable[[], Awaitable[None]]] = (),
     interceptors: Iterable[Any] = (),
     on_no_new_calls: Iterable[Callable[[], None]] = (),
+    warm_up: Callable[[], Awaitable[None]] | None = None,
 ) -> RunningServer:
     """Build, bind and start a grpc.aio server with health and reflection, TLS and API
-    keys when configured, and tracing when telemetry is on (see calibrl.telemetry.configure)."""
+    keys when configured, and tracing when telemetry is on (see calibrl.telemetry.configure).
+
+    Ready means ready: health answers NOT_SERVING from the moment the port is bound until
+    ``warm_up`` (load every model, score a probe item) has finished, and SERVING after."""
     import grpc
     from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
@@ -268,9 +313,18 @@ async def start_server(
         port = server.add_insecure_port(address)
     if port == 0:
         raise OSError(f"could not bind {address}")
+    for name in ["", *names]:
+        await health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)  # until warmed up
     await server.start()
     trimmer = asyncio.ensure_future(_return_freed_memory())
     on_stop = [*on_stop, _cancelling(trimmer)]
+    if warm_up is not None:
+        try:
+            await warm_up()
+        except BaseException:
+            await server.stop(0)
+            trimmer.cancel()
+            raise
     for name in ["", *names]:
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)  # aio servicer: a coroutine
     log.info("serving %s on %s:%d", ", ".join(names), config.host, port)

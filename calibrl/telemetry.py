@@ -152,7 +152,27 @@ def configure(
         "refusals": meter.create_counter(
             "calibrl.tenant.refusals",
             description="Calls refused before any work, by tenant and reason "
-            "(unauthenticated, request_size, rate_limit, queue_full)",
+            "(unauthenticated, request_size, rate_limit, queue_full, tenant_queue_full, deadline)",
+        ),
+        "queue_time": meter.create_histogram(
+            "calibrl.tenant.queue.time", unit="s",
+            description="Seconds from a call's admission to its first unit of work, by tenant and batcher"
+        ),
+        "cost_admitted": meter.create_counter(
+            "calibrl.tenant.cost.admitted", unit="s",
+            description="Estimated server seconds of the calls admitted to the queue, by tenant and batcher"
+        ),
+        "cost_refused": meter.create_counter(
+            "calibrl.tenant.cost.refused", unit="s",
+            description="Estimated server seconds of the calls refused (over budget or shed), by tenant and reason"
+        ),
+        "cancelled_items": meter.create_counter(
+            "calibrl.tenant.cancelled.items", unit="{item}",
+            description="Queued items dropped before they ran because the caller cancelled or ran out of time"
+        ),
+        "client_retries": meter.create_counter(
+            "calibrl.client.retries",
+            description="Client attempts retried (by service, method and status code; SHED: pushed back by the server)"
         ),
     }
     return True
@@ -163,6 +183,8 @@ def _views() -> list[Any]:
 
     return [
         View(instrument_name="calibrl.rpc.*", aggregation=ExplicitBucketHistogramAggregation(_LATENCY_BUCKETS_S)),
+        View(instrument_name="calibrl.tenant.queue.time",
+             aggregation=ExplicitBucketHistogramAggregation(_LATENCY_BUCKETS_S)),
         View(instrument_name="calibrl.batch.size", aggregation=ExplicitBucketHistogramAggregation(_BATCH_BUCKETS)),
         View(instrument_name="calibrl.judge.batch.size",
              aggregation=ExplicitBucketHistogramAggregation(_BATCH_BUCKETS)),

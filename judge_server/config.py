@@ -57,6 +57,9 @@ class JudgeConfig:
     max_context_chars: int = option(8000, "Most characters of context per item, keys and values together.")
     max_request_chars: int = option(
         2_000_000, "Most characters in one Score request, every text, id and context entry of every item together.")
+    llm_cost_per_item_s: float = option(
+        0.0, "Estimated seconds one LLM criterion costs per item (added to the measured programmatic costs "
+             "when a request is checked against max_request_cost_s); 0 counts LLM criteria as free.")
 
     def validate(self) -> None:
         from calibrl.judge_server.backends import parse_spec
@@ -76,6 +79,8 @@ class JudgeConfig:
             check_onnx_installed("judge.embedder_backend")
         if self.embedder_cache_size < 0:
             raise ConfigError(f"judge.embedder_cache_size={self.embedder_cache_size}: must be >= 0 (0 disables it)")
+        if self.llm_cost_per_item_s < 0:
+            raise ConfigError(f"judge.llm_cost_per_item_s={self.llm_cost_per_item_s}: must be >= 0")
         if self.cache_size < 0:
             raise ConfigError(f"judge.cache_size={self.cache_size}: must be >= 0 (0 disables the cache)")
         if not 0.0 < self.vllm_gpu_memory_utilization <= 1.0:
@@ -84,7 +89,8 @@ class JudgeConfig:
 
 
 def _judge_serving() -> ServingConfig:
-    return ServingConfig(port=50052)
+    # a judge item is scored alone (batch-invariant), so larger units cost little fairness
+    return ServingConfig(port=50052, max_unit_cost_s=0.1)
 
 
 @dataclass

@@ -94,9 +94,24 @@ def entity_coverage(items: Sequence[JudgeItem], params: Mapping[str, Any], conte
         if not required:
             scores.append(1.0)
             continue
-        kept = sum(1 for term in required if entities.contains_term(item.output, term))
+        contains = _term_finder(item.output)
+        kept = sum(1 for term in required if contains(term))
         scores.append(kept / len(required))
     return scores
+
+
+def _term_finder(text: str) -> Callable[[str], bool]:
+    """``entities.contains_term(text, term)`` for many terms, with ``text`` tokenised once
+    (once per term made entity coverage quadratic in the text's length)."""
+    folded = entities.folded_words(text)
+    lowered = text.lower()
+
+    def contains(term: str) -> bool:
+        if " " in term.strip():
+            return bool(entities._phrase_pattern(term).search(lowered))
+        return entities._fold(term) in folded
+
+    return contains
 
 
 def intent_similarity(items: Sequence[JudgeItem], params: Mapping[str, Any], context: ScorerContext) -> list[float]:
@@ -258,7 +273,8 @@ def revealed_entity(items: Sequence[JudgeItem], params: Mapping[str, Any], conte
         if not revealed:
             scores.append(1.0)
         else:
-            scores.append(1.0 if any(entities.contains_term(item.output, term) for term in revealed) else 0.0)
+            contains = _term_finder(item.output)
+            scores.append(1.0 if any(contains(term) for term in revealed) else 0.0)
     return scores
 
 

@@ -1,9 +1,13 @@
 """JudgeService over grpc.aio: a thin adapter over :class:`calibrl.judge_server.judge.Judge`.
 
-Score checks the request, answers cached items at once, and sends the rest through
-a :class:`calibrl.batching.MicroBatcher` keyed by rubric hash, so concurrent callers
-of the same rubric share one scoring batch (:class:`BatchMix` counts what each batch
-joined). Errors become status codes in
+Score checks the request, estimates its cost (``calibrl.judge_server.costs``) and
+refuses one above ``max_request_cost_s``, answers cached items at once, and sends the
+rest through a :class:`calibrl.batching.MicroBatcher` keyed by rubric hash, for the
+call's tenant (API key, else peer): concurrent callers of the same rubric share one
+scoring batch, large requests are split into bounded units, tenants get weighted fair
+shares and calls that could not be served in time are shed with pushback
+(:class:`BatchMix` counts what each batch joined). Health says SERVING only once every
+model is loaded and a probe item of every served rubric has been scored. Errors become status codes in
 ``calibrl.serving.rpc_errors``; the server keeps serving.
 
 ``start(config)`` is what tests and other components use: it starts the server on
@@ -12,16 +16,20 @@ the current event loop and returns a ``RunningServer`` (``.port``, ``.stop()``).
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import threading
 from typing import Any, Callable, Sequence
 
 from calibrl import telemetry
+from calibrl.admission import check_budget
 from calibrl.batching import MicroBatcher
-from calibrl.serving import RunningServer, rpc_errors, start_server, time_remaining
+from calibrl.security import tenant_weights
+from calibrl.serving import RunningServer, rpc_errors, start_server, tenant_of_call, time_remaining
 from calibrl.v1 import judge_pb2 as pb
 from calibrl.v1 import judge_pb2_grpc
-from calibrl.judge_server import wire
+from calibrl.judge_server import costs as cost_model
+from calibrl.judge_server import programmatic, wire
 from calibrl.judge_server.config import JudgeServerConfig
 from calibrl.judge_server.judge import Judge, RubricStatus
 from calibrl.judge_server.rubric import Rubric
@@ -46,13 +54,13 @@ def _authenticated_tenant(context: Any) -> str | None:
     return current_tenant()
 
 
-def rubric_to_proto(status: RubricStatus) -> pb.Rubric:
+def rubric_to_proto(status: RubricStatus, max_request_cost_s: float = 0.0) -> pb.Rubric:
     import json
 
     rubric = status.rubric
     message = pb.Rubric(
         id=rubric.id, version=rubric.version, hash=rubric.hash, description=rubric.description,
-        source_yaml=rubric.source_yaml,
+        source_yaml=rubric.source_yaml, max_request_cost_s=max_request_cost_s,
         criteria=[
             pb.Criterion(name=c.name, kind=c.kind, question=c.question, scorer=c.scorer,
                          params_json=json.dumps(c.canonical().get("params", {}), sort_keys=True),
@@ -103,21 +111,38 @@ class BatchMix:
         return calls, others
 
 
+def rubric_uses_minilm(judge: Judge, rubric: Rubric) -> bool:
+    """Whether scoring ``rubric`` runs the MiniLM embedder (a programmatic criterion needs one)."""
+    return judge.config.embedder == "minilm" and any(
+        c.kind == "programmatic" and programmatic.SCORERS[c.scorer].needs_embedder for c in rubric.criteria)
+
+
+def estimate_costs(judge: Judge, rubric: Rubric, items: Sequence[JudgeItem]) -> list[float]:
+    """Estimated seconds per item (calibrl.judge_server.costs)."""
+    return cost_model.item_costs(items, minilm=rubric_uses_minilm(judge, rubric),
+                                 llm_criteria=len(rubric.llm_criteria),
+                                 llm_cost_per_item_s=judge.config.llm_cost_per_item_s)
+
+
 class JudgeServicer(judge_pb2_grpc.JudgeServiceServicer):
-    def __init__(self, judge: Judge, batcher: MicroBatcher, tenant_of: TenantResolver = _authenticated_tenant) -> None:
+    def __init__(self, judge: Judge, batcher: MicroBatcher, tenant_of: TenantResolver = _authenticated_tenant,
+                 max_request_cost_s: float = 0.0) -> None:
         self.judge = judge
         self.batcher = batcher
         self.tenant_of = tenant_of
+        self.max_request_cost_s = max_request_cost_s
         self.mix = BatchMix()
 
-    async def score_items(self, rubric: Rubric, items: Sequence[JudgeItem],
-                          timeout_s: float | None = None) -> list[ItemScore]:
+    async def score_items(self, rubric: Rubric, items: Sequence[JudgeItem], timeout_s: float | None = None,
+                          tenant: str | None = None) -> list[ItemScore]:
         results, missing = self.judge.lookup(rubric, items)
         if missing:
             unique = list(dict.fromkeys(items[i] for i in missing))
+            costs = estimate_costs(self.judge, rubric, unique)
             self.mix.enter(rubric.id, unique)
             try:
-                computed = dict(zip(unique, await self.batcher.submit(rubric.hash, unique, timeout_s=timeout_s)))
+                computed = dict(zip(unique, await self.batcher.submit(rubric.hash, unique, timeout_s=timeout_s,
+                                                                      tenant=tenant, costs=costs)))
             finally:
                 self.mix.leave(rubric.id, unique)
             for i in missing:
@@ -129,8 +154,11 @@ class JudgeServicer(judge_pb2_grpc.JudgeServiceServicer):
         rubric = self.judge.resolve(request.rubric_id, self.tenant_of(context), request.rubric_hash)
         items = [wire.item_from_proto(m) for m in request.items]
         self.judge.check_items(items)
+        check_budget("items", estimate_costs(self.judge, rubric, items), self.max_request_cost_s,
+                     "max_request_cost_s")
         telemetry.record("judge_calls", 1, rubric=rubric.id)
-        scores = await self.score_items(rubric, items, timeout_s=time_remaining(context))
+        scores = await self.score_items(rubric, items, timeout_s=time_remaining(context),
+                                        tenant=tenant_of_call(context))
         return pb.ScoreResponse(scores=[wire.item_score_to_proto(s) for s in scores], rubric_id=rubric.id,
                                 rubric_hash=rubric.hash, model_id=self.judge.scorer_id(rubric))
 
@@ -145,7 +173,8 @@ class JudgeServicer(judge_pb2_grpc.JudgeServiceServicer):
 
     @rpc_errors
     async def GetRubric(self, request: pb.GetRubricRequest, context: Any) -> pb.Rubric:
-        return rubric_to_proto(self.judge.status(request.rubric_id, self.tenant_of(context)))
+        return rubric_to_proto(self.judge.status(request.rubric_id, self.tenant_of(context)),
+                               self.max_request_cost_s)
 
 
 def log_rubric_statuses(judge: Judge) -> None:
@@ -157,6 +186,22 @@ def log_rubric_statuses(judge: Judge) -> None:
             log.warning("rubric %s (hash %s): %s", status.rubric.id, status.rubric.hash[:12], status.reason)
         else:
             log.warning("rubric %s: REFUSED (FAILED_PRECONDITION on Score): %s", status.rubric.id, status.reason)
+
+
+PROBE_ITEM = JudgeItem.make("VTSAX expense ratio 2024", "VTSAX expense ratio for 2024")
+
+
+def warm_up(judge: Judge) -> None:
+    """Load every model the served rubrics need and score a probe item with each, so the
+    first caller does not pay for loading (health says SERVING only after this)."""
+    from calibrl.errors import CalibrlError
+
+    for status in judge.statuses():
+        if status.usable:
+            try:
+                judge.compute(status.rubric, [PROBE_ITEM])
+            except CalibrlError as exc:  # the rubric's own calls will say the same; a model crash is raised
+                log.error("rubric %s: the probe item could not be scored: %s", status.rubric.id, exc)
 
 
 async def start(config: JudgeServerConfig, judge: Judge | None = None,
@@ -174,8 +219,10 @@ async def start(config: JudgeServerConfig, judge: Judge | None = None,
 
     batcher: MicroBatcher = MicroBatcher(process, max_batch_items=config.max_batch_items,
                                          max_queue_items=config.max_queue_items, max_wait_ms=config.max_wait_ms,
-                                         name="judge")
-    servicer = JudgeServicer(judge, batcher, tenant_of)
+                                         max_batch_cost=config.serving.max_unit_cost_s,
+                                         max_tenant_queue_cost=config.serving.max_tenant_queue_cost_s,
+                                         weights=tenant_weights(config.serving.api_keys_file), name="judge")
+    servicer = JudgeServicer(judge, batcher, tenant_of, config.serving.max_request_cost_s)
 
     async def close_judge() -> None:
         judge.close()
@@ -187,6 +234,7 @@ async def start(config: JudgeServerConfig, judge: Judge | None = None,
         on_no_new_calls=[batcher.end_windows],
         on_stop=[lambda: batcher.close(timeout_s=BATCHER_CLOSE_S), close_judge],
         interceptors=interceptors,
+        warm_up=lambda: asyncio.to_thread(warm_up, judge),
     )
     running.servicer = servicer  # type: ignore[attr-defined]
     return running

@@ -61,6 +61,7 @@ class RetrievalServerConfig:
             max_answers_per_request=self.max_answers_per_request,
             max_id_chars=self.max_id_chars,
             max_answer_chars=self.max_answer_chars,
+            max_request_cost_s=self.serving.max_request_cost_s,
         )
 
     def validate(self) -> None:

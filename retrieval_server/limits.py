@@ -11,6 +11,21 @@ at most ``max_query_chars``; the answer check of ScoreRetrieval costs at most
 ``max_top_k`` passages x ``max_answers_per_request`` answers (each answer is
 matched against the hits of its own item only); the id signals are set lookups
 over at most ``max_ids_per_request`` ids.
+
+Beyond the limits, every request's work is estimated before it is queued
+(:func:`query_cost_s`, seconds of server time per query) and a request above
+``max_request_cost_s`` is refused (:class:`calibrl.admission.OverBudget`). The
+constants were measured with one torch thread on a shared 2-core host (load average
+~5, so they err on the slow side) over the demo corpus (980 passages), by::
+
+    python benchmarks/bench_tenants.py --only calibrate
+
+- dense embedding (each query alone, MiniLM): 4 words 17-24 ms, 64 words (~455
+  chars) 52-59 ms, 300 words (~1,900 chars) 175-182 ms per query;
+- BM25: 0.07 ms (4 words) to 0.73 ms (300 words) per query at 980 passages, growing
+  with the corpus; building hits: ~12 us per hit (300 words, top_k 1 -> 100: +1.2 ms);
+- ScoreRetrieval's signals: ~10 us per hit (passages normalised) plus ~0.1 us per
+  answer x hit (1 answer: 1.08 ms, 64 answers: 1.56 ms at top_k 100).
 """
 
 from __future__ import annotations
@@ -22,6 +37,27 @@ from calibrl.errors import InvalidArgument, ResourceExhausted
 from calibrl.retrieval_server.types import ScoreItem, SearchMode
 
 MODES = tuple(SearchMode)
+
+PER_QUERY_S = 0.0001
+DENSE_PER_QUERY_S = 0.015
+DENSE_PER_CHAR_S = 85e-6
+BM25_PER_QUERY_S = 0.0001
+BM25_PER_CHAR_PER_1K_DOCS_S = 0.4e-6
+PER_HIT_S = 12e-6
+SCORE_PER_HIT_S = 10e-6
+SCORE_PER_ANSWER_HIT_S = 0.1e-6
+
+
+def query_cost_s(query: str, top_k: int, mode: SearchMode, doc_count: int, item: ScoreItem | None = None) -> float:
+    """Estimated seconds of server time one query costs (see the module doc)."""
+    cost = PER_QUERY_S + PER_HIT_S * top_k
+    if mode in (SearchMode.DENSE, SearchMode.HYBRID):
+        cost += DENSE_PER_QUERY_S + DENSE_PER_CHAR_S * len(query)
+    if mode in (SearchMode.BM25, SearchMode.HYBRID):
+        cost += BM25_PER_QUERY_S + BM25_PER_CHAR_PER_1K_DOCS_S * len(query) * max(1.0, doc_count / 1000)
+    if item is not None:
+        cost += top_k * (SCORE_PER_HIT_S + SCORE_PER_ANSWER_HIT_S * len(item.gold_answers))
+    return cost
 
 
 @dataclass(frozen=True)
@@ -36,6 +72,7 @@ class RetrievalLimits:
     max_answers_per_request: int = 2048
     max_id_chars: int = 256
     max_answer_chars: int = 512
+    max_request_cost_s: float = 1.0
 
 
 def parse_mode(mode: SearchMode | str | None, default: SearchMode) -> SearchMode:

@@ -19,6 +19,7 @@ from typing import Any
 
 from calibrl.batching import MicroBatcher
 from calibrl.config import validate
+from calibrl.security import tenant_weights
 from calibrl.serving import RunningServer, serve_until_signal, start_server, stop_on_signals
 from calibrl.v1 import retrieval_pb2_grpc as pb_grpc
 from calibrl.retrieval_server.config import RetrievalServerConfig
@@ -46,6 +47,12 @@ class RunningRetrievalServer(RunningServer):
         return f"{host}:{self.port}"
 
 
+def warm_up(retriever: Retriever) -> None:
+    """Rank a probe query in every mode, so every model is loaded before health says SERVING."""
+    for mode in retriever.modes:
+        Retriever.ranked(retriever, ["probe query"], 1, mode)  # the library's ranking, not a subclass's
+
+
 async def start(config: RetrievalServerConfig, retriever: Retriever | None = None) -> RunningRetrievalServer:
     """Load the index (unless ``retriever`` is given) and serve it in the running event loop.
 
@@ -59,6 +66,9 @@ async def start(config: RetrievalServerConfig, retriever: Retriever | None = Non
         max_batch_items=config.batch_max_items,
         max_queue_items=config.batch_max_queue_items,
         max_wait_ms=config.batch_max_wait_ms,
+        max_batch_cost=config.serving.max_unit_cost_s,
+        max_tenant_queue_cost=config.serving.max_tenant_queue_cost_s,
+        weights=tenant_weights(config.serving.api_keys_file),
         name="retrieval",
     )
     servicer = RetrievalServicer(retriever, batcher, int(config.serving.max_request_mb * 1024 * 1024))
@@ -68,6 +78,7 @@ async def start(config: RetrievalServerConfig, retriever: Retriever | None = Non
         [SERVICE_NAME],
         on_no_new_calls=[batcher.end_windows],
         on_stop=[lambda: batcher.close(timeout_s=BATCHER_CLOSE_S)],
+        warm_up=lambda: asyncio.to_thread(warm_up, retriever),
     )
     base = {f.name: getattr(running, f.name) for f in dataclasses.fields(RunningServer)}
     return RunningRetrievalServer(**base, host=config.serving.host, retriever=retriever, batcher=batcher)

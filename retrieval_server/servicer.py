@@ -4,7 +4,10 @@ The servicer validates each request on its own (so one caller's bad input never
 fails another's batch), then hands its queries to a MicroBatcher keyed by mode:
 the queries of concurrent Search and ScoreRetrieval calls share one embedding
 pass and one index search at the largest top_k of the batch, and each request
-is cut back to its own k.
+is cut back to its own k. Each request's work is estimated first
+(:func:`~calibrl.retrieval_server.limits.query_cost_s`) and refused above
+``max_request_cost_s``; the batcher queues it for the call's tenant (API key, else
+peer) in bounded units, fairly, and sheds what could not be served in time.
 """
 
 from __future__ import annotations
@@ -12,8 +15,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Hashable, Sequence
 
+from calibrl.admission import check_budget
 from calibrl.batching import MicroBatcher
-from calibrl.serving import rpc_errors, time_remaining
+from calibrl.serving import rpc_errors, tenant_of_call, time_remaining
 from calibrl.v1 import retrieval_pb2 as pb
 from calibrl.v1 import retrieval_pb2_grpc as pb_grpc
 from calibrl.retrieval_server import limits as rules
@@ -64,8 +68,10 @@ class RetrievalServicer(pb_grpc.RetrievalServiceServicer):
         mode = wire.mode_from_proto(request.mode, self.retriever.default_mode)
         queries = list(request.queries)
         rules.check_search(queries, request.top_k, self.retriever.limits)
+        costs = self._costs(mode, request.top_k, [(q, None) for q in queries], "queries")
         results = await self.batcher.submit(mode, [QueryWork(q, request.top_k) for q in queries],
-                                            timeout_s=time_remaining(context))
+                                            timeout_s=time_remaining(context), tenant=tenant_of_call(context),
+                                            costs=costs)
         return pb.SearchResponse(results=[wire.hits_to_proto(hits, request.include_text) for hits in results])
 
     @rpc_errors
@@ -73,11 +79,21 @@ class RetrievalServicer(pb_grpc.RetrievalServiceServicer):
         mode = wire.mode_from_proto(request.mode, self.retriever.default_mode)
         items = [wire.score_item_from_proto(message) for message in request.items]
         rules.check_score(items, request.top_k, self.retriever.limits)
+        costs = self._costs(mode, request.top_k, [(i.query, i) for i in items], "items")
         scores = await self.batcher.submit(mode, [QueryWork(i.query, request.top_k, i) for i in items],
-                                           timeout_s=time_remaining(context))
+                                           timeout_s=time_remaining(context), tenant=tenant_of_call(context),
+                                           costs=costs)
         return pb.ScoreRetrievalResponse(
             scores=[wire.retrieval_score_to_proto(score, request.include_text) for score in scores]
         )
+
+    def _costs(self, mode: SearchMode, top_k: int, work: Sequence[tuple[str, ScoreItem | None]],
+               field: str) -> list[float]:
+        """Estimated seconds per query; the request is refused above the budget."""
+        doc_count = self.retriever.doc_count
+        costs = [rules.query_cost_s(query, top_k, mode, doc_count, item) for query, item in work]
+        check_budget(field, costs, self.retriever.limits.max_request_cost_s, "max_request_cost_s")
+        return costs
 
     @rpc_errors
     async def GetIndexInfo(self, request: pb.GetIndexInfoRequest, context: Any) -> pb.IndexInfo:
@@ -101,4 +117,5 @@ class RetrievalServicer(pb_grpc.RetrievalServiceServicer):
             max_id_chars=limits.max_id_chars,
             max_answer_chars=limits.max_answer_chars,
             max_request_bytes=self.max_request_bytes,
+            max_request_cost_s=limits.max_request_cost_s,
         )

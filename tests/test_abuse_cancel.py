@@ -149,8 +149,23 @@ async def test_cancelling_a_heavy_call_frees_the_server_for_a_small_one(tiny_ind
             assert heavy_ranked <= 3 * 16, f"{heavy_ranked} of 256 cancelled queries were still ranked"
             assert running.batcher.queue_depth == 0
 
-            # past its deadline: the same, with DEADLINE_EXCEEDED for the caller
+            # past its deadline: the same, with DEADLINE_EXCEEDED for the caller. The server has
+            # learnt that this backend is slow (10 ms a query), so it first sheds the call at once,
+            # with pushback, while other work is queued ahead of it
             retriever.ranked_queries.clear()
+            blocker = asyncio.ensure_future(stub.Search(pb.SearchRequest(
+                queries=[f"blocker {i}" for i in range(64)], top_k=5, mode=pb.SEARCH_MODE_BM25), timeout=60))
+            while not retriever.ranked_queries:
+                await asyncio.sleep(0.01)
+            with pytest.raises(grpc.aio.AioRpcError) as shed:
+                await stub.Search(pb.SearchRequest(queries=heavy_queries, top_k=5, mode=pb.SEARCH_MODE_BM25),
+                                  timeout=0.3)
+            assert shed.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert "exceeds the call's deadline" in shed.value.details()
+            assert int(dict(shed.value.trailing_metadata())["grpc-retry-pushback-ms"]) > 0
+            await blocker
+            assert not any(q.startswith("heavy") for q in retriever.ranked_queries)
+            # alone on an idle server it is admitted, and dropped when its deadline passes
             with pytest.raises(grpc.aio.AioRpcError) as late:
                 await stub.Search(pb.SearchRequest(queries=heavy_queries, top_k=5, mode=pb.SEARCH_MODE_BM25),
                                   timeout=0.3)

@@ -65,14 +65,24 @@ async def test_retrieval_refuses_requests_whose_work_is_unbounded(tiny_index, re
             assert error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
             assert f"vs. {4 * 2**20}" in error.details()
 
-            # the limits are announced, and a request at them is served
+            # the limits are announced; a request at them is refused for its estimated cost (the
+            # budget, 1 s of server time), with the number of leading items that fit
             info = await stub.GetIndexInfo(pb.GetIndexInfoRequest(), timeout=30)
             assert (info.max_answers_per_request, info.max_ids_per_request, info.max_id_chars,
                     info.max_answer_chars, info.max_request_bytes) == (2048, 16384, 256, 512, 4 * 2**20)
+            assert info.max_request_cost_s == 1.0
             at_limit = [pb.ScoreItem(query=f"Mozart {i}", gold_answers=[f"w{j}" for j in range(8)] + ["Salzburg"],
                                      gold_doc_ids=["mozart"]) for i in range(227)]
-            reply = await stub.ScoreRetrieval(pb.ScoreRetrievalRequest(items=at_limit, top_k=100), timeout=120)
-            assert len(reply.scores) == 227 and reply.scores[0].hit
+            error = await _refused(stub.ScoreRetrieval(pb.ScoreRetrievalRequest(items=at_limit, top_k=100),
+                                                       timeout=120))
+            assert error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert error.details().startswith("items: estimated cost ")
+            assert "limit max_request_cost_s=1 s" in error.details()
+            fits = int(dict(error.trailing_metadata())["calibrl-max-items"])
+            assert 1 <= fits < 227 and f"the first {fits} item(s) fit" in error.details()
+            reply = await stub.ScoreRetrieval(pb.ScoreRetrievalRequest(items=at_limit[:fits], top_k=100),
+                                              timeout=120)
+            assert len(reply.scores) == fits and reply.scores[0].hit
     finally:
         await running.stop(grace=1.0)
 

@@ -95,3 +95,56 @@ def test_a_second_signal_cuts_the_drain_short(tiny_index):
         if process.poll() is None:
             process.kill()
             process.wait()
+
+
+RUBRIC = ("id: shutdown\nversion: '1'\ncriteria:\n"
+          "  - {name: entities, kind: programmatic, scorer: entity_coverage, weight: 0.5}\n"
+          "  - {name: invented, kind: programmatic, scorer: invented_entities, weight: 0.5, penalty: true}\n")
+
+
+@pytest.mark.slow
+def test_the_judge_exits_in_time_with_calls_that_outlive_the_grace(tmp_path):
+    from calibrl.v1 import judge_pb2 as jpb
+    from calibrl.v1 import judge_pb2_grpc
+
+    (tmp_path / "shutdown.yaml").write_text(RUBRIC)
+    process = subprocess.Popen(
+        [sys.executable, "-m", "calibrl", "serve", "judge", "--rubrics", str(tmp_path), "--port", "0",
+         "--allow-unvalidated", "judge.embedder=hashed-ngrams", "judge.cache_size=0",
+         f"serving.drain_seconds={DRAIN_S}", f"serving.grace_seconds={GRACE_S}"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+    try:
+        line = process.stdout.readline()
+        assert "listening on" in line, line + process.stderr.read()
+        address = f"127.0.0.1:{line.strip().rsplit(':', 1)[1]}"
+        with grpc.insecure_channel(address) as channel:
+            assert _status(channel) == "SERVING"  # printed after the probe item was scored
+            stub = judge_pb2_grpc.JudgeServiceStub(channel)
+            text = ("Vanguard VTSAX Admiral 2024 ETF " * 300)[:8000]
+            # 12 calls, each near the 1 s budget: ~10 s of queued work, far more than drain + grace
+            calls = [stub.Score.future(jpb.ScoreRequest(rubric_id="shutdown", items=[
+                jpb.JudgeItem(query=f"{c} {i} {text}"[:8000], output=f"{i} {c} {text}"[:8000]) for i in range(40)]),
+                timeout=120) for c in range(12)]
+            time.sleep(0.5)
+            assert not all(call.done() for call in calls), "the work did not outlive the signal"
+            signalled = time.monotonic()
+            process.send_signal(signal.SIGTERM)
+            code = process.wait(timeout=60)
+            elapsed = time.monotonic() - signalled
+            codes = []
+            for call in calls:
+                try:
+                    call.result()
+                    codes.append("OK")
+                except grpc.RpcError as exc:
+                    codes.append(exc.code().name)
+        assert code == 0
+        assert elapsed < DRAIN_S + GRACE_S + 1.0, f"exited {elapsed:.1f}s after SIGTERM"
+        assert "OK" in codes or elapsed >= DRAIN_S - 0.1
+        assert set(codes) - {"OK"} <= {"UNAVAILABLE", "CANCELLED"}, codes  # cut off, never a wrong score
+        assert codes.count("OK") < len(codes), "every call finished: the test did not outlive the grace"
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()

@@ -2,11 +2,18 @@
 
 Every RPC gets a deadline (``timeout_s``) and is retried with exponential backoff
 and jitter (tenacity) when the status is transient: UNAVAILABLE (a replica down
-or draining), DEADLINE_EXCEEDED and RESOURCE_EXHAUSTED (the server's queue is
-full). Any other status becomes the matching :mod:`calibrl.errors` exception at
-once, so a bad request fails fast with the server's message (which names the
-field and the limit). A transient status that outlives ``max_attempts`` also
-becomes a calibrl error (Unavailable or ResourceExhausted).
+or draining), DEADLINE_EXCEEDED, and RESOURCE_EXHAUSTED that carries the standard
+``grpc-retry-pushback-ms`` trailer (the server shed the call: its queue is full or
+it could not start the work before the deadline); the wait before the next attempt
+is at least the pushback. A RESOURCE_EXHAUSTED with ``calibrl-max-items`` (the
+request is above the server's cost budget) splits the request into chunks of that
+many items, which are sent again. Any other status becomes the matching
+:mod:`calibrl.errors` exception at once, so a bad request fails fast with the
+server's message (which names the field and the limit). A transient status that
+outlives ``max_attempts`` also becomes a calibrl error (Unavailable or
+ResourceExhausted): a reward that cannot be had fails the step, never becomes 0.
+Retries and shed calls are counted in ``client.stats`` and as telemetry
+(``calibrl.client.retries``, by service, method and code).
 
 Batches larger than the server accepts are split into chunks (the retrieval
 server's ``max_batch_size`` is read once from GetIndexInfo; the judge's is a
@@ -55,10 +62,42 @@ R = TypeVar("R")
 TRANSIENT_CODES = ("UNAVAILABLE", "DEADLINE_EXCEEDED", "RESOURCE_EXHAUSTED")
 
 
+PUSHBACK_KEY = "grpc-retry-pushback-ms"
+MAX_ITEMS_KEY = "calibrl-max-items"
+
+
+def _trailer(error: BaseException, key: str) -> int | None:
+    """An integer trailing-metadata value of a failed call (None when absent or malformed)."""
+    try:
+        for name, value in error.trailing_metadata() or ():  # type: ignore[attr-defined]
+            if name == key:
+                return int(value)
+    except (AttributeError, TypeError, ValueError):
+        return None
+    return None
+
+
 def _is_transient(error: BaseException) -> bool:
+    """UNAVAILABLE and DEADLINE_EXCEEDED; RESOURCE_EXHAUSTED only when the server pushed back
+    (a shed call): without pushback it is a limit that the same request will hit again."""
     import grpc
 
-    return isinstance(error, grpc.aio.AioRpcError) and error.code().name in TRANSIENT_CODES
+    if not isinstance(error, grpc.aio.AioRpcError) or error.code().name not in TRANSIENT_CODES:
+        return False
+    return error.code().name != "RESOURCE_EXHAUSTED" or _trailer(error, PUSHBACK_KEY) is not None
+
+
+class _WaitHonouringPushback:
+    """tenacity wait: exponential backoff with jitter, and at least the server's pushback."""
+
+    def __init__(self, backoff: Any) -> None:
+        self.backoff = backoff
+
+    def __call__(self, state: Any) -> float:
+        wait = self.backoff(state)
+        error = state.outcome.exception() if state.outcome is not None else None
+        pushback_ms = _trailer(error, PUSHBACK_KEY) if error is not None else None
+        return max(wait, pushback_ms / 1000.0) if pushback_ms is not None else wait
 
 
 def _chunks(items: Sequence[T], size: int) -> list[Sequence[T]]:
@@ -112,6 +151,9 @@ class _GrpcClient:
         self._max_message_bytes = int(max_message_mb) * 1024 * 1024
         self._backoff = (float(backoff_initial_s), float(backoff_max_s))
         self.lb_policy = lb_policy
+        # retries: attempts after a transient failure; shed: RESOURCE_EXHAUSTED with pushback;
+        # split: requests above the server's cost budget, split and sent again
+        self.stats = {"retries": 0, "shed": 0, "split": 0}
         self._channel: "grpc.aio.Channel | None" = None
         self._stub: "Stub | None" = None
         self._semaphore: asyncio.Semaphore | None = None
@@ -172,12 +214,9 @@ class _GrpcClient:
         initial, maximum = self._backoff
         retrying = AsyncRetrying(
             stop=stop_after_attempt(self.max_attempts),
-            wait=wait_exponential_jitter(initial=initial, max=maximum, jitter=initial),
+            wait=_WaitHonouringPushback(wait_exponential_jitter(initial=initial, max=maximum, jitter=initial)),
             retry=retry_if_exception(_is_transient),
-            before_sleep=lambda state: log.info(
-                "%s %s: attempt %d failed with %s; retrying", self.target, method, state.attempt_number,
-                state.outcome.exception().code().name if state.outcome else "?",
-            ),
+            before_sleep=lambda state: self._count_retry(method, state),
             reraise=True,
         )
         span_name = f"calibrl.client/{self._service}/{method}"
@@ -192,10 +231,26 @@ class _GrpcClient:
                 except grpc.aio.AioRpcError as exc:
                     details = exc.details() or ""
                     if _is_transient(exc):
+                        self._count_shed(method, exc)
                         details = (f"{self.target} {self._service}/{method}: {exc.code().name} after "
                                    f"{self.max_attempts} attempts: {details}")
-                    raise error_from_status(exc.code(), details) from exc
+                    error = error_from_status(exc.code(), details)
+                    error.fits_items = _trailer(exc, MAX_ITEMS_KEY)  # type: ignore[attr-defined]
+                    raise error from exc
         raise AssertionError("unreachable: tenacity either returns or raises")  # pragma: no cover
+
+    def _count_shed(self, method: str, error: BaseException) -> None:
+        if _trailer(error, PUSHBACK_KEY) is not None:
+            self.stats["shed"] += 1
+            telemetry.record("client_retries", 1, service=self._service, method=method, code="SHED")
+
+    def _count_retry(self, method: str, state: Any) -> None:
+        error = state.outcome.exception() if state.outcome is not None else None
+        code = error.code().name if error is not None else "?"
+        self.stats["retries"] += 1
+        self._count_shed(method, error)
+        telemetry.record("client_retries", 1, service=self._service, method=method, code=code)
+        log.info("%s %s: attempt %d failed with %s; retrying", self.target, method, state.attempt_number, code)
 
     async def _chunked(
         self, items: Sequence[T], size: int, run: Callable[[Sequence[T]], Awaitable[list[R]]]
@@ -205,9 +260,24 @@ class _GrpcClient:
             return []
         parts = _chunks(items, size)
         if len(parts) == 1:
-            return await run(parts[0])
-        results = await gather_all(*(run(part) for part in parts))
+            return await self._within_budget(parts[0], run)
+        results = await gather_all(*(self._within_budget(part, run) for part in parts))
         return [result for part in results for result in part]
+
+    async def _within_budget(self, part: Sequence[T], run: Callable[[Sequence[T]], Awaitable[list[R]]]) -> list[R]:
+        """``run(part)``; when the server refuses it as above its cost budget, the part again in
+        chunks of the items that fit (the server's ``calibrl-max-items``)."""
+        from calibrl.errors import ResourceExhausted
+
+        try:
+            return await run(part)
+        except ResourceExhausted as exc:
+            fits = getattr(exc, "fits_items", None)
+            if not fits or fits >= len(part):
+                raise
+            self.stats["split"] += 1
+            results = await gather_all(*(self._within_budget(chunk, run) for chunk in _chunks(part, fits)))
+            return [result for chunk in results for result in chunk]
 
 
 class GrpcRetrievalClient(_GrpcClient):

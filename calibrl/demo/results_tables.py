@@ -58,6 +58,7 @@ def _source(demo: Mapping[str, Any]) -> str:
 
 def demo_search(demo: Mapping[str, Any]) -> list[str]:
     from calibrl.demo.error_analysis import BEST_CONSTANT, comparison
+    from calibrl.stats import describe_difference
 
     analysis = demo["search_analysis"]
     labels = analysis["labels"]
@@ -79,6 +80,15 @@ def demo_search(demo: Mapping[str, Any]) -> list[str]:
              f"{analysis['questions']} held-out questions in {analysis.get('bridge_clusters', '?')} bridge clusters; "
              "intervals pair the same questions and resample whole clusters. The read-out rate is the share of "
              "trajectories that found the answer document and then answered its value exactly."]
+    trained = [name for name in runs if name != "base_agent"]
+    pairs = [(a, b) for i, b in enumerate(trained) for a in trained[i + 1:]]
+    if pairs:
+        lines.append("")
+    for a, b in pairs:
+        for metric, unit in (("f1", "points of answer F1"), ("em", "points of exact match")):
+            item = comparison(analysis, a, b, metric)
+            if item:
+                lines.append(f"- {describe_difference(labels[a], labels[b], item, unit)}")
     return lines
 
 

@@ -144,7 +144,7 @@ class Validation(_message.Message):
     def __init__(self, passed: _Optional[bool] = ..., kappa: _Optional[float] = ..., model_id: _Optional[str] = ..., threshold: _Optional[float] = ..., min_kappa: _Optional[float] = ..., pass_threshold: _Optional[float] = ..., pass_threshold_source: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
 
 class Rubric(_message.Message):
-    __slots__ = ("id", "version", "hash", "description", "criteria", "source_yaml", "validation")
+    __slots__ = ("id", "version", "hash", "description", "criteria", "source_yaml", "validation", "max_request_cost_s")
     ID_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     HASH_FIELD_NUMBER: _ClassVar[int]
@@ -152,6 +152,7 @@ class Rubric(_message.Message):
     CRITERIA_FIELD_NUMBER: _ClassVar[int]
     SOURCE_YAML_FIELD_NUMBER: _ClassVar[int]
     VALIDATION_FIELD_NUMBER: _ClassVar[int]
+    MAX_REQUEST_COST_S_FIELD_NUMBER: _ClassVar[int]
     id: str
     version: str
     hash: str
@@ -159,4 +160,5 @@ class Rubric(_message.Message):
     criteria: _containers.RepeatedCompositeFieldContainer[Criterion]
     source_yaml: str
     validation: Validation
-    def __init__(self, id: _Optional[str] = ..., version: _Optional[str] = ..., hash: _Optional[str] = ..., description: _Optional[str] = ..., criteria: _Optional[_Iterable[_Union[Criterion, _Mapping]]] = ..., source_yaml: _Optional[str] = ..., validation: _Optional[_Union[Validation, _Mapping]] = ...) -> None: ...
+    max_request_cost_s: float
+    def __init__(self, id: _Optional[str] = ..., version: _Optional[str] = ..., hash: _Optional[str] = ..., description: _Optional[str] = ..., criteria: _Optional[_Iterable[_Union[Criterion, _Mapping]]] = ..., source_yaml: _Optional[str] = ..., validation: _Optional[_Union[Validation, _Mapping]] = ..., max_request_cost_s: _Optional[float] = ...) -> None: ...

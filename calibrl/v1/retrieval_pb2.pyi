@@ -115,7 +115,7 @@ class GetIndexInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class IndexInfo(_message.Message):
-    __slots__ = ("doc_count", "embedder", "dimension", "dense_index_type", "corpus_sha256", "library_versions", "modes", "default_mode", "max_top_k", "max_batch_size", "max_query_chars", "max_ids_per_item", "max_ids_per_request", "max_answers_per_request", "max_id_chars", "max_answer_chars", "max_request_bytes")
+    __slots__ = ("doc_count", "embedder", "dimension", "dense_index_type", "corpus_sha256", "library_versions", "modes", "default_mode", "max_top_k", "max_batch_size", "max_query_chars", "max_ids_per_item", "max_ids_per_request", "max_answers_per_request", "max_id_chars", "max_answer_chars", "max_request_bytes", "max_request_cost_s")
     class LibraryVersionsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -140,6 +140,7 @@ class IndexInfo(_message.Message):
     MAX_ID_CHARS_FIELD_NUMBER: _ClassVar[int]
     MAX_ANSWER_CHARS_FIELD_NUMBER: _ClassVar[int]
     MAX_REQUEST_BYTES_FIELD_NUMBER: _ClassVar[int]
+    MAX_REQUEST_COST_S_FIELD_NUMBER: _ClassVar[int]
     doc_count: int
     embedder: str
     dimension: int
@@ -157,4 +158,5 @@ class IndexInfo(_message.Message):
     max_id_chars: int
     max_answer_chars: int
     max_request_bytes: int
-    def __init__(self, doc_count: _Optional[int] = ..., embedder: _Optional[str] = ..., dimension: _Optional[int] = ..., dense_index_type: _Optional[str] = ..., corpus_sha256: _Optional[str] = ..., library_versions: _Optional[_Mapping[str, str]] = ..., modes: _Optional[_Iterable[_Union[SearchMode, str]]] = ..., default_mode: _Optional[_Union[SearchMode, str]] = ..., max_top_k: _Optional[int] = ..., max_batch_size: _Optional[int] = ..., max_query_chars: _Optional[int] = ..., max_ids_per_item: _Optional[int] = ..., max_ids_per_request: _Optional[int] = ..., max_answers_per_request: _Optional[int] = ..., max_id_chars: _Optional[int] = ..., max_answer_chars: _Optional[int] = ..., max_request_bytes: _Optional[int] = ...) -> None: ...
+    max_request_cost_s: float
+    def __init__(self, doc_count: _Optional[int] = ..., embedder: _Optional[str] = ..., dimension: _Optional[int] = ..., dense_index_type: _Optional[str] = ..., corpus_sha256: _Optional[str] = ..., library_versions: _Optional[_Mapping[str, str]] = ..., modes: _Optional[_Iterable[_Union[SearchMode, str]]] = ..., default_mode: _Optional[_Union[SearchMode, str]] = ..., max_top_k: _Optional[int] = ..., max_batch_size: _Optional[int] = ..., max_query_chars: _Optional[int] = ..., max_ids_per_item: _Optional[int] = ..., max_ids_per_request: _Optional[int] = ..., max_answers_per_request: _Optional[int] = ..., max_id_chars: _Optional[int] = ..., max_answer_chars: _Optional[int] = ..., max_request_bytes: _Optional[int] = ..., max_request_cost_s: _Optional[float] = ...) -> None: ...

@@ -1,0 +1,481 @@
+"""One judge and one retrieval server for many tenants (issue 28): the per-unit costs of
+the cost models, the worst request the default budgets accept, a small tenant's latency
+beside a flooding and a cancelling tenant, fair shares of four tenants (equal weights,
+then 1:2:4), and 200 concurrent callers.
+
+Starts real `calibrl serve retrieval` and `calibrl serve judge` processes on loopback
+(default budgets; API keys with weights on the retrieval server) over the demo's generated
+corpus (980 passages) and a programmatic judge rubric with the MiniLM embedder.
+
+    python benchmarks/bench_tenants.py [--seconds 10] [--callers 200] [--only calibrate,worst,...] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import hashlib
+import json
+import pathlib
+import subprocess
+import sys
+import tempfile
+import time
+
+TENANTS = {"t1": 1, "t2": 1, "t3": 1, "t4": 1, "w1": 1, "w2": 2, "w4": 4, "small": 1, "flood": 1, "cancel": 1,
+           "crowd": 1}
+OWN_CONNECTION = [("grpc.use_local_subchannel_pool", 1)]
+WORDS = "fund expense ratio annual fee account eligibility manager contribution limit tax ".split()
+RUBRIC = ("id: bench\nversion: '1'\ncriteria:\n"
+          "  - {name: intent, kind: programmatic, scorer: intent_similarity, weight: 0.5}\n"
+          "  - {name: entities, kind: programmatic, scorer: entity_coverage, weight: 0.3}\n"
+          "  - {name: specificity, kind: programmatic, scorer: specificity, weight: 0.2}\n"
+          "  - {name: invented, kind: programmatic, scorer: invented_entities, weight: 0.5, penalty: true}\n")
+
+
+def _key(tenant: str) -> list[tuple[str, str]]:
+    return [("x-api-key", f"bench-{tenant}")]
+
+
+def _text(chars: int, salt: str = "") -> str:
+    return (salt + " " + " ".join(WORDS[i % len(WORDS)] for i in range(chars // 4 + 1)))[:chars]
+
+
+def _percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def _start(args: list[str], log: pathlib.Path) -> tuple[subprocess.Popen, str]:
+    process = subprocess.Popen([sys.executable, "-m", "calibrl", *args, "serving.drain_seconds=0"],
+                               stdout=subprocess.PIPE, stderr=log.open("w"), text=True)
+    line = process.stdout.readline()
+    if "listening on" not in line:
+        raise SystemExit(f"server did not start: {line!r}; see {log}")
+    return process, f"127.0.0.1:{line.strip().rsplit(':', 1)[1]}"
+
+
+def _rss_mib(process: subprocess.Popen) -> float:
+    import psutil
+
+    return psutil.Process(process.pid).memory_info().rss / 2**20
+
+
+# --------------------------------------------------------------------------- calibrate
+
+def calibrate(work: pathlib.Path) -> list[dict]:
+    """The per-unit costs behind calibrl.judge_server.costs and retrieval_server.limits
+    (one torch thread; the best of several repeats)."""
+    import torch
+
+    from calibrl.embedding import load_embedder
+    from calibrl.judge_server.config import JudgeConfig
+    from calibrl.judge_server.judge import Judge
+    from calibrl.judge_server.rubric import load_rubric
+    from calibrl.judge_server.types import JudgeItem
+    from calibrl.retrieval_server.retriever import Retriever
+    from calibrl.retrieval_server.signals import score_hits
+    from calibrl.retrieval_server.types import ScoreItem, SearchMode
+
+    torch.set_num_threads(1)
+
+    def best(run, repeats=5) -> float:
+        times = []
+        for _ in range(repeats):
+            started = time.perf_counter()
+            run()
+            times.append(time.perf_counter() - started)
+        return min(times)
+
+    rows = []
+    rubric = load_rubric(work / "rubrics" / "bench.yaml")
+    judge = Judge([rubric], JudgeConfig(cache_size=0, allow_unvalidated=True, embedder="hashed-ngrams"))
+    for query, output, retrieved, length in ((20, 20, 0, 0), (8000, 8000, 0, 0), (600, 600, 50, 8000)):
+        items = [JudgeItem.make(_text(query, str(i)), _text(output, f"o{i}"),
+                                tuple(_text(length, str(j)) for j in range(retrieved))) for i in range(8)]
+        seconds = best(lambda: judge.compute(rubric, items), 3) / len(items)
+        rows.append({"unit": f"programmatic judge item: query {query}, output {output}, "
+                             f"{retrieved} x {length} retrieved chars", "ms": round(seconds * 1000, 2)})
+    minilm = load_embedder("minilm", "cpu")
+    minilm.encode(["warm"])
+    for words in (4, 256, 1000):
+        text = " ".join(WORDS[i % len(WORDS)] for i in range(words))
+        rows.append({"unit": f"MiniLM text of {len(text)} chars", "ms": round(best(lambda: minilm.encode([text]), 7)
+                                                                              * 1000, 2)})
+    retriever = Retriever.load(work / "index", device="cpu")
+    for mode in SearchMode:
+        for words, k in ((4, 1), (300, 1), (300, 100)):
+            queries = [" ".join(WORDS[i % len(WORDS)] for i in range(words)) + f" {n}" for n in range(4)]
+            seconds = best(lambda: retriever.ranked(queries, k, mode)) / len(queries)
+            rows.append({"unit": f"retrieval {mode.value} query of {len(queries[0])} chars, top_k {k}",
+                         "ms": round(seconds * 1000, 2)})
+    hits = retriever.ranked([_text(40)], 100, SearchMode.BM25)[0]
+    for answers in (1, 64):
+        item = ScoreItem(query="q", gold_answers=tuple(_text(500, str(j)) for j in range(answers)))
+        rows.append({"unit": f"ScoreRetrieval signals, {answers} answers x 100 hits",
+                     "ms": round(best(lambda: score_hits(item, hits, 100, True)) * 1000, 2)})
+    for row in rows:
+        print(row, flush=True)
+    return rows
+
+
+# --------------------------------------------------------------------------- requests
+
+def _fits(error) -> int:
+    return int(dict(error.trailing_metadata())["calibrl-max-items"])
+
+
+async def _largest_accepted(call, build, metadata, probe: int = 32) -> tuple[object, int]:
+    """The largest prefix of ``build(probe)`` the server accepts (from its calibrl-max-items);
+    ``probe`` stays within the 4 MiB transport limit."""
+    import grpc
+
+    try:
+        await call(build(probe, "probe"), metadata=metadata, timeout=600)
+        return build(probe, "x"), probe
+    except grpc.aio.AioRpcError as exc:
+        if exc.code() != grpc.StatusCode.RESOURCE_EXHAUSTED:
+            raise
+        n = _fits(exc)
+        return build(n, "x"), n
+
+
+SIZES = {"query": 2048, "judge": 8000}  # longest texts the requests use (--query-chars, --judge-chars)
+
+
+def _requests():
+    from calibrl.v1 import judge_pb2 as jpb
+    from calibrl.v1 import retrieval_pb2 as pb
+
+    def search(n, salt):
+        return pb.SearchRequest(queries=[_text(SIZES["query"], f"{salt}{i}") for i in range(n)], top_k=100,
+                                mode=pb.SEARCH_MODE_HYBRID, include_text=True)
+
+    def score(n, salt):
+        return pb.ScoreRetrievalRequest(items=[pb.ScoreItem(
+            query=_text(SIZES["query"], f"{salt}{i}"), gold_answers=[_text(512, str(j)) for j in range(8)],
+            gold_doc_ids=[f"d{j}" for j in range(32)], seen_doc_ids=[f"s{j}" for j in range(32)])
+            for i in range(n)], top_k=100, mode=pb.SEARCH_MODE_HYBRID)
+
+    def prose(n, salt):
+        return jpb.ScoreRequest(rubric_id="bench", items=[jpb.JudgeItem(
+            query=_text(SIZES["judge"], f"{salt}q{i}"), output=_text(SIZES["judge"], f"{salt}o{i}"),
+            retrieved_texts=[_text(SIZES["judge"], str(j)) for j in range(5)]) for i in range(n)])
+
+    entity_query = " ".join(f"Ab{i}" for i in range(1600))[:SIZES["judge"]]
+
+    def entities(n, salt):
+        return jpb.ScoreRequest(rubric_id="bench", items=[jpb.JudgeItem(
+            query=entity_query, output=(_text(7000, f"{salt}{i}") + " " + entity_query[:900])[-SIZES["judge"]:])
+            for i in range(n)])
+
+    q, j = SIZES["query"], SIZES["judge"]
+    return {"search": (f"retrieval Search: {q}-char queries, top_k 100, hybrid, include_text", "search", search),
+            "score": (f"retrieval ScoreRetrieval: {q}-char queries, 8 x 512-char answers, 64 ids, top_k 100",
+                      "score", score),
+            "prose": (f"judge Score: {j}-char query and output, 5 x {j} retrieved chars (MiniLM rubric)",
+                      "judge", prose),
+            "entities": (f"judge Score: entity shape (up to 1600 entity tokens in a {j}-char query)", "judge",
+                         entities)}
+
+
+def _stubs(retrieval_channel, judge_channel):
+    from calibrl.v1 import judge_pb2_grpc
+    from calibrl.v1 import retrieval_pb2_grpc as pb_grpc
+
+    stub = pb_grpc.RetrievalServiceStub(retrieval_channel)
+    judge = judge_pb2_grpc.JudgeServiceStub(judge_channel)
+    return {"search": stub.Search, "score": stub.ScoreRetrieval, "judge": judge.Score}
+
+
+async def worst(retrieval_address: str, judge_address: str, repeats: int = 3) -> list[dict]:
+    """The largest request each default budget accepts, timed alone."""
+    import grpc
+
+    rows = []
+    async with grpc.aio.insecure_channel(retrieval_address) as rc, grpc.aio.insecure_channel(judge_address) as jc:
+        calls = _stubs(rc, jc)
+        for name, kind, build in _requests().values():
+            metadata = _key("small") if kind != "judge" else []
+            _, n = await _largest_accepted(calls[kind], build, metadata)
+            times = []
+            for repeat in range(repeats):
+                request = build(n, f"r{repeat}")  # new texts each time: the judge's cache would answer a repeat
+                started = time.perf_counter()
+                await calls[kind](request, metadata=metadata, timeout=600)
+                times.append(time.perf_counter() - started)
+            rows.append({"request": name, "items accepted": n, "seconds_min": round(min(times), 2),
+                         "seconds_max": round(max(times), 2)})
+            print(rows[-1], flush=True)
+    return rows
+
+
+# --------------------------------------------------------------------------- a small tenant
+
+async def small_tenant(address: str, service: str, seconds: float) -> list[dict]:
+    """A 1-item call, one at a time: alone, then beside a tenant flooding with the largest
+    accepted request and a tenant that sends it and cancels 50 ms later, over and over."""
+    import grpc
+
+    from calibrl.v1 import judge_pb2 as jpb
+    from calibrl.v1 import retrieval_pb2 as pb
+
+    _, kind, build = _requests()["search" if service == "retrieval" else "prose"]
+    keyed = service == "retrieval"  # the judge runs without keys: each channel is its own tenant
+    # own connections (channels of one process share one otherwise): without keys, a tenant each
+    channels = {t: grpc.aio.insecure_channel(address, options=OWN_CONNECTION) for t in ("small", "flood", "cancel")}
+    calls = {t: _stubs(c, c)[kind] for t, c in channels.items()}
+    meta = {t: _key(t) if keyed else [] for t in channels}
+    heavy, n = await _largest_accepted(calls["flood"], build, meta["flood"])
+    counter = [0]
+
+    def small_request():
+        counter[0] += 1
+        if service == "retrieval":
+            return pb.SearchRequest(queries=["expense ratio"], top_k=5, mode=pb.SEARCH_MODE_HYBRID)
+        return jpb.ScoreRequest(rubric_id="bench", items=[jpb.JudgeItem(query="VTSAX expense ratio",
+                                                                         output=f"VTSAX fee {counter[0]}")])
+
+    async def small_calls(duration: float) -> list[float]:
+        latencies, end = [], time.perf_counter() + duration
+        while time.perf_counter() < end:
+            started = time.perf_counter()
+            await calls["small"](small_request(), metadata=meta["small"], timeout=300)
+            latencies.append((time.perf_counter() - started) * 1000)
+        return latencies
+
+    rows = []
+    try:
+        alone = await small_calls(seconds)
+        stop = asyncio.Event()
+        done = {"flood": 0, "cancel": 0}
+
+        async def flooder() -> None:
+            while not stop.is_set():
+                request = build(n, f"f{done['flood']}") if service == "judge" else heavy
+                await calls["flood"](request, metadata=meta["flood"], timeout=600)
+                done["flood"] += 1
+
+        async def canceller() -> None:
+            while not stop.is_set():
+                request = build(n, f"c{done['cancel']}") if service == "judge" else heavy
+                call = calls["cancel"](request, metadata=meta["cancel"], timeout=600)
+                await asyncio.sleep(0.05)
+                call.cancel()
+                done["cancel"] += 1
+
+        background = [asyncio.ensure_future(flooder()), asyncio.ensure_future(canceller())]
+        await asyncio.sleep(1.0)
+        loaded = await small_calls(seconds)
+        stop.set()
+        for task in background:
+            task.cancel()
+        await asyncio.gather(*background, return_exceptions=True)
+    finally:
+        for channel in channels.values():
+            await channel.close()
+    for name, latencies in (("alone", alone), (f"beside a flooding tenant ({n}-item requests) and a cancelling one",
+                                                loaded)):
+        rows.append({"service": service, "small tenant": name, "calls": len(latencies),
+                     "p50_ms": round(_percentile(latencies, 0.5), 1), "p99_ms": round(_percentile(latencies, 0.99), 1)})
+        print(rows[-1], flush=True)
+    rows[-1].update(p99_ratio=round(rows[-1]["p99_ms"] / rows[-2]["p99_ms"], 2), flood_requests=done["flood"],
+                    cancelled_requests=done["cancel"])
+    return rows
+
+
+# --------------------------------------------------------------------------- fair shares
+
+async def fair_shares(index: pathlib.Path, keys: pathlib.Path, tenants: dict[str, int], seconds: float) -> dict:
+    """Tenants saturating a retrieval server (in this process, to read its batcher), each with 4
+    callers and its own request size (1, 4, 16, 32 queries); served cost = the estimated cost
+    of the queries run for each tenant during the window (the batcher's per-tenant figure)."""
+    import grpc
+
+    from calibrl.testing import start_test_server
+    from calibrl.v1 import retrieval_pb2 as pb
+    from calibrl.v1 import retrieval_pb2_grpc as pb_grpc
+
+    running = await start_test_server(index, f"serving.api_keys_file={keys}", "device=cpu")
+    stop = asyncio.Event()
+
+    async def caller(tenant: str, stub, size: int, index: int) -> None:
+        i = 0
+        while not stop.is_set():
+            queries = [f"{WORDS[(index + i + j) % len(WORDS)]} fee {tenant} {i} {j}" for j in range(size)]
+            try:
+                await stub.Search(pb.SearchRequest(queries=queries, top_k=10, mode=pb.SEARCH_MODE_HYBRID),
+                                  metadata=_key(tenant), timeout=120)
+            except grpc.aio.AioRpcError as exc:
+                if exc.code() not in (grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.CANCELLED):
+                    raise
+                await asyncio.sleep(0.05)
+            i += 1
+
+    channels = {t: grpc.aio.insecure_channel(running.address, options=OWN_CONNECTION) for t in tenants}
+    sizes = [1, 4, 16, 32]
+    tasks = [asyncio.ensure_future(caller(t, pb_grpc.RetrievalServiceStub(channels[t]), sizes[n % 4], c))
+             for n, t in enumerate(tenants) for c in range(4)]
+    stats = running.batcher.stats
+    await asyncio.sleep(2.0)  # every tenant backlogged
+    before = {t: stats.tenant(t).served_cost for t in tenants}
+    await asyncio.sleep(seconds)
+    served = {t: stats.tenant(t).served_cost - before[t] for t in tenants}
+    stop.set()
+    for task in tasks:
+        task.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+    for channel in channels.values():
+        await channel.close()
+    await running.stop(grace=0)
+    values = list(served.values())
+    total = sum(values) or 1.0
+    normalised = [served[t] / w for t, w in tenants.items()]
+    result = {"tenants": {t: {"weight": w, "request_queries": sizes[n % 4], "served_cost_s": round(served[t], 3),
+                              "share": round(served[t] / total, 3)} for n, (t, w) in enumerate(tenants.items())},
+              "jain_of_served_per_weight": round(sum(normalised) ** 2 / (len(normalised)
+                                                                          * sum(v * v for v in normalised)), 3),
+              "units": stats.batches}
+    print(result, flush=True)
+    return result
+
+
+# --------------------------------------------------------------------------- overload
+
+async def overload(address: str, service: str, process: subprocess.Popen, callers: int, seconds: float,
+                   deadline_s: float) -> dict:
+    """``callers`` concurrent callers (one channel each: its own tenant without keys; one
+    tenant with keys) for ``seconds``, each call with a ``deadline_s`` deadline."""
+    import grpc
+
+    from calibrl.v1 import judge_pb2 as jpb
+    from calibrl.v1 import retrieval_pb2 as pb
+
+    rss_before = _rss_mib(process)
+    codes: dict[str, int] = {}
+    shed_ms: list[float] = []
+    ok_ms: list[float] = []
+    stop = asyncio.Event()
+    channels = [grpc.aio.insecure_channel(address, options=OWN_CONNECTION) for _ in range(min(callers, 50))]
+    stubs = [_stubs(c, c) for c in channels]
+
+    async def caller(index: int) -> None:
+        call = stubs[index % len(stubs)]["search" if service == "retrieval" else "judge"]
+        i = 0
+        while not stop.is_set():
+            if service == "retrieval":
+                request = pb.SearchRequest(queries=[f"{WORDS[(index + j) % len(WORDS)]} fee {i} {j}"
+                                                    for j in range(32)], top_k=10, mode=pb.SEARCH_MODE_HYBRID)
+            else:
+                request = jpb.ScoreRequest(rubric_id="bench", items=[jpb.JudgeItem(
+                    query="VTSAX expense ratio", output=f"VTSAX fee {index} {i} {j}") for j in range(8)])
+            started = time.perf_counter()
+            trailers: dict = {}
+            try:
+                await call(request, metadata=_key("crowd") if service == "retrieval" else [], timeout=deadline_s)
+                code = "OK"
+            except grpc.aio.AioRpcError as exc:
+                code, trailers = exc.code().name, dict(exc.trailing_metadata() or ())
+            elapsed = (time.perf_counter() - started) * 1000
+            codes[code] = codes.get(code, 0) + 1
+            (shed_ms if code == "RESOURCE_EXHAUSTED" else ok_ms).append(elapsed)
+            if code == "RESOURCE_EXHAUSTED":  # honour the pushback, as the trainer's clients do
+                pushback = trailers.get("grpc-retry-pushback-ms", "200")
+                await asyncio.sleep(int(pushback) / 1000)
+            i += 1
+
+    tasks = [asyncio.ensure_future(caller(i)) for i in range(callers)]
+    await asyncio.sleep(seconds)
+    stop.set()
+    await asyncio.gather(*tasks, return_exceptions=True)
+    for channel in channels:
+        await channel.close()
+    await asyncio.sleep(2.0)
+    result = {"service": service, "callers": callers, "seconds": seconds, "deadline_s": deadline_s, "codes": codes,
+              "shed_p99_ms": round(_percentile(shed_ms, 0.99), 1) if shed_ms else None,
+              "shed_max_ms": round(max(shed_ms), 1) if shed_ms else None,
+              "ok_p99_ms": round(_percentile(ok_ms, 0.99), 1) if ok_ms else None,
+              "rss_mib_before": round(rss_before, 1), "rss_mib_after": round(_rss_mib(process), 1)}
+    print(result, flush=True)
+    return result
+
+
+# --------------------------------------------------------------------------- main
+
+def _prepare(work: pathlib.Path) -> pathlib.Path:
+    from calibrl.demo.domain import generate_domain
+    from calibrl.retrieval_server.index import build_index_from_dicts
+
+    index = work / "index"
+    if not (index / "manifest.json").exists():
+        records = [{"_id": p.doc_id, "title": p.title, "text": p.text} for p in generate_domain(0).passages]
+        build_index_from_dicts(records, index, device="cpu", show_progress=False)
+    lines = ["tenants:"] + [f"  - {{name: {t}, key_sha256: {hashlib.sha256(f'bench-{t}'.encode()).hexdigest()}, "
+                            f"weight: {w}}}" for t, w in TENANTS.items()]
+    (work / "keys.yaml").write_text("\n".join(lines) + "\n")
+    (work / "rubrics").mkdir(exist_ok=True)
+    (work / "rubrics" / "bench.yaml").write_text(RUBRIC)
+    return index
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--seconds", type=float, default=10.0, help="length of each timed phase")
+    parser.add_argument("--callers", type=int, default=200, help="concurrent callers of the overload phase")
+    parser.add_argument("--overload-seconds", type=float, default=20.0, help="length of the overload phase")
+    parser.add_argument("--deadline", type=float, default=5.0, help="deadline of each overload call, seconds")
+    parser.add_argument("--retrieval-args", default="", help="extra key=value overrides of the retrieval server")
+    parser.add_argument("--judge-args", default="", help="extra key=value overrides of the judge server")
+    parser.add_argument("--query-chars", type=int, default=2048, help="query length of the largest retrieval requests")
+    parser.add_argument("--judge-chars", type=int, default=8000, help="text length of the largest judge requests")
+    parser.add_argument("--only", default="", help="sections: calibrate, worst, small, fair, overload")
+    parser.add_argument("--workdir", default="", help="folder for the index and logs (default: a temp folder)")
+    parser.add_argument("--json", default="", help="write the results here")
+    args = parser.parse_args()
+    SIZES.update(query=args.query_chars, judge=args.judge_chars)
+    work = pathlib.Path(args.workdir or tempfile.mkdtemp(prefix="bench-tenants-"))
+    work.mkdir(parents=True, exist_ok=True)
+    index = _prepare(work)
+    only = set(filter(None, args.only.split(","))) or {"calibrate", "worst", "small", "fair", "overload"}
+    results: dict = {}
+    if "calibrate" in only:
+        results["calibrate"] = calibrate(work)
+    if only - {"calibrate"}:
+        results.update(asyncio.run(_served(args, work, index, only)))
+    if args.json:
+        pathlib.Path(args.json).write_text(json.dumps(results, indent=2))
+
+
+async def _served(args, work: pathlib.Path, index: pathlib.Path, only: set[str]) -> dict:
+    retrieval, retrieval_address = _start(
+        ["serve", "retrieval", "--index", str(index), "--port", "0", "device=cpu", "torch_threads=1",
+         f"serving.api_keys_file={work / 'keys.yaml'}", *args.retrieval_args.split()], work / "retrieval.log")
+    judge, judge_address = _start(["serve", "judge", "--rubrics", str(work / "rubrics"), "--port", "0",
+                                   "--allow-unvalidated", "judge.cache_size=0", *args.judge_args.split()],
+                                  work / "judge.log")
+    results: dict = {}
+    try:
+        if "worst" in only:
+            results["worst"] = await worst(retrieval_address, judge_address)
+        if "small" in only:
+            results["small"] = (await small_tenant(retrieval_address, "retrieval", args.seconds)
+                                + await small_tenant(judge_address, "judge", args.seconds))
+        if "fair" in only:
+            keys = work / "keys.yaml"
+            results["fair_equal"] = await fair_shares(index, keys, {t: 1 for t in ("t1", "t2", "t3", "t4")},
+                                                      args.seconds)
+            results["fair_weighted"] = await fair_shares(index, keys, {"w1": 1, "w2": 2, "w4": 4}, args.seconds)
+        if "overload" in only:
+            results["overload"] = [
+                await overload(retrieval_address, "retrieval", retrieval, args.callers, args.overload_seconds,
+                               args.deadline),
+                await overload(judge_address, "judge", judge, args.callers, args.overload_seconds, args.deadline)]
+    finally:
+        for process in (retrieval, judge):
+            process.terminate()
+            process.wait(timeout=60)
+    return results
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,50 @@
+"""What scoring an item costs the judge server, estimated before it is queued.
+
+The estimate is seconds of server time on a 2-core CPU, per item, from the item's
+sizes and the rubric's criteria. The constants were measured with one torch thread
+on a shared 2-core host (load average 5-7, so they err on the slow side), by::
+
+    python benchmarks/bench_tenants.py --only calibrate
+
+- every programmatic scorer together (entity coverage, specificity, invented
+  entities, format, ... and the hashed-ngrams embedder): ``PER_ITEM_S`` plus
+  ``PER_TEXT_CHAR_S`` per character of query and output, ``PER_SOURCE_CHAR_S`` per
+  character of retrieved text, retrieved id and context (only scanned once);
+- the MiniLM sentence embedder (intent similarity embeds the query and the output,
+  each alone): ``MINILM_PER_TEXT_S`` plus ``MINILM_PER_CHAR_S`` per character, up to
+  ``MINILM_MAX_CHARS`` (the model truncates at 256 tokens).
+
+LLM criteria (transformers, vLLM) are not in this estimate: their cost depends on the
+model; ``judge.llm_cost_per_item_s`` adds a flat figure per item and criterion.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+from calibrl.judge_server.types import JudgeItem
+
+PER_ITEM_S = 0.0001
+PER_TEXT_CHAR_S = 1.4e-6  # 16,000 chars of query + output: 21.8 ms
+PER_SOURCE_CHAR_S = 0.13e-6  # 50 retrieved texts x 8,000 chars: 52 ms
+MINILM_PER_TEXT_S = 0.008  # a 24-character text: 11.6 ms (min of 7)
+MINILM_PER_CHAR_S = 37e-6  # 1,808 chars: 75.5 ms; 7,079 chars: 75.6 ms (truncated)
+MINILM_MAX_CHARS = 1800
+
+
+def item_cost_s(item: JudgeItem, *, minilm: bool, llm_criteria: int = 0, llm_cost_per_item_s: float = 0.0) -> float:
+    """Estimated seconds to score ``item`` (see the module doc)."""
+    texts = len(item.query) + len(item.output)
+    sources = (sum(map(len, item.retrieved_texts)) + sum(map(len, item.retrieved_doc_ids))
+               + sum(len(key) + len(value) for key, value in item.context))
+    cost = PER_ITEM_S + PER_TEXT_CHAR_S * texts + PER_SOURCE_CHAR_S * sources
+    if minilm:
+        for text in (item.query, item.output):
+            cost += MINILM_PER_TEXT_S + MINILM_PER_CHAR_S * min(len(text), MINILM_MAX_CHARS)
+    return cost + llm_criteria * llm_cost_per_item_s
+
+
+def item_costs(items: Sequence[JudgeItem], *, minilm: bool, llm_criteria: int = 0,
+               llm_cost_per_item_s: float = 0.0) -> list[float]:
+    return [item_cost_s(item, minilm=minilm, llm_criteria=llm_criteria, llm_cost_per_item_s=llm_cost_per_item_s)
+            for item in items]
