@@ -64,8 +64,10 @@ def _demo_records() -> dict:
                 {"a": "grpo", "b": "best_constant", "metric": "em", **interval(0.05, -0.01, 0.1)},
             ],
         },
-        "judge": {"validation": [{"judge": "programmatic judge", "kappa": 0.8, "passed": True, "golden_items": 90,
-                                  "kappa_interval": {"low": 0.7, "high": 0.9}}]},
+        "judge": {"validation": [{"judge": "programmatic judge", "kappa": 0.8, "passed": True, "n_items": 90,
+                                  "kappa_low": 0.7, "kappa_high": 0.9, "pass_threshold": 0.75,
+                                  "pass_threshold_source": "auto", "min_kappa": 0.6, "gate": "lower_bound"}],
+                  "dense_rubric": "demo-rewriter"},
     }
 
 
@@ -84,7 +86,9 @@ def test_blocks_render_the_records_with_their_intervals(tmp_path: pathlib.Path) 
     # the rewriter's comparisons are worded by their intervals
     assert "- dense reward beats the base rewriter: +20.0 points of hit@1" in text
     assert "- the base rewriter and the raw query are indistinguishable" in text
-    assert "| programmatic judge | 90 | 0.800 [0.700, 0.900] | passed |" in text
+    assert ("| programmatic judge | 90 | 0.750 (auto) | 0.800 [0.700, 0.900] | kappa >= 0.6 on the interval's lower "
+            "bound | passed |") in text
+    assert "The rewriter's dense reward used the rubric `demo-rewriter`." in text
     assert "No study records are committed yet" in text
     assert rt.render_text(text, tmp_path) == text  # rendering is idempotent
 

@@ -14,6 +14,8 @@ differs from what the records give. Blocks:
 
 - ``demo-search``: the two-search agents beside the base and the best constant answer,
   with read-out rates and paired, bridge-clustered intervals;
+- ``demo-search-analysis``: where the search agents' trajectories fail, their read-out
+  rates, how often they answer a constant, and the best constant answers;
 - ``demo-rewrite``: the query rewriters, each comparison with its (product, topic)-clustered
   interval, worded by it;
 - ``demo-judge``: the judges' agreement with the SME golden set and the gate's decision;
@@ -92,6 +94,18 @@ def demo_search(demo: Mapping[str, Any]) -> list[str]:
     return lines
 
 
+def demo_search_analysis(demo: Mapping[str, Any]) -> list[str]:
+    """The error analysis tables of the search agents (categories, read-out, constant answers,
+    best constants), without the comparisons the demo-search block already states."""
+    from calibrl.demo.error_analysis import analysis_markdown
+
+    analysis = {k: v for k, v in demo["search_analysis"].items() if k != "comparisons"}
+    body = analysis_markdown(analysis)[2:]  # the section heading is the page's
+    while body and not body[-1]:
+        body.pop()
+    return [_source(demo), "", *body]
+
+
 def demo_rewrite(demo: Mapping[str, Any]) -> list[str]:
     from calibrl.demo.rewrite_analysis import rewrite_comparison_lines
 
@@ -113,15 +127,25 @@ def demo_judge(demo: Mapping[str, Any]) -> list[str]:
     judge = demo.get("judge", {})
     rows = []
     for row in judge.get("validation", []):
-        interval = row.get("kappa_interval")
         kappa = f"{row['kappa']:.3f}" if isinstance(row.get("kappa"), (int, float)) else "-"
-        if interval:
-            kappa += f" [{interval['low']:.3f}, {interval['high']:.3f}]"
-        rows.append([row.get("judge", "?"), str(row.get("golden_items", row.get("items", "-"))), kappa,
+        if isinstance(row.get("kappa_low"), (int, float)) and isinstance(row.get("kappa_high"), (int, float)):
+            kappa += f" [{row['kappa_low']:.3f}, {row['kappa_high']:.3f}]"
+        threshold = row.get("pass_threshold")
+        threshold_cell = "-" if threshold is None else f"{threshold:.3f}" + (
+            " (auto)" if row.get("pass_threshold_source") == "auto" else "")
+        gate = f"kappa >= {row['min_kappa']:g}" if "min_kappa" in row else "-"
+        if row.get("gate") == "lower_bound":
+            gate += " on the interval's lower bound"
+        rows.append([row.get("judge", "?"), str(row.get("n_items", "-")), threshold_cell, kappa, gate,
                      "passed" if row.get("passed") else "failed"])
     if not rows:
         return [_source(demo), "", "The demo's results hold no judge validation."]
-    return [_source(demo), "", *_table(["judge", "golden items", "Cohen's kappa [95% CI]", "gate"], rows)]
+    dense = judge.get("dense_rubric")
+    lines = [_source(demo), "", *_table(["judge", "golden items", "pass threshold", "Cohen's kappa [95% CI]", "gate",
+                                        "decision"], rows)]
+    if dense:
+        lines += ["", f"The rewriter's dense reward used the rubric `{dense}`."]
+    return lines
 
 
 def study(records: Mapping[str, Any] | None) -> list[str]:
@@ -158,6 +182,7 @@ def renderers(results: pathlib.Path = RESULTS) -> dict[str, Callable[[], list[st
         "demo-search": lambda: demo_search(demo()),
         "demo-rewrite": lambda: demo_rewrite(demo()),
         "demo-judge": lambda: demo_judge(demo()),
+        "demo-search-analysis": lambda: demo_search_analysis(demo()),
         "study": lambda: study(_load(results / "study" / "results.json")),
     }
 
@@ -180,5 +205,6 @@ def pages(root: pathlib.Path = ROOT) -> list[pathlib.Path]:
     return [root / "README.md", *sorted((root / "docs").rglob("*.md"))]
 
 
-__all__ = ["BLOCK", "DEMO_RESULTS", "RESULTS", "STUDY_RESULTS", "demo_judge", "demo_rewrite", "demo_search", "pages",
+__all__ = ["BLOCK", "DEMO_RESULTS", "RESULTS", "STUDY_RESULTS", "demo_judge", "demo_rewrite", "demo_search",
+           "demo_search_analysis", "pages",
            "render_text", "renderers", "study"]
