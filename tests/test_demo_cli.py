@@ -161,11 +161,24 @@ def test_quick_demo_end_to_end(tmp_path: pathlib.Path) -> None:
         assert sum(analysis["categories"][name]["counts"].values()) == analysis["questions"]
     lines = [json.loads(line) for line in (out / "search_records.jsonl").read_text().splitlines()]
     assert len(lines) == 3 * analysis["questions"] and {r["model"] for r in lines} == {"base_agent", "grpo", "calibadv"}
+    # each trained agent against the base and the best constant answer, in F1 and exact match, and
+    # the two agents against each other: paired, bridge-clustered, the interval holding its estimate
+    pairs = {(c["a"], c["b"], c["metric"]) for c in analysis["comparisons"]}
     for name in ("grpo", "calibadv"):
-        by_question = analysis["paired_f1_vs_base_by_question"][name]
-        assert by_question["low"] <= by_question["estimate"] <= by_question["high"]
-        diff = analysis["paired_f1_vs_base"][name]
+        for other in ("base_agent", "best_constant"):
+            assert {(name, other, "f1"), (name, other, "em")} <= pairs
+    assert ("calibadv", "grpo", "f1") in pairs
+    for diff in analysis["comparisons"]:
         assert diff["low"] <= diff["estimate"] <= diff["high"] and diff["units"] == analysis["questions"]
+    assert 0.0 <= analysis["constant"]["em"] <= 1.0 and analysis["bridge_clusters"] <= analysis["questions"]
+    for name in ("base_agent", "grpo", "calibadv"):
+        readout = analysis["readout"][name]
+        assert readout["found_answer_doc"] <= analysis["questions"]
+        assert set(analysis["modal_answers"][name]) <= set(demo_cli.search_aspects())
+    # the rewriter arms compared task by task, clustered by (product, topic)
+    rewrite = results["rewrite_analysis"]
+    assert {(c["a"], c["b"]) for c in rewrite["comparisons"]} >= {("dense", "base"), ("dense", "binary_ds")}
+    assert rewrite["clusters"] < rewrite["tasks"]
     # the dense reward really used the judge: a rubric component was logged, the binary run has none
     dense_log = (out / "runs" / "dense" / "metrics.jsonl").read_text()
     assert "rewards/rubric/mean" in dense_log

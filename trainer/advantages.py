@@ -538,7 +538,7 @@ def _calibadv_interventions(inputs: AdvantageInputs, advantage: Tensor, token_ad
         out["calibadv/frac_softened_found_gold"] = (
             float((softened_steps & found).sum()) / softened if softened else 0.0)
     change = token_adv - torch.where(trained, advantage[:, None], 0.0)
-    for name, mask in (("search", intermediate), ("answer", answer)):
+    for key, mask in (("calibadv/adv_change_search", intermediate), ("calibadv/adv_change_answer", answer)):
         tokens = int(mask.sum())
-        out[f"calibadv/adv_change_{name}"] = float(change[mask].sum()) / tokens if tokens else 0.0
+        out[key] = float(change[mask].sum()) / tokens if tokens else 0.0
     return out
