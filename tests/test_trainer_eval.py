@@ -79,6 +79,24 @@ def test_greedy_eval_is_deterministic_and_covers_the_search_agent(trainer_world)
     assert "em" in format_table(search).splitlines()[0]
 
 
+def test_task_by_task_rewrite_hits_average_to_the_evaluators_hit(trainer_world):
+    """The demo's paired rewriter comparisons decode each task as the evaluator does: the
+    per-task hits (and the raw query's) average exactly to the evaluation's hit@k."""
+    from calibrl.demo.rewrite_analysis import greedy_rewrite_hits
+
+    retrieval, _ = trainer_world.clients(judge=False)
+    tasks = load_eval_tasks(str(trainer_world.rewrite_tasks), limit=8)
+    settings = EvalSettings(top_k=2, max_new_tokens=6, device="cpu", batch_size=3)
+    with BackgroundLoop() as loop:
+        raw, model = evaluate_models([str(trainer_world.policy_dir)], tasks, retrieval, settings, run_async=loop.run,
+                                     raw_query_baseline=True)
+        hits = greedy_rewrite_hits(str(trainer_world.policy_dir), tasks, retrieval, settings, loop.run)
+        raw_hits = greedy_rewrite_hits(None, tasks, retrieval, settings, loop.run)
+    assert len(hits) == 8 and set(hits) <= {0.0, 1.0}
+    # means of 8 values in {0, 1}: exact in float64
+    assert sum(hits) / 8 == model.metrics["hit@k"] and sum(raw_hits) / 8 == raw.metrics["hit@k"]
+
+
 def test_model_paths_resolve_and_held_out_split_matches_training(trainer_world, lora_run, tmp_path):
     assert resolve_model_path(trainer_world.policy_dir) == trainer_world.policy_dir
     checkpoint_model = lora_run / "checkpoints" / "step_000001" / "model"

@@ -323,10 +323,11 @@ def raw_query_metrics(tasks: Sequence["Task"], retrieval: "RetrievalClient", set
     return _retrieval_metrics([t.query for t in tasks], tasks, retrieval, settings, run_async)
 
 
-def _retrieval_metrics(queries: Sequence[str], tasks: Sequence["Task"], retrieval: "RetrievalClient",
-                       settings: EvalSettings, run_async: RunAsync) -> dict[str, float]:
-    """Mean retrieval metrics of one query per task; an empty query retrieves nothing
-    (it scores 0 everywhere rather than being sent)."""
+def query_scores(queries: Sequence[str], tasks: Sequence["Task"], retrieval: "RetrievalClient",
+                 settings: EvalSettings, run_async: RunAsync) -> list:
+    """The retrieval service's score of each task's query (a ``ScoreResult``), None where the
+    query is empty once trimmed to ``settings.max_query_chars`` (it is not sent: an empty
+    query retrieves nothing)."""
     from calibrl.retrieval_server.types import ScoreItem, SearchMode
 
     cleaned = [q.strip()[: settings.max_query_chars].strip() for q in queries]
@@ -335,6 +336,18 @@ def _retrieval_metrics(queries: Sequence[str], tasks: Sequence["Task"], retrieva
                        gold_answers=tuple(tasks[i].answers)) for i in sent]
     mode = SearchMode(settings.mode) if settings.mode else None
     scores = run_async(retrieval.score(items, settings.top_k, mode)) if items else []
+    out: list = [None] * len(queries)
+    for i, score in zip(sent, scores):
+        out[i] = score
+    return out
+
+
+def _retrieval_metrics(queries: Sequence[str], tasks: Sequence["Task"], retrieval: "RetrievalClient",
+                       settings: EvalSettings, run_async: RunAsync) -> dict[str, float]:
+    """Mean retrieval metrics of one query per task; an empty query retrieves nothing
+    (it scores 0 everywhere rather than being sent)."""
+    per_task = query_scores(queries, tasks, retrieval, settings, run_async)
+    scores = [score for score in per_task if score is not None]
     totals = dict.fromkeys(("hit@k", "all_gold@k", "recall@k", "mrr", "ndcg@k"), 0.0)
     for score in scores:
         totals["hit@k"] += float(score.hit)
@@ -344,7 +357,7 @@ def _retrieval_metrics(queries: Sequence[str], tasks: Sequence["Task"], retrieva
         totals["ndcg@k"] += score.ndcg
     count = len(queries)
     metrics = {name: value / count for name, value in totals.items()}
-    metrics["empty_rewrite_rate"] = (count - len(sent)) / count
+    metrics["empty_rewrite_rate"] = (count - len(scores)) / count
     return metrics
 
 

@@ -67,18 +67,10 @@ def _greedy_rewrites(model: str, tasks: Sequence[Any], settings: "EvalSettings")
 
 def _hits(rewrites: Sequence[str], tasks: Sequence[Any], retrieval: Any, settings: "EvalSettings",
           run_async: Callable[[Any], Any]) -> list[float]:
-    from calibrl.retrieval_server.types import ScoreItem, SearchMode
+    from calibrl.trainer.eval import query_scores
 
-    cleaned = [q.strip()[: settings.max_query_chars].strip() for q in rewrites]
-    sent = [i for i, q in enumerate(cleaned) if q]
-    items = [ScoreItem(query=cleaned[i], gold_doc_ids=tuple(tasks[i].gold_doc_ids),
-                       gold_answers=tuple(tasks[i].answers)) for i in sent]
-    mode = SearchMode(settings.mode) if settings.mode else None
-    scores = run_async(retrieval.score(items, settings.top_k, mode)) if items else []
-    hits = [0.0] * len(tasks)
-    for i, score in zip(sent, scores):
-        hits[i] = float(score.hit)
-    return hits
+    return [0.0 if score is None else float(score.hit)
+            for score in query_scores(rewrites, tasks, retrieval, settings, run_async)]
 
 
 def rewrite_comparisons(hits: dict[str, Sequence[float]], clusters: Sequence[Any], *, resamples: int = 10_000,
