@@ -213,13 +213,10 @@ def rewrite_verdict(base: RunResult, runs: Sequence[RunResult], k: int,
     return lines
 
 
-def search_verdict(base: RunResult, runs: Sequence[RunResult], analysis: Mapping[str, Any] | None = None) -> list[str]:
-    """Each trained agent's held-out figures beside the base's, then its paired comparisons
-    with the base and the best constant answer (from the error analysis), worded by their
-    intervals."""
-    from calibrl.demo.error_analysis import BEST_CONSTANT, comparison
-    from calibrl.stats import describe_difference
-
+def search_verdict(base: RunResult, runs: Sequence[RunResult]) -> list[str]:
+    """Each trained agent's held-out figures beside the base's, and what CalibAdv changed;
+    the paired comparisons (with the base, the best constant answer and each other) follow
+    in the error analysis section, worded by their intervals."""
     lines = []
     base_f1 = base.heldout.get("f1", math.nan)
     for run in runs:
@@ -230,21 +227,6 @@ def search_verdict(base: RunResult, runs: Sequence[RunResult], analysis: Mapping
             f"well-formed trajectories {_fmt(run.heldout.get('well_formed', math.nan), True)}."
         )
     lines += [line for run in runs if (line := calibadv_interventions(run))]
-    if not analysis:
-        return lines
-    labels = analysis["labels"]
-    names = [r.name for r in runs]
-    for a in names:
-        for b in (base.name, BEST_CONSTANT):
-            for metric, unit in (("f1", "points of answer F1"), ("em", "points of exact match")):
-                item = comparison(dict(analysis), a, b, metric)
-                if item:
-                    lines.append(describe_difference(labels[a], labels[b], item, unit))
-    for i, b in enumerate(names):
-        for a in names[i + 1:]:
-            item = comparison(dict(analysis), a, b, "f1")
-            if item:
-                lines.append(describe_difference(labels[a], labels[b], item, "points of answer F1"))
     return lines
 
 
@@ -326,8 +308,7 @@ def write_report(report: DemoReport, out_dir: str | pathlib.Path) -> pathlib.Pat
         sections += [markdown_table(report.search_runs, search_columns()), ""]
         base = search_by_name.get("base_agent")
         if base is not None:
-            sections += [f"- {line}" for line in search_verdict(
-                base, [r for r in report.search_runs if r.trained], report.search_analysis)]
+            sections += [f"- {line}" for line in search_verdict(base, [r for r in report.search_runs if r.trained])]
             sections.append("")
         trained = [r for r in report.search_runs if r.trained]
         for key, title, stem in STEP_PLOTS:
