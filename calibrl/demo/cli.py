@@ -663,7 +663,8 @@ def _train_and_evaluate(settings: DemoSettings, out: pathlib.Path, domain: Any, 
         "search agent GRPO / CalibAdv": describe_design(settings.search),
         "held-out": f"{len(heldout_rewrites)} rewrite tasks ((product, topic) pairs never seen in training), "
                     f"{len(heldout_search)} two-search questions (one phrasing each, each with its own answer "
-                    "document, never gold in training); greedy decoding",
+                    "document, never gold in training; their bridge documents and entities do appear in training "
+                    "questions, so comparisons resample whole bridge clusters); greedy decoding",
     }
     _write_search_records(out / "search_records.jsonl", search_records)
     notes = []
