@@ -263,11 +263,14 @@ class Judge:
                 results[i] = hit
         return results, missing
 
-    def compute(self, rubric: Rubric, items: Sequence[JudgeItem]) -> list[ItemScore]:
-        """Score ``items`` (no cache lookup) and store the results in the cache."""
+    def compute(self, rubric: Rubric, items: Sequence[JudgeItem], *, record: bool = True) -> list[ItemScore]:
+        """Score ``items`` (no cache lookup) and store the results in the cache; ``record=False``
+        (the server's start-up probe, which no caller asked for) neither counts the batch in the
+        metrics nor stores the scores."""
         if not items:
             return []
-        telemetry.record("judge_batch_size", len(items), rubric=rubric.id)
+        if record:
+            telemetry.record("judge_batch_size", len(items), rubric=rubric.id)
         scorer_id = self.scorer_id(rubric)
         with self._compute_lock:
             columns: dict[str, list[float]] = {}
@@ -296,7 +299,7 @@ class Judge:
                 criteria.append(CriterionScore(criterion.name, min(1.0, max(0.0, value)), criterion.weight,
                                                criterion.penalty))
             score = ItemScore(tuple(criteria), aggregate(criteria), rubric.id, rubric.hash, scorer_id)
-            if self.cache.enabled:
+            if self.cache.enabled and record:
                 self.cache.put(cache_key(rubric.hash, scorer_id, item), score)
             results.append(score)
         return results

@@ -199,7 +199,7 @@ def warm_up(judge: Judge) -> None:
     for status in judge.statuses():
         if status.usable:
             try:
-                judge.compute(status.rubric, [PROBE_ITEM])
+                judge.compute(status.rubric, [PROBE_ITEM], record=False)
             except CalibrlError as exc:  # the rubric's own calls will say the same; a model crash is raised
                 log.error("rubric %s: the probe item could not be scored: %s", status.rubric.id, exc)
 

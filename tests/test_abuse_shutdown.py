@@ -111,6 +111,7 @@ def test_the_judge_exits_in_time_with_calls_that_outlive_the_grace(tmp_path):
     process = subprocess.Popen(
         [sys.executable, "-m", "calibrl", "serve", "judge", "--rubrics", str(tmp_path), "--port", "0",
          "--allow-unvalidated", "judge.embedder=hashed-ngrams", "judge.cache_size=0",
+         "serving.max_tenant_queue_cost_s=1000",  # the burst below is one tenant's: queue it, never shed it
          f"serving.drain_seconds={DRAIN_S}", f"serving.grace_seconds={GRACE_S}"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )
@@ -122,10 +123,11 @@ def test_the_judge_exits_in_time_with_calls_that_outlive_the_grace(tmp_path):
             assert _status(channel) == "SERVING"  # printed after the probe item was scored
             stub = judge_pb2_grpc.JudgeServiceStub(channel)
             text = ("Vanguard VTSAX Admiral 2024 ETF " * 300)[:8000]
-            # 12 calls, each near the 1 s budget: ~10 s of queued work, far more than drain + grace
+            # 60 calls, each near the 1 s cost budget: far more queued work than drain + grace, even on
+            # a fast CPU (12 such calls once finished within the grace)
             calls = [stub.Score.future(jpb.ScoreRequest(rubric_id="shutdown", items=[
                 jpb.JudgeItem(query=f"{c} {i} {text}"[:8000], output=f"{i} {c} {text}"[:8000]) for i in range(40)]),
-                timeout=120) for c in range(12)]
+                timeout=120) for c in range(60)]
             time.sleep(0.5)
             assert not all(call.done() for call in calls), "the work did not outlive the signal"
             signalled = time.monotonic()

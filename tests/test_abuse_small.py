@@ -107,7 +107,7 @@ def test_no_progress_hides_the_loading_weights_bar(tmp_path):
     corpus = tmp_path / "corpus.jsonl"
     corpus.write_text("".join(json.dumps(row) + "\n" for row in TINY_CORPUS))
     command = [sys.executable, "-m", "calibrl", "index", "build", "--corpus", str(tmp_path), "--out",
-               str(tmp_path / "index"), "--device", "cpu"]
+               str(tmp_path / "index"), "--device", "cpu", "--encoder-backend", "torch"]  # torch loads weights
     quiet = subprocess.run([*command, "--no-progress"], capture_output=True, text=True, timeout=300)
     assert quiet.returncode == 0, quiet.stderr
     assert "Loading weights" not in quiet.stderr and "it/s]" not in quiet.stderr

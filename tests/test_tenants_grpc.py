@@ -210,9 +210,9 @@ class _GatedJudge(Judge):
 
     gate: threading.Event
 
-    def compute(self, rubric, items):
+    def compute(self, rubric, items, *, record=True):
         self.gate.wait(30)
-        return super().compute(rubric, items)
+        return super().compute(rubric, items, record=record)
 
 
 async def test_health_says_serving_only_after_a_probe_item_is_scored(rubric_dir):
