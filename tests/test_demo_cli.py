@@ -79,14 +79,14 @@ from calibrl.demo import cli
 from calibrl.demo.domain import generate_domain, write_domain
 from calibrl.demo.judge_model import LLM_RUBRIC_ID, distill_llm_rubric
 out = pathlib.Path(sys.argv[1])
-domain = generate_domain(0)
+domain = generate_domain(cli.DEFAULT_SEED)  # the seed `calibrl demo` runs without --seed
 files = write_domain(domain, out / "data")
 _, golden = cli.distill_rubric(files.sme_feedback, domain.glossary_terms(), out / "rubrics" / "r.yaml",
                                out / "golden.jsonl")
 llm_path = out / "rubrics" / f"{LLM_RUBRIC_ID}.yaml"
 llm_rubric = distill_llm_rubric(files.sme_feedback, domain.glossary_terms(), llm_path)
 judge = cli.build_llm_judge(cli.QUICK, domain, files.sme_feedback, llm_rubric, llm_path, golden,
-                            out / "golden.jsonl", out, 0, False)
+                            out / "golden.jsonl", out, cli.DEFAULT_SEED, False)
 print(judge.model_id)
 """
 

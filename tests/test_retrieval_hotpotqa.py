@@ -53,14 +53,18 @@ def hotpotqa_index(hotpotqa_path, tmp_path_factory) -> pathlib.Path:
 
 async def test_service_equals_library_on_hotpotqa(hotpotqa_path, hotpotqa_index):
     questions = read_hotpotqa_questions(hotpotqa_path)
-    retriever = Retriever.load(hotpotqa_index, device="cpu")
+    from calibrl.retrieval_server.limits import RetrievalLimits
+
+    # 100 questions a call, three modes at once: far above the default cost budget, which this test is not about
+    retriever = Retriever.load(hotpotqa_index, device="cpu", limits=RetrievalLimits(max_request_cost_s=0))
     assert retriever.doc_count == len(read_hotpotqa_corpus(hotpotqa_path)) > 3500
     known = {p.doc_id for p in retriever.passages}
     assert all(len(q.gold_titles) == 2 and set(q.gold_titles) <= known for q in questions)
     items = [ScoreItem(q.question, gold_doc_ids=q.gold_titles, gold_answers=q.answers) for q in questions]
     chunks = [items[i : i + 100] for i in range(0, len(items), 100)]
 
-    running = await start_test_server(hotpotqa_index, "batch_max_wait_ms=20", retriever=retriever)
+    running = await start_test_server(hotpotqa_index, "batch_max_wait_ms=20", "serving.max_tenant_queue_cost_s=10000",
+                                      retriever=retriever)
     channel = grpc.aio.insecure_channel(running.address)
     stub = pb_grpc.RetrievalServiceStub(channel)
     try:
