@@ -22,6 +22,8 @@ import sys
 import tempfile
 import time
 
+from bench_abuse import _rss_mib, _start  # one way to start a served process and read its RSS (same folder)
+
 TENANTS = {"t1": 1, "t2": 1, "t3": 1, "t4": 1, "w1": 1, "w2": 2, "w4": 4, "small": 1, "flood": 1, "cancel": 1,
            "crowd": 1}
 OWN_CONNECTION = [("grpc.use_local_subchannel_pool", 1)]
@@ -44,21 +46,6 @@ def _text(chars: int, salt: str = "") -> str:
 def _percentile(values: list[float], q: float) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
-
-
-def _start(args: list[str], log: pathlib.Path) -> tuple[subprocess.Popen, str]:
-    process = subprocess.Popen([sys.executable, "-m", "calibrl", *args, "serving.drain_seconds=0"],
-                               stdout=subprocess.PIPE, stderr=log.open("w"), text=True)
-    line = process.stdout.readline()
-    if "listening on" not in line:
-        raise SystemExit(f"server did not start: {line!r}; see {log}")
-    return process, f"127.0.0.1:{line.strip().rsplit(':', 1)[1]}"
-
-
-def _rss_mib(process: subprocess.Popen) -> float:
-    import psutil
-
-    return psutil.Process(process.pid).memory_info().rss / 2**20
 
 
 # --------------------------------------------------------------------------- calibrate
