@@ -9,13 +9,17 @@ The experiment (run by ``calibrl demo``, and by ``benchmarks/bench_sme_sampling.
 2. for each **budget** n: choose n items by :func:`calibrl.sme.sample.choose_sample`
    (representative, seed ``seed``) or uniformly at random (``random_repeats`` draws,
    seeds ``seed``, ``seed + 1``, ...); take their answers as the reviewed feedback;
-3. distil a rubric from those n reviews alone (``golden_fraction=0``), score the
-   **same golden set** with the programmatic judge, and compute Cohen's kappa and the
-   gate (kappa >= ``min_kappa``) exactly as ``calibrl rubric validate`` does;
-4. **reviews needed** = the smallest budget whose kappa passes the gate (for random
-   sampling: whose median kappa over the draws passes). A budget whose reviews
-   distil into no rubric (too few tagged errors) counts as a failed gate, with the
-   reason kept.
+3. distil a rubric from those n reviews alone (``golden_fraction=0``), pick the judge's pass
+   threshold on the same n reviews (``pass_threshold=None``: the best-kappa threshold, as
+   ``calibrl rubric validate --pass-threshold auto --feedback <those reviews>`` picks it;
+   the golden set never decides its own threshold), score the **same golden set** with the
+   programmatic judge, and compute Cohen's kappa with its 95% bootstrap interval (golden
+   items resampled in query clusters) and the gate exactly as ``calibrl rubric validate``
+   does (``gate="lower_bound"``, the demo's: the whole interval must clear ``min_kappa``);
+4. **reviews needed** = the smallest budget whose rubric passes the gate (for random
+   sampling: at which at least half of the draws pass). A budget whose reviews distil into
+   no rubric (too few tagged errors), or whose reviews are all one expert verdict (no
+   threshold can be picked), counts as a failed gate, with the reason kept.
 """
 
 from __future__ import annotations
@@ -39,7 +43,9 @@ class StudyOptions:
     random_repeats: int = 5  # random draws per budget
     seed: int = 0  # representative sampling's seed; random draw r uses seed + r
     min_kappa: float = 0.6  # the validation gate
-    pass_threshold: float = 0.8  # judge pass = total >= this (the demo's)
+    # judge pass = total >= this; None: picked on each budget's own reviews (--pass-threshold auto)
+    pass_threshold: float | None = None
+    gate: str = "lower_bound"  # "lower_bound" (the demo's: the kappa's whole interval >= min_kappa) or "estimate"
     criteria_mode: str = "programmatic"  # distillation's criteria kinds
     glossary: tuple[str, ...] = ()  # domain terms for the entity criteria
     rubric_id: str = "sme-study"
@@ -52,7 +58,10 @@ class StudyPoint:
     draw: int  # 0 for representative
     kappa: float | None
     passed: bool
-    note: str = ""  # why no rubric, when distillation failed
+    note: str = ""  # why no rubric or no threshold, when the gate could not be applied
+    kappa_low: float | None = None  # the kappa's 95% bootstrap interval (golden items in query clusters)
+    kappa_high: float | None = None
+    pass_threshold: float | None = None  # the threshold the judge passed items at (picked or given)
 
 
 @dataclass
@@ -73,27 +82,39 @@ class StudyResult:
         values = [(-1.0 if k is None else k) for k in self.kappas(method, budget)]
         return statistics.median(values) if values else None
 
+    def passing(self, method: str, budget: int) -> tuple[int, int]:
+        """(draws that passed the gate, draws) at one budget."""
+        points = [p for p in self.points if p.method == method and p.budget == budget]
+        return sum(p.passed for p in points), len(points)
+
     def reviews_needed(self, method: str) -> int | None:
-        """Smallest budget whose (median) kappa passes the gate; None when none does."""
+        """Smallest budget at which the rubric passes the gate (random: at least half the draws
+        do); None when none does."""
         for budget in self.budgets():
-            value = self.summary_kappa(method, budget)
-            if value is not None and value >= self.options.min_kappa:
+            passed, draws = self.passing(method, budget)
+            if draws and 2 * passed >= draws:
                 return budget
         return None
 
     def table(self) -> str:
         """Markdown table: one row per budget."""
-        lines = ["| reviews | representative kappa | random kappa, median (min-max) | random draws passing |",
-                 "| ---: | ---: | ---: | ---: |"]
+        lines = ["| reviews | representative kappa [95% CI] | threshold | random kappa, median (min-max) "
+                 "| random draws passing |",
+                 "| ---: | ---: | ---: | ---: | ---: |"]
         for budget in self.budgets():
-            rep = self.kappas("representative", budget)
+            rep = [p for p in self.points if p.method == "representative" and p.budget == budget]
             rnd = [(-1.0 if k is None else k) for k in self.kappas("random", budget)]
-            rep_text = _fmt(rep[0]) + (" (pass)" if rep and rep[0] is not None and rep[0] >= self.options.min_kappa
-                                       else "") if rep else "-"
+            rep_text = (_with_interval(rep[0]) + (" (pass)" if rep[0].passed else "")) if rep else "-"
+            threshold = f"{rep[0].pass_threshold:.3f}" if rep and rep[0].pass_threshold is not None else "-"
             rnd_text = (f"{_fmt(statistics.median(rnd))} ({_fmt(min(rnd))}-{_fmt(max(rnd))})" if rnd else "-")
-            lines.append(f"| {budget} | {rep_text} | {rnd_text} | "
-                         f"{sum(1 for k in rnd if k >= self.options.min_kappa)}/{len(rnd)} |")
+            passed, draws = self.passing("random", budget)
+            lines.append(f"| {budget} | {rep_text} | {threshold} | {rnd_text} | {passed}/{draws} |")
         return "\n".join(lines)
+
+    def gate_text(self) -> str:
+        if self.options.gate == "lower_bound":
+            return f"the whole 95% interval of kappa >= {self.options.min_kappa}"
+        return f"kappa >= {self.options.min_kappa}"
 
     def verdict(self) -> str:
         rep, rnd = self.reviews_needed("representative"), self.reviews_needed("random")
@@ -101,13 +122,16 @@ class StudyResult:
         def say(n: int | None) -> str:
             return f"{n} reviews" if n is not None else f"more than {self.budgets()[-1]} reviews (never passed)"
 
-        return (f"Reviews needed to pass the gate (kappa >= {self.options.min_kappa}) on the same "
+        threshold = ("the pass threshold picked on each budget's own reviews" if self.options.pass_threshold is None
+                     else f"pass threshold {self.options.pass_threshold:g}")
+        return (f"Reviews needed to pass the gate ({self.gate_text()}; {threshold}) on the same "
                 f"{self.golden_size} golden items: representative sampling {say(rep)}, random sampling {say(rnd)} "
-                f"(median of {self.options.random_repeats} draws), from a pool of {self.pool_size}.")
+                f"(at least half of {self.options.random_repeats} draws passing), from a pool of {self.pool_size}.")
 
     def to_json(self) -> dict[str, Any]:
         return {
             "pool_size": self.pool_size, "golden_size": self.golden_size, "min_kappa": self.options.min_kappa,
+            "gate": self.options.gate, "pass_threshold": self.options.pass_threshold,
             "reviews_needed": {m: self.reviews_needed(m) for m in ("representative", "random")},
             "points": [vars(p) for p in self.points],
         }
@@ -115,6 +139,14 @@ class StudyResult:
 
 def _fmt(value: float | None) -> str:
     return "no rubric" if value is None or value == -1.0 else f"{value:.3f}"
+
+
+def _with_interval(point: StudyPoint) -> str:
+    if point.kappa is None:
+        return "no rubric" if "threshold" not in point.note else "no threshold"
+    if point.kappa_low is None or point.kappa_high is None:
+        return f"{point.kappa:.3f} [undefined]"
+    return f"{point.kappa:.3f} [{point.kappa_low:.2f}, {point.kappa_high:.2f}]"
 
 
 class _MemoEmbedder:
@@ -137,13 +169,27 @@ class _MemoEmbedder:
         return np.stack([self.vectors[t] for t in texts]) if texts else self.inner.encode([])
 
 
+@dataclass(frozen=True)
+class BudgetValidation:
+    """The gate's outcome for one budget's reviews (:func:`validation_kappa`)."""
+
+    kappa: float | None
+    passed: bool
+    note: str = ""  # why there is no kappa (no rubric distilled, no threshold could be picked)
+    kappa_low: float | None = None
+    kappa_high: float | None = None
+    pass_threshold: float | None = None
+
+
 def validation_kappa(reviews: Sequence[FeedbackRecord], golden: Sequence[FeedbackRecord], options: StudyOptions,
-                     judge_config: Any = None, embedder: Any = None) -> tuple[float | None, bool, str]:
-    """(kappa, gate passed, note) of a rubric distilled from ``reviews`` alone, on ``golden``."""
+                     judge_config: Any = None, embedder: Any = None) -> BudgetValidation:
+    """The validation of a rubric distilled from ``reviews`` alone, on ``golden``, as
+    ``calibrl rubric validate`` computes it (with ``--pass-threshold auto --feedback
+    <reviews>`` when ``options.pass_threshold`` is None)."""
     from calibrl.judge_server.config import JudgeConfig
     from calibrl.judge_server.distill import DistillOptions, distill
     from calibrl.judge_server.judge import Judge
-    from calibrl.judge_server.validation import ValidationOptions, agreement
+    from calibrl.judge_server.validation import ValidationOptions, agreement, pick_pass_threshold
 
     try:
         result = distill(list(reviews), DistillOptions(
@@ -153,12 +199,17 @@ def validation_kappa(reviews: Sequence[FeedbackRecord], golden: Sequence[Feedbac
         judge = Judge([result.rubric], config)
         if embedder is not None:
             judge._embedder = embedder  # the study's shared memo (see _MemoEmbedder); same vectors, computed once
+        choice = None
+        if options.pass_threshold is None:
+            choice = pick_pass_threshold(list(reviews), judge.compute(result.rubric, [r.to_item() for r in reviews]))
         scores = judge.compute(result.rubric, [r.to_item() for r in golden])
     except CalibrlError as exc:
-        return None, False, str(exc)
+        return BudgetValidation(None, False, str(exc))
     record = agreement(result.rubric, judge.model_id, golden, scores, ValidationOptions(
-        min_kappa=options.min_kappa, pass_threshold=options.pass_threshold))
-    return record.kappa, record.passed, "" if record.kappa is not None else record.reason
+        min_kappa=options.min_kappa, pass_threshold=options.pass_threshold or 0.0, gate=options.gate),
+        threshold_choice=choice)
+    return BudgetValidation(record.kappa, record.passed, "" if record.kappa is not None else record.reason,
+                            record.kappa_low, record.kappa_high, record.pass_threshold)
 
 
 def run_study(pool: Sequence[SampleItem], answers: Mapping[str, FeedbackRecord], golden: Sequence[FeedbackRecord],
@@ -182,12 +233,13 @@ def run_study(pool: Sequence[SampleItem], answers: Mapping[str, FeedbackRecord],
     budgets = [b for b in options.budgets if b <= len(pool)] or [len(pool)]
     for budget in budgets:
         chosen = choose_sample(pool, SampleOptions(n=budget, seed=options.seed), vectors=vectors).items
-        kappa, passed, note = validation_kappa([answers[i.id] for i in chosen], golden, options, judge_config, memo)
-        result.points.append(StudyPoint("representative", budget, 0, kappa, passed, note))
-        for draw in range(options.random_repeats):
-            picked = random.Random(options.seed + draw).sample(list(pool), budget)
-            kappa, passed, note = validation_kappa([answers[i.id] for i in picked], golden, options, judge_config, memo)
-            result.points.append(StudyPoint("random", budget, draw, kappa, passed, note))
+        draws = [("representative", 0, chosen)] + [
+            ("random", draw, random.Random(options.seed + draw).sample(list(pool), budget))
+            for draw in range(options.random_repeats)]
+        for method, draw, items in draws:
+            outcome = validation_kappa([answers[i.id] for i in items], golden, options, judge_config, memo)
+            result.points.append(StudyPoint(method, budget, draw, outcome.kappa, outcome.passed, outcome.note,
+                                            outcome.kappa_low, outcome.kappa_high, outcome.pass_threshold))
         if progress is not None:
             progress(f"{budget} reviews: representative kappa {_fmt(result.kappas('representative', budget)[0])}, "
                      f"random median {_fmt(result.summary_kappa('random', budget))}")
@@ -213,13 +265,19 @@ def plot_study(result: StudyResult, path: Any) -> Any:
     rep = shown([result.summary_kappa("representative", b) for b in budgets])
     rnd = [shown(result.kappas("random", b)) for b in budgets]
     figure, axes = plt.subplots(figsize=(6.4, 4.0))
-    axes.plot(budgets, rep, marker="o", label="representative (calibrl sme sample)")
+    rep_points = {p.budget: p for p in result.points if p.method == "representative"}
+    below = [max(0.0, v - rep_points[b].kappa_low) if b in rep_points and rep_points[b].kappa_low is not None else 0.0
+             for b, v in zip(budgets, rep)]
+    above = [max(0.0, rep_points[b].kappa_high - v) if b in rep_points and rep_points[b].kappa_high is not None
+             else 0.0 for b, v in zip(budgets, rep)]
+    axes.errorbar(budgets, rep, yerr=[below, above], marker="o", capsize=3,
+                  label="representative (calibrl sme sample), 95% CI")
     axes.plot(budgets, [statistics.median(v) for v in rnd], marker="s", label="random (median of draws)")
     axes.fill_between(budgets, [min(v) for v in rnd], [max(v) for v in rnd], alpha=0.2, label="random (min-max)")
     failed = [(p.budget, NO_RUBRIC_Y) for p in result.points if p.kappa is None]
     if failed:
         axes.scatter(*zip(*failed), marker="x", color="black", zorder=3, label="no rubric distilled (fails the gate)")
-    axes.axhline(result.options.min_kappa, color="grey", linestyle="--", label=f"gate kappa {result.options.min_kappa}")
+    axes.axhline(result.options.min_kappa, color="grey", linestyle="--", label=f"gate: {result.gate_text()}")
     axes.set_xscale("log")
     axes.set_xticks(budgets)
     axes.set_xticklabels([str(b) for b in budgets], fontsize=8)
@@ -240,8 +298,10 @@ def report_section(result: StudyResult, plot_name: str) -> str:
     return "\n".join([
         "## SME time: representative vs random sampling", "",
         "The judge's validation kappa when its rubric is distilled from only n expert reviews, the n chosen by "
-        "`calibrl sme sample` (representative) or at random; each rubric is validated on the same golden set. "
-        "A budget whose reviews distil into no rubric (too few tagged errors) counts as failing the gate.", "",
+        "`calibrl sme sample` (representative) or at random; each rubric's pass threshold is picked on its own n "
+        "reviews and the rubric is validated on the same golden set, with the kappa's 95% bootstrap interval. "
+        "A budget whose reviews distil into no rubric (too few tagged errors), or hold one expert verdict only "
+        "(no threshold), counts as failing the gate.", "",
         f"- {result.verdict()}", "",
         result.table(), "",
         f"![kappa vs expert reviews](plots/{plot_name})", "",
