@@ -10,6 +10,8 @@ Paths:
 - logprob scoring with the shared-prefix KV cache (``prefix_cache``, the default: the
   criterion suffixes packed into one row behind the prefix, through the pruned forward
   of ``judge_server/backends/pruned_forward.py`` for Llama/Qwen2 models),
+- the same building every item's suffix mask anew (``logprob_prefix_cache_fresh_masks``:
+  the pruned forward before one mask per call served as views; scores bitwise equal),
 - the same through transformers' own forward (``logprob_prefix_cache_transformers``: the
   default before the pruned forward, and still the path of other model types),
 - the same with one cache row per criterion (``logprob_prefix_cache_rows``: the path for
@@ -163,7 +165,18 @@ def main() -> int:
             return backend.score(items, llm_rubric.llm_criteria, llm_rubric.instructions)
         return run
 
+    def with_fresh_masks():  # the pruned forward building each item's suffix mask anew
+        from calibrl.judge_server.backends import hf
+
+        kept_mask = hf.SuffixLayout.mask
+        hf.SuffixLayout.mask = lambda layout, n: kept_mask(dataclasses.replace(layout, kept={}), n)
+        try:
+            return logprob("prefix_cache")()
+        finally:
+            hf.SuffixLayout.mask = kept_mask
+
     logprob_paths = {"logprob_prefix_cache": logprob("prefix_cache"),
+                     "logprob_prefix_cache_fresh_masks": with_fresh_masks,
                      "logprob_prefix_cache_transformers": logprob("prefix_cache", prune=False),
                      "logprob_prefix_cache_rows": logprob("prefix_cache", packed=False),
                      "logprob_flat": logprob("flat")}

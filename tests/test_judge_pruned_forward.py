@@ -87,3 +87,28 @@ def test_models_it_does_not_reproduce_fall_back_to_the_transformers_forward(tmp_
 def test_the_backend_uses_it_for_llama_judges(tmp_path):
     backend = load_llm(JudgeConfig(backend=f"transformers:{build_tiny_causal_lm(tmp_path / 'llama')}", device="cpu"))
     assert isinstance(backend.pruned, PrunedForward)
+
+
+
+@pytest.mark.parametrize("arch,heads,kv_heads,layers", CASES[:3])
+def test_kept_suffix_mask_leaves_scores_bitwise_unchanged(arch, heads, kv_heads, layers):
+    """One mask per score call, each item a view of it: every item's log-probabilities are the
+    same bits as with a fresh mask of its own, whatever prefix lengths came before (the kept
+    mask is rebuilt wider when a longer prefix comes)."""
+    tokenizer = build_tokenizer()
+    spec = TinyLMSpec(arch=arch, hidden_size=32, num_layers=layers, num_heads=heads, num_kv_heads=kv_heads,
+                      initializer_range=0.2, lm_head_std=1.0)
+    model = build_tiny_lm(tokenizer, spec, seed=layers).eval()
+    pruned = pruned_forward_for(model)
+    generator = torch.Generator().manual_seed(7)
+    vocab = model.config.vocab_size
+    suffixes = [torch.randint(3, vocab, (n,), generator=generator).tolist() for n in (1, 6, 17, 4)]
+    layout = SuffixLayout.build(suffixes, torch, "cpu", torch.float32)
+    with torch.inference_mode():
+        for n in (83, 5, 83, 300, 1, 129, 300, 511):  # repeats, and prefixes past the first mask's 256 columns
+            prefix = torch.randint(3, vocab, (n,), generator=generator).tolist()
+            fresh = SuffixLayout.build(suffixes, torch, "cpu", torch.float32)
+            mask = layout.mask(n)
+            assert torch.equal(mask, fresh.mask(n)) and mask.shape[-1] == n + 28
+            assert torch.equal(pruned.item_logprobs(prefix, layout), pruned.item_logprobs(prefix, fresh))
+    assert layout.kept["mask"].shape[-1] == 511 + 28

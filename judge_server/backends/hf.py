@@ -36,7 +36,7 @@ import contextlib
 import inspect
 import logging
 import pathlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 from calibrl.devices import resolve_device
@@ -179,7 +179,7 @@ class TransformersJudge:
             keep = {self._keep_arg: 1} if self._keep_arg else {}  # the prefix's own logits are not needed
             cache = getattr(self.model(input_ids=ids, use_cache=True, **keep), self._cache_arg)
             n = len(prefix)
-            mask = layout.mask(n)
+            mask = layout.mask(n).clone()  # the layout's kept mask is not handed to code that may edit it in place
             keep = {self._keep_arg: layout.last} if self._keep_arg else {}
             out = self.model(input_ids=layout.ids, attention_mask=mask, position_ids=layout.positions + n,
                              use_cache=True, **{self._cache_arg: cache}, **keep)
@@ -276,6 +276,8 @@ class SuffixLayout:
     positions: Any
     last: Any
     block: Any
+    # the widest mask built so far in this score call (the layout's life): mask() returns a view of it
+    kept: dict = field(default_factory=dict, compare=False, repr=False)
 
     @classmethod
     def build(cls, suffix_ids: Sequence[Sequence[int]], torch: Any, device: str, dtype: Any) -> "SuffixLayout":
@@ -293,8 +295,15 @@ class SuffixLayout:
         return cls(ids.to(device), positions.to(device), last.to(device), block.to(device))
 
     def mask(self, prefix_length: int) -> Any:
-        """(1, 1, S, prefix_length + S) additive mask: every suffix token sees the whole prefix."""
+        """(1, 1, S, prefix_length + S) additive mask: every suffix token sees the whole prefix.
+
+        Its prefix columns are all zeros, so the mask of a shorter prefix is the right-hand part
+        of a longer one's: one mask, as wide as the longest prefix of the call so far, is built
+        and each item gets a view of it (a view, not a copy: callers must not edit it in place)."""
         import torch
 
-        seen = self.block.new_zeros((self.block.shape[0], prefix_length))
-        return torch.cat([seen, self.block], dim=1)[None, None]
+        wide = self.kept.get("mask")
+        if wide is None or wide.shape[-1] - self.block.shape[0] < prefix_length:
+            seen = self.block.new_zeros((self.block.shape[0], max(prefix_length, 256)))
+            wide = self.kept["mask"] = torch.cat([seen, self.block], dim=1)[None, None]
+        return wide[..., wide.shape[-1] - self.block.shape[0] - prefix_length :]
