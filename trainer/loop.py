@@ -274,6 +274,7 @@ class _Loop:
         # -------------------------------------------------------------- log
         times.step = time.perf_counter() - step_start
         metrics = step_metrics(training, result, times, self.config.health, rollouts.current.sampling_metrics)
+        metrics.update(self.step_log.rubric_versions.observe(step, [b.rubric for b in training.breakdowns]))
         self.step_log.record(step, metrics, state)
 
     def stop_for_failure(self, step: int, failure: CalibrlError | None, rng: ckpt.RngState,

@@ -17,6 +17,7 @@ from calibrl.config import to_dict
 from calibrl.trainer import diagnostics as diag
 from calibrl.trainer import distributed as dist_util
 from calibrl.trainer.checkpoint import TrainState
+from calibrl.trainer.rubric_versions import RubricVersionLog
 from calibrl.trainer.step_rewards import step_metrics as step_reward_metrics
 from calibrl.trainer.config import TrainConfig
 from calibrl.trainer.training_batch import TrainingBatch
@@ -90,6 +91,8 @@ class StepLog:
             self.run_log = diag.RunLog(config.run_dir, resume_step=resume_step, tracker=tracker,
                                        close_tracker=own_tracker)
         self.progress = _progress_bar(config, ctx, initial=resume_step)
+        # the rubric version of every step, rubric_changed when it moves (rank 0 writes the file)
+        self.rubric_versions = RubricVersionLog(config.run_dir if ctx.is_main else None, resume_step)
 
     @property
     def tracker(self) -> "tracking.Tracker | None":
