@@ -71,7 +71,7 @@ def test_after_the_exploit_the_alarm_names_the_criteria_that_reward_it():
     report = drift_report(RUBRIC, records, scores)
     assert report.alarm and report.status == "alarm"
     assert report.kappa is not None and report.kappa < 0.6
-    assert "entities" in report.disagreeing
+    assert report.disagreeing[0] == "entities"  # the heaviest criterion, approving every stuffed rewrite
     entities = next(c for c in report.criteria if c.name == "entities")
     assert entities.approves_failed == 1.0 and entities.separation < 0.1
     assert report.reason.startswith("DRIFT: the judge no longer agrees with the experts on 16 freshly graded items")

@@ -17,7 +17,8 @@ Below the gate it raises an **alarm** and names the criteria that disagree with 
 - a criterion with error tags whose flags (score below ``flag_threshold``) match the experts'
   tags with an F1 below ``min_f1`` (validation's per-criterion precision and recall).
 
-Fewer than ``min_items`` graded items give no verdict (``status == "too_few"``, no alarm): the
+They are listed by how much they let through: the criterion's share of the rubric's weight times
+the share of expert-failed items it approves. Fewer than ``min_items`` graded items give no verdict (``status == "too_few"``, no alarm): the
 report says how many more are needed. Everything here is a pure function of its inputs.
 """
 
@@ -103,7 +104,8 @@ class DriftReport:
 
     @property
     def disagreeing(self) -> list[str]:
-        """Names of the criteria that disagree, worst separation first."""
+        """Names of the criteria that disagree, the one that lets the most expert-failed items
+        through first (its weight share times the share of failed items it approves)."""
         return [c.name for c in self.criteria if c.disagrees]
 
     def metrics(self) -> dict[str, float]:
@@ -164,7 +166,10 @@ def drift_report(rubric: Rubric, records: Sequence[FeedbackRecord], scores: Sequ
             whys.append(f"its flags match the expert tags {drift.tags} with F1 {drift.f1 or 0.0:.2f} < {options.min_f1:g}")
         drift.disagrees, drift.why = bool(whys), "; ".join(whys)
         criteria.append(drift)
-    criteria.sort(key=lambda c: (not c.disagrees, c.separation if c.separation is not None else 2.0, c.name))
+    # the criteria that push the most expert-failed items through first: weight share x approval of failed items
+    positive = sum(c.weight for c in rubric.criteria if not c.penalty) or 1.0
+    share = {c.name: (c.weight / positive if not c.penalty else c.weight) for c in rubric.criteria}
+    criteria.sort(key=lambda c: (not c.disagrees, -share[c.name] * (c.approves_failed or 0.0), c.name))
     kappa_text = record.kappa_text()
     if len(records) < options.min_items:
         status: Status = "too_few"
