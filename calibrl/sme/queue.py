@@ -1,0 +1,180 @@
+"""Experts back in the loop during training: the review queue.
+
+Every ``review.every_steps`` steps the trainer turns the rollouts of its recent steps into
+sample-input items (:mod:`calibrl.sme.items`: the query, the output, what it retrieved, the
+retrieval outcome, the judge's total and the version of the rubric that gave it) and picks
+``review.n`` of them with the SME sampler (:func:`calibrl.sme.sample.choose_sample`: the items
+the judge is least sure of, those where judge and retrieval disagree, and representatives of
+the rest). They are appended to the queue, ``<review folder>/queue.jsonl``, which experts grade
+with::
+
+    calibrl sme review --sample RUN/review/queue.jsonl --out RUN/review/feedback.jsonl
+
+The graded items are feedback records (``calibrl rubric distill`` reads them), so the next
+rubric version is distilled from the old feedback plus these, validated, and picked up by the
+judge server; ``calibrl sme drift`` (:mod:`calibrl.sme.drift`) says whether the judge still
+agrees with the new grades. An item's id is ``s<step>-<task id>-<rollout index>``, unique in
+the run; a queue file that already holds an id (a resumed run) keeps its record and skips the
+new one, so nothing an expert may already have graded is replaced.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import pathlib
+from dataclasses import dataclass
+from typing import Any, Literal, Sequence
+
+from calibrl.config import option
+from calibrl.errors import ConfigError
+from calibrl.sme.items import SampleItem
+
+log = logging.getLogger(__name__)
+
+QUEUE_FILE = "queue.jsonl"
+FEEDBACK_FILE = "feedback.jsonl"
+
+
+@dataclass
+class ReviewConfig:
+    """The trainer's review queue (calibrl.sme.queue): recent rollouts sampled for expert review."""
+
+    every_steps: int = option(0, "Every N steps, sample recent rollouts into the review queue (0: no queue).")
+    n: int = option(16, "Items sampled per review round.")
+    window_steps: int = option(0, "Rollouts of the last this many steps form the pool a round samples from "
+                                  "(0: every_steps).")
+    max_pool: int = option(4096, "Most rollouts kept for a round (the newest).")
+    folder: str = option("", "Folder of queue.jsonl (and where 'calibrl sme review' writes feedback.jsonl); "
+                             "default <output_dir>/review.")
+    embedder: Literal["minilm", "hashed-ngrams"] = option(
+        "minilm", "Embedder of the sampler's k-means over query and output (hashed-ngrams: no model load).")
+    seed: int = option(0, "Seed of the sampler (each round adds its step).")
+    pass_threshold: float = option(0.6, "Judge pass = rubric total >= this (the sampler's judge-unsure band).")
+    margin: float = option(0.15, "Judge unsure = |total - pass_threshold| <= this.")
+    uncertain_share: float = option(0.2, "Share of n for judge-unsure rollouts.")
+    disagree_share: float = option(0.2, "Share of n for judge-vs-retrieval disagreements.")
+
+    def validate(self) -> None:
+        for name in ("every_steps", "window_steps"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"review.{name}={getattr(self, name)}: must be >= 0 (0: see its help)")
+        if self.n < 1 or self.max_pool < 1:
+            raise ConfigError(f"review.n={self.n}, review.max_pool={self.max_pool}: must be >= 1")
+        try:
+            self.sample_options(0).validate()
+        except ConfigError as exc:
+            raise ConfigError(f"review.{exc}") from None
+
+    def sample_options(self, step: int) -> Any:
+        from calibrl.sme.sample import SampleOptions
+
+        return SampleOptions(n=self.n, seed=self.seed + step, pass_threshold=self.pass_threshold, margin=self.margin,
+                             uncertain_share=self.uncertain_share, disagree_share=self.disagree_share)
+
+
+def rollout_item(step: int, index: int, rollout: Any, breakdown: Any) -> SampleItem | None:
+    """One training rollout as a sample-input item (None for an empty output: nothing to grade).
+
+    Rewrite rollouts (``rollout.rewrite``): the query, the rewrite, the documents it retrieved
+    and the retrieval signals of its reward. Search rollouts (``rollout.steps``): the question,
+    the trajectory as text (``search: ... | answer: ...``) and every document it retrieved."""
+    task = rollout.task
+    signals: dict[str, float] = {}
+    documents: dict[str, str] = {}
+    if hasattr(rollout, "rewrite"):
+        output = (rollout.rewrite or "").strip()
+        retrieval = getattr(breakdown, "retrieval", None)
+        if retrieval is not None:
+            for hit in retrieval.hits:
+                documents.setdefault(hit.doc_id, hit.text)
+            signals.update(hit=float(retrieval.hit), mrr=float(retrieval.mrr), recall=float(retrieval.recall),
+                           ndcg=float(retrieval.ndcg))
+    elif hasattr(rollout, "steps"):
+        parts = [f"search: {s.query}" for s in rollout.steps]
+        parts.append(f"answer: {(rollout.answer or '').strip()}" if rollout.answer is not None else "(no answer)")
+        output = " | ".join(parts)
+        for s in rollout.steps:
+            for hit in s.result.hits:
+                documents.setdefault(hit.doc_id, hit.text)
+        if task.gold_doc_ids:
+            signals["hit"] = float(bool(set(task.gold_doc_ids) & set(documents)))
+        signals["well_formed"] = float(rollout.well_formed)
+    else:
+        raise ConfigError(f"review queue: rollouts of type {type(rollout).__name__} have neither a rewrite nor steps")
+    if not output:
+        return None
+    rubric = getattr(breakdown, "rubric", None)
+    context = dict(task.context)
+    return SampleItem(
+        id=f"s{step}-{task.task_id}-{index}".replace("@", "_"), query=task.query, output=output,
+        retrieved_doc_ids=tuple(documents),
+        retrieved_texts=tuple(documents.values()) if documents and all(documents.values()) else (),
+        gold_doc_ids=tuple(task.gold_doc_ids), signals=tuple(sorted(signals.items())),
+        judge_total=float(rubric.total) if rubric is not None else None,
+        model=f"step_{step}" + (f" rubric {rubric.rubric_id}@{rubric.rubric_hash[:12]}"
+                                if rubric is not None and rubric.rubric_hash else ""),
+        context=tuple(sorted(context.items())))
+
+
+class ReviewQueue:
+    """Collects a run's rollouts and, every ``every_steps`` steps, queues a sample for review."""
+
+    def __init__(self, config: ReviewConfig, output_dir: str | pathlib.Path, write: bool = True) -> None:
+        self.config = config
+        self.folder = pathlib.Path(config.folder) if config.folder else pathlib.Path(output_dir) / "review"
+        self.path = self.folder / QUEUE_FILE
+        self.write = write  # rank 0 writes; the other ranks keep nothing
+        self._pool: collections.deque[tuple[int, SampleItem]] = collections.deque(maxlen=config.max_pool)
+        self._embed = None
+
+    @property
+    def enabled(self) -> bool:
+        return self.config.every_steps > 0 and self.write
+
+    def observe(self, step: int, rollouts: Sequence[Any], breakdowns: Sequence[Any]) -> dict[str, float]:
+        """Add a step's rollouts to the pool; on a review step, queue a sample. Returns the step's
+        ``review/*`` metrics (none when the queue is off or it is not a review step)."""
+        if not self.enabled:
+            return {}
+        for index, (rollout, breakdown) in enumerate(zip(rollouts, breakdowns)):
+            item = rollout_item(step, index, rollout, breakdown)
+            if item is not None:
+                self._pool.append((step, item))
+        if step % self.config.every_steps:
+            return {}
+        window = self.config.window_steps or self.config.every_steps
+        pool = [item for seen, item in self._pool if seen > step - window]
+        if not pool:
+            log.warning("step %d: review queue: no rollout with an output in the last %d steps", step, window)
+            return {"review/queued": 0.0}
+        added = self._queue(step, pool)
+        log.info("step %d: review queue: %d of %d recent rollouts queued for review in %s", step, added, len(pool),
+                 self.path)
+        return {"review/queued": float(added), "review/queue_size": float(len(self.read()))}
+
+    def _queue(self, step: int, pool: list[SampleItem]) -> int:
+        from calibrl.sme.items import write_items
+        from calibrl.sme.sample import choose_sample
+
+        result = choose_sample(pool, self.config.sample_options(step), embed=self._embedder())
+        existing = self.read()
+        known = {item.id for item in existing}
+        new = [item for item in result.items if item.id not in known]
+        self.folder.mkdir(parents=True, exist_ok=True)
+        write_items(self.path, [*existing, *new])
+        return len(new)
+
+    def read(self) -> list[SampleItem]:
+        """The queue's items so far (none before the first round)."""
+        from calibrl.sme.items import read_items
+
+        return read_items(self.path) if self.path.exists() and self.path.stat().st_size else []
+
+    def _embedder(self) -> Any:
+        if self._embed is None:
+            from calibrl.embedding import load_embedder
+
+            embedder = load_embedder(self.config.embedder, "cpu")
+            self._embed = lambda texts: embedder.encode(texts)
+        return self._embed
