@@ -275,6 +275,7 @@ class _Loop:
         times.step = time.perf_counter() - step_start
         metrics = step_metrics(training, result, times, self.config.health, rollouts.current.sampling_metrics)
         metrics.update(self.step_log.rubric_versions.observe(step, [b.rubric for b in training.breakdowns]))
+        metrics.update(self.step_log.review.observe(step, training.batch.rollouts, training.breakdowns))
         self.step_log.record(step, metrics, state)
 
     def stop_for_failure(self, step: int, failure: CalibrlError | None, rng: ckpt.RngState,

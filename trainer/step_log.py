@@ -17,6 +17,7 @@ from calibrl.config import to_dict
 from calibrl.trainer import diagnostics as diag
 from calibrl.trainer import distributed as dist_util
 from calibrl.trainer.checkpoint import TrainState
+from calibrl.sme.queue import ReviewQueue
 from calibrl.trainer.rubric_versions import RubricVersionLog
 from calibrl.trainer.step_rewards import step_metrics as step_reward_metrics
 from calibrl.trainer.config import TrainConfig
@@ -93,6 +94,8 @@ class StepLog:
         self.progress = _progress_bar(config, ctx, initial=resume_step)
         # the rubric version of every step, rubric_changed when it moves (rank 0 writes the file)
         self.rubric_versions = RubricVersionLog(config.run_dir if ctx.is_main else None, resume_step)
+        # every review.every_steps steps, recent rollouts sampled into the experts' review queue (rank 0)
+        self.review = ReviewQueue(config.review, config.run_dir, write=ctx.is_main)
 
     @property
     def tracker(self) -> "tracking.Tracker | None":
