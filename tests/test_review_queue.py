@@ -93,3 +93,32 @@ def test_the_review_loop_from_rollouts_to_the_next_rubric_version(trainer_world,
     (change,) = watcher.reload()
     assert change.action == "loaded" and change.version == "2"
     assert live.resolve(RUBRIC_ID).hash == load_rubric(served / "rewriter.yaml").hash != rubric_hash
+
+
+def test_the_drift_check_during_training_raises_the_alarm_and_stops_the_run(trainer_world, tmp_path):
+    """Between steps 2 and 4 an expert grades the queued rollouts against the judge (fails what it
+    passes, passes what it fails): at step 4 the drift check logs the disagreement, warns and, with
+    review.on_alarm=stop, stops the run after that step with a checkpoint."""
+    from calibrl.judge_server.feedback import FeedbackRecord
+
+    out = tmp_path / "run"
+    retrieval, judge = trainer_world.clients()
+    config = load_train_config(None, trainer_world.overrides(
+        out, "steps=6", "review.every_steps=2", "review.n=6", "review.embedder=hashed-ngrams",
+        "review.drift_min_items=4", "review.on_alarm=stop", "checkpoint_every=0"))
+
+    def grade_against_the_judge(step, metrics):
+        if step == 2:
+            items = read_items(out / "review" / "queue.jsonl")
+            write_feedback(out / "review" / "feedback.jsonl", [
+                FeedbackRecord(item.query, item.output, grade=2 if item.judge_total >= 0.6 else 5,
+                               id=f"{item.id}@alice") for item in items])
+
+    result = train(config, retrieval=retrieval, judge=judge, on_step=grade_against_the_judge)
+    assert result.steps_done == 4 and result.stopped == "sigterm" and result.last_checkpoint is not None
+    metrics = read_log(out / "metrics.jsonl")
+    assert "drift/items" not in metrics[1]  # nothing graded yet at step 2
+    assert metrics[3]["drift/items"] == 6.0 and metrics[3]["drift/alarm"] == 1.0
+    assert metrics[3]["drift/agreement"] == 0.0  # the expert disagreed on every item
+    (record,) = [json.loads(line) for line in (out / "review" / "drift.jsonl").read_text().splitlines()]
+    assert record["step"] == 4 and record["status"] == "alarm" and record["reason"].startswith("DRIFT:")

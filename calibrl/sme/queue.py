@@ -12,8 +12,11 @@ with::
 
 The graded items are feedback records (``calibrl rubric distill`` reads them), so the next
 rubric version is distilled from the old feedback plus these, validated, and picked up by the
-judge server; ``calibrl sme drift`` (:mod:`calibrl.sme.drift`) says whether the judge still
-agrees with the new grades. An item's id is ``s<step>-<task id>-<rollout index>``, unique in
+judge server. On every review step the queue's items graded so far are scored by the run's
+judge and compared with the experts (:mod:`calibrl.sme.drift`; ``drift/*`` metrics,
+``review/drift.jsonl``): below the gate a warning names the criteria that disagree, and with
+``review.on_alarm=stop`` the run stops after the step with a checkpoint (``calibrl sme drift``
+does the same check outside a run). An item's id is ``s<step>-<task id>-<rollout index>``, unique in
 the run; a queue file that already holds an id (a resumed run) keeps its record and skips the
 new one, so nothing an expert may already have graded is replaced.
 """
@@ -54,11 +57,23 @@ class ReviewConfig:
     margin: float = option(0.15, "Judge unsure = |total - pass_threshold| <= this.")
     uncertain_share: float = option(0.2, "Share of n for judge-unsure rollouts.")
     disagree_share: float = option(0.2, "Share of n for judge-vs-retrieval disagreements.")
+    drift: bool = option(
+        True, "On each review step, score the queue's items the experts have graded so far (feedback.jsonl) and "
+              "log the judge's agreement with them (drift/* metrics; calibrl.sme.drift).")
+    drift_min_items: int = option(10, "Fewest graded items for a drift verdict.")
+    min_kappa: float = option(0.6, "The drift gate: least Cohen's kappa of judge vs experts on the graded items.")
+    on_alarm: Literal["warn", "stop"] = option(
+        "warn", "Below the drift gate: warn (naming the criteria that disagree), or also stop the run after the "
+                "step with a checkpoint, as SIGTERM does (resume it once the next rubric version is served).")
 
     def validate(self) -> None:
         for name in ("every_steps", "window_steps"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"review.{name}={getattr(self, name)}: must be >= 0 (0: see its help)")
+        if self.drift_min_items < 2:
+            raise ConfigError(f"review.drift_min_items={self.drift_min_items}: must be >= 2")
+        if not -1.0 <= self.min_kappa <= 1.0:
+            raise ConfigError(f"review.min_kappa={self.min_kappa}: must be in [-1, 1]")
         if self.n < 1 or self.max_pool < 1:
             raise ConfigError(f"review.n={self.n}, review.max_pool={self.max_pool}: must be >= 1")
         try:
@@ -127,6 +142,16 @@ class ReviewQueue:
         self.write = write  # rank 0 writes; the other ranks keep nothing
         self._pool: collections.deque[tuple[int, SampleItem]] = collections.deque(maxlen=config.max_pool)
         self._embed = None
+        self._judge: Any = None  # attach(): the run's judge client, for the drift check
+        self._rubric_id = ""
+        self._run_async: Any = None
+        self._request_stop: Any = None
+        self.last_drift: Any = None  # the latest DriftReport
+
+    def attach(self, judge: Any, rubric_id: str, run_async: Any, request_stop: Any = None) -> None:
+        """The run's judge client and rubric (``reward.rubric_id``), how to run a coroutine, and what
+        stops the run after the step (``review.on_alarm=stop``)."""
+        self._judge, self._rubric_id, self._run_async, self._request_stop = judge, rubric_id, run_async, request_stop
 
     @property
     def enabled(self) -> bool:
@@ -151,7 +176,41 @@ class ReviewQueue:
         added = self._queue(step, pool)
         log.info("step %d: review queue: %d of %d recent rollouts queued for review in %s", step, added, len(pool),
                  self.path)
-        return {"review/queued": float(added), "review/queue_size": float(len(self.read()))}
+        metrics = {"review/queued": float(added), "review/queue_size": float(len(self.read()))}
+        metrics.update(self.check_drift(step))
+        return metrics
+
+    def check_drift(self, step: int) -> dict[str, float]:
+        """The drift report of the queue's graded items (``drift/*`` metrics; none without grades or a judge).
+        Below the gate: a warning naming the criteria that disagree, ``review/drift.jsonl``, and with
+        ``on_alarm=stop`` the run stops after this step."""
+        import json
+
+        from calibrl.judge_server.feedback import read_feedback
+        from calibrl.sme.drift import DriftOptions, drift_report
+        from calibrl.sme.store import split_feedback_id
+
+        feedback = self.folder / FEEDBACK_FILE
+        if not (self.config.drift and self._judge is not None and self._rubric_id and feedback.exists()):
+            return {}
+        queued = {item.id for item in self.read()}
+        records = [r for r in read_feedback(feedback) if (split_feedback_id(r.id) or ("",))[0] in queued]
+        if not records:
+            return {}
+        scores = self._run_async(self._judge.score(self._rubric_id, [r.to_item() for r in records]))
+        rubric = self._run_async(_rubric_of(self._judge, scores[0].rubric_id, scores[0].rubric_hash))
+        options = DriftOptions(min_kappa=self.config.min_kappa, pass_threshold=self.config.pass_threshold,
+                               min_items=self.config.drift_min_items)
+        report = drift_report(rubric, records, scores, options, scores[0].model_id)
+        self.last_drift = report
+        with (self.folder / "drift.jsonl").open("a", encoding="utf-8") as out:
+            out.write(json.dumps({"step": step, **report.to_json()}, sort_keys=True) + "\n")
+        if report.alarm:
+            log.warning("step %d: %s", step, report.reason)
+            if self.config.on_alarm == "stop" and self._request_stop is not None:
+                log.warning("step %d: review.on_alarm=stop: the run stops after this step (checkpoint written)", step)
+                self._request_stop()
+        return report.metrics()
 
     def _queue(self, step: int, pool: list[SampleItem]) -> int:
         from calibrl.sme.items import write_items
@@ -178,3 +237,15 @@ class ReviewQueue:
             embedder = load_embedder(self.config.embedder, "cpu")
             self._embed = lambda texts: embedder.encode(texts)
         return self._embed
+
+
+async def _rubric_of(judge: Any, rubric_id: str, rubric_hash: str) -> Any:
+    """The rubric version ``rubric_hash`` of ``rubric_id``: from an in-process judge, or parsed from
+    the served file (GetRubric's ``source_yaml``) of a gRPC one."""
+    from calibrl.judge_server.rubric import parse_rubric
+
+    inner = getattr(judge, "judge", None)
+    if inner is not None and hasattr(inner, "rubric_by_hash"):
+        return inner.rubric_by_hash(rubric_hash)
+    source = await judge.rubric_source(f"{rubric_id}@{rubric_hash}")
+    return parse_rubric(source, f"{rubric_id}@{rubric_hash[:12]} (GetRubric)")
