@@ -165,6 +165,9 @@ def train(
         if run.checkpoint_from is not None:
             pending = restore_pending(run.checkpoint_from, ctx.rank, run.state.step + 1, background, score, run.device)
         pipeline = RolloutPipeline(sampler, config.rollout.off_policy_steps, config.steps, pending)
+        # the review queue's drift check scores the experts' grades with the run's judge (calibrl.sme.queue)
+        step_log.review.attach(judge, config.reward.rubric_id, background.run,
+                               request_stop=lambda: setattr(stop_signal, "raised", True))
         heldout = None
         if config.eval.enabled:
             tasks, source = load_heldout_tasks(config, run.kind.name)
