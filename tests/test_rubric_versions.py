@@ -111,7 +111,7 @@ def _request(rubric_id, rubric_hash=""):
                            items=[wire.item_to_proto(i) for i in _items()])
 
 
-async def _wait_for(predicate, timeout_s=10.0):
+async def _wait_for(predicate, timeout_s=30.0):
     deadline = asyncio.get_running_loop().time() + timeout_s
     while not predicate():
         assert asyncio.get_running_loop().time() < deadline, "the poller did not pick up the change in time"
@@ -233,13 +233,13 @@ async def test_an_invalid_version_is_refused_and_the_old_one_keeps_serving(tmp_p
 
 
 async def test_retention_expiry_retires_an_old_version_with_a_clear_not_found(tmp_path):
-    folder, running, channel, stub = await _serve(tmp_path, retention_s=0.3)
+    folder, running, channel, stub = await _serve(tmp_path, retention_s=2.0)
     v1, v2 = parse_rubric(V1), parse_rubric(V2)
     try:
         _publish(folder, V2)
         await _wait_for(lambda: running.servicer.judge.versions.current("rewriter").rubric.hash == v2.hash)
         kept = await stub.Score(_request(f"rewriter@{v1.hash[:12]}"), metadata=_md("team-a"))
-        await asyncio.sleep(0.4)
+        await asyncio.sleep(2.2)
         with pytest.raises(grpc.aio.AioRpcError) as gone:
             await stub.Score(_request(f"rewriter@{v1.hash[:12]}"), metadata=_md("team-a"))
         with pytest.raises(grpc.aio.AioRpcError) as gone_by_hash:
@@ -254,7 +254,7 @@ async def test_retention_expiry_retires_an_old_version_with_a_clear_not_found(tm
         assert error.code() == grpc.StatusCode.NOT_FOUND
         details = error.details()
         assert f"rubric 'rewriter' version {v1.hash[:12]} was retired at " in details
-        assert f"superseded by version {v2.hash[:12]}" in details and "rubric_retention_s=0.3 s" in details
+        assert f"superseded by version {v2.hash[:12]}" in details and "rubric_retention_s=2 s" in details
     assert current.rubric_hash == v2.hash
     assert [(v.version, v.state) for v in listed.rubrics[0].versions] == [("2", "current"), ("1", "retired")]
 
