@@ -122,6 +122,13 @@ class StepLog:
             self.on_step(step, metrics)
         return metrics
 
+    def observe_rollouts(self, step: int, training: TrainingBatch) -> dict[str, float]:
+        """The step's rubric-version and review-queue metrics (calibrl.trainer.rubric_versions,
+        calibrl.sme.queue)."""
+        metrics = self.rubric_versions.observe(step, [b.rubric for b in training.breakdowns])
+        metrics.update(self.review.observe(step, training.batch.rollouts, training.breakdowns))
+        return metrics
+
     def close(self) -> None:
         if self.run_log is not None:
             self.run_log.close()

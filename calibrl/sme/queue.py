@@ -91,21 +91,16 @@ class ReviewConfig:
 def rollout_item(step: int, index: int, rollout: Any, breakdown: Any) -> SampleItem | None:
     """One training rollout as a sample-input item (None for an empty output: nothing to grade).
 
-    Rewrite rollouts (``rollout.rewrite``): the query, the rewrite, the documents it retrieved
-    and the retrieval signals of its reward. Search rollouts (``rollout.steps``): the question,
-    the trajectory as text (``search: ... | answer: ...``) and every document it retrieved."""
+    A one-output rollout (its one text field, e.g. a query rewrite): the query, the output, the
+    documents it retrieved and the retrieval signals of its reward. A trajectory (``rollout.steps``):
+    the question, the trajectory as text (``search: ... | answer: ...``) and every document it
+    retrieved."""
+    import dataclasses
+
     task = rollout.task
     signals: dict[str, float] = {}
     documents: dict[str, str] = {}
-    if hasattr(rollout, "rewrite"):
-        output = (rollout.rewrite or "").strip()
-        retrieval = getattr(breakdown, "retrieval", None)
-        if retrieval is not None:
-            for hit in retrieval.hits:
-                documents.setdefault(hit.doc_id, hit.text)
-            signals.update(hit=float(retrieval.hit), mrr=float(retrieval.mrr), recall=float(retrieval.recall),
-                           ndcg=float(retrieval.ndcg))
-    elif hasattr(rollout, "steps"):
+    if getattr(rollout, "steps", None) is not None:  # a multi-step trajectory
         parts = [f"search: {s.query}" for s in rollout.steps]
         parts.append(f"answer: {(rollout.answer or '').strip()}" if rollout.answer is not None else "(no answer)")
         output = " | ".join(parts)
@@ -115,8 +110,19 @@ def rollout_item(step: int, index: int, rollout: Any, breakdown: Any) -> SampleI
         if task.gold_doc_ids:
             signals["hit"] = float(bool(set(task.gold_doc_ids) & set(documents)))
         signals["well_formed"] = float(rollout.well_formed)
-    else:
-        raise ConfigError(f"review queue: rollouts of type {type(rollout).__name__} have neither a rewrite nor steps")
+    else:  # one output: the rollout's text field, scored with the retrieval of its reward
+        texts = [getattr(rollout, f.name) for f in dataclasses.fields(rollout)
+                 if f.name != "task" and isinstance(getattr(rollout, f.name), str)]
+        if len(texts) != 1:
+            raise ConfigError(f"review queue: a {type(rollout).__name__} has {len(texts)} text fields; expected "
+                              "one output, or steps")
+        output = texts[0].strip()
+        retrieval = getattr(breakdown, "retrieval", None)
+        if retrieval is not None:
+            for hit in retrieval.hits:
+                documents.setdefault(hit.doc_id, hit.text)
+            signals.update(hit=float(retrieval.hit), mrr=float(retrieval.mrr), recall=float(retrieval.recall),
+                           ndcg=float(retrieval.ndcg))
     if not output:
         return None
     rubric = getattr(breakdown, "rubric", None)
@@ -145,13 +151,14 @@ class ReviewQueue:
         self._judge: Any = None  # attach(): the run's judge client, for the drift check
         self._rubric_id = ""
         self._run_async: Any = None
-        self._request_stop: Any = None
+        self._stop_signal: Any = None
         self.last_drift: Any = None  # the latest DriftReport
 
-    def attach(self, judge: Any, rubric_id: str, run_async: Any, request_stop: Any = None) -> None:
-        """The run's judge client and rubric (``reward.rubric_id``), how to run a coroutine, and what
-        stops the run after the step (``review.on_alarm=stop``)."""
-        self._judge, self._rubric_id, self._run_async, self._request_stop = judge, rubric_id, run_async, request_stop
+    def attach(self, judge: Any, rubric_id: str, run_async: Any, stop_signal: Any = None) -> None:
+        """The run's judge client and rubric (``reward.rubric_id``), how to run a coroutine, and the
+        run's stop flag (an object with ``raised``, set by ``review.on_alarm=stop``: the run stops
+        after the step with a checkpoint, as on SIGTERM)."""
+        self._judge, self._rubric_id, self._run_async, self._stop_signal = judge, rubric_id, run_async, stop_signal
 
     @property
     def enabled(self) -> bool:
@@ -207,9 +214,9 @@ class ReviewQueue:
             out.write(json.dumps({"step": step, **report.to_json()}, sort_keys=True) + "\n")
         if report.alarm:
             log.warning("step %d: %s", step, report.reason)
-            if self.config.on_alarm == "stop" and self._request_stop is not None:
+            if self.config.on_alarm == "stop" and self._stop_signal is not None:
                 log.warning("step %d: review.on_alarm=stop: the run stops after this step (checkpoint written)", step)
-                self._request_stop()
+                self._stop_signal.raised = True
         return report.metrics()
 
     def _queue(self, step: int, pool: list[SampleItem]) -> int:
