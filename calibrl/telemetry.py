@@ -23,6 +23,8 @@ The instruments, by the key :func:`record` takes (Prometheus name in brackets):
 - ``judge_batch_mix`` (``calibrl_judge_batch_mix_total``): computed judge batches, by rubric, by how many Score
   calls they joined (calls: one|several) and whether a call of another rubric was waiting meanwhile
   (other_rubric: waiting|none); batches never mix rubrics
+- ``judge_rubric_versions`` (``calibrl_judge_rubric_versions_total``): rubric version changes, by rubric and
+  action (loaded, refused, removed, retired); see calibrl.judge_server.rubric_store
 - ``tenant_requests`` (``calibrl_tenant_requests_total``): authenticated calls, by tenant and method
 - ``refusals`` (``calibrl_tenant_refusals_total``): calls refused before any work, by tenant and
   reason (unauthenticated, request_size, rate_limit, queue_full)
@@ -145,6 +147,10 @@ def configure(
             "calibrl.judge.batch.mix",
             description="Computed judge batches by rubric, Score calls joined (one|several) and whether a call "
             "of another rubric was waiting (waiting|none)"
+        ),
+        "judge_rubric_versions": meter.create_counter(
+            "calibrl.judge.rubric.versions",
+            description="Rubric version changes by rubric and action (loaded|refused|removed|retired)"
         ),
         "tenant_requests": meter.create_counter(
             "calibrl.tenant.requests", description="Authenticated calls by tenant and method"

@@ -18,5 +18,6 @@ Test helpers (a tiny causal LM, synthetic SME feedback) live in ``calibrl.testin
 Module map: ``programmatic`` + ``entities`` + ``calibrl.embedding`` (criteria without an LLM),
 ``prompts`` + ``backends/encoding`` (prompt and score code shared by the LLM backends),
 ``backends/hf`` (transformers), ``backends/vllm_backend`` (vLLM), ``metrics``
-(agreement statistics), ``cache`` (result cache).
+(agreement statistics), ``cache`` (result cache), ``rubric_store`` (rubric versions: pins, live reloads,
+retention and retirement).
 """

@@ -108,12 +108,25 @@ class JudgeServerConfig:
     torch_threads: int = option(
         0, "CPU threads of the judge's models (torch.set_num_threads; ONNX Runtime uses as many), set at start; "
            "0 keeps torch's default. Scores may depend on it: docs/concepts/encoders.md.")
+    rubric_poll_s: float = option(
+        5.0, "Seconds between rereads of the rubrics folder: a changed rubric file with a passing validation "
+             "record becomes its id's current version without a restart; 0 turns the poller off (the "
+             "ReloadRubrics admin call still rereads it). See docs/concepts/rubric-lifecycle.md.")
+    rubric_retention_s: float = option(
+        600.0, "Seconds a superseded rubric version stays servable to callers that pin it (id@version); "
+               "then it is retired (NOT_FOUND saying so). 0 retires it at once.")
+    rubric_admin_tenants: list[str] = option(
+        factory=list, doc="Tenants (of serving.api_keys_file) that may call ReloadRubrics; without API keys "
+        "the call is refused.")
 
     def validate(self) -> None:
         if not self.rubrics:
             raise ConfigError("rubrics: required, the folder of rubric files (--rubrics DIR)")
         if self.torch_threads < 0:
             raise ConfigError(f"torch_threads={self.torch_threads}: must be >= 0 (0 keeps torch's default)")
+        if self.rubric_poll_s < 0 or self.rubric_retention_s < 0:
+            raise ConfigError(f"rubric_poll_s={self.rubric_poll_s}, rubric_retention_s={self.rubric_retention_s}: "
+                              "must be >= 0 (0 turns the poller off / retires at once)")
         if self.max_wait_ms < 0:
             raise ConfigError(f"max_wait_ms={self.max_wait_ms}: must be >= 0")
         if self.max_batch_items <= 0 or self.max_queue_items <= 0:

@@ -33,6 +33,7 @@ from calibrl.judge_server.cache import ResultCache, cache_key
 from calibrl.judge_server.config import JudgeConfig
 from calibrl.judge_server.prompts import PromptOptions
 from calibrl.judge_server.rubric import Rubric, load_rubric_dir
+from calibrl.judge_server.rubric_store import RubricVersions
 from calibrl.judge_server.types import CriterionScore, ItemScore, JudgeItem, aggregate
 from calibrl.judge_server.validation import ValidationRecord, find_record, read_records, validation_path
 
@@ -108,14 +109,13 @@ class Judge:
         self._embedder = None
         self._embedder_lock = threading.Lock()
         self._compute_lock = threading.Lock()
-        self._status: dict[str, RubricStatus] = {}
-        self._by_hash: dict[str, Rubric] = {}
+        statuses: dict[str, RubricStatus] = {}
         for rubric in rubrics:
-            if rubric.id in self._status:
+            if rubric.id in statuses:
                 raise ConfigError(f"two rubrics share the id {rubric.id!r}")
-            self._status[rubric.id] = self._check(rubric, find_record(validations, rubric.hash,
-                                                                      self.scorer_id(rubric)))
-            self._by_hash[rubric.hash] = rubric
+            statuses[rubric.id] = self._check(rubric, find_record(validations, rubric.hash, self.scorer_id(rubric)))
+        # every version of every rubric: current, retained for pinned callers, retired, refused
+        self.versions = RubricVersions(statuses.values())
 
     @classmethod
     def from_config(cls, config: JudgeConfig, rubrics_dir: str | pathlib.Path) -> "Judge":
@@ -161,30 +161,28 @@ class Judge:
                                 "UNVALIDATED, served because judge.unvalidated_rubrics lists it: " + why)
         return RubricStatus(rubric, record, False, reason)
 
-    def statuses(self, tenant: str | None = None) -> list[RubricStatus]:
-        """Every rubric ``tenant`` may see, by id."""
-        return [s for _, s in sorted(self._status.items()) if s.rubric.visible_to(tenant)]
+    def rubric_status(self, rubric: Rubric, record: ValidationRecord | None) -> RubricStatus:
+        """Whether this judge may serve ``rubric`` with validation ``record`` (a candidate version)."""
+        return self._check(rubric, record)
 
-    def status(self, rubric_id: str, tenant: str | None = None) -> RubricStatus:
-        if not rubric_id:
-            raise InvalidArgument("rubric_id", "empty; name the rubric to use (ListRubrics shows them)")
-        status = self._status.get(rubric_id)
-        if status is None or not status.rubric.visible_to(tenant):
-            raise NotFound(f"rubric {shown(rubric_id)} not found")
-        return status
+    def statuses(self, tenant: str | None = None) -> list[RubricStatus]:
+        """The current version of every rubric ``tenant`` may see, by id."""
+        return [s for s in self.versions.statuses() if s.rubric.visible_to(tenant)]
+
+    def status(self, rubric_id: str, tenant: str | None = None, rubric_hash: str = "") -> RubricStatus:
+        """The version ``rubric_id`` names: ``id`` (current) or ``id@version`` (pinned; see
+        calibrl.judge_server.rubric_store); ``rubric_hash`` pins by the full hash."""
+        return self.versions.lookup(rubric_id, tenant, rubric_hash)
 
     def resolve(self, rubric_id: str, tenant: str | None = None, rubric_hash: str = "") -> Rubric:
         """The rubric to score with, or the error that says why it cannot be used."""
-        status = self.status(rubric_id, tenant)
-        if rubric_hash and rubric_hash != status.rubric.hash:
-            raise InvalidArgument("rubric_hash", f"{shown(rubric_hash)} does not match the served rubric "
-                                  f"{rubric_id!r} (hash {status.rubric.hash})")
+        status = self.status(rubric_id, tenant, rubric_hash)
         if not status.usable:
             raise FailedPrecondition(status.reason)
         return status.rubric
 
     def rubric_by_hash(self, rubric_hash: str) -> Rubric:
-        return self._by_hash[rubric_hash]
+        return self.versions.by_hash(rubric_hash)
 
     # ------------------------------------------------------------------ scoring
 

@@ -29,7 +29,7 @@ from calibrl.serving import RunningServer, rpc_errors, start_server, tenant_of_c
 from calibrl.v1 import judge_pb2 as pb
 from calibrl.v1 import judge_pb2_grpc
 from calibrl.judge_server import costs as cost_model
-from calibrl.judge_server import programmatic, wire
+from calibrl.judge_server import programmatic, rubric_store, wire
 from calibrl.judge_server.config import JudgeServerConfig
 from calibrl.judge_server.judge import Judge, RubricStatus
 from calibrl.judge_server.rubric import Rubric
@@ -128,6 +128,8 @@ class JudgeServicer(judge_pb2_grpc.JudgeServiceServicer):
     def __init__(self, judge: Judge, batcher: MicroBatcher, tenant_of: TenantResolver = _authenticated_tenant,
                  max_request_cost_s: float = 0.0) -> None:
         self.judge = judge
+        self.rubric_folder: rubric_store.RubricFolder | None = None  # ReloadRubrics rereads it
+        self.rubric_admin_tenants: Sequence[str] = ()
         self.batcher = batcher
         self.tenant_of = tenant_of
         self.max_request_cost_s = max_request_cost_s
@@ -160,21 +162,31 @@ class JudgeServicer(judge_pb2_grpc.JudgeServiceServicer):
         scores = await self.score_items(rubric, items, timeout_s=time_remaining(context),
                                         tenant=tenant_of_call(context))
         return pb.ScoreResponse(scores=[wire.item_score_to_proto(s) for s in scores], rubric_id=rubric.id,
-                                rubric_hash=rubric.hash, model_id=self.judge.scorer_id(rubric))
+                                rubric_hash=rubric.hash, model_id=self.judge.scorer_id(rubric),
+                                rubric_version=rubric.version)
 
     @rpc_errors
     async def ListRubrics(self, request: pb.ListRubricsRequest, context: Any) -> pb.ListRubricsResponse:
+        tenant = self.tenant_of(context)
         return pb.ListRubricsResponse(rubrics=[
             pb.RubricSummary(id=s.rubric.id, version=s.rubric.version, hash=s.rubric.hash,
                              description=s.rubric.description, num_criteria=len(s.rubric.criteria),
-                             validated=s.validated)
-            for s in self.judge.statuses(self.tenant_of(context))
+                             validated=s.validated,
+                             versions=rubric_store.versions_to_proto(self.judge, s.rubric.id, tenant))
+            for s in self.judge.statuses(tenant)
         ])
 
     @rpc_errors
     async def GetRubric(self, request: pb.GetRubricRequest, context: Any) -> pb.Rubric:
-        return rubric_to_proto(self.judge.status(request.rubric_id, self.tenant_of(context)),
-                               self.max_request_cost_s)
+        tenant = self.tenant_of(context)
+        status = self.judge.status(request.rubric_id, tenant)
+        message = rubric_to_proto(status, self.max_request_cost_s)
+        message.versions.extend(rubric_store.versions_to_proto(self.judge, status.rubric.id, tenant))
+        return message
+
+    @rpc_errors
+    async def ReloadRubrics(self, request: pb.ReloadRubricsRequest, context: Any) -> pb.ReloadRubricsResponse:
+        return await rubric_store.reload_call(self.rubric_folder, self.tenant_of(context), self.rubric_admin_tenants)
 
 
 def log_rubric_statuses(judge: Judge) -> None:
@@ -223,6 +235,12 @@ async def start(config: JudgeServerConfig, judge: Judge | None = None,
                                          max_tenant_queue_cost=config.serving.max_tenant_queue_cost_s,
                                          weights=tenant_weights(config.serving.api_keys_file), name="judge")
     servicer = JudgeServicer(judge, batcher, tenant_of, config.serving.max_request_cost_s)
+    # rubric versions without a restart (calibrl.judge_server.rubric_store)
+    judge.versions.retention_s = config.rubric_retention_s
+    servicer.rubric_folder = rubric_store.RubricFolder(
+        judge, config.rubrics, probe=lambda j, rubric: j.compute(rubric, [PROBE_ITEM], record=False))
+    servicer.rubric_admin_tenants = tuple(config.rubric_admin_tenants)
+    poller = rubric_store.RubricPoller(servicer.rubric_folder, config.rubric_poll_s)
 
     async def close_judge() -> None:
         judge.close()
@@ -232,9 +250,10 @@ async def start(config: JudgeServerConfig, judge: Judge | None = None,
         lambda server: judge_pb2_grpc.add_JudgeServiceServicer_to_server(servicer, server),
         [SERVICE_NAME],
         on_no_new_calls=[batcher.end_windows],
-        on_stop=[lambda: batcher.close(timeout_s=BATCHER_CLOSE_S), close_judge],
+        on_stop=[poller.stop, lambda: batcher.close(timeout_s=BATCHER_CLOSE_S), close_judge],
         interceptors=interceptors,
         warm_up=lambda: asyncio.to_thread(warm_up, judge),
     )
+    poller.start()
     running.servicer = servicer  # type: ignore[attr-defined]
     return running

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Literal
 from calibrl.config import load_config, option, to_dict
 from calibrl.errors import ConfigError
 from calibrl.judge_server.config import JudgeConfig
+from calibrl.sme.queue import ReviewConfig
 from calibrl.trainer.diagnostics import HealthConfig
 from calibrl.trainer.rewards import RewardConfig
 
@@ -483,6 +484,8 @@ class TrainConfig:
     health: HealthConfig = option(factory=HealthConfig, doc="Healthy bands; leaving one logs a warning.")
     distributed: DistributedConfig = option(factory=DistributedConfig, doc="torchrun settings.")
     eval: EvalConfig = option(factory=EvalConfig, doc="Held-out evaluation: heldout.jsonl and the trackers' table.")
+    review: ReviewConfig = option(factory=ReviewConfig, doc="Review queue: recent rollouts sampled for expert "
+                                  "review every N steps (calibrl.sme.queue).")
     steps: int = option(100, "Optimizer steps of the run.")
     gradient_accumulation_steps: int = option(
         1, "Micro-batches per optimizer step (the step's rollouts are split into this many backward passes)."

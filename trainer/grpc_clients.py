@@ -414,6 +414,12 @@ class GrpcJudgeClient(_GrpcClient):
         assert self.max_batch_size is not None
         return await self._chunked(list(items), self.max_batch_size, run)
 
+    async def rubric_source(self, rubric_ref: str) -> str:
+        """The rubric file (YAML) of ``rubric_ref`` (``id`` or ``id@version``) as the judge loaded it."""
+        from calibrl.v1 import judge_pb2 as pb
+
+        return (await self._call("GetRubric", pb.GetRubricRequest(rubric_id=rubric_ref))).source_yaml
+
     async def list_rubrics(self) -> list[RubricInfo]:
         """The rubrics this caller may use: id, version, hash, description, num_criteria, validated."""
         from calibrl.v1 import judge_pb2 as pb

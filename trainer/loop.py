@@ -165,6 +165,7 @@ def train(
         if run.checkpoint_from is not None:
             pending = restore_pending(run.checkpoint_from, ctx.rank, run.state.step + 1, background, score, run.device)
         pipeline = RolloutPipeline(sampler, config.rollout.off_policy_steps, config.steps, pending)
+        step_log.review.attach(judge, config.reward.rubric_id, background.run, stop_signal)  # its drift check
         heldout = None
         if config.eval.enabled:
             tasks, source = load_heldout_tasks(config, run.kind.name)
@@ -274,6 +275,7 @@ class _Loop:
         # -------------------------------------------------------------- log
         times.step = time.perf_counter() - step_start
         metrics = step_metrics(training, result, times, self.config.health, rollouts.current.sampling_metrics)
+        metrics.update(self.step_log.observe_rollouts(step, training))  # rubric versions, review queue
         self.step_log.record(step, metrics, state)
 
     def stop_for_failure(self, step: int, failure: CalibrlError | None, rng: ckpt.RngState,

@@ -97,7 +97,9 @@ class RewardConfig:
     binary_only: bool = option(False, "Ablation: R = hit@k (rewrite) or exact match (search) only; no judge call.")
     top_k: int = option(5, "Cut-off k of the retrieval signals.")
     mode: Literal["dense", "bm25", "hybrid"] | None = option(None, "Retrieval mode; null uses the server default.")
-    rubric_id: str = option("", "Judge rubric to score with; required when a rubric weight is > 0.")
+    rubric_id: str = option(
+        "", "Judge rubric to score with: its id (the current version) or id@version (pinned, exact "
+            "reproducibility); required when a rubric weight is > 0.")
     answer_metric: Literal["f1", "em"] = option("f1", "Search tasks: answer score, token F1 or exact match.")
     w_answer: float = option(1.0, "Search tasks: weight of the answer score.")
     answer_times_format: bool = option(

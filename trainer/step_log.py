@@ -17,6 +17,8 @@ from calibrl.config import to_dict
 from calibrl.trainer import diagnostics as diag
 from calibrl.trainer import distributed as dist_util
 from calibrl.trainer.checkpoint import TrainState
+from calibrl.sme.queue import ReviewQueue
+from calibrl.trainer.rubric_versions import RubricVersionLog
 from calibrl.trainer.step_rewards import step_metrics as step_reward_metrics
 from calibrl.trainer.config import TrainConfig
 from calibrl.trainer.training_batch import TrainingBatch
@@ -90,6 +92,10 @@ class StepLog:
             self.run_log = diag.RunLog(config.run_dir, resume_step=resume_step, tracker=tracker,
                                        close_tracker=own_tracker)
         self.progress = _progress_bar(config, ctx, initial=resume_step)
+        # the rubric version of every step, rubric_changed when it moves (rank 0 writes the file)
+        self.rubric_versions = RubricVersionLog(config.run_dir if ctx.is_main else None, resume_step)
+        # every review.every_steps steps, recent rollouts sampled into the experts' review queue (rank 0)
+        self.review = ReviewQueue(config.review, config.run_dir, write=ctx.is_main)
 
     @property
     def tracker(self) -> "tracking.Tracker | None":
@@ -114,6 +120,13 @@ class StepLog:
             self.progress.update(1)
         if self.on_step is not None:
             self.on_step(step, metrics)
+        return metrics
+
+    def observe_rollouts(self, step: int, training: TrainingBatch) -> dict[str, float]:
+        """The step's rubric-version and review-queue metrics (calibrl.trainer.rubric_versions,
+        calibrl.sme.queue)."""
+        metrics = self.rubric_versions.observe(step, [b.rubric for b in training.breakdowns])
+        metrics.update(self.review.observe(step, training.batch.rollouts, training.breakdowns))
         return metrics
 
     def close(self) -> None:

@@ -1,4 +1,4 @@
-"""``calibrl sme sample`` and ``calibrl sme review`` (routed by ``calibrl.cli``).
+"""``calibrl sme sample``, ``calibrl sme review`` and ``calibrl sme drift`` (routed by ``calibrl.cli``).
 
 Heavy imports (numpy, the embedder, Flask) happen after argument parsing.
 """
@@ -115,3 +115,71 @@ def review(argv: Sequence[str]) -> int:
     except OSError as exc:
         return _fail(f"cannot serve on {args.host}:{args.port}: {exc}")
     return 0
+
+
+def drift(argv: Sequence[str]) -> int:
+    parser = argparse.ArgumentParser(
+        prog="calibrl sme drift",
+        description="The drift monitor (calibrl.sme.drift): score freshly graded items (the feedback JSONL "
+        "'calibrl sme review' writes, e.g. for a training run's review queue) with a rubric and a judge, and "
+        "compare with the experts as validation does: Cohen's kappa with its 95%% bootstrap interval and the gate. "
+        "Below the gate it raises an alarm naming the criteria that disagree. Exit 0: the judge agrees (or too "
+        "few grades for a verdict), 1: alarm, 2: bad input.",
+    )
+    parser.add_argument("--rubric", required=True, help="rubric YAML (the version that scores the run)")
+    parser.add_argument("--feedback", required=True, help="feedback JSONL of the fresh grades")
+    parser.add_argument("--judge", default="programmatic", help="judge SPEC (programmatic)")
+    parser.add_argument("--judge-option", action="append", default=[], metavar="KEY=VALUE",
+                        help="JudgeConfig override, e.g. embedder=hashed-ngrams (repeatable)")
+    parser.add_argument("--min-kappa", type=float, default=0.6, help="the gate (0.6)")
+    parser.add_argument("--gate", choices=["estimate", "lower-bound"], default="estimate",
+                        help="what must reach --min-kappa: the estimate or its interval's lower bound")
+    parser.add_argument("--pass-threshold", type=float, default=None,
+                        help="judge pass = total >= this (default: the rubric's validation record's, else 0.6)")
+    parser.add_argument("--pass-grade", type=int, default=4, help="expert pass = grade >= this without a verdict (4)")
+    parser.add_argument("--min-items", type=int, default=10, help="fewest graded items for a verdict (10)")
+    parser.add_argument("--min-separation", type=float, default=0.1,
+                        help="a criterion disagrees when its mean on passed minus failed items is below this (0.1)")
+    parser.add_argument("--json", help="write the report as JSON here")
+    args = parser.parse_args(list(argv))
+
+    import json
+
+    from calibrl.config import load_config
+    from calibrl.judge_server.config import JudgeConfig
+    from calibrl.judge_server.feedback import read_feedback
+    from calibrl.judge_server.judge import Judge, load_llm
+    from calibrl.judge_server.rubric import load_rubric
+    from calibrl.judge_server.validation import read_records, validation_path
+    from calibrl.sme.drift import DriftOptions, drift_report
+
+    try:
+        rubric = load_rubric(args.rubric)
+        config = load_config(JudgeConfig, None, [*args.judge_option, f"backend={args.judge}", "allow_unvalidated=true",
+                                                 "cache_size=0"])
+        judge = Judge([rubric], config, llm=load_llm(config))
+        threshold = args.pass_threshold
+        if threshold is None:
+            records = [r for r in read_records(validation_path(args.rubric))
+                       if r.rubric_hash == rubric.hash and r.model_id == judge.scorer_id(rubric)]
+            threshold = records[0].pass_threshold if records else 0.6
+        options = DriftOptions(min_kappa=args.min_kappa, gate=args.gate.replace("-", "_"), pass_threshold=threshold,
+                               pass_grade=args.pass_grade, min_items=args.min_items,
+                               min_separation=args.min_separation)
+        feedback = read_feedback(args.feedback)
+        scores = []
+        for start in range(0, len(feedback), config.max_batch_size):
+            scores += judge.score(rubric.id, [r.to_item() for r in feedback[start:start + config.max_batch_size]])
+        report = drift_report(rubric, feedback, scores, options, judge.scorer_id(rubric))
+    except CalibrlError as exc:
+        return _fail(str(exc))
+    print(f"rubric {rubric.id} version {rubric.hash[:12]} ({rubric.version}), judge {judge.scorer_id(rubric)}, "
+          f"{report.n_items} graded items, pass_threshold {threshold:g}")
+    for c in report.criteria:
+        sep = "n/a" if c.separation is None else f"{c.separation:+.2f}"
+        approves = "n/a" if c.approves_failed is None else f"{c.approves_failed:.0%}"
+        print(f"  {c.name:<24} separation {sep:>6}  approves failed {approves:>5}" + ("  DISAGREES" if c.disagrees else ""))
+    print(("ALARM: " if report.alarm else "") + report.reason)
+    if args.json:
+        pathlib.Path(args.json).write_text(json.dumps(report.to_json(), indent=2, sort_keys=True) + "\n")
+    return 1 if report.alarm else 0

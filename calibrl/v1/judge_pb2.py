@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16\x63\x61librl/v1/judge.proto\x12\ncalibrl.v1\"\xc3\x01\n\tJudgeItem\x12\r\n\x05query\x18\x01 \x01(\t\x12\x0e\n\x06output\x18\x02 \x01(\t\x12\x17\n\x0fretrieved_texts\x18\x03 \x03(\t\x12\x19\n\x11retrieved_doc_ids\x18\x04 \x03(\t\x12\x33\n\x07\x63ontext\x18\x05 \x03(\x0b\x32\".calibrl.v1.JudgeItem.ContextEntry\x1a.\n\x0c\x43ontextEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\\\n\x0cScoreRequest\x12\x11\n\trubric_id\x18\x01 \x01(\t\x12\x13\n\x0brubric_hash\x18\x02 \x01(\t\x12$\n\x05items\x18\x03 \x03(\x0b\x32\x15.calibrl.v1.JudgeItem\"N\n\x0e\x43riterionScore\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05score\x18\x02 \x01(\x01\x12\x0e\n\x06weight\x18\x03 \x01(\x01\x12\x0f\n\x07penalty\x18\x04 \x01(\x08\"X\n\tItemScore\x12,\n\x08\x63riteria\x18\x01 \x03(\x0b\x32\x1a.calibrl.v1.CriterionScore\x12\r\n\x05total\x18\x02 \x01(\x01\x12\x0e\n\x06\x63\x61\x63hed\x18\x03 \x01(\x08\"p\n\rScoreResponse\x12%\n\x06scores\x18\x01 \x03(\x0b\x32\x15.calibrl.v1.ItemScore\x12\x11\n\trubric_id\x18\x02 \x01(\t\x12\x13\n\x0brubric_hash\x18\x03 \x01(\t\x12\x10\n\x08model_id\x18\x04 \x01(\t\"\x14\n\x12ListRubricsRequest\"x\n\rRubricSummary\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\t\x12\x0c\n\x04hash\x18\x03 \x01(\t\x12\x13\n\x0b\x64\x65scription\x18\x04 \x01(\t\x12\x14\n\x0cnum_criteria\x18\x05 \x01(\x05\x12\x11\n\tvalidated\x18\x06 \x01(\x08\"A\n\x13ListRubricsResponse\x12*\n\x07rubrics\x18\x01 \x03(\x0b\x32\x19.calibrl.v1.RubricSummary\"%\n\x10GetRubricRequest\x12\x11\n\trubric_id\x18\x01 \x01(\t\"\x91\x01\n\tCriterion\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04kind\x18\x02 \x01(\t\x12\x10\n\x08question\x18\x03 \x01(\t\x12\x0e\n\x06scorer\x18\x04 \x01(\t\x12\x13\n\x0bparams_json\x18\x05 \x01(\t\x12\x0e\n\x06weight\x18\x06 \x01(\x01\x12\x10\n\x08severity\x18\x07 \x01(\x01\x12\x0f\n\x07penalty\x18\x08 \x01(\x08\"\xae\x01\n\nValidation\x12\x0e\n\x06passed\x18\x01 \x01(\x08\x12\r\n\x05kappa\x18\x02 \x01(\x01\x12\x10\n\x08model_id\x18\x03 \x01(\t\x12\x15\n\tthreshold\x18\x04 \x01(\x01\x42\x02\x18\x01\x12\x11\n\tmin_kappa\x18\x05 \x01(\x01\x12\x16\n\x0epass_threshold\x18\x06 \x01(\x01\x12\x1d\n\x15pass_threshold_source\x18\x07 \x01(\t\x12\x0e\n\x06reason\x18\x08 \x01(\t\"\xce\x01\n\x06Rubric\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\t\x12\x0c\n\x04hash\x18\x03 \x01(\t\x12\x13\n\x0b\x64\x65scription\x18\x04 \x01(\t\x12\'\n\x08\x63riteria\x18\x05 \x03(\x0b\x32\x15.calibrl.v1.Criterion\x12\x13\n\x0bsource_yaml\x18\x06 \x01(\t\x12*\n\nvalidation\x18\x07 \x01(\x0b\x32\x16.calibrl.v1.Validation\x12\x1a\n\x12max_request_cost_s\x18\x08 \x01(\x01\x32\xdb\x01\n\x0cJudgeService\x12<\n\x05Score\x12\x18.calibrl.v1.ScoreRequest\x1a\x19.calibrl.v1.ScoreResponse\x12N\n\x0bListRubrics\x12\x1e.calibrl.v1.ListRubricsRequest\x1a\x1f.calibrl.v1.ListRubricsResponse\x12=\n\tGetRubric\x12\x1c.calibrl.v1.GetRubricRequest\x1a\x12.calibrl.v1.Rubricb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16\x63\x61librl/v1/judge.proto\x12\ncalibrl.v1\"\xc3\x01\n\tJudgeItem\x12\r\n\x05query\x18\x01 \x01(\t\x12\x0e\n\x06output\x18\x02 \x01(\t\x12\x17\n\x0fretrieved_texts\x18\x03 \x03(\t\x12\x19\n\x11retrieved_doc_ids\x18\x04 \x03(\t\x12\x33\n\x07\x63ontext\x18\x05 \x03(\x0b\x32\".calibrl.v1.JudgeItem.ContextEntry\x1a.\n\x0c\x43ontextEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\\\n\x0cScoreRequest\x12\x11\n\trubric_id\x18\x01 \x01(\t\x12\x13\n\x0brubric_hash\x18\x02 \x01(\t\x12$\n\x05items\x18\x03 \x03(\x0b\x32\x15.calibrl.v1.JudgeItem\"N\n\x0e\x43riterionScore\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05score\x18\x02 \x01(\x01\x12\x0e\n\x06weight\x18\x03 \x01(\x01\x12\x0f\n\x07penalty\x18\x04 \x01(\x08\"X\n\tItemScore\x12,\n\x08\x63riteria\x18\x01 \x03(\x0b\x32\x1a.calibrl.v1.CriterionScore\x12\r\n\x05total\x18\x02 \x01(\x01\x12\x0e\n\x06\x63\x61\x63hed\x18\x03 \x01(\x08\"\x88\x01\n\rScoreResponse\x12%\n\x06scores\x18\x01 \x03(\x0b\x32\x15.calibrl.v1.ItemScore\x12\x11\n\trubric_id\x18\x02 \x01(\t\x12\x13\n\x0brubric_hash\x18\x03 \x01(\t\x12\x10\n\x08model_id\x18\x04 \x01(\t\x12\x16\n\x0erubric_version\x18\x05 \x01(\t\"\x14\n\x12ListRubricsRequest\"\xa5\x01\n\rRubricSummary\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\t\x12\x0c\n\x04hash\x18\x03 \x01(\t\x12\x13\n\x0b\x64\x65scription\x18\x04 \x01(\t\x12\x14\n\x0cnum_criteria\x18\x05 \x01(\x05\x12\x11\n\tvalidated\x18\x06 \x01(\x08\x12+\n\x08versions\x18\x07 \x03(\x0b\x32\x19.calibrl.v1.RubricVersion\"\x87\x01\n\rRubricVersion\x12\x0c\n\x04hash\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\t\x12\r\n\x05state\x18\x03 \x01(\t\x12\x11\n\tvalidated\x18\x04 \x01(\x08\x12\x11\n\tloaded_at\x18\x05 \x01(\x01\x12\x12\n\nretires_at\x18\x06 \x01(\x01\x12\x0e\n\x06reason\x18\x07 \x01(\t\"\x16\n\x14ReloadRubricsRequest\"w\n\x13RubricVersionChange\x12\x11\n\trubric_id\x18\x01 \x01(\t\x12\x0c\n\x04hash\x18\x02 \x01(\t\x12\x0f\n\x07version\x18\x03 \x01(\t\x12\x0e\n\x06\x61\x63tion\x18\x04 \x01(\t\x12\x0e\n\x06reason\x18\x05 \x01(\t\x12\x0e\n\x06source\x18\x06 \x01(\t\"I\n\x15ReloadRubricsResponse\x12\x30\n\x07\x63hanges\x18\x01 \x03(\x0b\x32\x1f.calibrl.v1.RubricVersionChange\"A\n\x13ListRubricsResponse\x12*\n\x07rubrics\x18\x01 \x03(\x0b\x32\x19.calibrl.v1.RubricSummary\"%\n\x10GetRubricRequest\x12\x11\n\trubric_id\x18\x01 \x01(\t\"\x91\x01\n\tCriterion\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04kind\x18\x02 \x01(\t\x12\x10\n\x08question\x18\x03 \x01(\t\x12\x0e\n\x06scorer\x18\x04 \x01(\t\x12\x13\n\x0bparams_json\x18\x05 \x01(\t\x12\x0e\n\x06weight\x18\x06 \x01(\x01\x12\x10\n\x08severity\x18\x07 \x01(\x01\x12\x0f\n\x07penalty\x18\x08 \x01(\x08\"\xae\x01\n\nValidation\x12\x0e\n\x06passed\x18\x01 \x01(\x08\x12\r\n\x05kappa\x18\x02 \x01(\x01\x12\x10\n\x08model_id\x18\x03 \x01(\t\x12\x15\n\tthreshold\x18\x04 \x01(\x01\x42\x02\x18\x01\x12\x11\n\tmin_kappa\x18\x05 \x01(\x01\x12\x16\n\x0epass_threshold\x18\x06 \x01(\x01\x12\x1d\n\x15pass_threshold_source\x18\x07 \x01(\t\x12\x0e\n\x06reason\x18\x08 \x01(\t\"\xfb\x01\n\x06Rubric\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\t\x12\x0c\n\x04hash\x18\x03 \x01(\t\x12\x13\n\x0b\x64\x65scription\x18\x04 \x01(\t\x12\'\n\x08\x63riteria\x18\x05 \x03(\x0b\x32\x15.calibrl.v1.Criterion\x12\x13\n\x0bsource_yaml\x18\x06 \x01(\t\x12*\n\nvalidation\x18\x07 \x01(\x0b\x32\x16.calibrl.v1.Validation\x12\x1a\n\x12max_request_cost_s\x18\x08 \x01(\x01\x12+\n\x08versions\x18\t \x03(\x0b\x32\x19.calibrl.v1.RubricVersion2\xb1\x02\n\x0cJudgeService\x12<\n\x05Score\x12\x18.calibrl.v1.ScoreRequest\x1a\x19.calibrl.v1.ScoreResponse\x12N\n\x0bListRubrics\x12\x1e.calibrl.v1.ListRubricsRequest\x1a\x1f.calibrl.v1.ListRubricsResponse\x12=\n\tGetRubric\x12\x1c.calibrl.v1.GetRubricRequest\x1a\x12.calibrl.v1.Rubric\x12T\n\rReloadRubrics\x12 .calibrl.v1.ReloadRubricsRequest\x1a!.calibrl.v1.ReloadRubricsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -45,22 +45,30 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_CRITERIONSCORE']._serialized_end=408
   _globals['_ITEMSCORE']._serialized_start=410
   _globals['_ITEMSCORE']._serialized_end=498
-  _globals['_SCORERESPONSE']._serialized_start=500
-  _globals['_SCORERESPONSE']._serialized_end=612
-  _globals['_LISTRUBRICSREQUEST']._serialized_start=614
-  _globals['_LISTRUBRICSREQUEST']._serialized_end=634
-  _globals['_RUBRICSUMMARY']._serialized_start=636
-  _globals['_RUBRICSUMMARY']._serialized_end=756
-  _globals['_LISTRUBRICSRESPONSE']._serialized_start=758
-  _globals['_LISTRUBRICSRESPONSE']._serialized_end=823
-  _globals['_GETRUBRICREQUEST']._serialized_start=825
-  _globals['_GETRUBRICREQUEST']._serialized_end=862
-  _globals['_CRITERION']._serialized_start=865
-  _globals['_CRITERION']._serialized_end=1010
-  _globals['_VALIDATION']._serialized_start=1013
-  _globals['_VALIDATION']._serialized_end=1187
-  _globals['_RUBRIC']._serialized_start=1190
-  _globals['_RUBRIC']._serialized_end=1396
-  _globals['_JUDGESERVICE']._serialized_start=1399
-  _globals['_JUDGESERVICE']._serialized_end=1618
+  _globals['_SCORERESPONSE']._serialized_start=501
+  _globals['_SCORERESPONSE']._serialized_end=637
+  _globals['_LISTRUBRICSREQUEST']._serialized_start=639
+  _globals['_LISTRUBRICSREQUEST']._serialized_end=659
+  _globals['_RUBRICSUMMARY']._serialized_start=662
+  _globals['_RUBRICSUMMARY']._serialized_end=827
+  _globals['_RUBRICVERSION']._serialized_start=830
+  _globals['_RUBRICVERSION']._serialized_end=965
+  _globals['_RELOADRUBRICSREQUEST']._serialized_start=967
+  _globals['_RELOADRUBRICSREQUEST']._serialized_end=989
+  _globals['_RUBRICVERSIONCHANGE']._serialized_start=991
+  _globals['_RUBRICVERSIONCHANGE']._serialized_end=1110
+  _globals['_RELOADRUBRICSRESPONSE']._serialized_start=1112
+  _globals['_RELOADRUBRICSRESPONSE']._serialized_end=1185
+  _globals['_LISTRUBRICSRESPONSE']._serialized_start=1187
+  _globals['_LISTRUBRICSRESPONSE']._serialized_end=1252
+  _globals['_GETRUBRICREQUEST']._serialized_start=1254
+  _globals['_GETRUBRICREQUEST']._serialized_end=1291
+  _globals['_CRITERION']._serialized_start=1294
+  _globals['_CRITERION']._serialized_end=1439
+  _globals['_VALIDATION']._serialized_start=1442
+  _globals['_VALIDATION']._serialized_end=1616
+  _globals['_RUBRIC']._serialized_start=1619
+  _globals['_RUBRIC']._serialized_end=1870
+  _globals['_JUDGESERVICE']._serialized_start=1873
+  _globals['_JUDGESERVICE']._serialized_end=2178
 # @@protoc_insertion_point(module_scope)

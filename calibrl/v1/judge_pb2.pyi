@@ -60,36 +60,84 @@ class ItemScore(_message.Message):
     def __init__(self, criteria: _Optional[_Iterable[_Union[CriterionScore, _Mapping]]] = ..., total: _Optional[float] = ..., cached: _Optional[bool] = ...) -> None: ...
 
 class ScoreResponse(_message.Message):
-    __slots__ = ("scores", "rubric_id", "rubric_hash", "model_id")
+    __slots__ = ("scores", "rubric_id", "rubric_hash", "model_id", "rubric_version")
     SCORES_FIELD_NUMBER: _ClassVar[int]
     RUBRIC_ID_FIELD_NUMBER: _ClassVar[int]
     RUBRIC_HASH_FIELD_NUMBER: _ClassVar[int]
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
+    RUBRIC_VERSION_FIELD_NUMBER: _ClassVar[int]
     scores: _containers.RepeatedCompositeFieldContainer[ItemScore]
     rubric_id: str
     rubric_hash: str
     model_id: str
-    def __init__(self, scores: _Optional[_Iterable[_Union[ItemScore, _Mapping]]] = ..., rubric_id: _Optional[str] = ..., rubric_hash: _Optional[str] = ..., model_id: _Optional[str] = ...) -> None: ...
+    rubric_version: str
+    def __init__(self, scores: _Optional[_Iterable[_Union[ItemScore, _Mapping]]] = ..., rubric_id: _Optional[str] = ..., rubric_hash: _Optional[str] = ..., model_id: _Optional[str] = ..., rubric_version: _Optional[str] = ...) -> None: ...
 
 class ListRubricsRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
 class RubricSummary(_message.Message):
-    __slots__ = ("id", "version", "hash", "description", "num_criteria", "validated")
+    __slots__ = ("id", "version", "hash", "description", "num_criteria", "validated", "versions")
     ID_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     HASH_FIELD_NUMBER: _ClassVar[int]
     DESCRIPTION_FIELD_NUMBER: _ClassVar[int]
     NUM_CRITERIA_FIELD_NUMBER: _ClassVar[int]
     VALIDATED_FIELD_NUMBER: _ClassVar[int]
+    VERSIONS_FIELD_NUMBER: _ClassVar[int]
     id: str
     version: str
     hash: str
     description: str
     num_criteria: int
     validated: bool
-    def __init__(self, id: _Optional[str] = ..., version: _Optional[str] = ..., hash: _Optional[str] = ..., description: _Optional[str] = ..., num_criteria: _Optional[int] = ..., validated: _Optional[bool] = ...) -> None: ...
+    versions: _containers.RepeatedCompositeFieldContainer[RubricVersion]
+    def __init__(self, id: _Optional[str] = ..., version: _Optional[str] = ..., hash: _Optional[str] = ..., description: _Optional[str] = ..., num_criteria: _Optional[int] = ..., validated: _Optional[bool] = ..., versions: _Optional[_Iterable[_Union[RubricVersion, _Mapping]]] = ...) -> None: ...
+
+class RubricVersion(_message.Message):
+    __slots__ = ("hash", "version", "state", "validated", "loaded_at", "retires_at", "reason")
+    HASH_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    VALIDATED_FIELD_NUMBER: _ClassVar[int]
+    LOADED_AT_FIELD_NUMBER: _ClassVar[int]
+    RETIRES_AT_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    hash: str
+    version: str
+    state: str
+    validated: bool
+    loaded_at: float
+    retires_at: float
+    reason: str
+    def __init__(self, hash: _Optional[str] = ..., version: _Optional[str] = ..., state: _Optional[str] = ..., validated: _Optional[bool] = ..., loaded_at: _Optional[float] = ..., retires_at: _Optional[float] = ..., reason: _Optional[str] = ...) -> None: ...
+
+class ReloadRubricsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class RubricVersionChange(_message.Message):
+    __slots__ = ("rubric_id", "hash", "version", "action", "reason", "source")
+    RUBRIC_ID_FIELD_NUMBER: _ClassVar[int]
+    HASH_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    ACTION_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    SOURCE_FIELD_NUMBER: _ClassVar[int]
+    rubric_id: str
+    hash: str
+    version: str
+    action: str
+    reason: str
+    source: str
+    def __init__(self, rubric_id: _Optional[str] = ..., hash: _Optional[str] = ..., version: _Optional[str] = ..., action: _Optional[str] = ..., reason: _Optional[str] = ..., source: _Optional[str] = ...) -> None: ...
+
+class ReloadRubricsResponse(_message.Message):
+    __slots__ = ("changes",)
+    CHANGES_FIELD_NUMBER: _ClassVar[int]
+    changes: _containers.RepeatedCompositeFieldContainer[RubricVersionChange]
+    def __init__(self, changes: _Optional[_Iterable[_Union[RubricVersionChange, _Mapping]]] = ...) -> None: ...
 
 class ListRubricsResponse(_message.Message):
     __slots__ = ("rubrics",)
@@ -144,7 +192,7 @@ class Validation(_message.Message):
     def __init__(self, passed: _Optional[bool] = ..., kappa: _Optional[float] = ..., model_id: _Optional[str] = ..., threshold: _Optional[float] = ..., min_kappa: _Optional[float] = ..., pass_threshold: _Optional[float] = ..., pass_threshold_source: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
 
 class Rubric(_message.Message):
-    __slots__ = ("id", "version", "hash", "description", "criteria", "source_yaml", "validation", "max_request_cost_s")
+    __slots__ = ("id", "version", "hash", "description", "criteria", "source_yaml", "validation", "max_request_cost_s", "versions")
     ID_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     HASH_FIELD_NUMBER: _ClassVar[int]
@@ -153,6 +201,7 @@ class Rubric(_message.Message):
     SOURCE_YAML_FIELD_NUMBER: _ClassVar[int]
     VALIDATION_FIELD_NUMBER: _ClassVar[int]
     MAX_REQUEST_COST_S_FIELD_NUMBER: _ClassVar[int]
+    VERSIONS_FIELD_NUMBER: _ClassVar[int]
     id: str
     version: str
     hash: str
@@ -161,4 +210,5 @@ class Rubric(_message.Message):
     source_yaml: str
     validation: Validation
     max_request_cost_s: float
-    def __init__(self, id: _Optional[str] = ..., version: _Optional[str] = ..., hash: _Optional[str] = ..., description: _Optional[str] = ..., criteria: _Optional[_Iterable[_Union[Criterion, _Mapping]]] = ..., source_yaml: _Optional[str] = ..., validation: _Optional[_Union[Validation, _Mapping]] = ..., max_request_cost_s: _Optional[float] = ...) -> None: ...
+    versions: _containers.RepeatedCompositeFieldContainer[RubricVersion]
+    def __init__(self, id: _Optional[str] = ..., version: _Optional[str] = ..., hash: _Optional[str] = ..., description: _Optional[str] = ..., criteria: _Optional[_Iterable[_Union[Criterion, _Mapping]]] = ..., source_yaml: _Optional[str] = ..., validation: _Optional[_Union[Validation, _Mapping]] = ..., max_request_cost_s: _Optional[float] = ..., versions: _Optional[_Iterable[_Union[RubricVersion, _Mapping]]] = ...) -> None: ...

@@ -49,6 +49,11 @@ class JudgeServiceStub:
                 request_serializer=calibrl_dot_v1_dot_judge__pb2.GetRubricRequest.SerializeToString,
                 response_deserializer=calibrl_dot_v1_dot_judge__pb2.Rubric.FromString,
                 _registered_method=True)
+        self.ReloadRubrics = channel.unary_unary(
+                '/calibrl.v1.JudgeService/ReloadRubrics',
+                request_serializer=calibrl_dot_v1_dot_judge__pb2.ReloadRubricsRequest.SerializeToString,
+                response_deserializer=calibrl_dot_v1_dot_judge__pb2.ReloadRubricsResponse.FromString,
+                _registered_method=True)
 
 
 class JudgeServiceServicer:
@@ -75,6 +80,15 @@ class JudgeServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ReloadRubrics(self, request, context):
+        """Admin: reread the rubric folder now (new versions loaded, invalid ones
+        refused, removed files retired) and say what changed. Needs an API key of a
+        tenant in the server's rubric_admin_tenants (PERMISSION_DENIED otherwise).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_JudgeServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -92,6 +106,11 @@ def add_JudgeServiceServicer_to_server(servicer, server):
                     servicer.GetRubric,
                     request_deserializer=calibrl_dot_v1_dot_judge__pb2.GetRubricRequest.FromString,
                     response_serializer=calibrl_dot_v1_dot_judge__pb2.Rubric.SerializeToString,
+            ),
+            'ReloadRubrics': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReloadRubrics,
+                    request_deserializer=calibrl_dot_v1_dot_judge__pb2.ReloadRubricsRequest.FromString,
+                    response_serializer=calibrl_dot_v1_dot_judge__pb2.ReloadRubricsResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -175,6 +194,33 @@ class JudgeService:
             '/calibrl.v1.JudgeService/GetRubric',
             calibrl_dot_v1_dot_judge__pb2.GetRubricRequest.SerializeToString,
             calibrl_dot_v1_dot_judge__pb2.Rubric.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReloadRubrics(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/calibrl.v1.JudgeService/ReloadRubrics',
+            calibrl_dot_v1_dot_judge__pb2.ReloadRubricsRequest.SerializeToString,
+            calibrl_dot_v1_dot_judge__pb2.ReloadRubricsResponse.FromString,
             options,
             channel_credentials,
             insecure,
