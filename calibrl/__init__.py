@@ -40,7 +40,7 @@ _EXPORTS = {
     "Retriever": "calibrl.retrieval_server.retriever",
     "RetrievalServerConfig": "calibrl.retrieval_server.config",
     "Judge": "calibrl.judge_server.judge",
-    "JudgeConfig": "calibrl.judge_server.config",
+    "JudgeConfig": "calibrl.api.judge_config",
     "JudgeServerConfig": "calibrl.judge_server.config",
     "RetrievalClient": "calibrl.trainer.clients",
     "JudgeClient": "calibrl.trainer.clients",
@@ -68,7 +68,8 @@ __all__ = ["__version__", *sorted(_EXPORTS)]
 
 if TYPE_CHECKING:  # pragma: no cover
     from calibrl.errors import CalibrlError, ConfigError, InvalidArgument, RewardError
-    from calibrl.judge_server.config import JudgeConfig, JudgeServerConfig
+    from calibrl.api.judge_config import JudgeConfig
+    from calibrl.judge_server.config import JudgeServerConfig
     from calibrl.judge_server.judge import Judge
     from calibrl.retrieval_server.config import RetrievalServerConfig
     from calibrl.retrieval_server.retriever import Retriever

@@ -2,7 +2,7 @@
 
 ``Judge.score(rubric_id, items)`` is what the servicer and the trainer's in-process
 client call. Per item it returns every criterion's score in [0, 1] (rubric order),
-the weighted total (:func:`calibrl.judge_server.types.aggregate`), the rubric hash and the
+the weighted total (:func:`calibrl.api.judge.aggregate`), the rubric hash and the
 model id. Programmatic criteria are scored here with every backend; LLM criteria go
 to the LLM backend, so a ``programmatic`` judge refuses rubrics that have any.
 
@@ -33,8 +33,8 @@ from calibrl.judge_server.cache import ResultCache, cache_key
 from calibrl.judge_server.config import JudgeConfig
 from calibrl.judge_server.prompts import PromptOptions
 from calibrl.judge_server.rubric import Rubric, load_rubric_dir
-from calibrl.judge_server.types import CriterionScore, ItemScore, JudgeItem, aggregate
-from calibrl.judge_server.validation import ValidationRecord, find_record, read_records, validation_path
+from calibrl.api.judge import CriterionScore, ItemScore, JudgeItem, aggregate
+from calibrl.judge_server.validation_records import ValidationRecord, find_record, read_records, validation_path
 
 log = logging.getLogger(__name__)
 

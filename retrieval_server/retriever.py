@@ -29,7 +29,7 @@ from calibrl.retrieval_server.fusion import RRF_K, reciprocal_rank_fusion
 from calibrl.retrieval_server.limits import RetrievalLimits
 from calibrl.retrieval_server.manifest import Manifest, read_manifest, verify_files
 from calibrl.retrieval_server.signals import score_hits
-from calibrl.retrieval_server.types import Hit, RetrievalScore, ScoreItem, SearchMode
+from calibrl.api.retrieval import Hit, RetrievalScore, ScoreItem, SearchMode
 
 if TYPE_CHECKING:
     from calibrl.retrieval_server.config import RetrievalServerConfig

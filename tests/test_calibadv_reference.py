@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from calibrl.text import token_f1
-from calibrl.retrieval_server.types import Hit, RetrievalScore
+from calibrl.api.retrieval import Hit, RetrievalScore
 from calibrl.trainer.advantages import AdvantageInputs, compute_advantages
 from calibrl.trainer.calibadv import SearchStep, search_step_scores, select_silver_docs, step_scores
 from calibrl.trainer.config import CalibAdvAdvantage

@@ -10,7 +10,7 @@ import math
 import pytest
 import torch
 
-from calibrl.retrieval_server.types import RetrievalScore
+from calibrl.api.retrieval import RetrievalScore
 from calibrl.trainer.diagnostics import search_metrics
 from calibrl.trainer.rewards import RewriteRollout, SearchRollout, SearchStepRecord
 from calibrl.trainer.tasks import Task

@@ -9,7 +9,7 @@ import pytest
 
 from calibrl.demo import policy as pol
 from calibrl.demo.domain import Domain, generate_domain
-from calibrl.retrieval_server.types import Hit
+from calibrl.api.retrieval import Hit
 
 
 @pytest.fixture(scope="module")

@@ -25,7 +25,7 @@ torch.set_num_threads(1)
 from calibrl.judge_server.config import JudgeConfig
 from calibrl.judge_server.judge import load_llm
 from calibrl.judge_server.rubric import Criterion
-from calibrl.judge_server.types import JudgeItem
+from calibrl.api.judge import JudgeItem
 from calibrl.trainer.policy import load_policy, token_logprobs
 
 folder, amx = sys.argv[1], sys.argv[2] == "1"

@@ -166,7 +166,7 @@ def test_no_list_threshold_or_pattern_is_shared_with_any_judge() -> None:
 def test_grades_do_not_move_when_the_text_gains_the_judges_vague_words(monkeypatch) -> None:
     """The experts never read the text: appending the judge's vague words (which change no
     search result) to every rewritten text leaves every grade and tag as it was."""
-    from calibrl.judge_server.entities import VAGUE_TERMS
+    from calibrl.entities import VAGUE_TERMS
 
     domain = generate_domain(3)
     search = ex.CatalogueSearch(domain.rewriter_passages())
@@ -254,9 +254,9 @@ def _fold(text: str) -> str:
 
 def test_no_golden_text_reaches_the_judges_warm_start_or_training(domain) -> None:
     from calibrl.demo.judge_model import domain_text_examples
-    from calibrl.judge_server.distill import DistillOptions, distill, text_key
-    from calibrl.judge_server.feedback import parse_record
-    from calibrl.judge_server.train_judge import split_for_training
+    from calibrl.judge_server.authoring.distill import DistillOptions, distill, text_key
+    from calibrl.judge_server.authoring.feedback import parse_record
+    from calibrl.judge_server.authoring.train_judge import split_for_training
 
     records = [parse_record(r.record()) for r in domain.sme_feedback]
     result = distill(records, DistillOptions(rubric_id="demo", criteria_mode="llm",

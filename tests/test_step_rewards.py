@@ -19,8 +19,8 @@ import torch
 
 from calibrl.errors import ConfigError, RewardError, Unavailable
 from calibrl.judge_server import programmatic
-from calibrl.judge_server.types import ItemScore, JudgeItem
-from calibrl.retrieval_server.types import Hit, RetrievalScore
+from calibrl.api.judge import ItemScore, JudgeItem
+from calibrl.api.retrieval import Hit, RetrievalScore
 from calibrl.trainer.advantages import AdvantageInputs, compute_advantages
 from calibrl.trainer.rewards import RewardConfig, RewardModel, SearchRollout, SearchStepRecord
 from calibrl.trainer.step_rewards import step_metrics, step_retrieval_signal

@@ -225,7 +225,7 @@ def test_search_agent_with_calibadv_trains_and_logs_its_metrics(trainer_world, t
 
 
 def test_search_step_scores_follow_calibadv_per_group():
-    from calibrl.retrieval_server.types import Hit, RetrievalScore
+    from calibrl.api.retrieval import Hit, RetrievalScore
     from calibrl.trainer.config import CalibAdvAdvantage
     from calibrl.trainer.calibadv import search_step_scores
     from calibrl.trainer.rewards import SearchRollout, SearchStepRecord

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from calibrl.errors import ConfigError, RewardError
-from calibrl.retrieval_server.types import Hit, RetrievalScore
+from calibrl.api.retrieval import Hit, RetrievalScore
 from calibrl.trainer.config import CalibAdvAdvantage, GrpoAdvantage
 from calibrl.trainer.pipeline import RolloutPipeline
 from calibrl.trainer.rewards import RewardBreakdown, SearchRollout, SearchStepRecord

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Literal
 
 from calibrl.config import load_config, option, to_dict
 from calibrl.errors import ConfigError
-from calibrl.judge_server.config import JudgeConfig
+from calibrl.api.judge_config import JudgeConfig
 from calibrl.trainer.diagnostics import HealthConfig
 from calibrl.trainer.rewards import RewardConfig
 

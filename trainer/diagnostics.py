@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Iterable, Mapping, Sequence
 
 from calibrl.config import option
+from calibrl.entities import repeats_earlier
 from calibrl.errors import ConfigError
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -111,8 +112,6 @@ def search_metrics(rollouts: Sequence[Any]) -> dict[str, float]:
       behind ``steps/repeated_share``), 0 when nobody searched.
 
     ``rollouts``: ``calibrl.trainer.rewards.SearchRollout`` (``steps``, ``answer``, ``well_formed``)."""
-    from calibrl.judge_server.programmatic import repeats_earlier
-
     searches = [r for r in rollouts if hasattr(r, "steps") and hasattr(r, "well_formed")]
     if not searches or len(searches) != len(rollouts):
         return {}

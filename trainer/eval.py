@@ -328,7 +328,7 @@ def query_scores(queries: Sequence[str], tasks: Sequence["Task"], retrieval: "Re
     """The retrieval service's score of each task's query (a ``ScoreResult``), None where the
     query is empty once trimmed to ``settings.max_query_chars`` (it is not sent: an empty
     query retrieves nothing)."""
-    from calibrl.retrieval_server.types import ScoreItem, SearchMode
+    from calibrl.api.retrieval import ScoreItem, SearchMode
 
     cleaned = [q.strip()[: settings.max_query_chars].strip() for q in queries]
     sent = [i for i, q in enumerate(cleaned) if q]

@@ -59,8 +59,8 @@ from calibrl.errors import (
     Unauthenticated,
 )
 from calibrl.text import exact_match, token_f1
-from calibrl.judge_server.types import ItemScore, JudgeItem
-from calibrl.retrieval_server.types import RetrievalScore, ScoreItem, SearchMode
+from calibrl.api.judge import ItemScore, JudgeItem
+from calibrl.api.retrieval import RetrievalScore, ScoreItem, SearchMode
 from calibrl.trainer.aio import gather_all
 from calibrl.trainer.clients import JudgeClient, RetrievalClient
 from calibrl.trainer.step_rewards import StepReward, mean_step_reward, step_judge_item, step_rewards

@@ -33,7 +33,7 @@ from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Sequence, TypedDict
 
 from calibrl.errors import InvalidArgument
-from calibrl.retrieval_server.types import ScoreItem
+from calibrl.api.retrieval import ScoreItem
 from calibrl.trainer.policy import pad_token_id
 from calibrl.trainer.search_format import (
     OBSERVATION_PREFIX,
@@ -56,7 +56,7 @@ if TYPE_CHECKING:  # pragma: no cover
     import torch
 
     from calibrl.trainer.clients import RetrievalClient
-    from calibrl.retrieval_server.types import Hit
+    from calibrl.api.retrieval import Hit
     from calibrl.trainer.engines import GenerationEngine
     from calibrl.trainer.task_kinds import RunAsync
     from calibrl.trainer.tasks import Task

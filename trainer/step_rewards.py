@@ -30,11 +30,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Sequence
 
-from calibrl.judge_server import programmatic
-from calibrl.judge_server.types import JudgeItem
+from calibrl.entities import EARLIER_QUERIES_KEY, repeats_earlier
+from calibrl.api.judge import JudgeItem
 
 if TYPE_CHECKING:  # pragma: no cover
-    from calibrl.retrieval_server.types import RetrievalScore
+    from calibrl.api.retrieval import RetrievalScore
     from calibrl.trainer.rewards import RewardBreakdown, SearchRollout
     from calibrl.trainer.tasks import Task
 
@@ -81,7 +81,7 @@ def step_judge_item(rollout: "SearchRollout", k: int, max_query_chars: int) -> J
         output=rollout.steps[k].query.strip()[:max_query_chars],
         retrieved_texts=tuple(hit.text[:STEP_JUDGE_MAX_PASSAGE_CHARS] for hit in previous),
         retrieved_doc_ids=tuple(hit.doc_id for hit in previous),
-        context=((programmatic.EARLIER_QUERIES_KEY, "\n".join(earlier)),) if earlier else (),
+        context=((EARLIER_QUERIES_KEY, "\n".join(earlier)),) if earlier else (),
     )
 
 
@@ -99,7 +99,7 @@ def step_rewards(rollout: "SearchRollout", rubric_totals: Sequence[float], w_ret
             retrieval=retrieval,
             rubric=rubric,
             found_new=found_new,
-            repeated=programmatic.repeats_earlier(step.query, earlier),
+            repeated=repeats_earlier(step.query, earlier),
         ))
     return tuple(rewards)
 

@@ -27,7 +27,7 @@ from calibrl.errors import ConfigError
 from calibrl.sme.agreement import pairwise
 from calibrl.sme.items import SampleItem, read_items
 from calibrl.sme.store import FeedbackStore, check_reviewer
-from calibrl.judge_server.feedback import FeedbackRecord, normalize_tag
+from calibrl.judge_server.authoring.feedback import FeedbackRecord, normalize_tag
 
 REVIEWER_COOKIE = "calibrl_sme_reviewer"
 TOKEN_COOKIE = "calibrl_sme_token"
@@ -97,7 +97,7 @@ class ReviewState:
         return next((i for i in order if self.items[i].id not in done), None)
 
     def validation_records(self) -> list[Any]:
-        from calibrl.judge_server.validation import read_records, validation_path
+        from calibrl.judge_server.authoring.validation import read_records, validation_path
 
         path = self.settings.validation
         if path is None and self.settings.rubric is not None:
@@ -116,7 +116,7 @@ class ReviewState:
     def _score_golden(self) -> list[dict[str, Any]]:
         from calibrl.config import load_config
         from calibrl.judge_server.config import JudgeConfig
-        from calibrl.judge_server.feedback import read_feedback
+        from calibrl.judge_server.authoring.feedback import read_feedback
         from calibrl.judge_server.judge import Judge, load_llm
 
         config = load_config(JudgeConfig, None, [*self.settings.judge_overrides, f"backend={self.settings.judge}",

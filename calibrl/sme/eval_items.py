@@ -72,7 +72,7 @@ def write_eval_items(path: str | pathlib.Path, *args: Any, **kwargs: Any) -> str
 def rewrite_items(engine: Any, tokenizer: Any, tasks: Sequence[Any], retrieval: Any, settings: Any, run_async: Any,
                   template: str, chat: bool | None, name: str) -> tuple[list[SampleItem], int]:
     """The ``rewrite`` kind's items (its ``TaskKind.sample_items``) and the empty rewrites left out."""
-    from calibrl.retrieval_server.types import ScoreItem, SearchMode
+    from calibrl.api.retrieval import ScoreItem, SearchMode
     from calibrl.trainer.rollout import rollout_rewrites
 
     rewrites: list[str] = []

@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 from typing import Literal, Sequence
 
 from calibrl.errors import ConfigError
-from calibrl.judge_server.feedback import FeedbackRecord
+from calibrl.judge_server.authoring.feedback import FeedbackRecord
 from calibrl.judge_server.prompts import DEFAULT_INSTRUCTIONS
 from calibrl.judge_server.rubric import Criterion, Rubric
 

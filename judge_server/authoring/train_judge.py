@@ -4,7 +4,7 @@
 command line is in ``calibrl.judge_server.cli``; this module is the library core).
 
 **Which records.** Only the training part of the feedback: a record is golden when
-:func:`calibrl.judge_server.distill.is_golden` says so for ``golden_fraction`` (0.3, the
+:func:`calibrl.judge_server.authoring.distill.is_golden` says so for ``golden_fraction`` (0.3, the
 distil default), the same rule that wrote the golden file, so the judge is never
 trained on what ``calibrl rubric validate`` measures it on. A ``golden`` file given
 as well excludes its records too (for a golden set cut with another fraction). The
@@ -12,7 +12,7 @@ record written beside the model holds ``golden_sha256``, the digest
 ``calibrl rubric validate`` stores in its validation record for the same set.
 
 **Targets**, per training record and LLM criterion (``tags`` compared after alias
-folding, :func:`calibrl.judge_server.distill.canonical_tag`):
+folding, :func:`calibrl.judge_server.authoring.distill.canonical_tag`):
 
 - ``yes_no`` with tags: the criterion is violated when the record carries one of its
   tags. Met -> ``good_answer``; violated -> the other answer. (``good_answer: yes``,
@@ -72,8 +72,8 @@ from typing import Any, Callable, Sequence
 from calibrl.errors import ConfigError, InvalidArgument
 from calibrl.fileperms import honour_umask
 from calibrl.judge_server import prompts
-from calibrl.judge_server.distill import canonical_tag, grade_value, is_golden, text_key
-from calibrl.judge_server.feedback import FeedbackRecord
+from calibrl.judge_server.authoring.distill import canonical_tag, grade_value, is_golden, text_key
+from calibrl.judge_server.authoring.feedback import FeedbackRecord
 from calibrl.judge_server.rubric import Criterion, Rubric, RubricError
 
 RECORD_FILE = "calibrl_judge.json"
@@ -397,9 +397,9 @@ def train_judge(
     from calibrl.judge_server.backends import model_fingerprint, model_id_for
     from calibrl.judge_server.backends.encoding import PromptEncoder
     from calibrl.judge_server.backends.hf import resolve_device
-    from calibrl.judge_server.feedback import read_feedback
+    from calibrl.judge_server.authoring.feedback import read_feedback
     from calibrl.judge_server.rubric import load_rubric
-    from calibrl.judge_server.validation import golden_digest
+    from calibrl.judge_server.authoring.validation import golden_digest
 
     feedback_path, rubric_path, base, out = (pathlib.Path(p) for p in (feedback_path, rubric_path, base, out))
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
