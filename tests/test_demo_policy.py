@@ -177,7 +177,7 @@ def test_warm_start_learns_and_saves_a_folder_the_trainer_loads(tokenizer, examp
 
     from calibrl.trainer.engines import make_engine
     from calibrl.trainer.policy import load_policy
-    from calibrl.trainer.rollout import rollout_rewrites
+    from calibrl.trainer.kinds.rewrite import rollout_rewrites
     from calibrl.trainer.tasks import Task
 
     rewrites, _ = examples

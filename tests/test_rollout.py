@@ -18,14 +18,11 @@ from calibrl.trainer.engines import (  # noqa: E402
     truncate_completion,
 )
 from calibrl.trainer.policy import Policy, token_logprobs  # noqa: E402
-from calibrl.trainer.rewards import RewriteRollout, SearchRollout  # noqa: E402
-from calibrl.trainer.rollout import (  # noqa: E402
-    assemble_rows,
-    decode_completion,
-    rollout_rewrites,
-    rollout_search,
-    search_prompt,
-)
+from calibrl.trainer.kinds.rewrite import RewriteRollout  # noqa: E402
+from calibrl.trainer.kinds.search.records import SearchRollout
+from calibrl.trainer.rollout import assemble_rows, decode_completion
+from calibrl.trainer.kinds.rewrite import rollout_rewrites
+from calibrl.trainer.kinds.search.rollout import rollout_search, search_prompt_ids
 from calibrl.trainer.search_format import OBSERVATION_PREFIX, THINK_OPEN, parse_turn  # noqa: E402
 from calibrl.trainer.tasks import Task  # noqa: E402
 
@@ -264,13 +261,13 @@ def test_prompts_use_the_chat_template_when_there_is_one(tokenizer):
         "{% if add_generation_prompt %}[assistant] {% endif %}"
     )
     task = SEARCH_TASKS[0]
-    rendered = chat.decode(search_prompt(chat, task))
+    rendered = chat.decode(search_prompt_ids(chat, task))
     assert rendered.startswith("[user] Answer the question below.")
     assert rendered.endswith("Question: Where is the Eiffel Tower?\n\n[assistant] <think>")
-    plain = chat.decode(search_prompt(chat, task, chat_template=False))
+    plain = chat.decode(search_prompt_ids(chat, task, chat_template=False))
     assert plain.startswith("<s>Answer the question below.") and plain.endswith("Eiffel Tower?\n<think>")
     with pytest.raises(InvalidArgument, match="chat_template"):
-        search_prompt(tokenizer, task, chat_template=True)
+        search_prompt_ids(tokenizer, task, chat_template=True)
 
 
 def test_rewrite_rollouts_reject_bad_input(policy, tokenizer):
@@ -385,7 +382,7 @@ def test_search_rollout_masks_segments_and_observations(tokenizer, retriever, ba
 
     for row, script in enumerate(SCRIPTS):
         task = batch.rollouts[row].task
-        prompt = search_prompt(tokenizer, task)
+        prompt = search_prompt_ids(tokenizer, task)
         assert tokenizer.decode(prompt).endswith("Question: " + task.query + "\n" + THINK_OPEN)
         length = int(batch.attention_mask[row].sum())
         ids = batch.input_ids[row][:length].tolist()
@@ -458,7 +455,7 @@ def test_observations_are_cut_to_max_obs_tokens(tokenizer, retriever, background
     batch = rollout_search(engine, tokenizer, SEARCH_TASKS[:1], group_size=1, retrieval=RecordingRetrieval(retriever),
                            run_async=background.run, max_turns=2, top_k=3, max_obs_tokens=5)
     observation = [t for t, m in zip(batch.input_ids[0].tolist(), batch.completion_mask[0].tolist()) if not m]
-    observation = observation[len(search_prompt(tokenizer, SEARCH_TASKS[0])):]
+    observation = observation[len(search_prompt_ids(tokenizer, SEARCH_TASKS[0])):]
     text = tokenizer.decode(observation)
     assert text.startswith("\n\n<information>") and text.endswith("</information>\n\n<think>")
     inner = text[len("\n\n<information>") : -len("</information>\n\n<think>")]

@@ -228,7 +228,7 @@ def test_search_step_scores_follow_calibadv_per_group():
     from calibrl.api.retrieval import Hit, RetrievalScore
     from calibrl.trainer.config import CalibAdvAdvantage
     from calibrl.trainer.calibadv import search_step_scores
-    from calibrl.trainer.rewards import SearchRollout, SearchStepRecord
+    from calibrl.trainer.kinds.search.records import SearchRollout, SearchStepRecord
     from calibrl.trainer.tasks import Task
 
     def step(think, *doc_ids):

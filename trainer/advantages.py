@@ -18,7 +18,7 @@ Estimators
     including its unbiased std (``torch.std``) and ``eps = 1e-4`` added to the
     std. The rollout's advantage is broadcast to its trained tokens.
     With ``step_credit=True`` (search agents with per-step dense rewards,
-    ``calibrl.trainer.step_rewards``) the tokens of intermediate segment k (search
+    ``calibrl.trainer.kinds.search.step_rewards``) the tokens of intermediate segment k (search
     step k) get instead ``a_k = r_k - mean(r_k over the group's rollouts that
     have a step k)``, scaled like ``A`` (the std of those same-index step
     rewards for "group", of all the batch's step rewards for "batch"): a step

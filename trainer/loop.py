@@ -223,7 +223,7 @@ class _Loop:
 
     def step(self, step: int) -> None:
         """One step: rollout -> reference forward -> rewards -> advantages -> update -> log."""
-        from calibrl.trainer.step_log import StepTimes, step_metrics
+        from calibrl.trainer.step_log import StepTimes, rank_step_metrics
         from calibrl.trainer.training_batch import to_training_batch
 
         run, state, ctx, times = self.run, self.run.state, self.run.ctx, StepTimes()
@@ -273,7 +273,7 @@ class _Loop:
 
         # -------------------------------------------------------------- log
         times.step = time.perf_counter() - step_start
-        metrics = step_metrics(training, result, times, self.config.health, rollouts.current.sampling_metrics)
+        metrics = rank_step_metrics(training, result, times, self.config.health, rollouts.current.sampling_metrics)
         self.step_log.record(step, metrics, state)
 
     def stop_for_failure(self, step: int, failure: CalibrlError | None, rng: ckpt.RngState,

@@ -5,7 +5,7 @@ and the token layout of the rollouts into ``token_adv`` (B, L). What an estimato
 reads from the rollouts beyond that (CalibAdv's step scores) is registered with the
 estimator itself (``register_advantage(..., batch_inputs=...)``), so this stage, and
 the loop above it, never name an estimator. When the rewards carry per-step dense
-rewards (search agents, ``calibrl.trainer.step_rewards``) they go in as
+rewards (search agents, ``calibrl.trainer.kinds.search.step_rewards``) they go in as
 ``step_rewards`` (B, S), NaN where a rollout has no step k.
 """
 
