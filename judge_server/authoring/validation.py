@@ -150,24 +150,8 @@ def agreement(rubric: Rubric, model_id: str, golden: Sequence[FeedbackRecord], s
     low, high, n_clusters = _kappa_bounds(golden, expert_pass, judge_pass, kappa)
     agree = sum(a == b for a, b in zip(expert_pass, judge_pass)) / len(golden) if golden else None
 
-    graded = [(r.grade, s) for r, s in zip(golden, scores) if r.grade is not None]
-    expert_grades = [g for g, _ in graded]
-    judge_grades = [judge_grade(s.total) for _, s in graded]
-    grade_metrics = {
-        "n": len(graded),
-        "quadratic_weighted_kappa": metrics.quadratic_weighted_kappa(expert_grades, judge_grades) if graded else None,
-        "spearman": metrics.spearman(expert_grades, judge_grades) if graded else None,
-        "spearman_total": metrics.spearman(expert_grades, [s.total for _, s in graded]) if graded else None,
-        "confusion": {"labels": [1, 2, 3, 4, 5], "rows": "expert", "columns": "judge",
-                      "matrix": metrics.confusion(expert_grades, judge_grades, [1, 2, 3, 4, 5])},
-    }
-    per_criterion = {}
-    for criterion in rubric.criteria:
-        if not criterion.tags:
-            continue
-        flagged = [s.by_name()[criterion.name] < options.flag_threshold for s in scores]
-        tagged = [bool(set(criterion.tags) & set(_canonical_tags(r))) for r in golden]
-        per_criterion[criterion.name] = {"tags": list(criterion.tags), **metrics.precision_recall(flagged, tagged)}
+    grade_metrics = _grade_metrics(golden, scores)
+    per_criterion = _criterion_metrics(rubric, golden, scores, options.flag_threshold)
 
     interval = "n/a" if kappa is None else f"{kappa:.3f}" + (
         "" if low is None else f" [{kappa_bound(low)}, {kappa_bound(high)}]")
@@ -223,6 +207,34 @@ def agreement(rubric: Rubric, model_id: str, golden: Sequence[FeedbackRecord], s
         kappa_high=high,
         gate=options.gate,
     )
+
+
+def _grade_metrics(golden: Sequence[FeedbackRecord], scores: Sequence[ItemScore]) -> dict[str, Any]:
+    """Agreement of the judge's 1-5 grades with the experts' (the records that have a grade)."""
+    graded = [(r.grade, s) for r, s in zip(golden, scores) if r.grade is not None]
+    expert_grades = [g for g, _ in graded]
+    judge_grades = [judge_grade(s.total) for _, s in graded]
+    return {
+        "n": len(graded),
+        "quadratic_weighted_kappa": metrics.quadratic_weighted_kappa(expert_grades, judge_grades) if graded else None,
+        "spearman": metrics.spearman(expert_grades, judge_grades) if graded else None,
+        "spearman_total": metrics.spearman(expert_grades, [s.total for _, s in graded]) if graded else None,
+        "confusion": {"labels": [1, 2, 3, 4, 5], "rows": "expert", "columns": "judge",
+                      "matrix": metrics.confusion(expert_grades, judge_grades, [1, 2, 3, 4, 5])},
+    }
+
+
+def _criterion_metrics(rubric: Rubric, golden: Sequence[FeedbackRecord], scores: Sequence[ItemScore],
+                       flag_threshold: float) -> dict[str, Any]:
+    """Per tagged criterion: precision/recall of its flags (score < ``flag_threshold``) against the expert tags."""
+    per_criterion = {}
+    for criterion in rubric.criteria:
+        if not criterion.tags:
+            continue
+        flagged = [s.by_name()[criterion.name] < flag_threshold for s in scores]
+        tagged = [bool(set(criterion.tags) & set(_canonical_tags(r))) for r in golden]
+        per_criterion[criterion.name] = {"tags": list(criterion.tags), **metrics.precision_recall(flagged, tagged)}
+    return per_criterion
 
 
 def _kappa_bounds(golden: Sequence[FeedbackRecord], expert_pass: Sequence[str], judge_pass: Sequence[str],
