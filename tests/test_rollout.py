@@ -17,7 +17,8 @@ from calibrl.trainer.engines import (  # noqa: E402
     top_p_filter,
     truncate_completion,
 )
-from calibrl.trainer.policy import Policy, token_logprobs  # noqa: E402
+from calibrl.trainer.policy import Policy  # noqa: E402
+from calibrl.testing.logprobs import sequence_logprobs  # noqa: E402
 from calibrl.trainer.kinds.rewrite import RewriteRollout  # noqa: E402
 from calibrl.trainer.kinds.search.records import SearchRollout
 from calibrl.trainer.rollout import assemble_rows, decode_completion
@@ -231,7 +232,7 @@ def test_rewrite_rollouts_give_group_size_rows_per_task(policy, tokenizer):
     assert batch.group_index.tolist() == [0, 0, 0, 1, 1, 1]
     assert [r.task.task_id for r in batch.rollouts] == ["t1"] * 3 + ["t2"] * 3
     assert all(isinstance(r, RewriteRollout) for r in batch.rollouts)
-    assert batch.old_logp is None
+    assert not hasattr(batch, "old_logp")  # behaviour log-probs travel on the pending batch
     for row in range(len(batch)):
         prompt_length = batch.prompt_lengths[row]
         trained = batch.completion_mask[row]
@@ -248,9 +249,9 @@ def test_rewrite_rollouts_give_group_size_rows_per_task(policy, tokenizer):
     # Same seed, same rollouts.
     again = rollout_rewrites(engine, tokenizer, tasks, group_size=3, max_new_tokens=8, temperature=1.0, seed=3)
     assert torch.equal(again.input_ids, batch.input_ids)
-    # The batch feeds token_logprobs directly.
+    # The batch feeds sequence_logprobs directly.
     with torch.no_grad():
-        logp = token_logprobs(policy.model, batch.input_ids, batch.attention_mask)
+        logp = sequence_logprobs(policy.model, batch.input_ids, batch.attention_mask)
     assert logp.shape == batch.input_ids.shape and bool((logp[batch.completion_mask] < 0).all())
 
 

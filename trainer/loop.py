@@ -242,7 +242,7 @@ class _Loop:
         # before this step's update), the reference's, the first micro-batch's.
         overlap_start = time.perf_counter()
         if rollouts.upcoming is not None:
-            rollouts.upcoming.batch.old_logp = self.updater.behaviour_logprobs(rollouts.upcoming.batch)
+            rollouts.upcoming.behaviour_logp = self.updater.behaviour_logprobs(rollouts.upcoming.batch)
         early = self.updater.forward_without_rewards(rollouts.current.batch)
         times.overlap_forward = time.perf_counter() - overlap_start
 

@@ -60,7 +60,6 @@ class RolloutBatch:
     group_index: "torch.Tensor"  # (B,) long: task index; group_size consecutive rows per task
     completion_texts: list[str]  # what followed the prompt (search: from the prompt's <think>, observations included)
     rollouts: Sequence[Rollout]  # the kind's record of each row, same order
-    old_logp: "torch.Tensor | None" = None  # (B, L), filled by the loop
     prompt_lengths: list[int] = field(default_factory=list)  # prompt tokens of each row
 
     def __len__(self) -> int:
@@ -76,7 +75,6 @@ class RolloutBatch:
             segment_index=self.segment_index.to(device),
             answer_mask=self.answer_mask.to(device),
             group_index=self.group_index.to(device),
-            old_logp=None if self.old_logp is None else self.old_logp.to(device),
         )
 
 

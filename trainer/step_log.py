@@ -66,7 +66,7 @@ def rank_step_metrics(training: TrainingBatch, update: UpdateResult, times: Step
         **kind_step_metrics(training),
         **diag.completion_metrics(batch.completion_mask),
         **times.metrics(),
-        "rollout/staleness": 0.0 if batch.old_logp is None else 1.0,
+        "rollout/staleness": 0.0 if training.behaviour_logp is None else 1.0,
     }
 
 
