@@ -132,13 +132,6 @@ class AdvantageInputs:
     def __post_init__(self) -> None:
         _validate_inputs(self)
 
-    @classmethod
-    def single_turn(cls, rewards: Tensor, group_index: Tensor, completion_mask: Tensor) -> "AdvantageInputs":
-        """Inputs for one-segment rollouts (a query rewriter): every trained token is answer segment 0."""
-        mask = _bool_mask("completion_mask", completion_mask)
-        segment_index = torch.where(mask, 0, -1).to(torch.long)
-        return cls(rewards, group_index, mask, segment_index, mask.clone())
-
     @property
     def trained(self) -> Tensor:
         """(B, T) bool view of ``completion_mask``."""
