@@ -222,8 +222,8 @@ def bench_judge(args, workdir: pathlib.Path, queries: list[str]) -> list[str]:
 async def _score_calls(port: int, queries: list[str], calls: int) -> list[float]:
     import grpc
 
-    from calibrl.judge_server import wire
-    from calibrl.judge_server.types import JudgeItem
+    from calibrl.api import judge_wire as wire
+    from calibrl.api.judge import JudgeItem
     from calibrl.v1 import judge_pb2, judge_pb2_grpc
 
     times = []

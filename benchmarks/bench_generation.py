@@ -8,7 +8,7 @@ a byte-level BPE tokenizer trained on the spot sample ``--new-tokens`` tokens fo
 2. the same prompts one at a time;
 
 and report new tokens/s of each and their ratio, plus the time of one
-``token_logprobs`` pass over the batch (the policy/old/reference forward of a
+``sequence_logprobs`` pass over the batch (the policy/old/reference forward of a
 training step). Stop strings are on in both runs (the search-agent stops) but a
 random model never emits them, so every row generates ``--new-tokens`` tokens.
 
@@ -44,7 +44,8 @@ def main() -> None:
 
     from calibrl.testing import build_model, build_tokenizer
     from calibrl.trainer.engines import TransformersEngine
-    from calibrl.trainer.policy import Policy, token_logprobs
+    from calibrl.testing.logprobs import sequence_logprobs
+    from calibrl.trainer.policy import Policy
     from calibrl.trainer.rollout import assemble_rows
     from calibrl.trainer.search_format import TURN_STOP_STRINGS
 
@@ -78,7 +79,7 @@ def main() -> None:
 
     def logprob_pass():
         with torch.no_grad():
-            return token_logprobs(model, batch["input_ids"].to(args.device), batch["attention_mask"].to(args.device))
+            return sequence_logprobs(model, batch["input_ids"].to(args.device), batch["attention_mask"].to(args.device))
 
     logprob_s, _ = timed(logprob_pass)
     report = {

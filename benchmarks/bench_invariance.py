@@ -239,7 +239,7 @@ def bench_transformers_judge(args, rows: list, probe: list) -> None:
     from calibrl.judge_server.backends.hf import TransformersJudge
     from calibrl.judge_server.rubric import Criterion
     from calibrl.testing import build_tiny_causal_lm
-    from calibrl.judge_server.types import JudgeItem
+    from calibrl.api.judge import JudgeItem
 
     criteria = [
         Criterion("intent", "llm", 1.0, question="Does the output keep the intent of the user's query?"),

@@ -251,11 +251,11 @@ def main() -> int:
 def _train_judge(base, workdir: str, args) -> tuple:
     """Distil LLM criteria from synthetic SME feedback, add a 1-5 question learnt from the
     grades, and train the judge on the training part: (rubric, model folder, summary)."""
-    from calibrl.judge_server.distill import DistillOptions, distill
-    from calibrl.judge_server.feedback import write_feedback
+    from calibrl.judge_server.authoring.distill import DistillOptions, distill
+    from calibrl.judge_server.authoring.feedback import write_feedback
     from calibrl.judge_server.rubric import Criterion, dump_rubric, load_rubric, with_fields
     from calibrl.testing import synthetic_feedback
-    from calibrl.judge_server.train_judge import TrainJudgeOptions, train_judge
+    from calibrl.judge_server.authoring.train_judge import TrainJudgeOptions, train_judge
 
     records = synthetic_feedback(args.train_records, seed=7)
     write_feedback(f"{workdir}/feedback.jsonl", records)
@@ -277,7 +277,7 @@ def _agreement_with_experts(criteria, records, scores) -> dict[str, float]:
     """Per criterion, the share of items whose logprob answer is the one training would
     target for that record (``train_judge.criterion_target``: from the SME tags, verdict or
     grade; a 1-5 answer agrees when it rounds to the target grade)."""
-    from calibrl.judge_server.train_judge import answer_agrees, criterion_target
+    from calibrl.judge_server.authoring.train_judge import answer_agrees, criterion_target
 
     out = {}
     for column, criterion in enumerate(criteria):
@@ -292,7 +292,7 @@ async def _grpc_cache_hits(judge, rubric_id, items, n_scores, repeats) -> dict:
 
     from calibrl.v1 import judge_pb2 as pb
     from calibrl.v1 import judge_pb2_grpc
-    from calibrl.judge_server import wire
+    from calibrl.api import judge_wire as wire
     from calibrl.judge_server.config import JudgeServerConfig
     from calibrl.judge_server.server import start
 

@@ -45,7 +45,7 @@ sys.path.insert(0, str(ROOT))
 from calibrl.errors import CalibrlError  # noqa: E402
 from calibrl.retrieval_server import metrics  # noqa: E402
 from calibrl.retrieval_server.corpus import file_sha256, read_hotpotqa_corpus, read_hotpotqa_questions  # noqa: E402
-from calibrl.retrieval_server.types import ScoreItem, SearchMode  # noqa: E402
+from calibrl.api.retrieval import ScoreItem, SearchMode  # noqa: E402
 
 DEFAULT_DATA = ROOT.parent / "shared" / "data" / "hotpotqa" / "dev_400.jsonl"
 DEFAULT_INDEX = pathlib.Path("/tmp/calibrl-bench/hotpotqa-flat")
@@ -138,7 +138,7 @@ async def run_grpc(address: str, rpc: str, batches: list[list[str]], concurrency
 
     from calibrl.v1 import retrieval_pb2 as pb
     from calibrl.v1 import retrieval_pb2_grpc as pb_grpc
-    from calibrl.retrieval_server import wire
+    from calibrl.api import retrieval_wire as wire
 
     mode_pb = wire.mode_to_proto(mode)
     options = [("grpc.max_receive_message_length", 64 << 20), ("grpc.max_send_message_length", 64 << 20)]

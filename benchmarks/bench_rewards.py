@@ -48,7 +48,8 @@ async def run(batch: int, repeats: int, workdir: pathlib.Path) -> dict[str, floa
     from calibrl.testing import TINY_CORPUS, build_test_index, start_test_server
     from calibrl.trainer.grpc_clients import GrpcJudgeClient, GrpcRetrievalClient
     from calibrl.trainer.inprocess import InProcessJudgeClient, InProcessRetrievalClient
-    from calibrl.trainer.rewards import RewardConfig, RewardModel, RewriteRollout
+    from calibrl.trainer.rewards import RewardConfig, RewardModel
+    from calibrl.trainer.kinds.rewrite import RewriteRollout, score_rewrites
     from calibrl.trainer.tasks import Task
 
     index_dir = build_test_index(workdir / "index")
@@ -82,11 +83,11 @@ async def run(batch: int, repeats: int, workdir: pathlib.Path) -> dict[str, floa
     try:
         for name, (config, retrieval, judging) in setups.items():
             model = RewardModel(config, retrieval, judging)
-            await model.score_rewrites(rollouts)  # warm-up (embedder, channels)
+            await score_rewrites(model, rollouts)  # warm-up (embedder, channels)
             times = []
             for _ in range(repeats):
                 start = time.perf_counter()
-                await model.score_rewrites(rollouts)
+                await score_rewrites(model, rollouts)
                 times.append(time.perf_counter() - start)
             medians[name] = statistics.median(times)
     finally:

@@ -55,7 +55,7 @@ def _rubric(k: int) -> str:
 
 def _publish(folder: pathlib.Path, k: int) -> str:
     from calibrl.judge_server.rubric import parse_rubric
-    from calibrl.judge_server.validation import ValidationRecord, validation_path, write_record
+    from calibrl.judge_server.authoring.validation import ValidationRecord, validation_path, write_record
 
     path = folder / "bench.yaml"
     text = _rubric(k)
@@ -76,7 +76,7 @@ def _percentile(values: list[float], q: float) -> float:
 
 
 def _item(rng: random.Random):
-    from calibrl.judge_server.types import JudgeItem
+    from calibrl.api.judge import JudgeItem
 
     query = " ".join(rng.choice(WORDS) for _ in range(6))
     output = " ".join(rng.choice(WORDS) for _ in range(9))

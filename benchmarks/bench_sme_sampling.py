@@ -33,7 +33,7 @@ def main(argv: list[str] | None = None) -> int:
     from calibrl.sme.study import StudyOptions, demo_inputs, plot_study, run_study
     from calibrl.retrieval_server.index import build_index_from_dicts
     from calibrl.retrieval_server.retriever import Retriever
-    from calibrl.retrieval_server.types import SearchMode
+    from calibrl.api.retrieval import SearchMode
 
     started = time.perf_counter()
     out = pathlib.Path(args.out or tempfile.mkdtemp(prefix="bench-sme-"))

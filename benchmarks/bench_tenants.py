@@ -59,10 +59,10 @@ def calibrate(work: pathlib.Path) -> list[dict]:
     from calibrl.judge_server.config import JudgeConfig
     from calibrl.judge_server.judge import Judge
     from calibrl.judge_server.rubric import load_rubric
-    from calibrl.judge_server.types import JudgeItem
+    from calibrl.api.judge import JudgeItem
     from calibrl.retrieval_server.retriever import Retriever
     from calibrl.retrieval_server.signals import score_hits
-    from calibrl.retrieval_server.types import ScoreItem, SearchMode
+    from calibrl.api.retrieval import ScoreItem, SearchMode
 
     torch.set_num_threads(1)
 

@@ -127,8 +127,8 @@ def run_trl(world: dict, out: pathlib.Path, steps: int) -> dict:
     from datasets import Dataset
     from transformers import AutoTokenizer, TrainerCallback
 
-    from calibrl.retrieval_server.types import ScoreItem
-    from calibrl.trainer.rollout import parse_rewrite
+    from calibrl.api.retrieval import ScoreItem
+    from calibrl.trainer.kinds.rewrite import parse_rewrite
     from calibrl.trainer.search_format import REWRITE_TEMPLATE, fill_template
     from calibrl.trainer.tasks import load_tasks
 

@@ -39,11 +39,6 @@ def option(default: Any = _MISSING, doc: str = "", *, factory: Any = _MISSING) -
     return dataclasses.field(default=default, default_factory=factory, metadata={"doc": doc})
 
 
-def field_docs(cls: type) -> dict[str, str]:
-    """Map of field name -> doc line for a config dataclass."""
-    return {f.name: f.metadata.get("doc", "") for f in dataclasses.fields(cls)}
-
-
 def describe(cls: type, prefix: str = "", defaults: Any = None) -> list[str]:
     """Human-readable lines `key = default  # doc` for every field, nested included.
 

@@ -94,10 +94,9 @@ def configure(
     if not config.enabled:
         return False
     from opentelemetry.sdk.metrics import MeterProvider
-    from opentelemetry.sdk.metrics.export import PeriodicExportingMetricReader
     from opentelemetry.sdk.resources import Resource
     from opentelemetry.sdk.trace import TracerProvider
-    from opentelemetry.sdk.trace.export import BatchSpanProcessor, SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 
     resource = Resource.create({"service.name": config.service_name or default_service_name})
     tracer_provider = TracerProvider(resource=resource)
@@ -107,26 +106,38 @@ def configure(
     if metric_reader is not None:
         readers.append(metric_reader)
     if config.otlp_endpoint:
-        try:
-            from opentelemetry.exporter.otlp.proto.grpc.metric_exporter import OTLPMetricExporter
-            from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
-        except ImportError:
-            raise ConfigError(
-                "telemetry.otlp_endpoint needs the OTLP exporter: pip install 'calibrl[otlp]'"
-            ) from None
-        tracer_provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter(endpoint=config.otlp_endpoint)))
-        readers.append(
-            PeriodicExportingMetricReader(
-                OTLPMetricExporter(endpoint=config.otlp_endpoint),
-                export_interval_millis=config.export_interval_s * 1000,
-            )
-        )
+        readers.append(_add_otlp_exporters(config, tracer_provider))
     if config.prometheus_port:
         readers.append(_start_prometheus(config))
     _state.tracer_provider = tracer_provider
     _state.meter_provider = MeterProvider(resource=resource, metric_readers=readers, views=_views())
-    meter = _state.meter_provider.get_meter("calibrl")
-    _state.instruments = {
+    _state.instruments = _instruments(_state.meter_provider.get_meter("calibrl"))
+    return True
+
+
+def _add_otlp_exporters(config: TelemetryConfig, tracer_provider: Any) -> Any:
+    """Send spans to ``config.otlp_endpoint`` (added to ``tracer_provider``); returns the metric reader
+    that exports there every ``export_interval_s``."""
+    from opentelemetry.sdk.metrics.export import PeriodicExportingMetricReader
+    from opentelemetry.sdk.trace.export import BatchSpanProcessor
+
+    try:
+        from opentelemetry.exporter.otlp.proto.grpc.metric_exporter import OTLPMetricExporter
+        from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
+    except ImportError:
+        raise ConfigError(
+            "telemetry.otlp_endpoint needs the OTLP exporter: pip install 'calibrl[otlp]'"
+        ) from None
+    tracer_provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter(endpoint=config.otlp_endpoint)))
+    return PeriodicExportingMetricReader(
+        OTLPMetricExporter(endpoint=config.otlp_endpoint),
+        export_interval_millis=config.export_interval_s * 1000,
+    )
+
+
+def _instruments(meter: Any) -> dict[str, Any]:
+    """Every instrument calibrl records, by the key the recording functions use."""
+    return {
         "rpc_duration": meter.create_histogram(
             "calibrl.rpc.server.duration", unit="s", description="Server-side latency of each RPC"
         ),
@@ -181,7 +192,6 @@ def configure(
             description="Client attempts retried (by service, method and status code; SHED: pushed back by the server)"
         ),
     }
-    return True
 
 
 def _views() -> list[Any]:

@@ -3,15 +3,16 @@ policies, the test models and the benchmarks. Nothing is downloaded.
 
 :func:`build_tiny_lm` sizes a Llama or Qwen2 model (:class:`TinyLMSpec`) for a
 given tokenizer and seeds its initialisation, so the same spec, tokenizer and
-seed give the same weights on any machine with the same torch build. Tokenizers
-differ by use (the demo trains one on its domain, the tests on a small corpus:
-see :mod:`calibrl.testing`) and are built by the caller.
+seed give the same weights on any machine with the same torch build.
+:func:`train_bpe_tokenizer` is the one tokenizer trainer: the corpus, special tokens and
+added tokens differ by use (the demo trains on its domain, the tests on a small corpus:
+see :mod:`calibrl.testing`), the byte-level BPE is the same.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Iterable, Sequence
 
 from calibrl.errors import InvalidArgument
 
@@ -41,6 +42,30 @@ class TinyLMSpec:
                 raise InvalidArgument(name, f"must be >= 1, got {getattr(self, name)}")
         if self.hidden_size % self.num_heads:
             raise InvalidArgument("hidden_size", f"{self.hidden_size} must be a multiple of num_heads={self.num_heads}")
+
+
+def train_bpe_tokenizer(texts: Iterable[str], vocab_size: int, special_tokens: Sequence[str], *,
+                        bos: str | None = None, min_frequency: int | None = None,
+                        added_tokens: Sequence[str] = ()) -> Any:
+    """A byte-level BPE tokenizer (a ``tokenizers.Tokenizer``: any text encodes and decodes exactly)
+    trained on ``texts`` with ``special_tokens`` first in its vocabulary. ``bos``: a special token
+    prepended to every encoding; ``min_frequency``: the BPE trainer's (None keeps its default);
+    ``added_tokens``: texts that each become one token, added after training."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+    core = Tokenizer(models.BPE())
+    core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    core.decoder = decoders.ByteLevel()
+    options = {} if min_frequency is None else {"min_frequency": min_frequency}
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=list(special_tokens),
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False, **options)
+    core.train_from_iterator(list(texts), trainer)
+    if added_tokens:
+        core.add_tokens([AddedToken(text, normalized=False, special=False) for text in added_tokens])
+    if bos is not None:
+        core.post_processor = processors.TemplateProcessing(single=f"{bos} $A", pair=f"{bos} $A {bos} $B",
+                                                            special_tokens=[(bos, core.token_to_id(bos))])
+    return core
 
 
 def build_tiny_lm(tokenizer: Any, spec: TinyLMSpec = TinyLMSpec(), seed: int = 0) -> Any:
@@ -75,4 +100,4 @@ def build_tiny_lm(tokenizer: Any, spec: TinyLMSpec = TinyLMSpec(), seed: int = 0
     return model
 
 
-__all__ = ["ARCHITECTURES", "TinyLMSpec", "build_tiny_lm"]
+__all__ = ["ARCHITECTURES", "TinyLMSpec", "build_tiny_lm", "train_bpe_tokenizer"]

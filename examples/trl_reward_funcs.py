@@ -49,11 +49,10 @@ class LocalServices:
     """Both calibrl services on free loopback ports, on a background event loop."""
 
     def __init__(self, workdir: pathlib.Path) -> None:
+        from calibrl import JudgeServerConfig, RetrievalServerConfig
         from calibrl.config import load_config
         from calibrl.judge_server import server as judge_server
-        from calibrl.judge_server.config import JudgeServerConfig
         from calibrl.retrieval_server import server as retrieval_server
-        from calibrl.retrieval_server.config import RetrievalServerConfig
         from calibrl.testing import TINY_CORPUS, build_test_index
         from calibrl.trainer.aio import BackgroundLoop
 
@@ -131,9 +130,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, float]]:
     parser.add_argument("--model", default="", help="policy model folder (default: a tiny random Llama)")
     args = parser.parse_args(argv)
 
-    from calibrl.trainer.rewards import RewardConfig
-    from calibrl.trainer.tasks import Task, load_tasks
-    from calibrl.trainer.trl_adapter import make_reward_funcs, tasks_to_dataset
+    from calibrl import RewardConfig, Task, load_tasks, make_reward_funcs, tasks_to_dataset
 
     with tempfile.TemporaryDirectory(prefix="calibrl-trl-") as scratch:
         workdir = args.out_dir or pathlib.Path(scratch)

@@ -9,7 +9,7 @@ Public surface (everything else is an implementation detail):
 - ``calibrl.judge_server.server.start(config) -> RunningServer``: the gRPC server on the
   current event loop.
 - ``calibrl.judge_server.rubric``: the rubric file format, ``load_rubric``, ``Rubric.hash``.
-- ``calibrl.judge_server.feedback``, ``calibrl.judge_server.distill``, ``calibrl.judge_server.validation``:
+- ``calibrl.judge_server.authoring.feedback``, ``calibrl.judge_server.authoring.distill``, ``calibrl.judge_server.authoring.validation``:
   SME feedback records, distillation, validation records and the gate.
 - ``calibrl.judge_server.cli``: ``calibrl serve judge``, ``calibrl rubric distill|validate``.
 

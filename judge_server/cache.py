@@ -17,7 +17,7 @@ import sqlite3
 import threading
 from dataclasses import dataclass, replace
 
-from calibrl.judge_server.types import CriterionScore, ItemScore, JudgeItem
+from calibrl.api.judge import CriterionScore, ItemScore, JudgeItem
 
 
 # Bumped when the same (rubric, model, item) starts to score differently, so a cache

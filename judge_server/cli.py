@@ -152,9 +152,9 @@ def distill(argv: list[str]) -> int:
                         "error_tags=issues (docs/guides/rubric-from-feedback.md)")
     args = parser.parse_args(argv)
 
-    from calibrl.judge_server.distill import DistillOptions
-    from calibrl.judge_server.distill import distill as run_distill
-    from calibrl.judge_server.feedback import normalize_tag, parse_field_map, read_feedback, write_feedback
+    from calibrl.judge_server.authoring.distill import DistillOptions
+    from calibrl.judge_server.authoring.distill import distill as run_distill
+    from calibrl.judge_server.authoring.feedback import normalize_tag, parse_field_map, read_feedback, write_feedback
     from calibrl.judge_server.rubric import dump_rubric, parse_rubric
 
     try:
@@ -237,10 +237,10 @@ def validate(argv: list[str]) -> int:
 
     from calibrl.config import load_config
     from calibrl.judge_server.config import JudgeConfig
-    from calibrl.judge_server.feedback import read_feedback
+    from calibrl.judge_server.authoring.feedback import read_feedback
     from calibrl.judge_server.rubric import load_rubric
-    from calibrl.judge_server.feedback import parse_field_map
-    from calibrl.judge_server.validation import ValidationOptions, validate_judge, validation_path, write_record
+    from calibrl.judge_server.authoring.feedback import parse_field_map
+    from calibrl.judge_server.authoring.validation import ValidationOptions, validate_judge, validation_path, write_record
 
     try:
         config = load_config(JudgeConfig, args.config,
@@ -343,8 +343,8 @@ def train_judge(argv: list[str]) -> int:
 
     from tqdm.auto import tqdm
 
-    from calibrl.judge_server.train_judge import TrainJudgeOptions
-    from calibrl.judge_server.train_judge import train_judge as run_training
+    from calibrl.judge_server.authoring.train_judge import TrainJudgeOptions
+    from calibrl.judge_server.authoring.train_judge import train_judge as run_training
 
     options = TrainJudgeOptions(
         epochs=args.epochs, lr=args.lr, batch_size=args.batch_size, seed=args.seed, lora=args.lora,

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from calibrl.judge_server.types import JudgeItem
+from calibrl.api.judge import JudgeItem
 
 PER_ITEM_S = 0.0001
 PER_TEXT_CHAR_S = 1.4e-6  # 16,000 chars of query + output: 21.8 ms

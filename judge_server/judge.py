@@ -2,7 +2,7 @@
 
 ``Judge.score(rubric_id, items)`` is what the servicer and the trainer's in-process
 client call. Per item it returns every criterion's score in [0, 1] (rubric order),
-the weighted total (:func:`calibrl.judge_server.types.aggregate`), the rubric hash and the
+the weighted total (:func:`calibrl.api.judge.aggregate`), the rubric hash and the
 model id. Programmatic criteria are scored here with every backend; LLM criteria go
 to the LLM backend, so a ``programmatic`` judge refuses rubrics that have any.
 
@@ -22,46 +22,23 @@ import logging
 import math
 import pathlib
 import threading
-from dataclasses import dataclass
 from typing import Sequence
 
 from calibrl import telemetry
-from calibrl.errors import ConfigError, FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted, RewardError
+from calibrl.errors import ConfigError, FailedPrecondition, InvalidArgument, ResourceExhausted, RewardError
 from calibrl.judge_server import programmatic
 from calibrl.judge_server.backends import LLMBackend, parse_spec
 from calibrl.judge_server.cache import ResultCache, cache_key
 from calibrl.judge_server.config import JudgeConfig
 from calibrl.judge_server.prompts import PromptOptions
 from calibrl.judge_server.rubric import Rubric, load_rubric_dir
-from calibrl.judge_server.rubric_store import RubricVersions
-from calibrl.judge_server.types import CriterionScore, ItemScore, JudgeItem, aggregate
-from calibrl.judge_server.validation import ValidationRecord, find_record, read_records, validation_path
+from calibrl.api.judge import CriterionScore, ItemScore, JudgeItem, aggregate
+from calibrl.judge_server.rubric_store import RubricStatus, RubricVersions
+from calibrl.judge_server.validation_records import ValidationRecord, find_record, read_records, validation_path
 
 log = logging.getLogger(__name__)
 
 EMBEDDER_IDS = {"minilm": "minilm-l6-v2", "hashed-ngrams": "hashed-ngrams"}
-
-
-def shown(value: str, limit: int = 140) -> str:
-    """``repr`` of a caller-supplied identifier, cut so an error message stays small
-    (gRPC status details travel in metadata, which has a hard size limit)."""
-    if len(value) <= limit:
-        return repr(value)
-    return f"{value[:limit]!r}... ({len(value)} characters)"
-
-
-@dataclass(frozen=True)
-class RubricStatus:
-    """A served rubric and whether (and why not) this judge may use it."""
-
-    rubric: Rubric
-    validation: ValidationRecord | None
-    usable: bool
-    reason: str
-
-    @property
-    def validated(self) -> bool:
-        return self.validation is not None and self.validation.passed
 
 
 def load_llm(config: JudgeConfig) -> LLMBackend | None:

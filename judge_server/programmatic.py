@@ -46,8 +46,10 @@ import re
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Sequence
 
-from calibrl.judge_server import entities
-from calibrl.judge_server.types import JudgeItem
+from calibrl import entities
+# The query-similarity helpers are shared with the trainer's step rewards, so they live in the core.
+from calibrl.entities import EARLIER_QUERIES_KEY, REPEAT_SIMILARITY, query_similarity, repeats_earlier  # noqa: F401
+from calibrl.api.judge import JudgeItem
 
 # Default compliance patterns: identifiers that must never reach the index.
 DEFAULT_COMPLIANCE_PATTERNS: dict[str, str] = {
@@ -225,25 +227,6 @@ def compliance_leaks(text: str, params: Mapping[str, Any]) -> list[str]:
 
 def compliance_leak(items: Sequence[JudgeItem], params: Mapping[str, Any], context: ScorerContext) -> list[float]:
     return [0.0 if compliance_leaks(item.output, params) else 1.0 for item in items]
-
-
-EARLIER_QUERIES_KEY = "earlier_queries"
-# Word similarity at or above which a search query repeats an earlier one (repeated_query's default).
-REPEAT_SIMILARITY = 0.7
-
-
-def query_similarity(a: str, b: str) -> float:
-    """Jaccard similarity of the folded content words of two queries (1 for two empty ones)."""
-    words_a = {entities._fold(w) for w in entities.content_words(a)}
-    words_b = {entities._fold(w) for w in entities.content_words(b)}
-    if not words_a and not words_b:
-        return 1.0
-    return len(words_a & words_b) / len(words_a | words_b)
-
-
-def repeats_earlier(query: str, earlier: Sequence[str], threshold: float = REPEAT_SIMILARITY) -> bool:
-    """Whether ``query`` is at least ``threshold`` similar to any of the ``earlier`` queries."""
-    return any(query_similarity(query, previous) >= threshold for previous in earlier)
 
 
 def earlier_queries(item: JudgeItem) -> list[str]:

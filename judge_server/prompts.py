@@ -36,7 +36,7 @@ from typing import Callable, Mapping, Sequence
 
 from calibrl.errors import ConfigError
 from calibrl.judge_server.rubric import Criterion
-from calibrl.judge_server.types import JudgeItem
+from calibrl.api.judge import JudgeItem
 
 DEFAULT_INSTRUCTIONS = (
     "You are a strict reviewer of a retrieval agent. The agent rewrote a user's query into a search query "

@@ -38,10 +38,10 @@ from typing import TYPE_CHECKING, Callable, Iterable, Literal
 from calibrl import telemetry
 from calibrl.errors import CalibrlError, ConfigError, FailedPrecondition, InvalidArgument, NotFound
 from calibrl.judge_server.rubric import Rubric, load_rubric, rubric_files
-from calibrl.judge_server.validation import find_record, read_records, validation_path
+from calibrl.judge_server.validation_records import ValidationRecord, find_record, read_records, validation_path
 
 if TYPE_CHECKING:  # pragma: no cover
-    from calibrl.judge_server.judge import Judge, RubricStatus
+    from calibrl.judge_server.judge import Judge
 
 log = logging.getLogger(__name__)
 
@@ -56,6 +56,28 @@ Action = Literal["loaded", "refused", "removed", "retired"]
 def short(rubric_hash: str) -> str:
     """A version's name as shown in messages (the first 12 hex characters of its hash)."""
     return rubric_hash[:12]
+
+
+def shown(value: str, limit: int = 140) -> str:
+    """``repr`` of a caller-supplied identifier, cut so an error message stays small
+    (gRPC status details travel in metadata, which has a hard size limit)."""
+    if len(value) <= limit:
+        return repr(value)
+    return f"{value[:limit]!r}... ({len(value)} characters)"
+
+
+@dataclass(frozen=True)
+class RubricStatus:
+    """A served rubric and whether (and why not) this judge may use it."""
+
+    rubric: Rubric
+    validation: ValidationRecord | None
+    usable: bool
+    reason: str
+
+    @property
+    def validated(self) -> bool:
+        return self.validation is not None and self.validation.passed
 
 
 def split_ref(ref: str) -> tuple[str, str]:
@@ -172,8 +194,6 @@ class RubricVersions:
     def lookup(self, ref: str, tenant: str | None = None, rubric_hash: str = "") -> "RubricStatus":
         """The version ``ref`` (``id`` or ``id@version``) and ``rubric_hash`` name, visible to
         ``tenant``; NotFound / InvalidArgument / FailedPrecondition naming what and why."""
-        from calibrl.judge_server.judge import shown
-
         if not ref:
             raise InvalidArgument("rubric_id", "empty; name the rubric to use (ListRubrics shows them)")
         rubric_id = ref.partition("@")[0]
@@ -399,8 +419,6 @@ class RubricFolder:
             return changes
 
     def _consider(self, path: pathlib.Path, signature: tuple, force: bool) -> Change | None:
-        from calibrl.judge_server.judge import RubricStatus
-
         try:
             rubric = load_rubric(path)
             records = read_records(validation_path(path))

@@ -29,11 +29,12 @@ from calibrl.serving import RunningServer, rpc_errors, start_server, tenant_of_c
 from calibrl.v1 import judge_pb2 as pb
 from calibrl.v1 import judge_pb2_grpc
 from calibrl.judge_server import costs as cost_model
-from calibrl.judge_server import programmatic, rubric_store, wire
+from calibrl.judge_server import programmatic, rubric_store
+from calibrl.api import judge_wire as wire
 from calibrl.judge_server.config import JudgeServerConfig
 from calibrl.judge_server.judge import Judge, RubricStatus
 from calibrl.judge_server.rubric import Rubric
-from calibrl.judge_server.types import ItemScore, JudgeItem
+from calibrl.api.judge import ItemScore, JudgeItem
 
 log = logging.getLogger(__name__)
 

@@ -9,7 +9,7 @@ from calibrl.config import option
 from calibrl.errors import ConfigError
 from calibrl.serving import ServingConfig
 from calibrl.retrieval_server.limits import RetrievalLimits
-from calibrl.retrieval_server.types import SearchMode
+from calibrl.api.retrieval import SearchMode
 
 
 @dataclass

@@ -62,23 +62,15 @@ def build_index(
     """
     from calibrl.embedding import SentenceEmbedder
 
-    if index_type not in INDEX_TYPES:
-        raise InvalidArgument("index_type", f"{index_type!r}; use one of {list(INDEX_TYPES)}")
-    if not passages:
-        raise InvalidArgument("passages", "no passages to index")
     out_dir = pathlib.Path(out_dir)
-    if out_dir.exists() and any(out_dir.iterdir()) and not overwrite:
-        raise FailedPrecondition(f"{out_dir} exists and is not empty; pass --overwrite to replace it")
+    _check_build_args(passages, out_dir, index_type, overwrite)
     if not isinstance(embedder, SentenceEmbedder):
         embedder = SentenceEmbedder(embedder, device=device, backend=encoder_backend)
 
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     staging = pathlib.Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.building-", dir=out_dir.parent))
     try:
-        with open(staging / DOCS_FILE, "w", encoding="utf-8") as handle:
-            for passage in passages:
-                handle.write(json.dumps({"doc_id": passage.doc_id, "title": passage.title, "text": passage.text},
-                                        ensure_ascii=False) + "\n")
+        _write_docs(staging / DOCS_FILE, passages)
 
         log.info("embedding %d passages with %s", len(passages), embedder.describe())
         embeddings = embedder.encode([p.embedding_text for p in passages], batch_size=encode_batch_size,
@@ -94,14 +86,8 @@ def build_index(
             "normalized": True,
         }
         if index_type != "torch":
-            import faiss
-
-            index = build_faiss_index(embeddings, index_type, hnsw_m=hnsw_m, ivf_nlist=ivf_nlist)
-            faiss.write_index(index, str(staging / FAISS_FILE))
-            if index_type == "hnsw":
-                params["hnsw_m"] = hnsw_m
-            if index_type == "ivf":
-                params["ivf_nlist"] = int(index.nlist)
+            params.update(_write_faiss_index(staging / FAISS_FILE, embeddings, index_type, hnsw_m=hnsw_m,
+                                             ivf_nlist=ivf_nlist))
 
         (staging / BM25_DIR).mkdir()
         build_bm25([p.full_text for p in passages], staging / BM25_DIR, k1=bm25_k1, b=bm25_b,
@@ -128,6 +114,38 @@ def build_index(
         shutil.rmtree(staging, ignore_errors=True)
         raise
     return manifest
+
+
+def _check_build_args(passages: Sequence[Passage], out_dir: pathlib.Path, index_type: str, overwrite: bool) -> None:
+    if index_type not in INDEX_TYPES:
+        raise InvalidArgument("index_type", f"{index_type!r}; use one of {list(INDEX_TYPES)}")
+    if not passages:
+        raise InvalidArgument("passages", "no passages to index")
+    if out_dir.exists() and any(out_dir.iterdir()) and not overwrite:
+        raise FailedPrecondition(f"{out_dir} exists and is not empty; pass --overwrite to replace it")
+
+
+def _write_docs(path: pathlib.Path, passages: Sequence[Passage]) -> None:
+    """The passages as JSONL (``doc_id``, ``title``, ``text``), the order of the index's rows."""
+    with open(path, "w", encoding="utf-8") as handle:
+        for passage in passages:
+            handle.write(json.dumps({"doc_id": passage.doc_id, "title": passage.title, "text": passage.text},
+                                    ensure_ascii=False) + "\n")
+
+
+def _write_faiss_index(path: pathlib.Path, embeddings: Any, index_type: str, *, hnsw_m: int,
+                       ivf_nlist: int) -> dict[str, Any]:
+    """Build and write the FAISS index of ``embeddings``; returns the manifest params it adds."""
+    import faiss
+
+    index = build_faiss_index(embeddings, index_type, hnsw_m=hnsw_m, ivf_nlist=ivf_nlist)
+    faiss.write_index(index, str(path))
+    params: dict[str, Any] = {}
+    if index_type == "hnsw":
+        params["hnsw_m"] = hnsw_m
+    if index_type == "ivf":
+        params["ivf_nlist"] = int(index.nlist)
+    return params
 
 
 def build_index_from_dicts(records: Iterable[dict[str, Any]], out_dir: str | pathlib.Path, **options: Any) -> Manifest:

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from calibrl.errors import InvalidArgument, ResourceExhausted
-from calibrl.retrieval_server.types import ScoreItem, SearchMode
+from calibrl.api.retrieval import ScoreItem, SearchMode
 
 MODES = tuple(SearchMode)
 

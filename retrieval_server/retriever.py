@@ -29,7 +29,7 @@ from calibrl.retrieval_server.fusion import RRF_K, reciprocal_rank_fusion
 from calibrl.retrieval_server.limits import RetrievalLimits
 from calibrl.retrieval_server.manifest import Manifest, read_manifest, verify_files
 from calibrl.retrieval_server.signals import score_hits
-from calibrl.retrieval_server.types import Hit, RetrievalScore, ScoreItem, SearchMode
+from calibrl.api.retrieval import Hit, RetrievalScore, ScoreItem, SearchMode
 
 if TYPE_CHECKING:
     from calibrl.retrieval_server.config import RetrievalServerConfig
@@ -100,8 +100,7 @@ class Retriever:
         """
         from calibrl.errors import FailedPrecondition
         from calibrl.retrieval_server.dense import load_searcher
-        from calibrl.retrieval_server.manifest import check_encoder, manifest_backend
-        from calibrl.embedding import SentenceEmbedder, resolve_device
+        from calibrl.embedding import resolve_device
         from calibrl.retrieval_server.index import read_docs
         from calibrl.retrieval_server.sparse import BM25_DIR, BM25Searcher
 
@@ -112,20 +111,9 @@ class Retriever:
             if extra:
                 log.warning("files in %s not listed in its manifest (ignored): %s", index_dir, extra)
         device = resolve_device(device)
-        if not isinstance(embedder, SentenceEmbedder):
-            backend = manifest_backend(manifest) if encoder_backend == "auto" else encoder_backend
-            embedder = SentenceEmbedder(embedder or manifest.embedder, device=device, backend=backend,
-                                        cache_size=embedding_cache_size)
-        elif embedding_cache_size is not None:
-            embedder.cache.resize(embedding_cache_size)
-        check_encoder(manifest, embedder.encoder_record(), index_dir)
+        embedder = _query_embedder(index_dir, manifest, embedder, device=device, encoder_backend=encoder_backend,
+                                   cache_size=embedding_cache_size)
         manifest = served_manifest(manifest, embedder)
-        log.info("queries of %s are embedded by %s", index_dir, embedder.describe())
-        if embedder.dimension != manifest.dimension:
-            raise FailedPrecondition(
-                f"embedder {embedder.label} makes {embedder.dimension}-d vectors, the index holds "
-                f"{manifest.dimension}-d ones (built with {manifest.embedder})"
-            )
         passages = read_docs(index_dir)
         bm25 = BM25Searcher(index_dir / BM25_DIR)
         if not len(passages) == bm25.doc_count == manifest.doc_count:
@@ -264,3 +252,26 @@ def served_manifest(manifest: Manifest, embedder: Any) -> Manifest:
     return dataclasses.replace(manifest, library_versions={**manifest.library_versions,
                                                            SERVED_ENCODER_KEY: describe()})
 
+
+def _query_embedder(index_dir: pathlib.Path, manifest: Any, embedder: Any, *, device: str, encoder_backend: str,
+                    cache_size: int | None) -> Any:
+    """The embedder of an index's queries (see :meth:`Retriever.load` for ``embedder``), checked to be
+    the encoder that embedded its passages, with their dimension."""
+    from calibrl.embedding import SentenceEmbedder
+    from calibrl.errors import FailedPrecondition
+    from calibrl.retrieval_server.manifest import check_encoder, manifest_backend
+
+    if not isinstance(embedder, SentenceEmbedder):
+        backend = manifest_backend(manifest) if encoder_backend == "auto" else encoder_backend
+        embedder = SentenceEmbedder(embedder or manifest.embedder, device=device, backend=backend,
+                                    cache_size=cache_size)
+    elif cache_size is not None:
+        embedder.cache.resize(cache_size)
+    check_encoder(manifest, embedder.encoder_record(), index_dir)
+    log.info("queries of %s are embedded by %s", index_dir, embedder.describe())
+    if embedder.dimension != manifest.dimension:
+        raise FailedPrecondition(
+            f"embedder {embedder.label} makes {embedder.dimension}-d vectors, the index holds "
+            f"{manifest.dimension}-d ones (built with {manifest.embedder})"
+        )
+    return embedder

@@ -21,10 +21,10 @@ from calibrl.serving import rpc_errors, tenant_of_call, time_remaining
 from calibrl.v1 import retrieval_pb2 as pb
 from calibrl.v1 import retrieval_pb2_grpc as pb_grpc
 from calibrl.retrieval_server import limits as rules
-from calibrl.retrieval_server import wire
+from calibrl.api import retrieval_wire as wire
 from calibrl.retrieval_server.retriever import Retriever
 from calibrl.retrieval_server.signals import score_hits
-from calibrl.retrieval_server.types import Hit, RetrievalScore, ScoreItem, SearchMode
+from calibrl.api.retrieval import Hit, RetrievalScore, ScoreItem, SearchMode
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["RetrievalService"].full_name
 

@@ -7,7 +7,7 @@ from typing import Sequence
 
 from calibrl.text import normalize_answer
 from calibrl.retrieval_server import metrics
-from calibrl.retrieval_server.types import Hit, RetrievalScore, ScoreItem
+from calibrl.api.retrieval import Hit, RetrievalScore, ScoreItem
 
 
 def score_hits(item: ScoreItem, hits: Sequence[Hit], top_k: int, include_text: bool = False) -> RetrievalScore:

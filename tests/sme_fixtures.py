@@ -6,7 +6,7 @@ from __future__ import annotations
 import pathlib
 
 from calibrl.sme.items import SampleItem, write_items
-from calibrl.judge_server.distill import DistillOptions, distill
+from calibrl.judge_server.authoring.distill import DistillOptions, distill
 from calibrl.judge_server.rubric import dump_rubric
 from calibrl.testing import SYNTHETIC_GLOSSARY, synthetic_feedback
 

@@ -16,6 +16,7 @@ from calibrl.trainer.advantages import (
     compute_advantages,
     register_advantage,
 )
+from tests.advantage_inputs import single_turn_inputs
 
 # ---------------------------------------------------------------------------
 # Random batches (shared with test_calibadv)
@@ -133,7 +134,7 @@ def test_grpo_hand_computed_group_scale() -> None:
     rewards = torch.tensor([1.0, 0.0, 0.5, 0.5, 0.0, 0.9, 0.0])
     group_index = torch.tensor([7, 7, 3, 3, 9, 9, 9])
     mask = torch.ones(7, 2, dtype=torch.bool)
-    token_adv, metrics = compute_advantages("grpo", AdvantageInputs.single_turn(rewards, group_index, mask))
+    token_adv, metrics = compute_advantages("grpo", single_turn_inputs(rewards, group_index, mask))
     half = 0.5 / (math.sqrt(0.5) + 1e-4)
     std9 = math.sqrt((0.3 ** 2 * 2 + 0.6 ** 2) / 2)
     expected = [half, -half, 0.0, 0.0, -0.3 / (std9 + 1e-4), 0.6 / (std9 + 1e-4), -0.3 / (std9 + 1e-4)]
@@ -154,7 +155,7 @@ def test_grpo_hand_computed_group_scale() -> None:
 def test_grpo_scale_none_and_batch_hand_computed() -> None:
     rewards = torch.tensor([1.0, 0.0, 3.0, 1.0])
     group_index = torch.tensor([0, 0, 1, 1])
-    inputs = AdvantageInputs.single_turn(rewards, group_index, torch.ones(4, 1, dtype=torch.bool))
+    inputs = single_turn_inputs(rewards, group_index, torch.ones(4, 1, dtype=torch.bool))
     plain, _ = compute_advantages("grpo", inputs, scale="none")
     assert plain[:, 0].tolist() == [0.5, -0.5, 1.0, -1.0]
     batch_std = float(rewards.std())  # unbiased, as torch.std / TRL
@@ -163,7 +164,7 @@ def test_grpo_scale_none_and_batch_hand_computed() -> None:
 
 
 def test_grpo_all_equal_rewards_give_zero_advantage_and_are_counted() -> None:
-    inputs = AdvantageInputs.single_turn(torch.full((6,), 0.3), torch.tensor([1, 1, 1, 2, 2, 2]),
+    inputs = single_turn_inputs(torch.full((6,), 0.3), torch.tensor([1, 1, 1, 2, 2, 2]),
                                          torch.ones(6, 3, dtype=torch.bool))
     for scale in ("group", "batch", "none"):
         token_adv, metrics = compute_advantages("grpo", inputs, scale=scale)
@@ -173,7 +174,7 @@ def test_grpo_all_equal_rewards_give_zero_advantage_and_are_counted() -> None:
 
 
 def test_grpo_group_of_one_gets_zero_advantage() -> None:
-    inputs = AdvantageInputs.single_turn(torch.tensor([0.9, 1.0, 0.0]), torch.tensor([5, 6, 6]),
+    inputs = single_turn_inputs(torch.tensor([0.9, 1.0, 0.0]), torch.tensor([5, 6, 6]),
                                          torch.ones(3, 2, dtype=torch.bool))
     token_adv, metrics = compute_advantages("grpo", inputs)
     assert token_adv[0].tolist() == [0.0, 0.0]
@@ -197,7 +198,7 @@ def test_grpo_keeps_float64_rewards_and_does_not_mutate_inputs() -> None:
 
 def test_integer_masks_are_accepted() -> None:
     mask = torch.tensor([[1, 1, 0], [1, 0, 0]])
-    inputs = AdvantageInputs.single_turn(torch.tensor([1.0, 0.0]), torch.tensor([0, 0]), mask)
+    inputs = single_turn_inputs(torch.tensor([1.0, 0.0]), torch.tensor([0, 0]), mask)
     token_adv, _ = compute_advantages("grpo", inputs, scale="none")
     assert token_adv.tolist() == [[0.5, 0.5, 0.0], [-0.5, 0.0, 0.0]]
 
@@ -214,8 +215,8 @@ def test_registry_runs_a_new_estimator_by_name() -> None:
         return token_adv, {"magnitude": magnitude}
 
     try:
-        inputs = AdvantageInputs.single_turn(torch.tensor([1.0, 0.0]), torch.tensor([0, 0]),
-                                             torch.ones(2, 1, dtype=torch.bool))
+        inputs = single_turn_inputs(torch.tensor([1.0, 0.0]), torch.tensor([0, 0]),
+                                    torch.ones(2, 1, dtype=torch.bool))
         token_adv, metrics = compute_advantages("test_sign_only", inputs, magnitude=2.0)
         assert token_adv[:, 0].tolist() == [2.0, -2.0] and metrics == {"magnitude": 2.0}
         with pytest.raises(InvalidArgument, match="already registered"):

@@ -28,17 +28,17 @@ from calibrl.embedding import HashedNgramEmbedder, SentenceEmbedder
 from calibrl.v1 import judge_pb2, judge_pb2_grpc
 from calibrl.v1 import retrieval_pb2 as rpb
 from calibrl.v1 import retrieval_pb2_grpc as rpb_grpc
-from calibrl.judge_server import wire as judge_wire
+from calibrl.api import judge_wire
 from calibrl.judge_server.config import JudgeConfig, JudgeServerConfig
 from calibrl.judge_server.judge import Judge
 from calibrl.judge_server.rubric import load_rubric_dir
 from calibrl.judge_server.server import start as start_judge
 from calibrl.testing import build_tiny_causal_lm
-from calibrl.judge_server.types import JudgeItem
-from calibrl.retrieval_server import wire as retrieval_wire
+from calibrl.api.judge import JudgeItem
+from calibrl.api import retrieval_wire
 from calibrl.retrieval_server.dense import FaissSearcher, TorchSearcher, build_faiss_index
 from calibrl.testing import build_test_index, start_test_server
-from calibrl.retrieval_server.types import ScoreItem, SearchMode
+from calibrl.api.retrieval import ScoreItem, SearchMode
 
 torch = pytest.importorskip("torch")
 

@@ -22,12 +22,13 @@ import pytest
 import torch
 
 from calibrl.text import token_f1
-from calibrl.retrieval_server.types import Hit, RetrievalScore
+from calibrl.api.retrieval import Hit, RetrievalScore
 from calibrl.trainer.advantages import AdvantageInputs, compute_advantages
 from calibrl.trainer.calibadv import SearchStep, search_step_scores, select_silver_docs, step_scores
 from calibrl.trainer.config import CalibAdvAdvantage
-from calibrl.trainer.rewards import SearchRollout, SearchStepRecord
+from calibrl.trainer.kinds.search.records import SearchRollout, SearchStepRecord
 from calibrl.trainer.tasks import Task
+from calibrl.trainer.kinds.search.reward import score_search
 
 GOLD_ANSWERS = ("paris france",)
 
@@ -200,10 +201,10 @@ def test_rule1_a_malformed_trajectory_scores_zero_even_with_the_right_answer():
     task = Task("t", "search", "q?", answers=GOLD_ANSWERS)
     rollouts = [SearchRollout(task, (_record("find city", ("a",)),), "paris france", False),
                 SearchRollout(task, (_record("find city", ("a",)),), "paris france", True)]
-    malformed, well_formed = asyncio.run(model.score_search(rollouts))
+    malformed, well_formed = asyncio.run(score_search(model, rollouts))
     assert malformed.total == 0.0 and well_formed.total == 1.0
     raw_model = RewardModel(RewardConfig(w_rubric=0.0, answer_times_format=False), NoRetrieval(), None)
-    raw = asyncio.run(raw_model.score_search(rollouts))
+    raw = asyncio.run(score_search(raw_model, rollouts))
     assert raw[0].total == 1.0  # the option keeps the raw F1
 
 

@@ -15,11 +15,11 @@ from calibrl.judge_server import server as judge_server
 from calibrl.judge_server.config import JudgeConfig, JudgeServerConfig
 from calibrl.judge_server.judge import Judge
 from calibrl.judge_server.rubric import load_rubric_dir
-from calibrl.judge_server.types import JudgeItem
+from calibrl.api.judge import JudgeItem
 from calibrl.retrieval_server.limits import RetrievalLimits
 from calibrl.retrieval_server.retriever import Retriever
 from calibrl.testing import start_test_server
-from calibrl.retrieval_server.types import ScoreItem, SearchMode
+from calibrl.api.retrieval import ScoreItem, SearchMode
 from calibrl.trainer.grpc_clients import GrpcJudgeClient, GrpcRetrievalClient
 from calibrl.trainer.inprocess import InProcessJudgeClient, InProcessRetrievalClient
 from tests.reward_fixtures import retriever, rubric_dir, tiny_index  # noqa: F401 (fixtures)

@@ -10,9 +10,11 @@ import math
 import pytest
 import torch
 
-from calibrl.retrieval_server.types import RetrievalScore
-from calibrl.trainer.diagnostics import search_metrics
-from calibrl.trainer.rewards import RewriteRollout, SearchRollout, SearchStepRecord
+from calibrl.api.retrieval import RetrievalScore
+from calibrl.trainer.kinds.search.metrics import collapse_metrics
+from calibrl.trainer.kinds.rewrite import REWRITE
+from calibrl.trainer.kinds.search import SEARCH
+from calibrl.trainer.kinds.search.records import SearchRollout, SearchStepRecord
 from calibrl.trainer.tasks import Task
 from calibrl.trainer.update import reference_perplexity
 from tests.test_step_rewards import SEARCH_RUN, _judge_with_step_rubric, searching_policy  # noqa: F401  (fixture)
@@ -36,7 +38,7 @@ def test_search_metrics_on_hand_made_trajectories():
         _rollout([], well_formed=False, answer=None),  # answered nothing, searched nothing
         _rollout(["Fleming"]),
     ]
-    assert search_metrics(rollouts) == pytest.approx({
+    assert collapse_metrics(rollouts) == pytest.approx({
         "search/well_formed": 2 / 4,
         "search/answered": 3 / 4,
         "search/searches_per_trajectory": 5 / 4,
@@ -44,10 +46,11 @@ def test_search_metrics_on_hand_made_trajectories():
     }, abs=1e-12)
 
 
-def test_search_metrics_are_empty_for_rewrites_and_zero_repeats_without_searches():
-    assert search_metrics([RewriteRollout(TASK, "penicillin")]) == {}
-    assert search_metrics([]) == {}
-    metrics = search_metrics([_rollout([], answer="x")])
+def test_search_metrics_are_the_search_kinds_and_zero_repeats_without_searches():
+    assert REWRITE.step_metrics is None  # a rewrite step logs no search/* metrics
+    assert SEARCH.step_metrics is not None
+    assert collapse_metrics([]) == {}
+    metrics = collapse_metrics([_rollout([], answer="x")])
     assert metrics["search/searches_per_trajectory"] == 0.0 and metrics["search/repeated_share"] == 0.0
 
 

@@ -318,7 +318,7 @@ def _make_world(root: pathlib.Path) -> dict[str, pathlib.Path]:
 
     from calibrl.embedding import SentenceEmbedder
     from calibrl.judge_server import cli as judge_cli
-    from calibrl.judge_server.feedback import write_feedback
+    from calibrl.judge_server.authoring.feedback import write_feedback
     from calibrl.testing import SYNTHETIC_GLOSSARY, TINY_CORPUS, build_test_index, save_tiny_policy, synthetic_feedback
 
     root.chmod(0o755)  # pytest makes its folders 0700; what calibrl writes inside keeps its own modes
@@ -399,7 +399,7 @@ def _host_port(engine: str, container: str, port: int) -> str:
 
 
 async def _call_both(retrieval_target: str, judge_target: str) -> tuple[list, list, list]:
-    from calibrl.judge_server.types import JudgeItem
+    from calibrl.api.judge import JudgeItem
     from calibrl.trainer.grpc_clients import GrpcJudgeClient, GrpcRetrievalClient
 
     retrieval, judge = GrpcRetrievalClient(retrieval_target, timeout_s=60), GrpcJudgeClient(judge_target, timeout_s=60)

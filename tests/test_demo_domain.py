@@ -170,7 +170,7 @@ def test_bm25_copying_fails_and_the_expert_rewrite_succeeds(domain: dm.Domain, t
 
 
 def test_written_files_load_in_every_component(domain: dm.Domain, tmp_path: pathlib.Path) -> None:
-    from calibrl.judge_server.feedback import read_feedback
+    from calibrl.judge_server.authoring.feedback import read_feedback
     from calibrl.retrieval_server.corpus import read_beir_corpus
     from calibrl.trainer.tasks import load_tasks
 
@@ -197,10 +197,10 @@ def test_distilled_rubric_is_validated_with_a_threshold_picked_off_the_golden_se
     the pass threshold picked on the non-golden reviews, the gate on the kappa interval. No
     figure is pinned: the decision must follow the interval, whatever the kappa."""
     from calibrl.judge_server.config import JudgeConfig
-    from calibrl.judge_server.distill import DistillOptions, distill, text_key
-    from calibrl.judge_server.feedback import parse_record
+    from calibrl.judge_server.authoring.distill import DistillOptions, distill, text_key
+    from calibrl.judge_server.authoring.feedback import parse_record
     from calibrl.judge_server.judge import Judge
-    from calibrl.judge_server.validation import ValidationOptions, agreement, pick_pass_threshold
+    from calibrl.judge_server.authoring.validation import ValidationOptions, agreement, pick_pass_threshold
 
     records = [parse_record(r.record()) for r in domain.sme_feedback]
     result = distill(records, DistillOptions(rubric_id="demo", criteria_mode="programmatic",

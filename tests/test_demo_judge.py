@@ -51,7 +51,7 @@ def test_llm_rubric_asks_one_question_per_sme_tag(built):
 
 
 def test_golden_reviews_are_never_trained_on(built):
-    from calibrl.judge_server.distill import text_key
+    from calibrl.judge_server.authoring.distill import text_key
 
     _, _, _, golden, judge = built
     trained = {r.record_hash for r in judge.training.train}
@@ -91,7 +91,7 @@ def test_the_served_judge_finds_the_validation_record(built):
 
 
 def _programmatic(out: pathlib.Path):
-    from calibrl.judge_server.feedback import read_feedback
+    from calibrl.judge_server.authoring.feedback import read_feedback
     from calibrl.judge_server.rubric import load_rubric
 
     return load_rubric(out / "rubrics" / "demo-rewriter.yaml"), read_feedback(out / "golden.jsonl")
@@ -145,7 +145,7 @@ def test_server_section_lists_every_served_rubric():
 
 def test_validation_section_states_each_kappa_with_its_interval_and_the_gates_decision():
     from calibrl.demo.experts import PairKappa
-    from calibrl.judge_server.validation import ValidationRecord
+    from calibrl.judge_server.authoring.validation import ValidationRecord
 
     def record(kappa, low, high, passed, reason):
         return ValidationRecord(rubric_id="r", rubric_hash="h", model_id="m", passed=passed, kappa=kappa,

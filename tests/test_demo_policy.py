@@ -9,7 +9,7 @@ import pytest
 
 from calibrl.demo import policy as pol
 from calibrl.demo.domain import Domain, generate_domain
-from calibrl.retrieval_server.types import Hit
+from calibrl.api.retrieval import Hit
 
 
 @pytest.fixture(scope="module")
@@ -177,7 +177,7 @@ def test_warm_start_learns_and_saves_a_folder_the_trainer_loads(tokenizer, examp
 
     from calibrl.trainer.engines import make_engine
     from calibrl.trainer.policy import load_policy
-    from calibrl.trainer.rollout import rollout_rewrites
+    from calibrl.trainer.kinds.rewrite import rollout_rewrites
     from calibrl.trainer.tasks import Task
 
     rewrites, _ = examples

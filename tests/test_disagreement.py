@@ -9,8 +9,8 @@ import logging
 import pytest
 
 from calibrl.errors import ConfigError
-from calibrl.judge_server.types import ItemScore
-from calibrl.retrieval_server.types import RetrievalScore
+from calibrl.api.judge import ItemScore
+from calibrl.api.retrieval import RetrievalScore
 from calibrl.trainer.config import load_train_config
 from calibrl.trainer.diagnostics import HealthConfig, health_warnings, judge_retrieval_disagreement
 from calibrl.trainer.loop import train

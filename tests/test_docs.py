@@ -195,7 +195,7 @@ def test_documented_examples_parse():
     """The feedback record and the rubric the judge pages show are valid."""
     import json
 
-    from calibrl.judge_server.feedback import parse_record
+    from calibrl.judge_server.authoring.feedback import parse_record
     from calibrl.judge_server.rubric import parse_rubric
 
     guide = (DOCS / "guides" / "rubric-from-feedback.md").read_text(encoding="utf-8")

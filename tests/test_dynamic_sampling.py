@@ -59,11 +59,10 @@ def test_select_rows_keeps_every_field_of_the_chosen_rows():
     rows = [[([1, 2], False), ([3, 4], True)], [([1], False), ([5, 6, 7], True)], [([1, 2, 3], False), ([8], True)]]
     batch = RolloutBatch(**assemble_rows(rows, 0), group_index=torch.tensor([0, 0, 1]),
                          completion_texts=["a", "b", "c"], rollouts=["ra", "rb", "rc"], prompt_lengths=[2, 1, 3])
-    batch.old_logp = torch.arange(12, dtype=torch.float32).reshape(3, 4)
     picked = select_rows(batch, [2, 0])
     assert picked.completion_texts == ["c", "a"] and picked.rollouts == ["rc", "ra"]
     assert picked.prompt_lengths == [3, 2] and picked.group_index.tolist() == [1, 0]
-    for name in ("input_ids", "attention_mask", "completion_mask", "segment_index", "answer_mask", "old_logp"):
+    for name in ("input_ids", "attention_mask", "completion_mask", "segment_index", "answer_mask"):
         assert torch.equal(getattr(picked, name), getattr(batch, name)[[2, 0]]), name
 
 

@@ -40,9 +40,9 @@ from calibrl.v1 import judge_pb2 as jpb
 from calibrl.v1 import judge_pb2_grpc as jpb_grpc
 from calibrl.v1 import retrieval_pb2 as rpb
 from calibrl.v1 import retrieval_pb2_grpc as rpb_grpc
-from calibrl.retrieval_server import wire as retrieval_wire
+from calibrl.api import retrieval_wire
 from calibrl.testing import TINY_CORPUS, build_test_index, start_test_server
-from calibrl.retrieval_server.types import ScoreItem
+from calibrl.api.retrieval import ScoreItem
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 RUBRIC_ID = "faults-rewriter"
@@ -447,7 +447,7 @@ def _judge_items(call: int) -> list[jpb.JudgeItem]:
 
 
 def _judge_totals(rubric_dir, requests: list[list[jpb.JudgeItem]]) -> list[list[float]]:
-    from calibrl.judge_server import wire as judge_wire
+    from calibrl.api import judge_wire
     from calibrl.judge_server.judge import Judge
 
     judge = Judge.from_config(_judge_server_config(rubric_dir, 0).judge, rubric_dir)

@@ -25,8 +25,9 @@ torch.set_num_threads(1)
 from calibrl.judge_server.config import JudgeConfig
 from calibrl.judge_server.judge import load_llm
 from calibrl.judge_server.rubric import Criterion
-from calibrl.judge_server.types import JudgeItem
-from calibrl.trainer.policy import load_policy, token_logprobs
+from calibrl.api.judge import JudgeItem
+from calibrl.testing.logprobs import sequence_logprobs
+from calibrl.trainer.policy import load_policy
 
 folder, amx = sys.argv[1], sys.argv[2] == "1"
 result = {"capability": torch.backends.cpu.get_cpu_capability()}
@@ -37,7 +38,7 @@ for dtype in ("float32", "bfloat16"):
         ids = torch.randint(0, policy.config.vocab_size, (2, 200), generator=torch.Generator().manual_seed(0))
         mask = torch.ones_like(ids)
     with torch.no_grad():
-        result[f"policy_{dtype}"] = token_logprobs(policy, ids, mask).float().tolist()
+        result[f"policy_{dtype}"] = sequence_logprobs(policy, ids, mask).float().tolist()
 criteria = [Criterion("intent", "llm", 1.0, question="Does the output keep the intent of the user's query?")]
 query = " ".join(["what is the expense ratio of the evergreen growth fund"] * 12)  # a prompt of > 64 tokens
 items = [JudgeItem.make(query, "evergreen growth fund expense ratio"), JudgeItem.make("q", "short")]

@@ -12,14 +12,15 @@ from tests.conftest import torch_threads_one
 
 from calibrl.v1 import judge_pb2 as pb
 from calibrl.v1 import judge_pb2_grpc
-from calibrl.judge_server import cli, wire
+from calibrl.judge_server import cli
+from calibrl.api import judge_wire as wire
 from calibrl.judge_server.config import JudgeConfig, JudgeServerConfig
-from calibrl.judge_server.feedback import read_feedback, write_feedback
+from calibrl.judge_server.authoring.feedback import read_feedback, write_feedback
 from calibrl.judge_server.rubric import load_rubric
 from calibrl.judge_server.server import start
 from calibrl.testing import SYNTHETIC_GLOSSARY, build_tiny_causal_lm, synthetic_feedback
-from calibrl.judge_server.types import JudgeItem
-from calibrl.judge_server.validation import read_records
+from calibrl.api.judge import JudgeItem
+from calibrl.judge_server.authoring.validation import read_records
 
 
 one_torch_thread = pytest.fixture(scope="module", autouse=True)(torch_threads_one)

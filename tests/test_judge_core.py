@@ -5,12 +5,12 @@ import pytest
 from calibrl.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
 from calibrl.judge_server.cache import ResultCache
 from calibrl.judge_server.config import JudgeConfig
-from calibrl.judge_server.feedback import FeedbackRecord
+from calibrl.judge_server.authoring.feedback import FeedbackRecord
 from calibrl.judge_server.judge import Judge, load_llm
 from calibrl.judge_server.rubric import parse_rubric
 from calibrl.testing import build_tiny_causal_lm
-from calibrl.judge_server.types import CriterionScore, JudgeItem, aggregate
-from calibrl.judge_server.validation import ValidationOptions, agreement, find_record, read_records, write_record
+from calibrl.api.judge import CriterionScore, JudgeItem, aggregate
+from calibrl.judge_server.authoring.validation import ValidationOptions, agreement, find_record, read_records, write_record
 
 # Tolerances: an explicit one says the error it allows and why (tests/tolerances.py). A bare
 # pytest.approx(x) (rel 1e-6, ~17 float32 roundings) compares values a few float operations
@@ -157,7 +157,7 @@ def test_cache_answers_identical_items_identically(tmp_path):
 
 def test_lru_evicts_oldest():
     cache = ResultCache(max_items=2)
-    from calibrl.judge_server.types import ItemScore
+    from calibrl.api.judge import ItemScore
 
     score = ItemScore((CriterionScore("a", 0.5, 1.0),), 0.5)
     for key in ("k1", "k2", "k3"):

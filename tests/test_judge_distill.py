@@ -8,8 +8,8 @@ import sys
 import pytest
 
 from calibrl.errors import ConfigError
-from calibrl.judge_server.distill import DistillOptions, distill, is_golden, split_golden
-from calibrl.judge_server.feedback import FeedbackError, FeedbackRecord, read_feedback, write_feedback
+from calibrl.judge_server.authoring.distill import DistillOptions, distill, is_golden, split_golden
+from calibrl.judge_server.authoring.feedback import FeedbackError, FeedbackRecord, read_feedback, write_feedback
 from calibrl.judge_server.rubric import dump_rubric, load_rubric, parse_rubric
 from calibrl.testing import synthetic_feedback
 
@@ -163,7 +163,7 @@ def test_reviews_of_one_text_land_on_one_side_of_the_golden_split():
     trained on: a golden text never reaches training."""
     import dataclasses
 
-    from calibrl.judge_server.distill import text_key
+    from calibrl.judge_server.authoring.distill import text_key
 
     records = synthetic_feedback(200, seed=3)
     again = [dataclasses.replace(r, id=f"again-{n}", grade=6 - (r.grade or 3), output=f"  {r.output.upper()} ",

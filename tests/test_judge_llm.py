@@ -15,7 +15,7 @@ from calibrl.judge_server.config import JudgeConfig
 from calibrl.judge_server.judge import load_llm
 from calibrl.judge_server.rubric import Criterion
 from calibrl.testing import SIMPLE_CHAT_TEMPLATE, build_tiny_causal_lm, synthetic_feedback
-from calibrl.judge_server.types import JudgeItem
+from calibrl.api.judge import JudgeItem
 from tests.tolerances import forward_error
 
 torch = pytest.importorskip("torch")

@@ -5,10 +5,10 @@ import pytest
 
 from tests.conftest import torch_threads_one
 
-from calibrl.judge_server import entities
+from calibrl import entities
 from calibrl.judge_server import programmatic as P
 from calibrl.embedding import HashedNgramEmbedder, load_embedder
-from calibrl.judge_server.types import JudgeItem
+from calibrl.api.judge import JudgeItem
 from tests.tolerances import float32_sum_error
 
 # Tolerances: an explicit one says the error it allows and why (tests/tolerances.py). A bare

@@ -12,7 +12,7 @@ from calibrl.judge_server.backends.pruned_forward import PrunedForward, pruned_f
 from calibrl.judge_server.config import JudgeConfig
 from calibrl.judge_server.judge import load_llm
 from calibrl.judge_server.rubric import Criterion
-from calibrl.judge_server.types import JudgeItem
+from calibrl.api.judge import JudgeItem
 from calibrl.testing import build_tiny_causal_lm, build_tokenizer
 from calibrl.tiny_lm import TinyLMSpec, build_tiny_lm
 

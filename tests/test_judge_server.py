@@ -9,13 +9,13 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from calibrl.v1 import judge_pb2 as pb
 from calibrl.v1 import judge_pb2_grpc
-from calibrl.judge_server import wire
+from calibrl.api import judge_wire as wire
 from calibrl.judge_server.config import JudgeConfig, JudgeServerConfig
 from calibrl.judge_server.judge import Judge
 from calibrl.judge_server.rubric import load_rubric
 from calibrl.judge_server.server import start
-from calibrl.judge_server.types import JudgeItem
-from calibrl.judge_server.validation import ValidationRecord, validation_path, write_record
+from calibrl.api.judge import JudgeItem
+from calibrl.judge_server.authoring.validation import ValidationRecord, validation_path, write_record
 
 # Tolerances: an explicit one says the error it allows and why (tests/tolerances.py). A bare
 # pytest.approx(x) (rel 1e-6, ~17 float32 roundings) compares values a few float operations

@@ -20,13 +20,13 @@ from tests.test_judge_server import UNVALIDATED, VALIDATED
 
 from calibrl import telemetry
 from calibrl.demo.judge_report import RubricServerStats, parse_judge_stats, scrape_judge_stats
-from calibrl.judge_server import wire
+from calibrl.api import judge_wire as wire
 from calibrl.judge_server.config import JudgeConfig, JudgeServerConfig
 from calibrl.judge_server.judge import Judge
 from calibrl.judge_server.rubric import load_rubric
 from calibrl.judge_server.server import BatchMix, start
-from calibrl.judge_server.types import JudgeItem
-from calibrl.judge_server.validation import ValidationRecord, validation_path, write_record
+from calibrl.api.judge import JudgeItem
+from calibrl.judge_server.authoring.validation import ValidationRecord, validation_path, write_record
 from calibrl.telemetry import TelemetryConfig
 from calibrl.testing import build_tiny_causal_lm
 from calibrl.v1 import judge_pb2 as pb

@@ -10,15 +10,17 @@ import pytest
 from calibrl.errors import ConfigError
 from calibrl.v1 import judge_pb2 as pb
 from calibrl.v1 import judge_pb2_grpc
-from calibrl.judge_server import cli, validation, wire
+from calibrl.judge_server import cli
+from calibrl.judge_server.authoring import validation
+from calibrl.api import judge_wire as wire
 from calibrl.judge_server.config import JudgeServerConfig
-from calibrl.judge_server.distill import text_key
-from calibrl.judge_server.feedback import FeedbackRecord, parse_field_map, read_feedback, write_feedback
+from calibrl.judge_server.authoring.distill import text_key
+from calibrl.judge_server.authoring.feedback import FeedbackRecord, parse_field_map, read_feedback, write_feedback
 from calibrl.judge_server.rubric import load_rubric
 from calibrl.judge_server.server import start
 from calibrl.testing import SYNTHETIC_GLOSSARY, synthetic_feedback
-from calibrl.judge_server.types import CriterionScore, ItemScore, JudgeItem
-from calibrl.judge_server.validation import ValidationOptions, agreement, pick_pass_threshold, read_records
+from calibrl.api.judge import CriterionScore, ItemScore, JudgeItem
+from calibrl.judge_server.authoring.validation import ValidationOptions, agreement, pick_pass_threshold, read_records
 
 # Another team's names for the documented fields (documented=theirs).
 # Tolerances: an explicit one says the error it allows and why (tests/tolerances.py). A bare

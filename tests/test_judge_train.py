@@ -15,12 +15,12 @@ from tests.conftest import torch_threads_one
 
 from calibrl.cli import main as calibrl_main
 from calibrl.errors import ConfigError
-from calibrl.judge_server.distill import split_golden, text_key
-from calibrl.judge_server.feedback import FeedbackRecord, read_feedback, write_feedback
+from calibrl.judge_server.authoring.distill import split_golden, text_key
+from calibrl.judge_server.authoring.feedback import FeedbackRecord, read_feedback, write_feedback
 from calibrl.judge_server.rubric import Criterion, load_rubric
 from calibrl.testing import build_tiny_causal_lm
-from calibrl.judge_server.train_judge import TrainJudgeOptions, criterion_target, read_training_record, train_judge
-from calibrl.judge_server.validation import golden_digest, read_records
+from calibrl.judge_server.authoring.train_judge import TrainJudgeOptions, criterion_target, read_training_record, train_judge
+from calibrl.judge_server.authoring.validation import golden_digest, read_records
 
 torch = pytest.importorskip("torch")
 

@@ -15,8 +15,8 @@ from calibrl.trainer.policy import (  # noqa: E402
     Policy,
     load_policy,
     make_reference,
-    token_logprobs,
 )
+from calibrl.testing.logprobs import sequence_logprobs  # noqa: E402
 
 LORA = LoraSettings(r=4, alpha=8, dropout=0.0, target_modules=("q_proj", "v_proj", "down_proj"))
 
@@ -63,7 +63,7 @@ def test_token_logprobs_equal_a_manual_loop(tokenizer, temperature):
     model = build_model(tokenizer)
     input_ids, attention_mask, lengths = _batch(tokenizer)
     with torch.no_grad():
-        logp, entropy = token_logprobs(model, input_ids, attention_mask, temperature=temperature, return_entropy=True)
+        logp, entropy = sequence_logprobs(model, input_ids, attention_mask, temperature=temperature, return_entropy=True)
     expected_logp, expected_entropy = _manual_logprobs(model, input_ids, lengths, temperature)
     valid = attention_mask.bool()
     assert logp.shape == entropy.shape == input_ids.shape
@@ -82,13 +82,13 @@ def test_token_logprobs_equal_a_manual_loop(tokenizer, temperature):
 def test_token_logprobs_are_differentiable_and_validated(tokenizer):
     model = build_model(tokenizer).train()
     input_ids, attention_mask, _ = _batch(tokenizer)
-    logp = token_logprobs(model, input_ids, attention_mask)
+    logp = sequence_logprobs(model, input_ids, attention_mask)
     (logp * attention_mask).sum().backward()
     assert model.lm_head.weight.grad is not None and model.lm_head.weight.grad.abs().sum() > 0
     with pytest.raises(InvalidArgument, match="temperature"):
-        token_logprobs(model, input_ids, attention_mask, temperature=0.0)
+        sequence_logprobs(model, input_ids, attention_mask, temperature=0.0)
     with pytest.raises(InvalidArgument, match="input_ids"):
-        token_logprobs(model, input_ids[0], attention_mask[0])
+        sequence_logprobs(model, input_ids[0], attention_mask[0])
 
 
 def test_load_policy_from_a_folder(policy_dir, tokenizer):
@@ -101,8 +101,8 @@ def test_load_policy_from_a_folder(policy_dir, tokenizer):
     # Same weights as the model that was saved.
     input_ids, attention_mask, _ = _batch(tokenizer)
     with torch.no_grad():
-        loaded = token_logprobs(policy.model, input_ids, attention_mask)
-        original = token_logprobs(build_model(tokenizer), input_ids, attention_mask)
+        loaded = sequence_logprobs(policy.model, input_ids, attention_mask)
+        original = sequence_logprobs(build_model(tokenizer), input_ids, attention_mask)
     torch.testing.assert_close(loaded, original)  # same weights, same kernels: bitwise (default tolerance)
 
     bf16 = load_policy(str(policy_dir), device="cpu", dtype="bfloat16")
@@ -127,12 +127,12 @@ def test_gradient_checkpointing(policy_dir, tokenizer):
     model = policy.model
     assert getattr(model, "is_activation_checkpointing", None) or getattr(model, "is_gradient_checkpointing")
     input_ids, attention_mask, _ = _batch(tokenizer)
-    token_logprobs(policy.model, input_ids, attention_mask).sum().backward()
+    sequence_logprobs(policy.model, input_ids, attention_mask).sum().backward()
     assert policy.model.model.layers[0].self_attn.q_proj.weight.grad is not None
 
     pytest.importorskip("peft")
     lora_policy = load_policy(str(policy_dir), device="cpu", dtype="float32", lora=LORA, gradient_checkpointing=True)
-    token_logprobs(lora_policy.model, input_ids, attention_mask).sum().backward()
+    sequence_logprobs(lora_policy.model, input_ids, attention_mask).sum().backward()
     grads = [p.grad for n, p in lora_policy.model.named_parameters() if "lora_A" in n]
     assert grads and all(g is not None for g in grads)
 
@@ -145,11 +145,11 @@ def test_reference_is_a_frozen_copy(policy_dir, tokenizer):
     assert all(p.requires_grad for p in policy.model.parameters())
     input_ids, attention_mask, _ = _batch(tokenizer)
     with torch.no_grad():
-        before = token_logprobs(reference, input_ids, attention_mask)
+        before = sequence_logprobs(reference, input_ids, attention_mask)
         for p in policy.model.parameters():
             p.add_(0.05)
-        after = token_logprobs(reference, input_ids, attention_mask)
-        moved = token_logprobs(policy.model, input_ids, attention_mask)
+        after = sequence_logprobs(reference, input_ids, attention_mask)
+        moved = sequence_logprobs(policy.model, input_ids, attention_mask)
     torch.testing.assert_close(before, after)  # the frozen reference: same weights, same kernels, bitwise
     assert not torch.allclose(moved, before)
 
@@ -180,19 +180,19 @@ def test_lora_wraps_with_peft_and_the_reference_disables_adapters(policy_dir, to
     input_ids, attention_mask, _ = _batch(tokenizer)
     base = build_model(tokenizer)
     with torch.no_grad():
-        base_logp = token_logprobs(base, input_ids, attention_mask)
+        base_logp = sequence_logprobs(base, input_ids, attention_mask)
         # B = 0 at init: the adapter adds exact zeros to the same float32 products, so the values match to
         # the default float32 tolerance (atol 1e-5) on any CPU (they are in fact bitwise equal).
-        torch.testing.assert_close(token_logprobs(policy.model, input_ids, attention_mask), base_logp)  # B = 0 at init
+        torch.testing.assert_close(sequence_logprobs(policy.model, input_ids, attention_mask), base_logp)  # B = 0 at init
         _randomise_lora(policy.model)
-        trained = token_logprobs(policy.model, input_ids, attention_mask)
-        ref = token_logprobs(reference, input_ids, attention_mask)
+        trained = sequence_logprobs(policy.model, input_ids, attention_mask)
+        ref = sequence_logprobs(reference, input_ids, attention_mask)
     assert not torch.allclose(trained, base_logp, atol=1e-3)  # randomised adapters move log-probs by >> 1e-3
     torch.testing.assert_close(ref, base_logp)  # adapters disabled: the base model's own kernels, default tolerance
     assert policy.model.training  # the reference call restored the mode
     # Adapters are active again after the reference call.
     with torch.no_grad():
-        torch.testing.assert_close(token_logprobs(policy.model, input_ids, attention_mask), trained)
+        torch.testing.assert_close(sequence_logprobs(policy.model, input_ids, attention_mask), trained)
 
 
 def test_lora_inference_weights_merge_the_adapter(policy_dir, tokenizer):
@@ -211,8 +211,8 @@ def test_lora_inference_weights_merge_the_adapter(policy_dir, tokenizer):
         logits = fresh(input_ids=input_ids, attention_mask=attention_mask).logits
         tolerance = forward_error(fresh, input_ids.shape[1], float(logits.abs().max()))
         torch.testing.assert_close(
-            token_logprobs(fresh, input_ids, attention_mask),
-            token_logprobs(policy.model, input_ids, attention_mask),
+            sequence_logprobs(fresh, input_ids, attention_mask),
+            sequence_logprobs(policy.model, input_ids, attention_mask),
             atol=tolerance,
             rtol=0,
         )
@@ -239,8 +239,8 @@ def test_a_saved_adapter_folder_loads_trainable(policy_dir, tokenizer, tmp_path)
     with torch.no_grad():
         # The saved adapter reloads bitwise: same weights, same kernels (default float32 tolerance).
         torch.testing.assert_close(
-            token_logprobs(resumed.model, input_ids, attention_mask),
-            token_logprobs(policy.model, input_ids, attention_mask),
+            sequence_logprobs(resumed.model, input_ids, attention_mask),
+            sequence_logprobs(policy.model, input_ids, attention_mask),
         )
     with pytest.raises(ConfigError, match="already holds a LoRA adapter"):
         load_policy(str(tmp_path / "adapter"), device="cpu", lora=LORA)

@@ -16,10 +16,10 @@ from calibrl.errors import ConfigError
 from calibrl.telemetry import TelemetryConfig
 from calibrl.v1 import judge_pb2 as pb
 from calibrl.v1 import judge_pb2_grpc
-from calibrl.judge_server import wire
+from calibrl.api import judge_wire as wire
 from calibrl.judge_server.config import JudgeServerConfig
 from calibrl.judge_server.server import start
-from calibrl.judge_server.types import JudgeItem
+from calibrl.api.judge import JudgeItem
 from tests.test_judge_server import make_rubrics, server_config
 
 pytest.importorskip("opentelemetry.exporter.prometheus", reason="the prometheus extra: pip install 'calibrl[prometheus]'")

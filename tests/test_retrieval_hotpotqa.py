@@ -19,13 +19,13 @@ import pytest
 from calibrl.errors import CalibrlError
 from calibrl.v1 import retrieval_pb2 as pb
 from calibrl.v1 import retrieval_pb2_grpc as pb_grpc
-from calibrl.retrieval_server import wire
+from calibrl.api import retrieval_wire as wire
 from calibrl.retrieval_server.corpus import file_sha256, read_hotpotqa_corpus, read_hotpotqa_questions
 from calibrl.retrieval_server.index import build_index
 from calibrl.retrieval_server.manifest import read_manifest, verify_files
 from calibrl.retrieval_server.retriever import Retriever
 from calibrl.testing import start_test_server
-from calibrl.retrieval_server.types import ScoreItem, SearchMode
+from calibrl.api.retrieval import ScoreItem, SearchMode
 
 # Building the 3,931-passage MiniLM index takes minutes on 2 cores: allow it beyond the default timeout.
 pytestmark = [pytest.mark.slow, pytest.mark.shared_data, pytest.mark.timeout(1800)]

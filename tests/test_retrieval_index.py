@@ -20,7 +20,7 @@ from calibrl.retrieval_server.manifest import read_manifest
 from calibrl.retrieval_server.retriever import Retriever
 from tests.tolerances import float32_sum_error
 from calibrl.testing import TINY_CORPUS, build_test_index
-from calibrl.retrieval_server.types import ScoreItem, SearchMode
+from calibrl.api.retrieval import ScoreItem, SearchMode
 
 QUERIES = {
     "Which iron tower was built in Paris for the 1889 World's Fair?": "eiffel",

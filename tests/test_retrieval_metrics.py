@@ -18,7 +18,7 @@ from calibrl.retrieval_server.fusion import reciprocal_rank_fusion
 from calibrl.retrieval_server.limits import RetrievalLimits, check_score, check_search, parse_mode
 from calibrl.retrieval_server.signals import score_hits
 from calibrl.retrieval_server.sparse import top_positive
-from calibrl.retrieval_server.types import Hit, ScoreItem, SearchMode
+from calibrl.api.retrieval import Hit, ScoreItem, SearchMode
 
 # Tolerances: an explicit one says the error it allows and why (tests/tolerances.py). A bare
 # pytest.approx(x) (rel 1e-6, ~17 float32 roundings) compares values a few float operations

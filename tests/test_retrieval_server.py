@@ -20,10 +20,10 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from calibrl.v1 import retrieval_pb2 as pb
 from calibrl.v1 import retrieval_pb2_grpc as pb_grpc
-from calibrl.retrieval_server import wire
+from calibrl.api import retrieval_wire as wire
 from calibrl.retrieval_server.retriever import Retriever
 from calibrl.testing import TINY_CORPUS, build_test_index, start_test_server
-from calibrl.retrieval_server.types import ScoreItem, SearchMode
+from calibrl.api.retrieval import ScoreItem, SearchMode
 
 # Tolerances: an explicit one says the error it allows and why (tests/tolerances.py). A bare
 # pytest.approx(x) (rel 1e-6, ~17 float32 roundings) compares values a few float operations

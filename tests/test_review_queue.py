@@ -13,7 +13,7 @@ import pytest
 from calibrl.cli import main as calibrl
 from calibrl.errors import ConfigError, FailedPrecondition
 from calibrl.judge_server.config import JudgeConfig
-from calibrl.judge_server.feedback import read_feedback, write_feedback
+from calibrl.judge_server.authoring.feedback import read_feedback, write_feedback
 from calibrl.judge_server.judge import Judge
 from calibrl.judge_server.rubric import load_rubric
 from calibrl.judge_server.rubric_store import RubricFolder
@@ -99,7 +99,7 @@ def test_the_drift_check_during_training_raises_the_alarm_and_stops_the_run(trai
     """Between steps 2 and 4 an expert grades the queued rollouts against the judge (fails what it
     passes, passes what it fails): at step 4 the drift check logs the disagreement, warns and, with
     review.on_alarm=stop, stops the run after that step with a checkpoint."""
-    from calibrl.judge_server.feedback import FeedbackRecord
+    from calibrl.judge_server.authoring.feedback import FeedbackRecord
 
     out = tmp_path / "run"
     retrieval, judge = trainer_world.clients()

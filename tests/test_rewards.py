@@ -16,20 +16,18 @@ from calibrl.judge_server import server as judge_server
 from calibrl.judge_server.config import JudgeConfig, JudgeServerConfig
 from calibrl.judge_server.judge import Judge
 from calibrl.judge_server.rubric import load_rubric_dir
-from calibrl.judge_server.types import JudgeItem
+from calibrl.api.judge import JudgeItem
 from calibrl.testing import start_test_server
-from calibrl.retrieval_server.types import ScoreItem
+from calibrl.api.retrieval import ScoreItem
 from calibrl.trainer.grpc_clients import GrpcJudgeClient, GrpcRetrievalClient
 from calibrl.trainer.inprocess import InProcessJudgeClient, InProcessRetrievalClient
 from tests.reward_fixtures import retriever, rubric_dir, tiny_index  # noqa: F401 (fixtures)
-from calibrl.trainer.rewards import (
-    RewardConfig,
-    RewardModel,
-    RewriteRollout,
-    SearchRollout,
-    SearchStepRecord,
-)
+from calibrl.trainer.rewards import RewardConfig, RewardModel
+from calibrl.trainer.kinds.rewrite import RewriteRollout
+from calibrl.trainer.kinds.search.records import SearchRollout, SearchStepRecord
 from calibrl.trainer.tasks import Task
+from calibrl.trainer.kinds.rewrite import score_rewrites
+from calibrl.trainer.kinds.search.reward import score_search
 
 # Tolerances: an explicit one says the error it allows and why (tests/tolerances.py). A bare
 # pytest.approx(x) (rel 1e-6, ~17 float32 roundings) compares values a few float operations
@@ -94,7 +92,7 @@ def _model(retriever, judge, **overrides):
 
 
 async def test_rewrite_reward_is_the_documented_blend(retriever, judge):
-    results = await _model(retriever, judge).score_rewrites(_rollouts())
+    results = await score_rewrites(_model(retriever, judge), _rollouts())
     expected_retrieval = retriever.score([ScoreItem(text, TASKS[t].gold_doc_ids, TASKS[t].answers)
                                           for t, text in REWRITES], 5)
     expected_rubric = judge.score("rewrite-test", [JudgeItem(TASKS[t].query, text, context=TASKS[t].context)
@@ -107,12 +105,12 @@ async def test_rewrite_reward_is_the_documented_blend(retriever, judge):
     # the good rewrite of each task beats the bad one, and the rewards are dense (not all 0 or 1)
     assert totals[0] > totals[1] and totals[2] > totals[3] and totals[4] > totals[5]
     assert len({round(t, 6) for t in totals}) >= 4
-    assert await _model(retriever, judge).score_rewrites([]) == []
+    assert await score_rewrites(_model(retriever, judge), []) == []
 
 
 @pytest.mark.parametrize("signal", ["hit", "recall", "mrr", "ndcg"])
 async def test_retrieval_signal_choice(retriever, judge, signal):
-    results = await _model(retriever, judge, retrieval_signal=signal, top_k=2).score_rewrites(_rollouts())
+    results = await score_rewrites(_model(retriever, judge, retrieval_signal=signal, top_k=2), _rollouts())
     expected = retriever.score([ScoreItem(text, TASKS[t].gold_doc_ids) for t, text in REWRITES], 2)
     for result, ret in zip(results, expected):
         value = float(ret.hit) if signal == "hit" else getattr(ret, signal)
@@ -121,7 +119,7 @@ async def test_retrieval_signal_choice(retriever, judge, signal):
 
 async def test_binary_only_is_hit_at_k_without_a_judge(retriever):
     model = _model(retriever, None, binary_only=True, w_rubric=0.3, top_k=1)
-    results = await model.score_rewrites(_rollouts())
+    results = await score_rewrites(model, _rollouts())
     expected = retriever.score([ScoreItem(text, TASKS[t].gold_doc_ids) for t, text in REWRITES], 1)
     assert [r.total for r in results] == [float(e.hit) for e in expected]
     assert all(r.components.keys() == {"retrieval"} and r.rubric is None for r in results)
@@ -132,7 +130,7 @@ async def test_retrieval_and_judge_calls_run_concurrently(retriever, judge):
     retrieval = Recording(InProcessRetrievalClient(retriever), delay=0.3)
     judging = Recording(InProcessJudgeClient(judge), delay=0.3)
     model = RewardModel(RewardConfig(rubric_id="rewrite-test"), retrieval, judging)
-    await model.score_rewrites(_rollouts())
+    await score_rewrites(model, _rollouts())
     ((r_start, r_end, r_args),), ((j_start, j_end, j_args),) = retrieval.calls, judging.calls
     assert r_start < j_end and j_start < r_end, "the two calls did not overlap"
     assert len(r_args[0]) == len(REWRITES) and len(j_args[1]) == len(REWRITES)  # one call each for the batch
@@ -144,7 +142,7 @@ async def test_rubric_can_see_the_retrieved_passages(retriever, judge):
     judging = Recording(InProcessJudgeClient(judge))
     model = RewardModel(RewardConfig(rubric_id="rewrite-test", rubric_sees_retrieval=True, top_k=3),
                         retrieval, judging)
-    results = await model.score_rewrites(_rollouts())
+    results = await score_rewrites(model, _rollouts())
     ((_, r_end, _),), ((j_start, _, j_args),) = retrieval.calls, judging.calls
     assert j_start >= r_end
     first = j_args[1][0]
@@ -157,7 +155,7 @@ async def test_empty_rewrites_score_zero_and_long_ones_are_cut(retriever, judge)
     model = RewardModel(RewardConfig(rubric_id="rewrite-test", max_output_chars=60), retrieval,
                         InProcessJudgeClient(judge))
     rollouts = [RewriteRollout(TASKS[0], "   "), RewriteRollout(TASKS[1], "Magic Flute composer " + "la " * 500)]
-    empty, long = await model.score_rewrites(rollouts)
+    empty, long = await score_rewrites(model, rollouts)
     assert empty.total == 0.0 and empty.components == {"retrieval": 0.0, "rubric": 0.0} and empty.retrieval is None
     ((_, _, args),) = retrieval.calls
     assert [item.query for item in args[0]] == ["Magic Flute composer " + ("la " * 500)[:39].strip()]
@@ -168,9 +166,9 @@ async def test_transient_failures_retry_the_whole_batch(retriever, judge):
     retrieval = Recording(InProcessRetrievalClient(retriever), fail_first=1)
     judging = Recording(InProcessJudgeClient(judge))
     model = RewardModel(RewardConfig(rubric_id="rewrite-test", retry_backoff_s=0.0), retrieval, judging)
-    results = await model.score_rewrites(_rollouts())
+    results = await score_rewrites(model, _rollouts())
     assert len(retrieval.calls) == 2 and len(judging.calls) == 2  # both services called again, for the batch
-    assert results == await _model(retriever, judge).score_rewrites(_rollouts())
+    assert results == await score_rewrites(_model(retriever, judge), _rollouts())
 
 
 @pytest.mark.parametrize(
@@ -187,7 +185,7 @@ async def test_a_reward_that_cannot_be_computed_raises_never_zero(retriever, jud
     model = RewardModel(RewardConfig(rubric_id="rewrite-test", retry_backoff_s=0.0), InProcessRetrievalClient(retriever),
                         judging)
     with pytest.raises(RewardError, match=match) as info:
-        await model.score_rewrites(_rollouts())
+        await score_rewrites(model, _rollouts())
     assert len(judging.calls) == calls
     assert info.value.__cause__ is not None
 
@@ -199,7 +197,7 @@ async def test_nan_retrieval_signal_raises(retriever, judge):
     model = RewardModel(RewardConfig(rubric_id="rewrite-test", retry_backoff_s=0.0, max_attempts=2), retrieval,
                         InProcessJudgeClient(judge))
     with pytest.raises(RewardError, match="ndcg=inf"):
-        await model.score_rewrites(_rollouts())
+        await score_rewrites(model, _rollouts())
     assert len(retrieval.calls) == 2
 
 
@@ -227,7 +225,7 @@ async def _search_rollouts(retriever):
 async def test_search_reward_defaults_to_answer_f1(retriever):
     task, rollouts = await _search_rollouts(retriever)
     model = RewardModel(RewardConfig(w_rubric=0.0), InProcessRetrievalClient(retriever), None)
-    results = await model.score_search(rollouts)
+    results = await score_search(model, rollouts)
     expected = [token_f1(r.answer, task.answers) if r.answer else 0.0 for r in rollouts]
     assert [r.total for r in results] == pytest.approx(expected)
     assert expected[0] == pytest.approx(0.5) and expected[1] == 1.0 and expected[3] == 0.0
@@ -242,7 +240,7 @@ async def test_search_reward_blend_and_binary(retriever, judge):
     judging = Recording(InProcessJudgeClient(judge))
     config = RewardConfig(rubric_id="rewrite-test", w_answer=0.5, search_w_retrieval=0.3, search_w_rubric=0.2,
                           answer_metric="em", retrieval_signal="mrr")
-    results = await RewardModel(config, InProcessRetrievalClient(retriever), judging).score_search(rollouts)
+    results = await score_search(RewardModel(config, InProcessRetrievalClient(retriever), judging), rollouts)
     ((_, _, args),) = judging.calls
     assert [item.output for item in args[1]] == ["Mozart", "Wolfgang Amadeus Mozart", "Gustave Eiffel"]
     assert args[1][1].retrieved_doc_ids[0] == rollouts[1].steps[0].result.doc_ids[0]
@@ -253,8 +251,8 @@ async def test_search_reward_blend_and_binary(retriever, judge):
         assert result.total == pytest.approx(0.5 * em + 0.3 * (sum(mrr) / len(mrr) if mrr else 0.0) + 0.2 * rubric)
     assert results[3].rubric is None and results[0].rubric is not None
 
-    binary = await RewardModel(RewardConfig(binary_only=True), InProcessRetrievalClient(retriever), None
-                               ).score_search(rollouts)
+    binary = await score_search(RewardModel(RewardConfig(binary_only=True), InProcessRetrievalClient(retriever), None
+                               ), rollouts)
     assert [r.total for r in binary] == [0.0, 1.0, 0.0, 0.0]
 
 
@@ -288,14 +286,14 @@ async def test_over_grpc_same_rewards_and_a_dead_judge_raises(tiny_index, retrie
                               backoff_max_s=0.02)
     try:
         config = RewardConfig(rubric_id="rewrite-test", retry_backoff_s=0.0, max_attempts=2)
-        remote = await RewardModel(config, retrieval, judging).score_rewrites(_rollouts())
-        local = await _model(retriever, judge).score_rewrites(_rollouts())
+        remote = await score_rewrites(RewardModel(config, retrieval, judging), _rollouts())
+        local = await score_rewrites(_model(retriever, judge), _rollouts())
         assert [r.total for r in remote] == pytest.approx([r.total for r in local])
         assert [r.retrieval.doc_ids for r in remote] == [r.retrieval.doc_ids for r in local]
 
         await judge_running.stop(grace=0.5)
         with pytest.raises(RewardError, match="after 2 attempts.*Unavailable"):
-            await RewardModel(config, retrieval, judging).score_rewrites(_rollouts())
+            await score_rewrites(RewardModel(config, retrieval, judging), _rollouts())
     finally:
         await retrieval.close()
         await judging.close()

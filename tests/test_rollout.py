@@ -17,15 +17,13 @@ from calibrl.trainer.engines import (  # noqa: E402
     top_p_filter,
     truncate_completion,
 )
-from calibrl.trainer.policy import Policy, token_logprobs  # noqa: E402
-from calibrl.trainer.rewards import RewriteRollout, SearchRollout  # noqa: E402
-from calibrl.trainer.rollout import (  # noqa: E402
-    assemble_rows,
-    decode_completion,
-    rollout_rewrites,
-    rollout_search,
-    search_prompt,
-)
+from calibrl.trainer.policy import Policy  # noqa: E402
+from calibrl.testing.logprobs import sequence_logprobs  # noqa: E402
+from calibrl.trainer.kinds.rewrite import RewriteRollout  # noqa: E402
+from calibrl.trainer.kinds.search.records import SearchRollout
+from calibrl.trainer.rollout import assemble_rows, decode_completion
+from calibrl.trainer.kinds.rewrite import rollout_rewrites
+from calibrl.trainer.kinds.search.rollout import rollout_search, search_prompt_ids
 from calibrl.trainer.search_format import OBSERVATION_PREFIX, THINK_OPEN, parse_turn  # noqa: E402
 from calibrl.trainer.tasks import Task  # noqa: E402
 
@@ -234,7 +232,7 @@ def test_rewrite_rollouts_give_group_size_rows_per_task(policy, tokenizer):
     assert batch.group_index.tolist() == [0, 0, 0, 1, 1, 1]
     assert [r.task.task_id for r in batch.rollouts] == ["t1"] * 3 + ["t2"] * 3
     assert all(isinstance(r, RewriteRollout) for r in batch.rollouts)
-    assert batch.old_logp is None
+    assert not hasattr(batch, "old_logp")  # behaviour log-probs travel on the pending batch
     for row in range(len(batch)):
         prompt_length = batch.prompt_lengths[row]
         trained = batch.completion_mask[row]
@@ -251,9 +249,9 @@ def test_rewrite_rollouts_give_group_size_rows_per_task(policy, tokenizer):
     # Same seed, same rollouts.
     again = rollout_rewrites(engine, tokenizer, tasks, group_size=3, max_new_tokens=8, temperature=1.0, seed=3)
     assert torch.equal(again.input_ids, batch.input_ids)
-    # The batch feeds token_logprobs directly.
+    # The batch feeds sequence_logprobs directly.
     with torch.no_grad():
-        logp = token_logprobs(policy.model, batch.input_ids, batch.attention_mask)
+        logp = sequence_logprobs(policy.model, batch.input_ids, batch.attention_mask)
     assert logp.shape == batch.input_ids.shape and bool((logp[batch.completion_mask] < 0).all())
 
 
@@ -264,13 +262,13 @@ def test_prompts_use_the_chat_template_when_there_is_one(tokenizer):
         "{% if add_generation_prompt %}[assistant] {% endif %}"
     )
     task = SEARCH_TASKS[0]
-    rendered = chat.decode(search_prompt(chat, task))
+    rendered = chat.decode(search_prompt_ids(chat, task))
     assert rendered.startswith("[user] Answer the question below.")
     assert rendered.endswith("Question: Where is the Eiffel Tower?\n\n[assistant] <think>")
-    plain = chat.decode(search_prompt(chat, task, chat_template=False))
+    plain = chat.decode(search_prompt_ids(chat, task, chat_template=False))
     assert plain.startswith("<s>Answer the question below.") and plain.endswith("Eiffel Tower?\n<think>")
     with pytest.raises(InvalidArgument, match="chat_template"):
-        search_prompt(tokenizer, task, chat_template=True)
+        search_prompt_ids(tokenizer, task, chat_template=True)
 
 
 def test_rewrite_rollouts_reject_bad_input(policy, tokenizer):
@@ -385,7 +383,7 @@ def test_search_rollout_masks_segments_and_observations(tokenizer, retriever, ba
 
     for row, script in enumerate(SCRIPTS):
         task = batch.rollouts[row].task
-        prompt = search_prompt(tokenizer, task)
+        prompt = search_prompt_ids(tokenizer, task)
         assert tokenizer.decode(prompt).endswith("Question: " + task.query + "\n" + THINK_OPEN)
         length = int(batch.attention_mask[row].sum())
         ids = batch.input_ids[row][:length].tolist()
@@ -458,7 +456,7 @@ def test_observations_are_cut_to_max_obs_tokens(tokenizer, retriever, background
     batch = rollout_search(engine, tokenizer, SEARCH_TASKS[:1], group_size=1, retrieval=RecordingRetrieval(retriever),
                            run_async=background.run, max_turns=2, top_k=3, max_obs_tokens=5)
     observation = [t for t, m in zip(batch.input_ids[0].tolist(), batch.completion_mask[0].tolist()) if not m]
-    observation = observation[len(search_prompt(tokenizer, SEARCH_TASKS[0])):]
+    observation = observation[len(search_prompt_ids(tokenizer, SEARCH_TASKS[0])):]
     text = tokenizer.decode(observation)
     assert text.startswith("\n\n<information>") and text.endswith("</information>\n\n<think>")
     inner = text[len("\n\n<information>") : -len("</information>\n\n<think>")]

@@ -11,14 +11,14 @@ import grpc
 import pytest
 
 from calibrl.errors import FailedPrecondition, InvalidArgument, NotFound
-from calibrl.judge_server import wire
+from calibrl.api import judge_wire as wire
 from calibrl.judge_server.config import JudgeConfig, JudgeServerConfig
 from calibrl.judge_server.judge import Judge
 from calibrl.judge_server.rubric import load_rubric, parse_rubric
 from calibrl.judge_server.rubric_store import RubricFolder, split_ref
 from calibrl.judge_server.server import start
-from calibrl.judge_server.types import JudgeItem
-from calibrl.judge_server.validation import ValidationRecord, validation_path, write_record
+from calibrl.api.judge import JudgeItem
+from calibrl.judge_server.authoring.validation import ValidationRecord, validation_path, write_record
 from calibrl.serving import ServingConfig
 from calibrl.v1 import judge_pb2 as pb
 from calibrl.v1 import judge_pb2_grpc

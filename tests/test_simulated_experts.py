@@ -31,7 +31,9 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 SIMULATOR = ROOT / "calibrl" / "demo" / "experts.py"
 # Everything that judges: the programmatic criteria, the LLM judge's prompts and training,
 # distillation, validation (judge_server/), the demo's LLM judge, the shipped rubrics.
-JUDGE_SOURCES = sorted((ROOT / "judge_server").rglob("*.py")) + [ROOT / "calibrl" / "demo" / "judge_model.py"]
+# the judge's text analysis (word lists, query similarity) lives in the core, calibrl/entities.py
+JUDGE_SOURCES = sorted((ROOT / "judge_server").rglob("*.py")) + [ROOT / "calibrl" / "entities.py",
+                                                                 ROOT / "calibrl" / "demo" / "judge_model.py"]
 JUDGE_RUBRICS = sorted((ROOT / "configs" / "rubrics").glob("*.yaml"))
 
 
@@ -44,10 +46,11 @@ def domain():
 
 
 def test_the_simulator_loads_nothing_of_the_judge() -> None:
-    """Generating the domain (its SME reviews included) imports no judge module."""
+    """Generating the domain (its SME reviews included) imports no judge module (nor the judge's
+    text analysis, which lives in the core)."""
     code = ("import sys, tempfile\nfrom calibrl.demo.domain import generate_domain, write_domain\n"
             "write_domain(generate_domain(0), tempfile.mkdtemp())\n"
-            "print(sorted(m for m in sys.modules if m.startswith('calibrl.judge_server')))")
+            "print(sorted(m for m in sys.modules if m.startswith('calibrl.judge_server') or m == 'calibrl.entities'))")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip() == "[]"
@@ -105,6 +108,7 @@ def _judge_constants() -> tuple[set, set]:
         strings |= s
         numbers |= n
         module = ("calibrl.demo.judge_model" if path.name == "judge_model.py" else
+                  "calibrl.entities" if path == ROOT / "calibrl" / "entities.py" else
                   "calibrl.judge_server." + ".".join(path.relative_to(ROOT / "judge_server").with_suffix("").parts))
         if module.endswith("__init__"):
             continue
@@ -166,7 +170,7 @@ def test_no_list_threshold_or_pattern_is_shared_with_any_judge() -> None:
 def test_grades_do_not_move_when_the_text_gains_the_judges_vague_words(monkeypatch) -> None:
     """The experts never read the text: appending the judge's vague words (which change no
     search result) to every rewritten text leaves every grade and tag as it was."""
-    from calibrl.judge_server.entities import VAGUE_TERMS
+    from calibrl.entities import VAGUE_TERMS
 
     domain = generate_domain(3)
     search = ex.CatalogueSearch(domain.rewriter_passages())
@@ -254,9 +258,9 @@ def _fold(text: str) -> str:
 
 def test_no_golden_text_reaches_the_judges_warm_start_or_training(domain) -> None:
     from calibrl.demo.judge_model import domain_text_examples
-    from calibrl.judge_server.distill import DistillOptions, distill, text_key
-    from calibrl.judge_server.feedback import parse_record
-    from calibrl.judge_server.train_judge import split_for_training
+    from calibrl.judge_server.authoring.distill import DistillOptions, distill, text_key
+    from calibrl.judge_server.authoring.feedback import parse_record
+    from calibrl.judge_server.authoring.train_judge import split_for_training
 
     records = [parse_record(r.record()) for r in domain.sme_feedback]
     result = distill(records, DistillOptions(rubric_id="demo", criteria_mode="llm",

@@ -21,7 +21,7 @@ pytest.importorskip("flask", reason="the review page needs Flask: pip install 'c
 pytest.importorskip("selenium", reason="the browser test drives Chromium with Selenium: pip install selenium")
 
 from calibrl.judge_server import cli as judge_cli
-from calibrl.judge_server.feedback import read_feedback, write_feedback
+from calibrl.judge_server.authoring.feedback import read_feedback, write_feedback
 from tests.sme_fixtures import write_rubric, write_sample
 
 CHROMIUM = next((p for p in map(shutil.which, ("chromium", "chromium-browser", "google-chrome")) if p), None)

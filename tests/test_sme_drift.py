@@ -7,10 +7,10 @@ import pytest
 
 from calibrl.errors import ConfigError
 from calibrl.judge_server.config import JudgeConfig
-from calibrl.judge_server.feedback import FeedbackRecord
+from calibrl.judge_server.authoring.feedback import FeedbackRecord
 from calibrl.judge_server.judge import Judge
 from calibrl.judge_server.rubric import parse_rubric
-from calibrl.judge_server.types import JudgeItem
+from calibrl.api.judge import JudgeItem
 from calibrl.sme.drift import DriftOptions, drift_report
 
 RUBRIC = parse_rubric("""\

@@ -20,7 +20,7 @@ from calibrl.sme.app import ReviewSettings, create_app, serve
 from calibrl.sme.store import FeedbackStore, check_reviewer, split_feedback_id
 from calibrl.judge_server import cli as judge_cli
 from calibrl.judge_server import metrics
-from calibrl.judge_server.feedback import FeedbackRecord, read_feedback
+from calibrl.judge_server.authoring.feedback import FeedbackRecord, read_feedback
 from tests.sme_fixtures import write_rubric, write_sample
 
 
@@ -203,7 +203,7 @@ def test_rubric_page_shows_validation_and_golden_disagreements(tmp_path):
     write_sample(tmp_path / "sample.jsonl", 3)
     rubric, golden = write_rubric(tmp_path)
     golden_path = tmp_path / "golden.jsonl"
-    from calibrl.judge_server.feedback import write_feedback
+    from calibrl.judge_server.authoring.feedback import write_feedback
 
     write_feedback(golden_path, golden)
     code = judge_cli.validate(["--rubric", str(rubric), "--golden", str(golden_path), "--judge", "programmatic",

@@ -9,8 +9,8 @@ from calibrl.sme.items import SampleItem
 from calibrl.sme.study import StudyOptions, StudyPoint, StudyResult, plot_study, run_study, validation_kappa
 from calibrl.judge_server import cli as judge_cli
 from calibrl.judge_server.config import JudgeConfig
-from calibrl.judge_server.distill import split_golden
-from calibrl.judge_server.feedback import write_feedback
+from calibrl.judge_server.authoring.distill import split_golden
+from calibrl.judge_server.authoring.feedback import write_feedback
 from calibrl.testing import SYNTHETIC_GLOSSARY, synthetic_feedback
 
 FAST_JUDGE = JudgeConfig(embedder="hashed-ngrams", allow_unvalidated=True, cache_size=0)

@@ -19,13 +19,15 @@ import torch
 
 from calibrl.errors import ConfigError, RewardError, Unavailable
 from calibrl.judge_server import programmatic
-from calibrl.judge_server.types import ItemScore, JudgeItem
-from calibrl.retrieval_server.types import Hit, RetrievalScore
+from calibrl.api.judge import ItemScore, JudgeItem
+from calibrl.api.retrieval import Hit, RetrievalScore
 from calibrl.trainer.advantages import AdvantageInputs, compute_advantages
-from calibrl.trainer.rewards import RewardConfig, RewardModel, SearchRollout, SearchStepRecord
-from calibrl.trainer.step_rewards import step_metrics, step_retrieval_signal
+from calibrl.trainer.rewards import RewardConfig, RewardModel
+from calibrl.trainer.kinds.search.records import SearchRollout, SearchStepRecord
+from calibrl.trainer.kinds.search.step_rewards import step_reward_metrics, step_retrieval_signal
 from calibrl.trainer.tasks import Task
 from tests.test_trainer_support import TrainerWorld, one_torch_thread, trainer_world  # noqa: F401  (fixtures)
+from calibrl.trainer.kinds.search.reward import score_search
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 STEP_RUBRIC = REPO / "configs" / "rubrics" / "search-steps.yaml"
@@ -151,7 +153,7 @@ def _trajectory(queries_and_results, answer="Alexander Fleming", well_formed=Tru
 
 
 def _score_search(config: RewardConfig, judge, rollouts):
-    return asyncio.run(RewardModel(config, retrieval=None, judge=judge).score_search(rollouts))
+    return asyncio.run(score_search(RewardModel(config, retrieval=None, judge=judge), rollouts))
 
 
 def test_step_reward_blends_retrieval_and_rubric_and_enters_the_trajectory_reward():
@@ -176,7 +178,7 @@ def test_step_reward_blends_retrieval_and_rubric_and_enters_the_trajectory_rewar
         TASK.query, "penicillin discoverer", (), ())
     assert second.retrieved_texts == tuple(h.text for h in rollout.steps[0].result.hits)
     assert dict(second.context) == {"earlier_queries": "penicillin discoverer"}
-    assert step_metrics([breakdown]) == pytest.approx({
+    assert step_reward_metrics([breakdown]) == pytest.approx({
         "steps/reward/mean": sum(rewards) / 2, "steps/searches_per_trajectory": 2.0,
         "steps/repeated_share": 0.5, "steps/new_gold_share": 0.5})
 
@@ -185,7 +187,7 @@ def test_step_rewards_off_by_default_and_a_malformed_trajectory_keeps_its_step_r
     rollout = _trajectory([("penicillin", _result(["g"], 1))], well_formed=False)
     [plain] = _score_search(RewardConfig(w_rubric=0.0), None, [rollout])
     assert plain.steps == () and not plain.steps_scored and "steps" not in plain.components
-    assert step_metrics([plain]) == {}
+    assert step_reward_metrics([plain]) == {}
     judge = RecordingJudge({"search-steps": 1.0})
     [scored] = _score_search(RewardConfig(w_rubric=0.0, score_steps=True), judge, [rollout])
     assert scored.total == 0.0  # F1 x format; score_steps alone leaves the trajectory reward alone
@@ -371,14 +373,14 @@ def searching_policy(trainer_world: TrainerWorld, tmp_path_factory) -> pathlib.P
     so its sampled rollouts really search (a random policy almost never closes a tag)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from calibrl.trainer.rollout import search_prompt
+    from calibrl.trainer.kinds.search.rollout import search_prompt_ids
 
     torch.manual_seed(0)
     tokenizer = AutoTokenizer.from_pretrained(trainer_world.policy_dir)
     model = AutoModelForCausalLM.from_pretrained(trainer_world.policy_dir)
     rows = []
     for question, word in TAUGHT_QUERIES.items():
-        prompt = search_prompt(tokenizer, Task("x", "search", question))
+        prompt = search_prompt_ids(tokenizer, Task("x", "search", question))
         rows.append((prompt, tokenizer(f"</think><search> {word} </search>", add_special_tokens=False)["input_ids"]))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     for _ in range(60):

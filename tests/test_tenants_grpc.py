@@ -19,10 +19,10 @@ from calibrl.judge_server import server as judge_server
 from calibrl.judge_server.config import JudgeConfig, JudgeServerConfig
 from calibrl.judge_server.judge import Judge
 from calibrl.judge_server.rubric import load_rubric_dir
-from calibrl.judge_server.types import JudgeItem
+from calibrl.api.judge import JudgeItem
 from calibrl.retrieval_server.limits import RetrievalLimits
 from calibrl.retrieval_server.retriever import Retriever
-from calibrl.retrieval_server.types import SearchMode
+from calibrl.api.retrieval import SearchMode
 from calibrl.security import load_tenants, tenant_weights
 from calibrl.serving import ServingConfig
 from calibrl.testing import start_test_server
@@ -154,7 +154,7 @@ async def test_the_judge_reports_its_budget_and_refuses_above_it(rubric_dir):
             # 8,000-character queries and outputs: ~22 ms each in the cost model, 64 of them ~1.4 s
             text = ("VTSAX expense ratio 2024 " * 400)[:8000]
             items = [JudgeItem(f"{i} {text}"[:8000], f"{i} {text}"[:8000]) for i in range(64)]
-            from calibrl.judge_server import wire
+            from calibrl.api import judge_wire as wire
 
             with pytest.raises(grpc.aio.AioRpcError) as refused:
                 await stub.Score(jpb.ScoreRequest(rubric_id="rewrite-test",

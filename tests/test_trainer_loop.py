@@ -225,10 +225,10 @@ def test_search_agent_with_calibadv_trains_and_logs_its_metrics(trainer_world, t
 
 
 def test_search_step_scores_follow_calibadv_per_group():
-    from calibrl.retrieval_server.types import Hit, RetrievalScore
+    from calibrl.api.retrieval import Hit, RetrievalScore
     from calibrl.trainer.config import CalibAdvAdvantage
     from calibrl.trainer.calibadv import search_step_scores
-    from calibrl.trainer.rewards import SearchRollout, SearchStepRecord
+    from calibrl.trainer.kinds.search.records import SearchRollout, SearchStepRecord
     from calibrl.trainer.tasks import Task
 
     def step(think, *doc_ids):
@@ -288,9 +288,10 @@ def test_training_runs_off_the_main_thread_without_signal_handling(trainer_world
 
 def test_completion_logprobs_equal_the_policy_logprobs_on_generated_tokens():
     """The loop projects only the completion columns to the vocabulary; the values
-    must be those of calibrl.trainer.policy.token_logprobs, for full and LoRA models."""
+    must be those of calibrl.testing.logprobs.sequence_logprobs, for full and LoRA models."""
     from calibrl.testing import build_model, build_tokenizer
-    from calibrl.trainer.policy import LoraSettings, Policy, _accepts_logits_to_keep, make_reference, token_logprobs, wrap_lora
+    from calibrl.trainer.policy import LoraSettings, Policy, _accepts_logits_to_keep, make_reference, wrap_lora
+    from calibrl.testing.logprobs import sequence_logprobs
     from calibrl.trainer.update import micro_batch
     from calibrl.trainer.update import micro_logprobs as completion_logprobs
     from calibrl.trainer.rollout import RolloutBatch, assemble_rows
@@ -304,7 +305,7 @@ def test_completion_logprobs_equal_the_policy_logprobs_on_generated_tokens():
     micro = micro_batch(batch, None, [0, 1, 2])
     assert micro.start == 2 and micro.mask.shape == (3, batch.input_ids.shape[1] - 2)
     logp, entropy = completion_logprobs(model, micro, 0.7, with_entropy=True)
-    full, full_entropy = token_logprobs(model, batch.input_ids, batch.attention_mask, temperature=0.7,
+    full, full_entropy = sequence_logprobs(model, batch.input_ids, batch.attention_mask, temperature=0.7,
                                         return_entropy=True)
     # Same hidden states, but the head and the log-softmax run on another slice (logits_to_keep): the
     # two may round differently in the head's dot product and the vocabulary sums (tests/tolerances.py).
@@ -392,7 +393,8 @@ def test_off_policy_behaviour_logprobs_are_those_of_the_weights_that_sampled(tra
     """The rollouts of step k + 1 were sampled by the weights after step k - 1
     (before step k's update): their stored behaviour log-probs are those weights',
     not the ones that train on them."""
-    from calibrl.trainer.policy import load_policy, token_logprobs
+    from calibrl.trainer.policy import load_policy
+    from calibrl.testing.logprobs import sequence_logprobs
 
     out, result = straight_off_policy_run
     checkpoints = out / "checkpoints"
@@ -400,15 +402,15 @@ def test_off_policy_behaviour_logprobs_are_those_of_the_weights_that_sampled(tra
     for k in (1, 2):
         pending = torch.load(checkpoints / f"step_{k:06d}" / "pending_rank0.pt", weights_only=False)
         assert pending["step"] == k + 1 and pending["breakdowns"] is not None  # settled before saving
-        batch = pending["batch"]
+        batch, behaviour = pending["batch"], pending["behaviour_logp"]
         mask = batch.completion_mask
-        assert batch.old_logp is not None and mask.any()
+        assert behaviour is not None and mask.any()
         for n, source in enumerate(weights):
             model = load_policy(str(source), device="cpu").model
             with torch.no_grad():
-                logp = token_logprobs(model, batch.input_ids, batch.attention_mask)
+                logp = sequence_logprobs(model, batch.input_ids, batch.attention_mask)
             # Same weights, another slice through the head (logits_to_keep) and the log-softmax.
-            close = torch.allclose(batch.old_logp[mask], logp[mask], atol=_logp_tolerance(model, batch), rtol=0)
+            close = torch.allclose(behaviour[mask], logp[mask], atol=_logp_tolerance(model, batch), rtol=0)
             assert close is (n == k - 1), (k, source)
     assert [m["rollout/staleness"] for m in result.history] == [0.0, 1.0, 1.0]
     assert result.history[0]["clip_ratio/region_mean"] == 0.0  # on-policy the ratio is exactly 1
@@ -453,7 +455,7 @@ def test_off_policy_failed_reward_keeps_the_stale_rollouts_and_resume_retries(tr
     checkpoint = find_checkpoint(tmp_path)
     assert (checkpoint.name, load_train_state(checkpoint).reason) == ("step_000001", "reward_error")
     pending = torch.load(checkpoint / "pending_rank0.pt", weights_only=False)
-    assert pending["step"] == 2 and pending["breakdowns"] is None and pending["batch"].old_logp is not None
+    assert pending["step"] == 2 and pending["breakdowns"] is None and pending["behaviour_logp"] is not None
 
     resumed = train(config, retrieval=retrieval, judge=judge, resume=checkpoint)
     assert resumed.steps_done == 3
@@ -530,7 +532,8 @@ def test_off_policy_behaviour_logprobs_ignore_lora_dropout(trainer_world, tmp_pa
     """The sampler draws in eval mode, so the behaviour log-probs must be eval-mode
     ones: with LoRA dropout 0.5 they still equal the sampling adapter's exactly."""
     pytest.importorskip("peft")
-    from calibrl.trainer.policy import load_policy, token_logprobs
+    from calibrl.trainer.policy import load_policy
+    from calibrl.testing.logprobs import sequence_logprobs
 
     retrieval, _ = trainer_world.clients(judge=False)
     config = load_train_config(None, trainer_world.overrides(
@@ -538,10 +541,11 @@ def test_off_policy_behaviour_logprobs_ignore_lora_dropout(trainer_world, tmp_pa
         "optimizer.lr=1e-2", "checkpoint_every=1", "keep_checkpoints=0", judge=False))
     train(config, retrieval=retrieval, judge=None)
     checkpoints = tmp_path / "checkpoints"
-    batch = torch.load(checkpoints / "step_000002" / "pending_rank0.pt", weights_only=False)["batch"]
+    pending = torch.load(checkpoints / "step_000002" / "pending_rank0.pt", weights_only=False)
+    batch = pending["batch"]
     sampler = load_policy(str(checkpoints / "step_000001" / "model"), device="cpu").model.eval()  # the adapter after step 1
     with torch.no_grad():
-        logp = token_logprobs(sampler, batch.input_ids, batch.attention_mask)
+        logp = sequence_logprobs(sampler, batch.input_ids, batch.attention_mask)
     mask = batch.completion_mask
     # Same weights, another slice through the head (logits_to_keep) and the log-softmax.
-    assert torch.allclose(batch.old_logp[mask], logp[mask], atol=_logp_tolerance(sampler, batch), rtol=0)
+    assert torch.allclose(pending["behaviour_logp"][mask], logp[mask], atol=_logp_tolerance(sampler, batch), rtol=0)

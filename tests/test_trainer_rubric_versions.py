@@ -9,7 +9,7 @@ import json
 import pytest
 
 from calibrl.judge_server.rubric import parse_rubric
-from calibrl.judge_server.types import CriterionScore, ItemScore
+from calibrl.api.judge import CriterionScore, ItemScore
 from calibrl.trainer.config import load_train_config
 from calibrl.trainer.diagnostics import read_log
 from calibrl.trainer.loop import train

@@ -10,10 +10,11 @@ import pytest
 import torch
 
 from calibrl.errors import ConfigError, RewardError
-from calibrl.retrieval_server.types import Hit, RetrievalScore
+from calibrl.api.retrieval import Hit, RetrievalScore
 from calibrl.trainer.config import CalibAdvAdvantage, GrpoAdvantage
 from calibrl.trainer.pipeline import RolloutPipeline
-from calibrl.trainer.rewards import RewardBreakdown, SearchRollout, SearchStepRecord
+from calibrl.trainer.rewards import RewardBreakdown
+from calibrl.trainer.kinds.search.records import SearchRollout, SearchStepRecord
 from calibrl.trainer.rollout import RolloutBatch, assemble_rows
 from calibrl.trainer.scoring import PendingBatch
 from calibrl.trainer.task_kinds import TASK_KINDS, TaskKind, register_task_kind, task_kind

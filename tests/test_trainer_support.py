@@ -139,7 +139,7 @@ def trainer_world(tmp_path_factory: pytest.TempPathFactory) -> TrainerWorld:
 
 
 def test_world_is_real_and_consistent(trainer_world: TrainerWorld) -> None:
-    from calibrl.retrieval_server.types import ScoreItem
+    from calibrl.api.retrieval import ScoreItem
     from calibrl.trainer.tasks import load_tasks
 
     tasks = load_tasks(trainer_world.rewrite_tasks)

@@ -22,7 +22,8 @@ from calibrl.retrieval_server.retriever import Retriever
 from calibrl.testing import build_test_index
 from calibrl.trainer.aio import BackgroundLoop
 from calibrl.trainer.inprocess import InProcessJudgeClient, InProcessRetrievalClient
-from calibrl.trainer.rewards import RewardConfig, RewardModel, RewriteRollout
+from calibrl.trainer.rewards import RewardConfig, RewardModel
+from calibrl.trainer.kinds.rewrite import RewriteRollout, score_rewrites
 from calibrl.trainer.tasks import Task
 from calibrl.trainer.trl_adapter import (
     BLENDED_NAME,
@@ -122,7 +123,7 @@ def test_component_functions_equal_the_reward_model_and_score_each_batch_once(co
     columns, prompts = _columns(TASKS)
     reference = RewardModel(config, InProcessRetrievalClient(retriever), InProcessJudgeClient(judge))
     with BackgroundLoop() as loop:
-        expected = loop.run(reference.score_rewrites(
+        expected = loop.run(score_rewrites(reference, 
             [RewriteRollout(t, rewrite_from_completion(c)) for t, c in zip(TASKS, COMPLETIONS)]))
 
     with reward_funcs_for(RewardModel(config, retrieval, judging)) as funcs:

@@ -45,12 +45,13 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 trl = pytest.importorskip("trl", reason="trl (a dev dependency) is needed for the equivalence test")
 
 from tests.tolerances import entropy_error, float32_sum_error, log_softmax_error  # noqa: E402
-from calibrl.trainer.advantages import AdvantageInputs, compute_advantages  # noqa: E402
+from calibrl.trainer.advantages import compute_advantages  # noqa: E402
 from calibrl.trainer.losses import (  # noqa: E402
     masked_entropy_from_logits,
     policy_loss,
     token_logprobs,
 )
+from tests.advantage_inputs import single_turn_inputs  # noqa: E402
 
 # Tolerances: an explicit one says the error it allows and why (tests/tolerances.py). A bare
 # pytest.approx(x) (rel 1e-6, ~17 float32 roundings) compares values a few float operations
@@ -123,7 +124,7 @@ def test_grpo_advantages_equal_trl(tiny_policy, tmp_path, scale_rewards: str) ->
     # Ours, on the rollouts in a shuffled order with arbitrary group labels.
     order = torch.randperm(len(REWARDS), generator=torch.Generator().manual_seed(3))
     labels = torch.tensor([17, -2, 5])[torch.arange(len(REWARDS)) // GENERATIONS]
-    inputs = AdvantageInputs.single_turn(torch.tensor(REWARDS)[order], labels[order], completion_mask[order])
+    inputs = single_turn_inputs(torch.tensor(REWARDS)[order], labels[order], completion_mask[order])
     token_adv, metrics = compute_advantages("grpo", inputs, scale=scale_rewards)
     ours = torch.empty_like(token_adv)
     ours[order] = token_adv

@@ -3,10 +3,10 @@
 import pytest
 
 from calibrl.errors import InvalidArgument
-from calibrl.judge_server.types import CriterionScore, ItemScore, JudgeItem, aggregate
-from calibrl.judge_server.wire import item_from_proto, item_score_from_proto, item_score_to_proto, item_to_proto
-from calibrl.retrieval_server.types import Hit, RetrievalScore, ScoreItem, SearchMode
-from calibrl.retrieval_server.wire import (
+from calibrl.api.judge import CriterionScore, ItemScore, JudgeItem, aggregate
+from calibrl.api.judge_wire import item_from_proto, item_score_from_proto, item_score_to_proto, item_to_proto
+from calibrl.api.retrieval import Hit, RetrievalScore, ScoreItem, SearchMode
+from calibrl.api.retrieval_wire import (
     mode_from_proto,
     mode_to_proto,
     retrieval_score_from_proto,

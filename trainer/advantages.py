@@ -18,7 +18,7 @@ Estimators
     including its unbiased std (``torch.std``) and ``eps = 1e-4`` added to the
     std. The rollout's advantage is broadcast to its trained tokens.
     With ``step_credit=True`` (search agents with per-step dense rewards,
-    ``calibrl.trainer.step_rewards``) the tokens of intermediate segment k (search
+    ``calibrl.trainer.kinds.search.step_rewards``) the tokens of intermediate segment k (search
     step k) get instead ``a_k = r_k - mean(r_k over the group's rollouts that
     have a step k)``, scaled like ``A`` (the std of those same-index step
     rewards for "group", of all the batch's step rewards for "batch"): a step
@@ -131,13 +131,6 @@ class AdvantageInputs:
 
     def __post_init__(self) -> None:
         _validate_inputs(self)
-
-    @classmethod
-    def single_turn(cls, rewards: Tensor, group_index: Tensor, completion_mask: Tensor) -> "AdvantageInputs":
-        """Inputs for one-segment rollouts (a query rewriter): every trained token is answer segment 0."""
-        mask = _bool_mask("completion_mask", completion_mask)
-        segment_index = torch.where(mask, 0, -1).to(torch.long)
-        return cls(rewards, group_index, mask, segment_index, mask.clone())
 
     @property
     def trained(self) -> Tensor:

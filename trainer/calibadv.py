@@ -46,7 +46,7 @@ if TYPE_CHECKING:  # pragma: no cover
     import torch
 
     from calibrl.trainer.config import CalibAdvAdvantage
-    from calibrl.trainer.rewards import SearchRollout
+    from calibrl.trainer.kinds.search.records import SearchRollout
 
 __all__ = ["SearchStep", "search_step_found_gold", "search_step_scores", "select_silver_docs", "step_scores",
            "word_edit_similarity"]

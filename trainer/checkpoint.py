@@ -95,6 +95,7 @@ class SavedPending(TypedDict):
     batch: "RolloutBatch"  # tensors on the CPU
     breakdowns: "list[RewardBreakdown] | None"  # None when the scores were not in yet
     data_position: dict[str, int]
+    behaviour_logp: "torch.Tensor | None"  # (B, L) on the CPU when sampled before the last update, else None
 
 
 def rng_state() -> RngState:

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from typing import Protocol, Sequence, TypedDict
 
-from calibrl.judge_server.types import ItemScore, JudgeItem
-from calibrl.retrieval_server.types import Hit, RetrievalScore, ScoreItem, SearchMode
+from calibrl.api.judge import ItemScore, JudgeItem
+from calibrl.api.retrieval import Hit, RetrievalScore, ScoreItem, SearchMode
 
 
 class IndexInfo(TypedDict):

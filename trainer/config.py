@@ -16,12 +16,13 @@ import math
 import pathlib
 import string
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, ClassVar, Literal
 
 from calibrl.config import load_config, option, to_dict
 from calibrl.errors import ConfigError
-from calibrl.judge_server.config import JudgeConfig
+from calibrl.api.judge_config import JudgeConfig
 from calibrl.sme.queue import ReviewConfig
+from calibrl.trainer.task_kinds import TASK_KINDS, record_formats, task_kind
 from calibrl.trainer.diagnostics import HealthConfig
 from calibrl.trainer.rewards import RewardConfig
 
@@ -108,8 +109,6 @@ class TasksConfig:
             raise ConfigError(f"tasks.heldout_fraction={self.heldout_fraction}: must be in [0, 1)")
         if self.limit < 0:
             raise ConfigError(f"tasks.limit={self.limit}: must be >= 0 (0 = all tasks)")
-        from calibrl.trainer.task_kinds import TASK_KINDS, record_formats
-
         if self.format != "auto" and self.format not in record_formats():
             raise ConfigError(f"tasks.format: {self.format!r} is not one of {['auto', *record_formats()]}")
         if self.kind != "auto" and self.kind not in TASK_KINDS:
@@ -117,8 +116,6 @@ class TasksConfig:
 
     def may_be_multi_step(self) -> bool:
         """Whether the tasks may be multi-step trajectories (``auto``: not known before the file is read)."""
-        from calibrl.trainer.task_kinds import task_kind
-
         return self.kind == "auto" or task_kind(self.kind).multi_step
 
 
@@ -241,8 +238,6 @@ class RolloutConfig:
     def template_for(self, kind: str) -> str:
         """The prompt template of a policy of task kind ``kind`` (``calibrl.trainer.task_kinds``):
         the configured one, or the kind's built-in template when none is set."""
-        from calibrl.trainer.task_kinds import task_kind
-
         return self.prompt_template or task_kind(kind).builtin_template
 
     def chat_template_flag(self) -> bool | None:
@@ -331,6 +326,10 @@ class GrpoAdvantage:
         "group's step-k rewards (the answer keeps the trajectory's); needs reward.score_steps or w_steps > 0.",
     )
 
+    # What the estimator needs of the rollouts besides rewards: None, or why it needs a kind's
+    # multi-step records (TaskKind.multi_step), shown when the run's tasks do not have them.
+    needs_multi_step: ClassVar[str | None] = None
+
     def params(self) -> dict[str, str | bool]:
         """Keyword parameters of the registered estimator."""
         return {"scale": self.scale, "step_credit": self.step_credit}
@@ -351,6 +350,8 @@ class CalibAdvAdvantage:
     )
     use_gold: bool = option(False, "Use the tasks' gold document ids as the silver documents when present.")
     similarity_threshold: float = option(0.5, "A step whose think text is this similar to an earlier one scores 0.")
+
+    needs_multi_step: ClassVar[str | None] = "CalibAdv calibrates multi-step trajectories"  # see GrpoAdvantage
 
     def params(self) -> dict[str, float]:
         """Keyword parameters of the registered estimator."""
@@ -528,10 +529,11 @@ class TrainConfig:
                 f"optimizer.warmup_steps={self.optimizer.warmup_steps} > steps={self.steps}: the run would end "
                 "before the learning rate reaches its peak; lower warmup_steps"
             )
-        if self.advantage.type == "calibadv" and not self.tasks.may_be_multi_step():
+        needs_multi_step = self.advantage.needs_multi_step
+        if needs_multi_step and not self.tasks.may_be_multi_step():
             raise ConfigError(
-                f"advantage.type=calibadv with tasks.kind={self.tasks.kind}: CalibAdv calibrates multi-step "
-                f"trajectories and {self.tasks.kind} rollouts have one step; use advantage.type=grpo, or a "
+                f"advantage.type={self.advantage.type} with tasks.kind={self.tasks.kind}: {needs_multi_step} "
+                f"and {self.tasks.kind} rollouts have one step; use advantage.type=grpo, or a "
                 f"multi-step tasks.kind ({', '.join(_multi_step_kinds())})"
             )
         if self.services.judge == NO_JUDGE and (self.reward.uses_rubric_for_rewrites or self.reward.uses_rubric_for_search):
@@ -595,8 +597,6 @@ class TrainConfig:
 
 
 def _multi_step_kinds() -> list[str]:
-    from calibrl.trainer.task_kinds import TASK_KINDS
-
     return [name for name, kind in TASK_KINDS.items() if kind.multi_step]
 
 

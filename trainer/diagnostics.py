@@ -98,35 +98,6 @@ def judge_retrieval_disagreement(breakdowns: Sequence["RewardBreakdown"], rubric
     }
 
 
-def search_metrics(rollouts: Sequence[Any]) -> dict[str, float]:
-    """The search agent's collapse signals, logged every step of every search run
-    (whether or not step rewards are scored); empty for rewrite rollouts:
-
-    * ``search/well_formed``: share of trajectories that follow the format grammar
-      (``calibrl.trainer.search_format``, the rule the reward and CalibAdv use);
-    * ``search/answered``: share that ended with an ``<answer>``;
-    * ``search/searches_per_trajectory``: mean number of ``<search>`` steps;
-    * ``search/repeated_share``: share of search steps whose query repeats an earlier
-      query of its trajectory (the search-step rubric's word similarity, the test
-      behind ``steps/repeated_share``), 0 when nobody searched.
-
-    ``rollouts``: ``calibrl.trainer.rewards.SearchRollout`` (``steps``, ``answer``, ``well_formed``)."""
-    from calibrl.judge_server.programmatic import repeats_earlier
-
-    searches = [r for r in rollouts if hasattr(r, "steps") and hasattr(r, "well_formed")]
-    if not searches or len(searches) != len(rollouts):
-        return {}
-    queries = [[step.query for step in r.steps] for r in searches]
-    steps = sum(len(q) for q in queries)
-    repeated = sum(repeats_earlier(q[k], q[:k]) for q in queries for k in range(len(q)))
-    return {
-        "search/well_formed": sum(bool(r.well_formed) for r in searches) / len(searches),
-        "search/answered": sum(r.answer is not None for r in searches) / len(searches),
-        "search/searches_per_trajectory": steps / len(searches),
-        "search/repeated_share": repeated / steps if steps else 0.0,
-    }
-
-
 # --------------------------------------------------------------------------- health bands
 
 

@@ -98,7 +98,6 @@ def select_rows(batch: "RolloutBatch", rows: Sequence[int]) -> "RolloutBatch":
         completion_texts=[batch.completion_texts[r] for r in rows],
         rollouts=[batch.rollouts[r] for r in rows],
         prompt_lengths=[batch.prompt_lengths[r] for r in rows] if batch.prompt_lengths else [],
-        old_logp=None if batch.old_logp is None else take(batch.old_logp),
     )
 
 

@@ -38,10 +38,10 @@ from typing import TYPE_CHECKING, Any, Awaitable, Callable, Iterable, Sequence, 
 
 from calibrl import telemetry
 from calibrl.errors import ConfigError, InvalidArgument, error_from_status
-from calibrl.judge_server import wire as judge_wire
-from calibrl.judge_server.types import ItemScore, JudgeItem
-from calibrl.retrieval_server import wire as retrieval_wire
-from calibrl.retrieval_server.types import Hit, RetrievalScore, ScoreItem, SearchMode
+from calibrl.api import judge_wire
+from calibrl.api.judge import ItemScore, JudgeItem
+from calibrl.api import retrieval_wire
+from calibrl.api.retrieval import Hit, RetrievalScore, ScoreItem, SearchMode
 from calibrl.trainer.aio import gather_all
 from calibrl.trainer.clients import IndexInfo, RubricInfo
 

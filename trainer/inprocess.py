@@ -17,8 +17,8 @@ from __future__ import annotations
 import asyncio
 from typing import TYPE_CHECKING, Sequence, TypeVar
 
-from calibrl.judge_server.types import ItemScore, JudgeItem
-from calibrl.retrieval_server.types import Hit, RetrievalScore, ScoreItem, SearchMode
+from calibrl.api.judge import ItemScore, JudgeItem
+from calibrl.api.retrieval import Hit, RetrievalScore, ScoreItem, SearchMode
 
 if TYPE_CHECKING:  # pragma: no cover
     from calibrl.judge_server.judge import Judge

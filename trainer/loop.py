@@ -224,7 +224,7 @@ class _Loop:
 
     def step(self, step: int) -> None:
         """One step: rollout -> reference forward -> rewards -> advantages -> update -> log."""
-        from calibrl.trainer.step_log import StepTimes, step_metrics
+        from calibrl.trainer.step_log import StepTimes, rank_step_metrics
         from calibrl.trainer.training_batch import to_training_batch
 
         run, state, ctx, times = self.run, self.run.state, self.run.ctx, StepTimes()
@@ -243,7 +243,7 @@ class _Loop:
         # before this step's update), the reference's, the first micro-batch's.
         overlap_start = time.perf_counter()
         if rollouts.upcoming is not None:
-            rollouts.upcoming.batch.old_logp = self.updater.behaviour_logprobs(rollouts.upcoming.batch)
+            rollouts.upcoming.behaviour_logp = self.updater.behaviour_logprobs(rollouts.upcoming.batch)
         early = self.updater.forward_without_rewards(rollouts.current.batch)
         times.overlap_forward = time.perf_counter() - overlap_start
 
@@ -274,7 +274,7 @@ class _Loop:
 
         # -------------------------------------------------------------- log
         times.step = time.perf_counter() - step_start
-        metrics = step_metrics(training, result, times, self.config.health, rollouts.current.sampling_metrics)
+        metrics = rank_step_metrics(training, result, times, self.config.health, rollouts.current.sampling_metrics)
         metrics.update(self.step_log.observe_rollouts(step, training))  # rubric versions, review queue
         self.step_log.record(step, metrics, state)
 

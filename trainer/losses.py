@@ -17,13 +17,18 @@ Aggregation over the trained tokens (``mask``):
   ``"dapo"`` when the batch is the whole accumulated batch);
 * ``constant``: sum / (B * max_completion_length) (TRL ``"dr_grpo"``, Dr. GRPO).
 
-The loss is the raw aggregate: weighting each micro-batch for gradient accumulation
-is ``calibrl.trainer.update.micro_batch_weight``'s job (TRL folds it into the loss).
+Each aggregation is registered (:data:`LOSS_AGGREGATIONS`, :func:`register_loss_aggregation`)
+with both halves of what it means: how a micro-batch's tokens become one loss, and that
+loss's share of the step under gradient accumulation (its rows, or its trained tokens:
+:meth:`LossAggregation.share`, which ``calibrl.trainer.update.micro_batch_weight`` applies;
+TRL folds it into the loss).
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
+from typing import Callable
 
 import torch
 from torch import Tensor
@@ -32,12 +37,52 @@ from calibrl.errors import InvalidArgument
 
 __all__ = [
     "LOSS_AGGREGATIONS",
+    "LossAggregation",
+    "register_loss_aggregation",
     "masked_entropy_from_logits",
     "policy_loss",
     "token_logprobs",
 ]
 
-LOSS_AGGREGATIONS = ("sequence_mean", "token_mean", "constant")
+
+
+@dataclass(frozen=True)
+class LossAggregation:
+    """One way to aggregate the per-token losses (registered by ``name``)."""
+
+    name: str
+    # (per_token * weights, weights, max_completion_length) -> the scalar loss; all (B, T) but the last
+    reduce: Callable[[Tensor, Tensor, "int | None"], Tensor]
+    per_token: bool  # a micro-batch's share of the step is its trained tokens (True) or its rows
+    needs_max_completion_length: bool = False
+
+    def share(self, mask: Tensor, rows_total: float, tokens_total: float, world: int) -> float:
+        """Factor that turns a micro-batch's aggregated loss into its exact share of the
+        step's loss (times world size, since gradients are averaged over ranks)."""
+        if self.per_token:
+            return float(mask.sum()) * world / max(tokens_total, 1.0)
+        return mask.shape[0] * world / rows_total
+
+
+LOSS_AGGREGATIONS: dict[str, LossAggregation] = {}
+
+
+def register_loss_aggregation(aggregation: LossAggregation) -> LossAggregation:
+    """Add ``aggregation`` to the registry (a second one of the same name is an error)."""
+    if aggregation.name in LOSS_AGGREGATIONS and LOSS_AGGREGATIONS[aggregation.name] is not aggregation:
+        raise InvalidArgument("name", f"loss aggregation {aggregation.name!r} is already registered")
+    LOSS_AGGREGATIONS[aggregation.name] = aggregation
+    return aggregation
+
+
+register_loss_aggregation(LossAggregation(
+    "sequence_mean", lambda masked, weights, _: (masked.sum(dim=-1) / weights.sum(dim=-1).clamp(min=1.0)).mean(),
+    per_token=False))
+register_loss_aggregation(LossAggregation(
+    "token_mean", lambda masked, weights, _: masked.sum() / weights.sum().clamp(min=1.0), per_token=True))
+register_loss_aggregation(LossAggregation(
+    "constant", lambda masked, weights, max_length: masked.sum() / (masked.shape[0] * max_length), per_token=False,
+    needs_max_completion_length=True))
 
 # Rows of (B*T, V) logits processed at once by the chunked helpers: bounds the
 # float32 temporaries to about ROWS_PER_CHUNK * V * 4 bytes.
@@ -137,8 +182,9 @@ def policy_loss(
     _check_loss_args(logp, {"old_logp": old_logp, "token_adv": token_adv, "mask": mask, "ref_logp": ref_logp},
                      beta, eps_low, eps_high, ref_logp)
     if aggregation not in LOSS_AGGREGATIONS:
-        raise InvalidArgument("aggregation", f"must be one of {LOSS_AGGREGATIONS}, got {aggregation!r}")
-    if aggregation == "constant":
+        raise InvalidArgument("aggregation", f"must be one of {tuple(LOSS_AGGREGATIONS)}, got {aggregation!r}")
+    reduction = LOSS_AGGREGATIONS[aggregation]
+    if reduction.needs_max_completion_length:
         if not isinstance(max_completion_length, int) or isinstance(max_completion_length, bool) \
                 or max_completion_length < 1:
             raise InvalidArgument(
@@ -151,12 +197,7 @@ def policy_loss(
                                             kl_ratio_correction)
     token_count = weights.sum()
     masked = per_token * weights
-    if aggregation == "sequence_mean":
-        loss = (masked.sum(dim=-1) / weights.sum(dim=-1).clamp(min=1.0)).mean()
-    elif aggregation == "token_mean":
-        loss = masked.sum() / token_count.clamp(min=1.0)
-    else:
-        loss = masked.sum() / (logp.shape[0] * max_completion_length)
+    loss = reduction.reduce(masked, weights, max_completion_length)
 
     with torch.no_grad():
         denominator = token_count.clamp(min=1.0)

@@ -4,7 +4,8 @@ On-policy (``rollout.off_policy_steps=0``) a step samples its own rollouts. One
 step off-policy (``=1``) a step also samples the next step's rollouts before its
 update, so their scoring runs behind the rest of this step and the next step's
 forward passes; the next step then trains on them with their behaviour log-probs
-as ``old_logp``. :class:`RolloutPipeline` keeps that one batch in between.
+(``PendingBatch.behaviour_logp``, the loss's ``old_logp``). :class:`RolloutPipeline` keeps
+that one batch in between.
 """
 
 from __future__ import annotations

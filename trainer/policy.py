@@ -9,8 +9,7 @@ reference, and per-token log-probabilities.
   eval mode with gradients off, or, for a LoRA policy, a view of the same base
   with the adapters disabled (no second copy of the weights).
 - :func:`completion_logprobs` is the one place log-probabilities are computed, for
-  the policy, its behaviour copy and the reference alike (:func:`token_logprobs`
-  is the same over every position).
+  the policy, its behaviour copy and the reference alike.
 """
 
 from __future__ import annotations
@@ -298,30 +297,6 @@ def completion_logprobs(
     if entropy_mask is not None:
         entropy = masked_entropy_from_logits(logits.detach(), entropy_mask, temperature=temperature)[0]
     return logp, entropy
-
-
-def token_logprobs(
-    model: "torch.nn.Module",
-    input_ids: "torch.Tensor",
-    attention_mask: "torch.Tensor",
-    *,
-    temperature: float = 1.0,
-    return_entropy: bool = False,
-) -> "torch.Tensor | tuple[torch.Tensor, torch.Tensor]":
-    """:func:`completion_logprobs` over every position: ``logp`` (B, L) with
-    ``logp[:, 0] = 0`` (and with ``return_entropy`` the entropy (B, L), 0 at t = 0).
-    Values at padded positions are meaningless; mask them."""
-    import torch
-
-    entropy_mask = torch.ones(input_ids.shape[0], max(input_ids.shape[1] - 1, 0), dtype=torch.bool,
-                              device=input_ids.device) if return_entropy else None
-    logp, entropy = completion_logprobs(model, input_ids, attention_mask, start=1, temperature=temperature,
-                                        entropy_mask=entropy_mask)
-    zeros = torch.zeros((input_ids.shape[0], 1), dtype=logp.dtype, device=logp.device)
-    logp = torch.cat([zeros, logp], dim=1)
-    if not return_entropy:
-        return logp
-    return logp, torch.cat([zeros, entropy.to(logp.dtype)], dim=1)
 
 
 def _accepts_logits_to_keep(model: "torch.nn.Module") -> bool:

@@ -1,5 +1,11 @@
 """The blended reward: retrieval correctness plus an SME-calibrated rubric.
 
+This module holds what every task kind's reward shares: its configuration
+(:class:`RewardConfig`, the formulas below), its result (:class:`RewardBreakdown`) and the
+calls to the two services (:class:`RewardModel`). Each kind computes its own reward from
+them: :func:`calibrl.trainer.kinds.rewrite.score_rewrites` and
+:func:`calibrl.trainer.kinds.search.reward.score_search`.
+
 Rewrite tasks (one query rewrite per rollout)::
 
     R = w_retrieval * r_ret + w_rubric * r_rub          (defaults 0.7 / 0.3)
@@ -25,7 +31,7 @@ advantage calibration rather than the reward. With ``binary_only`` R is exact
 match alone.
 
 ``r_step(k)`` is step k's dense reward from both services
-(``calibrl.trainer.step_rewards``: ``step_w_retrieval`` x retrieval signal +
+(``calibrl.trainer.kinds.search.step_rewards``: ``step_w_retrieval`` x retrieval signal +
 ``step_w_rubric`` x the search-query rubric total). Step rewards are computed when
 ``w_steps`` > 0 or ``score_steps`` is on (``advantage.step_credit`` needs them) and
 are kept per step in ``RewardBreakdown.steps``; a trajectory that never searched has
@@ -46,7 +52,7 @@ import asyncio
 import logging
 import math
 from dataclasses import dataclass, field
-from typing import Literal, Sequence
+from typing import TYPE_CHECKING, Awaitable, Callable, Literal
 
 from calibrl.config import option
 from calibrl.errors import (
@@ -58,13 +64,12 @@ from calibrl.errors import (
     RewardError,
     Unauthenticated,
 )
-from calibrl.text import exact_match, token_f1
-from calibrl.judge_server.types import ItemScore, JudgeItem
-from calibrl.retrieval_server.types import RetrievalScore, ScoreItem, SearchMode
-from calibrl.trainer.aio import gather_all
+from calibrl.api.judge import ItemScore, JudgeItem
+from calibrl.api.retrieval import RetrievalScore, ScoreItem, SearchMode
 from calibrl.trainer.clients import JudgeClient, RetrievalClient
-from calibrl.trainer.step_rewards import StepReward, mean_step_reward, step_judge_item, step_rewards
-from calibrl.trainer.tasks import Task
+
+if TYPE_CHECKING:  # pragma: no cover
+    from calibrl.trainer.tasks import Task
 
 log = logging.getLogger(__name__)
 
@@ -218,24 +223,14 @@ class RewardConfig:
 
 
 @dataclass(frozen=True)
-class RewriteRollout:
-    task: Task
-    rewrite: str
+class StepReward:
+    """One search step's dense reward and what it was made of."""
 
-
-@dataclass(frozen=True)
-class SearchStepRecord:
-    think: str
-    query: str
-    result: RetrievalScore  # computed during the rollout
-
-
-@dataclass(frozen=True)
-class SearchRollout:
-    task: Task
-    steps: tuple[SearchStepRecord, ...]
-    answer: str | None
-    well_formed: bool
+    reward: float  # step_w_retrieval * retrieval + step_w_rubric * rubric
+    retrieval: float  # r_ret(k) in [0, 1]
+    rubric: float  # the step rubric's total in [0, 1] (0 when the rubric weight is 0 and the judge was not asked)
+    found_new: bool  # retrieved a relevant document that no earlier step had
+    repeated: bool  # the query repeats an earlier query of the trajectory (word similarity)
 
 
 @dataclass(frozen=True)
@@ -270,128 +265,19 @@ class RewardModel:
         self.retrieval = retrieval
         self.judge = judge
 
-    # --- rewrite tasks ----------------------------------------------------------------------------------------------
-
-    async def score_rewrites(self, rollouts: Sequence[RewriteRollout]) -> list[RewardBreakdown]:
-        """Rewards of a batch of rewrites: one retrieval call and one judge call for the whole batch."""
-        if not rollouts:
-            return []
-        return await self._with_retries(lambda: self._score_rewrites_once(rollouts), f"{len(rollouts)} rewrites")
-
-    async def _score_rewrites_once(self, rollouts: Sequence[RewriteRollout]) -> list[RewardBreakdown]:
-        cfg = self.config
-        queries = [self._output_text(r.rewrite) for r in rollouts]
-        scorable = [i for i, q in enumerate(queries) if q]
-        items = [ScoreItem(query=queries[i], gold_doc_ids=rollouts[i].task.gold_doc_ids,
-                           gold_answers=rollouts[i].task.answers) for i in scorable]
-        use_rubric = cfg.uses_rubric_for_rewrites and bool(scorable)
-        include_text = use_rubric and cfg.rubric_sees_retrieval
-
-        retrieval_scores: list[RetrievalScore] = []
-        rubric_scores: list[ItemScore] = []
-        if items and use_rubric and cfg.rubric_sees_retrieval:
-            retrieval_scores = await self._retrieve(items, include_text)
-            judge_items = [self._rewrite_judge_item(rollouts[i], queries[i], retrieval_scores[n])
-                           for n, i in enumerate(scorable)]
-            rubric_scores = await self._judge(judge_items)
-        elif items and use_rubric:
-            judge_items = [self._rewrite_judge_item(rollouts[i], queries[i], None) for i in scorable]
-            retrieval_scores, rubric_scores = await gather_all(
-                self._retrieve(items, include_text), self._judge(judge_items)
-            )
-        elif items:
-            retrieval_scores = await self._retrieve(items, include_text)
-
-        weights = cfg.rewrite_weights()
-        by_index = {i: n for n, i in enumerate(scorable)}
-        results = []
-        for i in range(len(rollouts)):
-            n = by_index.get(i)
-            retrieval = retrieval_scores[n] if n is not None else None
-            rubric = rubric_scores[n] if (n is not None and rubric_scores) else None
-            components = {"retrieval": self._signal(retrieval, cfg.binary_only) if retrieval is not None else 0.0}
-            if "rubric" in weights:
-                components["rubric"] = rubric.total if rubric else 0.0
-            results.append(RewardBreakdown(_weighted(components, weights), components, retrieval, rubric))
-        return results
-
-    def _rewrite_judge_item(self, rollout: RewriteRollout, output: str, retrieved: RetrievalScore | None) -> JudgeItem:
-        passages = {h.doc_id: h.text for h in retrieved.hits} if retrieved is not None else {}
-        return _judge_item(rollout.task, output, passages)
-
-    # --- search tasks -----------------------------------------------------------------------------------------------
-
-    async def score_search(self, rollouts: Sequence[SearchRollout]) -> list[RewardBreakdown]:
-        """Rewards of a batch of search trajectories (step results come from the rollout; the judge is
-        called once for the batch when ``search_w_rubric`` > 0)."""
-        if not rollouts:
-            return []
-        for rollout in rollouts:
-            for k, step in enumerate(rollout.steps):
-                self._check_retrieval(step.result, f"task {rollout.task.task_id} step {k}")
-        return await self._with_retries(lambda: self._score_search_once(rollouts), f"{len(rollouts)} trajectories")
-
-    async def _score_search_once(self, rollouts: Sequence[SearchRollout]) -> list[RewardBreakdown]:
-        cfg = self.config
-        weights = cfg.search_weights()
-        answers = [(r.answer or "").strip() for r in rollouts]
-        judged = [i for i, a in enumerate(answers) if a] if cfg.uses_rubric_for_search else []
-        step_keys = [(i, k) for i, r in enumerate(rollouts) for k in range(len(r.steps))]
-        judged_steps = step_keys if cfg.uses_rubric_for_steps else []
-        answer_items = [self._search_judge_item(rollouts[i], self._output_text(answers[i])) for i in judged]
-        step_items = [step_judge_item(rollouts[i], k, cfg.max_output_chars) for i, k in judged_steps]
-        answer_scores, step_scores = await gather_all(
-            self._judge(answer_items), self._judge(step_items, cfg.step_rubric_id)
-        )
-        rubric_scores: dict[int, ItemScore] = dict(zip(judged, answer_scores))
-        step_totals = {key: score.total for key, score in zip(judged_steps, step_scores)}
-
-        results = []
-        for i, rollout in enumerate(rollouts):
-            golds = rollout.task.answers
-            if cfg.answer_times_format and not rollout.well_formed:
-                answer = 0.0
-            elif cfg.binary_only or cfg.answer_metric == "em":
-                answer = exact_match(answers[i], golds) if answers[i] else 0.0
-            else:
-                answer = token_f1(answers[i], golds) if answers[i] else 0.0
-            components = {"answer": answer}
-            if "retrieval" in weights:
-                signals = [self._signal(step.result, False) for step in rollout.steps]
-                components["retrieval"] = sum(signals) / len(signals) if signals else 0.0
-            rubric = rubric_scores.get(i)
-            if "rubric" in weights:
-                components["rubric"] = rubric.total if rubric else 0.0
-            steps: tuple[StepReward, ...] = ()
-            if cfg.scores_steps:
-                totals = [step_totals.get((i, k), 0.0) for k in range(len(rollout.steps))]
-                steps = step_rewards(rollout, totals, cfg.step_w_retrieval,
-                                     cfg.step_w_rubric if cfg.uses_rubric_for_steps else 0.0)
-            if "steps" in weights:
-                components["steps"] = mean_step_reward(steps)
-            results.append(RewardBreakdown(_weighted(components, weights), components, None, rubric, steps,
-                                           cfg.scores_steps))
-        return results
-
-    def _search_judge_item(self, rollout: SearchRollout, answer: str) -> JudgeItem:
-        passages: dict[str, str] = {}  # every passage the trajectory retrieved, in order of first retrieval
-        for step in rollout.steps:
-            for hit in step.result.hits:
-                passages.setdefault(hit.doc_id, hit.text)
-        return _judge_item(rollout.task, answer, passages)
-
     # --- service calls and checks -----------------------------------------------------------------------------------
 
-    async def _retrieve(self, items: list[ScoreItem], include_text: bool) -> list[RetrievalScore]:
+    async def retrieve(self, items: list[ScoreItem], include_text: bool) -> list[RetrievalScore]:
+        """Retrieval signals of ``items`` at ``top_k`` (one call), each checked to be a score in [0, 1]."""
         cfg = self.config
         scores = await self.retrieval.score(items, cfg.top_k, cfg.search_mode, include_text)
         if len(scores) != len(items):
             raise _BadServiceResult(f"retrieval service returned {len(scores)} scores for {len(items)} items")
         for n, score in enumerate(scores):
-            self._check_retrieval(score, f"item {n} ({items[n].query[:60]!r})")
+            self.check_retrieval(score, f"item {n} ({items[n].query[:60]!r})")
         return list(scores)
 
-    async def _judge(self, items: list[JudgeItem], rubric_id: str | None = None) -> list[ItemScore]:
+    async def judge_items(self, items: list[JudgeItem], rubric_id: str | None = None) -> list[ItemScore]:
         """Judge scores of ``items`` under ``rubric_id`` (default ``rubric_id``); no call for no items."""
         if not items:
             return []
@@ -409,22 +295,26 @@ class RewardModel:
         return list(scores)
 
     @staticmethod
-    def _check_retrieval(score: RetrievalScore, what: str) -> None:
+    def check_retrieval(score: RetrievalScore, what: str) -> None:
         for name in ("recall", "mrr", "ndcg"):
             value = getattr(score, name)
             if not _in_unit_interval(value):
                 raise _BadServiceResult(f"retrieval signal {name}={value!r} for {what}: expected a number in [0, 1]")
 
-    def _signal(self, score: RetrievalScore, binary: bool) -> float:
+    def signal(self, score: RetrievalScore, binary: bool) -> float:
+        """The configured retrieval signal of ``score`` (hit@k when ``binary``), in [0, 1]."""
         signal = "hit" if binary else self.config.retrieval_signal
         if signal == "hit":
             return 1.0 if score.hit else 0.0
         return min(1.0, max(0.0, float(getattr(score, signal))))
 
-    def _output_text(self, text: str) -> str:
+    def output_text(self, text: str) -> str:
+        """``text`` as it is sent to a service: stripped and cut to ``max_output_chars``."""
         return text.strip()[: self.config.max_output_chars].strip()
 
-    async def _with_retries(self, attempt, what: str) -> list[RewardBreakdown]:
+    async def with_retries(self, attempt: Callable[[], Awaitable[list[RewardBreakdown]]],
+                           what: str) -> list[RewardBreakdown]:
+        """``attempt()``'s rewards, the whole batch retried on transient failures (see the module docstring)."""
         cfg = self.config
         last: BaseException | None = None
         for number in range(1, cfg.max_attempts + 1):
@@ -448,7 +338,9 @@ class RewardModel:
         ) from last
 
 
-def _judge_item(task: Task, output: str, passages: dict[str, str]) -> JudgeItem:
+def judge_item(task: "Task", output: str, passages: dict[str, str]) -> JudgeItem:
+    """The judge item of one output of ``task``: the first ``JUDGE_MAX_PASSAGES`` passages (doc id -> text),
+    each cut to ``JUDGE_MAX_PASSAGE_CHARS``, and the task's context."""
     kept = list(passages.items())[:JUDGE_MAX_PASSAGES]
     return JudgeItem(
         query=task.query,
@@ -459,7 +351,8 @@ def _judge_item(task: Task, output: str, passages: dict[str, str]) -> JudgeItem:
     )
 
 
-def _weighted(components: dict[str, float], weights: dict[str, float]) -> float:
+def weighted_total(components: dict[str, float], weights: dict[str, float]) -> float:
+    """R: the weighted sum of the weighted components."""
     return float(sum(weights[name] * components[name] for name in weights))
 
 
@@ -467,12 +360,5 @@ def _in_unit_interval(value: float) -> bool:
     return isinstance(value, (int, float)) and math.isfinite(value) and -_SCORE_TOLERANCE <= value <= 1 + _SCORE_TOLERANCE
 
 
-__all__ = [
-    "RewardBreakdown",
-    "RewardConfig",
-    "RewardModel",
-    "RewriteRollout",
-    "SearchRollout",
-    "SearchStepRecord",
-    "StepReward",
-]
+__all__ = ["PERMANENT_ERRORS", "RewardBreakdown", "RewardConfig", "RewardModel", "StepReward", "judge_item",
+           "weighted_total"]

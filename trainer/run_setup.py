@@ -136,10 +136,11 @@ def load_training_tasks(config: "TrainConfig") -> tuple[list["Task"], TaskKind]:
     if len(kinds) != 1:
         raise ConfigError(f"tasks.path={config.tasks.path}: mixes task kinds {sorted(kinds)}; train one agent at a time")
     found = task_kind(kinds.pop())
-    if config.advantage.type == "calibadv" and not found.multi_step:
+    needs_multi_step = config.advantage.needs_multi_step
+    if needs_multi_step and not found.multi_step:
         raise ConfigError(
-            f"advantage.type=calibadv but {config.tasks.path} holds {found.name} tasks: CalibAdv calibrates "
-            "multi-step trajectories; use advantage.type=grpo"
+            f"advantage.type={config.advantage.type} but {config.tasks.path} holds {found.name} tasks: "
+            f"{needs_multi_step}; use advantage.type=grpo"
         )
     return tasks, found
 

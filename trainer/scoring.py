@@ -40,8 +40,9 @@ class ScoredBatch:
     advantage stage)."""
 
     step: int
-    batch: "RolloutBatch"  # on the training device; ``old_logp`` set when sampled before the last update
+    batch: "RolloutBatch"  # on the training device
     breakdowns: list["RewardBreakdown"]  # one per row: the total reward and its components
+    behaviour_logp: "torch.Tensor | None" = None  # (B, L) when sampled before the last update, else None
 
     @property
     def rewards(self) -> "torch.Tensor":
@@ -54,8 +55,8 @@ class ScoredBatch:
 
 @dataclass
 class PendingBatch:
-    """One step's rollouts from generation to update: the batch (with its behaviour
-    log-probs ``batch.old_logp`` when it was sampled before the last update) and
+    """One step's rollouts from generation to update: the batch, its behaviour
+    log-probs when it was sampled before the last update (one step off-policy), and
     its reward futures, one per generation chunk, until settled."""
 
     step: int
@@ -65,6 +66,9 @@ class PendingBatch:
     breakdowns: list["RewardBreakdown"] | None = None  # one per row once every future is in
     generation_s: float = field(default=0.0)
     sampling_metrics: dict[str, float] = field(default_factory=dict)  # sampling/* of dynamic sampling, else empty
+    # (B, L) log-probs under the weights that sampled the batch, taken before the update that follows its
+    # sampling (pipeline.py); None on-policy, where the loss uses the current log-probs, detached.
+    behaviour_logp: "torch.Tensor | None" = None
 
     def settle(self) -> list["RewardBreakdown"]:
         """The rows' rewards, waiting for the futures; raises the first failure."""
@@ -83,7 +87,7 @@ class PendingBatch:
 
     def scored(self) -> ScoredBatch:
         """Wait for the rewards (raises the first failure) and hand the batch on."""
-        return ScoredBatch(self.step, self.batch, self.settle())
+        return ScoredBatch(self.step, self.batch, self.settle(), self.behaviour_logp)
 
     def forget_scores(self) -> None:
         """Drop the scores (a resumed run asks for them again)."""
@@ -91,8 +95,9 @@ class PendingBatch:
 
     def to_saved(self) -> ckpt.SavedPending:
         """What a checkpoint stores of it (tensors on the CPU; scores when settled)."""
+        behaviour = None if self.behaviour_logp is None else self.behaviour_logp.to("cpu")
         return {"step": self.step, "batch": self.batch.to("cpu"), "breakdowns": self.breakdowns,
-                "data_position": self.data_position}
+                "data_position": self.data_position, "behaviour_logp": behaviour}
 
 
 def settled(pending: PendingBatch | None) -> PendingBatch | None:
@@ -120,6 +125,9 @@ def restore_pending(checkpoint: pathlib.Path, rank: int, next_step: int, backgro
             f"step {next_step}; the checkpoint was altered, resume from an untouched one"
         )
     pending = PendingBatch(saved["step"], saved["batch"].to(device), [], saved["data_position"], saved["breakdowns"])
+    # checkpoints written before the behaviour log-probs moved here kept them on the batch
+    behaviour = saved.get("behaviour_logp", getattr(saved["batch"], "old_logp", None))
+    pending.behaviour_logp = None if behaviour is None else behaviour.to(device)
     if pending.breakdowns is None:
         pending.futures = [background.submit(score(pending.batch))]
     return pending

@@ -19,8 +19,8 @@ from calibrl.trainer import distributed as dist_util
 from calibrl.trainer.checkpoint import TrainState
 from calibrl.sme.queue import ReviewQueue
 from calibrl.trainer.rubric_versions import RubricVersionLog
-from calibrl.trainer.step_rewards import step_metrics as step_reward_metrics
 from calibrl.trainer.config import TrainConfig
+from calibrl.trainer.task_kinds import task_kind
 from calibrl.trainer.training_batch import TrainingBatch
 from calibrl.trainer.update import UpdateResult
 
@@ -51,8 +51,9 @@ class StepTimes:
         }
 
 
-def step_metrics(training: TrainingBatch, update: UpdateResult, times: StepTimes,
-                 health: diag.HealthConfig | None = None, sampling: dict[str, float] | None = None) -> dict[str, float]:
+def rank_step_metrics(training: TrainingBatch, update: UpdateResult, times: StepTimes,
+                      health: diag.HealthConfig | None = None,
+                      sampling: dict[str, float] | None = None) -> dict[str, float]:
     """This rank's metrics of one step, before the reduction over ranks. ``health``: its
     ``rubric_high`` sets the judge/retrieval disagreement threshold (default config's
     when None); ``sampling``: the ``sampling/*`` metrics of dynamic sampling."""
@@ -64,12 +65,18 @@ def step_metrics(training: TrainingBatch, update: UpdateResult, times: StepTimes
         **(sampling or {}),
         **diag.component_metrics([b.components for b in training.breakdowns]),
         **diag.judge_retrieval_disagreement(training.breakdowns, rubric_high),
-        **step_reward_metrics(training.breakdowns),
-        **diag.search_metrics(batch.rollouts),
+        **kind_step_metrics(training),
         **diag.completion_metrics(batch.completion_mask),
         **times.metrics(),
-        "rollout/staleness": 0.0 if batch.old_logp is None else 1.0,
+        "rollout/staleness": 0.0 if training.behaviour_logp is None else 1.0,
     }
+
+
+def kind_step_metrics(training: TrainingBatch) -> dict[str, float]:
+    """The task kind's own metrics of the step (``TaskKind.step_metrics``; none when it has none)."""
+    rollouts = training.batch.rollouts
+    metrics_of = task_kind(rollouts[0].task.kind).step_metrics if rollouts else None
+    return metrics_of(rollouts, training.breakdowns) if metrics_of is not None else {}
 
 
 class StepLog:
@@ -144,4 +151,4 @@ def _progress_bar(config: TrainConfig, ctx: dist_util.DistContext, initial: int)
     return tqdm(total=config.steps, initial=initial, desc="train", unit="step", dynamic_ncols=True)
 
 
-__all__ = ["StepLog", "StepTimes", "step_metrics"]
+__all__ = ["StepLog", "StepTimes", "kind_step_metrics", "rank_step_metrics"]

@@ -21,18 +21,18 @@ A :class:`TaskKind` bundles everything that differs between agents:
 - ``query_baseline``: the metrics of each task's query sent unchanged, no model
   (``calibrl eval --raw-query-baseline``), or None when the kind has no such row;
 - ``sample_items``: each task's greedy output as a ``calibrl sme sample`` item
-  (``calibrl eval --sme-items``), or None.
+  (``calibrl eval --sme-items``), or None;
+- ``step_metrics``: the kind's own metrics of a training step, from its rollouts and
+  their rewards (the search agent's ``search/*`` and ``steps/*``), or None.
 
-Two kinds are built in (:mod:`calibrl.trainer.builtin_kinds`): ``rewrite`` (a one-step
-query rewriter) and ``search`` (a multi-step Search-R1 agent). A third kind is one
-:func:`register_task_kind` call in one module; nothing else branches on a kind's name.
-The heavy modules (torch, the rollout and evaluation code) are imported only when a
-kind's functions run.
+Two kinds are built in, one package each (:mod:`calibrl.trainer.kinds`): ``rewrite`` (a
+one-step query rewriter) and ``search`` (a multi-step Search-R1 agent); importing
+:mod:`calibrl.trainer` registers them. A third kind is one :func:`register_task_kind`
+call in one module; nothing else branches on a kind's name.
 """
 
 from __future__ import annotations
 
-import importlib
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Coroutine, Mapping, Protocol, Sequence, TypeVar
 
@@ -77,9 +77,17 @@ class RolloutFn(Protocol):
                  settings: RolloutSettings, retrieval: "RetrievalClient", run_async: RunAsync) -> "RolloutBatch": ...
 
 
-class ScoreFn(Protocol):
+class RewardFn(Protocol):
+    """The rewards of a batch of the kind's rollouts, one per rollout (the services through ``rewards``)."""
+
     def __call__(self, rewards: "RewardModel",
-                 rollouts: Sequence[object]) -> Coroutine[Any, Any, "list[RewardBreakdown]"]: ...
+                 rollouts: Sequence[Any]) -> Coroutine[Any, Any, "list[RewardBreakdown]"]: ...
+
+
+class StepMetricsFn(Protocol):
+    """The kind's metrics of one training step (name -> value), from its rollouts and their rewards."""
+
+    def __call__(self, rollouts: Sequence[Any], breakdowns: Sequence["RewardBreakdown"]) -> dict[str, float]: ...
 
 
 class EvaluateFn(Protocol):
@@ -117,7 +125,7 @@ class TaskKind:
     name: str
     builtin_template: str
     rollout: RolloutFn  # (engine, tokenizer, tasks, settings, retrieval, run_async) -> RolloutBatch
-    score: ScoreFn  # (reward_model, rollouts) -> coroutine of one RewardBreakdown per rollout
+    score: RewardFn  # (reward_model, rollouts) -> coroutine of one RewardBreakdown per rollout
     evaluate: EvaluateFn  # (engine, tokenizer, tasks, retrieval, settings, run_async, template, chat) -> metrics
     metric_names: tuple[str, ...]
     max_completion_tokens: Callable[["RolloutConfig"], int]
@@ -127,6 +135,7 @@ class TaskKind:
     multi_step: bool = False
     query_baseline: BaselineFn | None = None
     sample_items: SampleItemsFn | None = None
+    step_metrics: StepMetricsFn | None = None
 
 
 TASK_KINDS: dict[str, TaskKind] = {}
@@ -160,18 +169,5 @@ def record_formats() -> dict[str, RecordFormat]:
     return {fmt.name: fmt for kind in TASK_KINDS.values() for fmt in kind.formats}
 
 
-def lazy(module: str, name: str) -> Callable[..., Any]:
-    """``module.name``, imported on first call (keeps torch out of ``--help``)."""
-
-    def call(*args: object, **kwargs: object) -> object:
-        return getattr(importlib.import_module(module), name)(*args, **kwargs)
-
-    call.__name__ = call.__qualname__ = name
-    return call
-
-
-# The built-in kinds register themselves on import; the import sits last because they use the names above.
-from calibrl.trainer import builtin_kinds as _builtin_kinds  # noqa: E402,F401
-
-__all__ = ["TASK_KINDS", "RecordFormat", "RolloutSettings", "TaskKind", "lazy", "record_formats",
+__all__ = ["TASK_KINDS", "RecordFormat", "RewardFn", "RolloutSettings", "StepMetricsFn", "TaskKind", "record_formats",
            "register_task_kind", "task_kind"]

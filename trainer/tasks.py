@@ -7,7 +7,7 @@ its supporting passages).
 
 Task files are JSONL, one object a line (blank lines are skipped), in one of the record
 formats the registered kinds read (:class:`~calibrl.trainer.task_kinds.RecordFormat`):
-``rewrite`` and ``search`` (:mod:`calibrl.trainer.builtin_kinds` lists their keys) and
+``rewrite`` and ``search`` (:mod:`calibrl.trainer.kinds` lists their keys) and
 ``hotpotqa`` (the IRCoT-formatted HotpotQA dev set); ``fmt="auto"`` picks the format
 whose key the first record holds. The record helpers (:func:`record_text`,
 :func:`record_strings`, :func:`record_context`) are what a format's parser reads fields with.
@@ -22,12 +22,10 @@ import json
 import pathlib
 import random
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Iterable, Mapping, Sequence
+from typing import Iterable, Mapping, Sequence
 
 from calibrl.errors import ConfigError, InvalidArgument
-
-if TYPE_CHECKING:  # pragma: no cover
-    from calibrl.trainer.task_kinds import RecordFormat
+from calibrl.trainer.task_kinds import TASK_KINDS, RecordFormat, record_formats, task_kind
 
 
 @dataclass(frozen=True)
@@ -53,8 +51,6 @@ def load_tasks(path: str | pathlib.Path, kind: str | None = None, fmt: str = "au
     files -> search tasks). Each task must have the fields its kind requires (a search
     task an answer, a rewrite task a gold document id).
     """
-    from calibrl.trainer.task_kinds import TASK_KINDS, record_formats
-
     formats = record_formats()
     if fmt != "auto" and fmt not in formats:
         raise InvalidArgument("fmt", f"{fmt!r} is not one of {['auto', *formats]}")
@@ -117,7 +113,7 @@ def split_tasks(tasks: Sequence[Task], heldout_fraction: float, seed: int) -> tu
 # --- parsing ---------------------------------------------------------------------------------------------------------
 
 
-def _detect_format(record: Mapping[str, object], where: str, formats: "dict[str, RecordFormat]") -> "RecordFormat":
+def _detect_format(record: Mapping[str, object], where: str, formats: dict[str, RecordFormat]) -> RecordFormat:
     """The format whose key ``record`` holds; when several do, the one registered last (the
     more specific: a HotpotQA record's ``question_text`` over a search record's ``question``)."""
     for candidate in reversed(formats.values()):
@@ -131,8 +127,6 @@ def _detect_format(record: Mapping[str, object], where: str, formats: "dict[str,
 
 def _checked(task: Task, kind: str | None, where: str) -> Task:
     """``task`` as a ``kind`` task (None keeps its format's kind), with the fields its kind requires."""
-    from calibrl.trainer.task_kinds import task_kind
-
     if kind is not None and kind != task.kind:
         task = replace(task, kind=kind)
     for name, why in task_kind(task.kind).required.items():
@@ -186,10 +180,15 @@ def record_context(record: Mapping[str, object], where: str) -> tuple[tuple[str,
     return tuple(sorted(pairs))
 
 
+def with_context(record: dict[str, object], task: Task) -> dict[str, object]:
+    """``record`` with the task's ``context`` object added when it has one (what a record writer keeps)."""
+    if task.context:
+        record["context"] = task.context_dict()
+    return record
+
+
 def write_tasks(tasks: Iterable[Task], path: str | pathlib.Path) -> None:
     """Write tasks as JSONL, each in its kind's own format (load_tasks reads them back unchanged)."""
-    from calibrl.trainer.task_kinds import task_kind
-
     path = pathlib.Path(path)
     with path.open("w", encoding="utf-8") as out:
         for task in tasks:
@@ -199,4 +198,5 @@ def write_tasks(tasks: Iterable[Task], path: str | pathlib.Path) -> None:
             out.write(json.dumps(kind.write_record(task), ensure_ascii=False) + "\n")
 
 
-__all__ = ["Task", "load_tasks", "record_context", "record_strings", "record_text", "split_tasks", "write_tasks"]
+__all__ = ["Task", "load_tasks", "record_context", "record_strings", "record_text", "split_tasks", "with_context",
+           "write_tasks"]

@@ -5,7 +5,7 @@ and the token layout of the rollouts into ``token_adv`` (B, L). What an estimato
 reads from the rollouts beyond that (CalibAdv's step scores) is registered with the
 estimator itself (``register_advantage(..., batch_inputs=...)``), so this stage, and
 the loop above it, never name an estimator. When the rewards carry per-step dense
-rewards (search agents, ``calibrl.trainer.step_rewards``) they go in as
+rewards (search agents, ``calibrl.trainer.kinds.search.step_rewards``) they go in as
 ``step_rewards`` (B, S), NaN where a rollout has no step k.
 """
 
@@ -26,13 +26,14 @@ if TYPE_CHECKING:  # pragma: no cover
 @dataclass
 class TrainingBatch:
     """What the update consumes: the rollouts' tokens and masks, their behaviour
-    log-probs (``batch.old_logp``, None on-policy) and per-token advantages."""
+    log-probs (None on-policy) and per-token advantages."""
 
     step: int
-    batch: "RolloutBatch"  # input_ids, attention_mask, completion_mask (B, L); old_logp (B, L) or None
+    batch: "RolloutBatch"  # input_ids, attention_mask, completion_mask (B, L)
     token_adv: "torch.Tensor"  # (B, L) float, 0 wherever completion_mask is False
     breakdowns: list["RewardBreakdown"]  # one per row (for the per-component reward metrics)
     metrics: dict[str, float]  # the estimator's: reward, reward_std, frac_reward_zero_std, ...
+    behaviour_logp: "torch.Tensor | None" = None  # (B, L) when the batch was sampled before the last update
 
 
 def to_training_batch(scored: "ScoredBatch", advantage: "GrpoAdvantage | CalibAdvAdvantage") -> TrainingBatch:
@@ -53,7 +54,8 @@ def to_training_batch(scored: "ScoredBatch", advantage: "GrpoAdvantage | CalibAd
         **extra_inputs,
     )
     token_adv, metrics = compute_advantages(advantage.type, inputs, **advantage.params())
-    return TrainingBatch(scored.step, batch, token_adv, scored.breakdowns, {**metrics, **extra_metrics})
+    return TrainingBatch(scored.step, batch, token_adv, scored.breakdowns, {**metrics, **extra_metrics},
+                         scored.behaviour_logp)
 
 
 def step_reward_tensor(breakdowns: "list[RewardBreakdown]", segment_index: "torch.Tensor") -> "torch.Tensor | None":

@@ -25,7 +25,7 @@ No silent zeros: TRL turns a ``None`` reward into NaN and then a zero advantage,
 so these functions never return one. A batch whose reward cannot be computed
 raises :class:`~calibrl.errors.RewardError` out of ``trainer.train()``.
 
-Scope: the single-turn ``rewrite`` task kind (:data:`calibrl.trainer.builtin_kinds.REWRITE`;
+Scope: the single-turn ``rewrite`` task kind (:data:`calibrl.trainer.kinds.rewrite.REWRITE`;
 a completion is a rewrite; its first non-empty line is used, as the rewriter's format is
 one line). The multi-step search agent
 needs per-step retrieval during generation and CalibAdv's per-step advantages,
@@ -43,9 +43,11 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping, Sequence, Ty
 
 from calibrl.errors import InvalidArgument, RewardError
 from calibrl.trainer.aio import BackgroundLoop
-from calibrl.trainer.builtin_kinds import REWRITE
-from calibrl.trainer.rewards import RewardBreakdown, RewardConfig, RewardModel, RewriteRollout
+from calibrl.trainer.kinds.rewrite import REWRITE
+from calibrl.trainer.rewards import RewardBreakdown, RewardConfig, RewardModel
+from calibrl.trainer.kinds.rewrite import RewriteRollout
 from calibrl.trainer.tasks import Task
+from calibrl.trainer.kinds.rewrite import score_rewrites
 
 if TYPE_CHECKING:  # pragma: no cover
     from datasets import Dataset
@@ -175,7 +177,7 @@ class TrlRewardScorer:
         if len(prompts) != len(completions):
             raise InvalidArgument("completions", f"{len(completions)} completions for {len(prompts)} prompts")
         rollouts = [RewriteRollout(_task_at(columns, i), rewrite_from_completion(c)) for i, c in enumerate(completions)]
-        results = self.loop.run(self.reward_model.score_rewrites(rollouts), self.timeout_s)
+        results = self.loop.run(score_rewrites(self.reward_model, rollouts), self.timeout_s)
         if len(results) != len(rollouts):  # RewardModel never does this; guard the no-partial-batch rule anyway
             raise RewardError(f"{len(results)} rewards for {len(rollouts)} completions")
         self.batches_scored += 1

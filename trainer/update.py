@@ -62,8 +62,10 @@ def micro_batches(rows: int, parts: int) -> list[list[int]]:
     return [list(range(bounds[i], bounds[i + 1])) for i in range(parts) if bounds[i + 1] > bounds[i]]
 
 
-def micro_batch(batch: "RolloutBatch", token_adv: "torch.Tensor | None", rows: list[int]) -> MicroBatch:
-    """Rows ``rows`` (contiguous) of ``batch`` and ``token_adv`` as a :class:`MicroBatch`."""
+def micro_batch(batch: "RolloutBatch", token_adv: "torch.Tensor | None", rows: list[int],
+                behaviour_logp: "torch.Tensor | None" = None) -> MicroBatch:
+    """Rows ``rows`` (contiguous) of ``batch``, ``token_adv`` and ``behaviour_logp`` (B, L) as a
+    :class:`MicroBatch`."""
     rows_slice = slice(rows[0], rows[-1] + 1)
     attn = batch.attention_mask[rows_slice]
     width = int(attn.sum(dim=1).max())
@@ -76,7 +78,7 @@ def micro_batch(batch: "RolloutBatch", token_adv: "torch.Tensor | None", rows: l
         start=start,
         mask=mask[:, start:],
         token_adv=None if token_adv is None else token_adv[rows_slice, start:width],
-        old_logp=None if batch.old_logp is None else batch.old_logp[rows_slice, start:width],
+        old_logp=None if behaviour_logp is None else behaviour_logp[rows_slice, start:width],
     )
 
 
@@ -96,10 +98,11 @@ def micro_logprobs(model: "torch.nn.Module", micro: MicroBatch, temperature: flo
 def micro_batch_weight(aggregation: str, mask: "torch.Tensor", rows_total: float, tokens_total: float,
                        world: int) -> float:
     """Factor that turns a micro-batch's aggregated loss into its exact share of the
-    step's loss (times world size, since gradients are averaged over ranks)."""
-    if aggregation == "token_mean":
-        return float(mask.sum()) * world / max(tokens_total, 1.0)
-    return mask.shape[0] * world / rows_total
+    step's loss (times world size, since gradients are averaged over ranks): the registered
+    aggregation's :meth:`~calibrl.trainer.losses.LossAggregation.share`."""
+    from calibrl.trainer.losses import LOSS_AGGREGATIONS  # losses imports torch: not at this module's import
+
+    return LOSS_AGGREGATIONS[aggregation].share(mask, rows_total, tokens_total, world)
 
 
 def token_weighted_mean(parts: list[tuple[float, dict[str, float]]]) -> dict[str, float]:
@@ -137,7 +140,7 @@ def policy_loss_for(loss: "LossConfig", max_completion_length: int, logp: "torch
                     old_logp: "torch.Tensor", token_adv: "torch.Tensor", mask: "torch.Tensor",
                     ref_logp: "torch.Tensor | None") -> "tuple[torch.Tensor, dict[str, float]]":
     """``calibrl.trainer.losses.policy_loss`` with the run's loss settings."""
-    from calibrl.trainer.losses import policy_loss
+    from calibrl.trainer.losses import policy_loss  # losses imports torch: not at this module's import
 
     return policy_loss(logp, old_logp, token_adv, mask, ref_logp=ref_logp, beta=loss.beta, eps_low=loss.eps_low,
                        eps_high=loss.eps_high, aggregation=loss.aggregation,
@@ -241,7 +244,7 @@ class PolicyUpdate:
         loss_metrics: list[tuple[float, dict[str, float]]] = []
         loss_value = 0.0
         for n, (rows, ref_logp) in enumerate(zip(early.parts, early.ref_logps)):
-            micro = micro_batch(batch, training.token_adv, rows)
+            micro = micro_batch(batch, training.token_adv, rows, training.behaviour_logp)
             if n == 0:
                 logp, entropy = early.first
                 early.first = None  # the graph is freed by this micro-batch's backward

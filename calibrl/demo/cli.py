@@ -29,7 +29,7 @@ Stages, in order (each prints what it did; the report lists their times):
    what the judge server did per rubric while the two agents ran at once.
 
 Stages 2-4 and 6-9 call the library in this process (the functions behind the CLI
-commands: ``calibrl.judge_server.distill``, ``calibrl.judge_server.validation``, ``calibrl.retrieval_server.index``,
+commands: ``calibrl.judge_server.authoring.distill``, ``calibrl.judge_server.authoring.validation``, ``calibrl.retrieval_server.index``,
 ``calibrl.trainer.loop.train``, ``calibrl.trainer.eval``); the services are the real servers, and
 two training runs the real ``calibrl train``, each in its own process, reaching the services
 over gRPC.
@@ -74,7 +74,7 @@ OTHER_RUNS = ("calibadv", "binary", "binary_ds")
 MARKER = ".calibrl-demo"  # marks a folder as a demo run's output, which a later run may replace
 RETRIEVAL_MODE = "bm25"
 # The judge passes a golden item when its rubric total reaches a threshold picked on the NON-golden
-# reviews (best kappa, calibrl.judge_server.validation.pick_pass_threshold); the gate passes when the
+# reviews (best kappa, calibrl.judge_server.authoring.validation.pick_pass_threshold); the gate passes when the
 # whole 95% bootstrap interval of the golden kappa is at least min_kappa (docs/concepts/simulated-experts.md).
 PASS_THRESHOLD = "auto"
 GATE = "lower_bound"
@@ -335,8 +335,8 @@ def distill_rubric(feedback: pathlib.Path, glossary: Sequence[str], rubric_path:
                    golden_path: pathlib.Path) -> tuple[Any, list[Any]]:
     """Stage 2: distil the SME feedback into the demo's rubric (programmatic criteria) and a
     golden hold-out set; write both. Returns (rubric, golden records)."""
-    from calibrl.judge_server.distill import DistillOptions, distill
-    from calibrl.judge_server.feedback import read_feedback, write_feedback
+    from calibrl.judge_server.authoring.distill import DistillOptions, distill
+    from calibrl.judge_server.authoring.feedback import read_feedback, write_feedback
     from calibrl.judge_server.rubric import dump_rubric
 
     records = read_feedback(feedback)
@@ -359,7 +359,7 @@ def validate_rubric(rubric: Any, golden: Sequence[Any], rubric_path: pathlib.Pat
     from calibrl.config import load_config
     from calibrl.judge_server.config import JudgeConfig
     from calibrl.demo.judge_model import validation_options
-    from calibrl.judge_server.validation import find_record, read_records, validate_judge, validation_path, write_record
+    from calibrl.judge_server.authoring.validation import find_record, read_records, validate_judge, validation_path, write_record
 
     config = load_config(JudgeConfig, None, ["backend=programmatic", "allow_unvalidated=true", "cache_size=0"])
     record = validate_judge(rubric, golden, config, *validation_options(PASS_THRESHOLD, GATE, feedback))
@@ -518,7 +518,7 @@ class _Clients:
         self.judge = GrpcJudgeClient(judge_target, timeout_s=60.0)
 
     def search_many(self, queries: Sequence[str], top_k: int) -> list[list[Any]]:
-        from calibrl.retrieval_server.types import SearchMode
+        from calibrl.api.retrieval import SearchMode
 
         results: list[list[Any]] = []
         for start in range(0, len(queries), 128):

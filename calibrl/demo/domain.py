@@ -44,7 +44,7 @@ from typing import Any, Iterable
 
 # Error tags of the SME taxonomy (docs/design.md, "Rewards": missed intent, missing key entities,
 # under-specification, plus the critical penalty for invented entities), spelled as
-# the judge's distiller knows them (calibrl.judge_server.distill.RECIPES).
+# the judge's distiller knows them (calibrl.judge_server.authoring.distill.RECIPES).
 MISSED_INTENT = "missed_intent"
 MISSING_KEY_ENTITIES = "missing_entity"
 UNDERSPECIFIED = "underspecified"

@@ -15,7 +15,7 @@ this order:
    found the answer document (a wrong second query, or no second search).
 
 :func:`greedy_search_records` decodes each question greedily, exactly as
-:func:`calibrl.trainer.eval.evaluate_search` does, and keeps one
+:func:`calibrl.trainer.kinds.search.metrics.evaluate_search` does, and keeps one
 :class:`SearchRecord` per question, so that two models can be compared question by
 question (:func:`paired_gain`, through :mod:`calibrl.stats`).
 
@@ -131,7 +131,7 @@ def analyse(records: Sequence[SearchRecord]) -> ErrorAnalysis:
 
 
 def summary_metrics(records: Sequence[SearchRecord]) -> dict[str, float]:
-    """The held-out metrics of :func:`calibrl.trainer.eval.evaluate_search`, from the records."""
+    """The held-out metrics of :func:`calibrl.trainer.kinds.search.metrics.evaluate_search`, from the records."""
     count = len(records)
     if not count:
         raise ValueError("no records to summarise")
@@ -157,7 +157,7 @@ def greedy_search_records(model: str, tasks: Sequence[Any], retrieval: Any, sett
     from calibrl.trainer.engines import make_engine
     from calibrl.trainer.eval import resolve_model_path
     from calibrl.trainer.policy import load_policy
-    from calibrl.trainer.rollout import rollout_search
+    from calibrl.trainer.kinds.search.rollout import rollout_search
 
     policy = load_policy(str(resolve_model_path(model)), device=settings.device, dtype="auto")
     policy.model.eval()

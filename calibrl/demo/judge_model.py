@@ -15,10 +15,10 @@ No pretrained LLM can be downloaded, so the demo builds its judge the way
    knows the catalogue's words before it learns to judge them. Nothing golden is read: no
    golden (query, rewrite) pair, no review of a golden text, no golden rewrite
    (:func:`domain_text_examples`).
-4. **Fine-tuning**: :func:`calibrl.judge_server.train_judge.train_judge` (the library
+4. **Fine-tuning**: :func:`calibrl.judge_server.authoring.train_judge.train_judge` (the library
    behind ``calibrl rubric train-judge``) on the training part of the SME feedback,
    never the golden part, with the prompts the transformers backend scores.
-5. **Validation**: :func:`calibrl.judge_server.validation.validate_judge` (the library
+5. **Validation**: :func:`calibrl.judge_server.authoring.validation.validate_judge` (the library
    behind ``calibrl rubric validate --judge transformers:DIR``) on the golden set, the pass
    threshold given or picked (``"auto"``) on the non-golden reviews; the record is written
    beside the rubric, where ``calibrl serve judge`` reads it.
@@ -66,8 +66,8 @@ class JudgeModel:
     folder: pathlib.Path
     spec: str  # the judge SPEC to serve it: transformers:<folder>
     model_id: str  # what the validation record binds (with the embedder suffix)
-    training: Any  # calibrl.judge_server.train_judge.TrainingResult
-    validation: Any  # calibrl.judge_server.validation.ValidationRecord
+    training: Any  # calibrl.judge_server.authoring.train_judge.TrainingResult
+    validation: Any  # calibrl.judge_server.authoring.validation.ValidationRecord
     warm_losses: tuple[float, float]  # first and last warm-start loss
     seconds: dict[str, float]  # warm start, fine-tuning, validation
 
@@ -91,8 +91,8 @@ def serve_overrides() -> list[str]:
 
 def distill_llm_rubric(feedback: pathlib.Path, glossary: Sequence[str], rubric_path: pathlib.Path) -> Any:
     """The LLM rubric of the SME feedback (yes/no questions), written to ``rubric_path``."""
-    from calibrl.judge_server.distill import DistillOptions, distill
-    from calibrl.judge_server.feedback import read_feedback
+    from calibrl.judge_server.authoring.distill import DistillOptions, distill
+    from calibrl.judge_server.authoring.feedback import read_feedback
     from calibrl.judge_server.rubric import dump_rubric
 
     result = distill(read_feedback(feedback), DistillOptions(rubric_id=LLM_RUBRIC_ID, criteria_mode="llm",
@@ -116,8 +116,8 @@ def domain_text_examples(domain: Domain, golden: Sequence[Any]) -> list[Example]
     the SME-reviewed rewrites that are not golden (all trained on); the search-only passages say
     nothing about rewrites. ``golden`` (feedback records): a review with a golden item's (query,
     rewrite) text is left out whatever its id or grade, and so is any text equal to a golden rewrite."""
-    from calibrl.judge_server.distill import text_key
-    from calibrl.judge_server.feedback import FeedbackRecord
+    from calibrl.judge_server.authoring.distill import text_key
+    from calibrl.judge_server.authoring.feedback import FeedbackRecord
 
     golden_keys = {text_key(r) for r in golden}
     golden_rewrites = {" ".join(r.output.lower().split()) for r in golden}
@@ -162,8 +162,8 @@ def build_and_validate_judge(domain: Domain, feedback: pathlib.Path, rubric: Any
     validated on; it is also excluded from training by name (``golden_path``) and from the
     warm start. ``pass_threshold``: a number, or ``"auto"`` to pick it on the reviews of
     ``feedback`` that are not golden; ``gate``: what must reach min_kappa (ValidationOptions.gate)."""
-    from calibrl.judge_server.train_judge import TrainJudgeOptions, train_judge
-    from calibrl.judge_server.validation import validate_judge, validation_path, write_record
+    from calibrl.judge_server.authoring.train_judge import TrainJudgeOptions, train_judge
+    from calibrl.judge_server.authoring.validation import validate_judge, validation_path, write_record
 
     seconds: dict[str, float] = {}
     started = time.perf_counter()
@@ -195,8 +195,8 @@ def build_and_validate_judge(domain: Domain, feedback: pathlib.Path, rubric: Any
 def validation_options(pass_threshold: float | str, gate: str, feedback: pathlib.Path) -> tuple[Any, Any]:
     """(ValidationOptions, calibration records) of a validation: ``"auto"`` calibrates the pass
     threshold on the reviews of ``feedback`` (validate_judge leaves the golden ones out)."""
-    from calibrl.judge_server.feedback import read_feedback
-    from calibrl.judge_server.validation import ValidationOptions
+    from calibrl.judge_server.authoring.feedback import read_feedback
+    from calibrl.judge_server.authoring.validation import ValidationOptions
 
     if pass_threshold == "auto":
         return ValidationOptions(gate=gate), read_feedback(feedback)

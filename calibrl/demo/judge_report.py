@@ -2,7 +2,7 @@
 per-rubric figures (also while two agents' training runs called it at once), the
 judge/retrieval disagreement plot and the dynamic-sampling verdict.
 
-Inputs are plain: validation records (:class:`calibrl.judge_server.validation.ValidationRecord`),
+Inputs are plain: validation records (:class:`calibrl.judge_server.authoring.validation.ValidationRecord`),
 the judge server's Prometheus text (``telemetry.prometheus_port``: calls, batch sizes and
 cache lookups by rubric) and the runs' per-step logs. Every sentence is computed from them.
 """

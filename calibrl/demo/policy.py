@@ -134,20 +134,11 @@ def prompt_constants() -> list[str]:
 def train_tokenizer(texts: Iterable[str], vocab_size: int = 2048) -> Any:
     """A byte-level BPE tokenizer trained on ``texts``, wrapped as PreTrainedTokenizerFast;
     the Search-R1 tags are special tokens and the prompt constants single added tokens."""
-    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
-    core = Tokenizer(models.BPE())
-    core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    core.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size,
-        special_tokens=[PAD, EOS, *SEARCH_TAGS],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    core.train_from_iterator(list(texts), trainer)
-    core.add_tokens([AddedToken(text, normalized=False, special=False) for text in prompt_constants()])
+    from calibrl.tiny_lm import train_bpe_tokenizer
+
+    core = train_bpe_tokenizer(texts, vocab_size, [PAD, EOS, *SEARCH_TAGS], added_tokens=prompt_constants())
     return PreTrainedTokenizerFast(
         tokenizer_object=core, eos_token=EOS, pad_token=PAD, additional_special_tokens=list(SEARCH_TAGS)
     )

@@ -2,7 +2,7 @@
 
 A rewriter's held-out score is the share of tasks whose greedy rewrite retrieves a
 gold passage in the top k. Each arm's rewrite of each held-out task is scored
-(:func:`greedy_rewrite_hits`, decoded exactly as :func:`calibrl.trainer.eval.evaluate_rewrites`
+(:func:`greedy_rewrite_hits`, decoded exactly as :func:`calibrl.trainer.kinds.rewrite.evaluate_rewrites`
 decodes), so that two arms can be compared on the same tasks.
 
 Held-out rewrite tasks come in clusters: several tasks ask about one (product, topic)
@@ -48,7 +48,7 @@ def _greedy_rewrites(model: str, tasks: Sequence[Any], settings: "EvalSettings")
     from calibrl.trainer.engines import make_engine
     from calibrl.trainer.eval import resolve_model_path
     from calibrl.trainer.policy import load_policy
-    from calibrl.trainer.rollout import rollout_rewrites
+    from calibrl.trainer.kinds.rewrite import rollout_rewrites
 
     policy = load_policy(str(resolve_model_path(model)), device=settings.device, dtype="auto")
     policy.model.eval()
@@ -67,7 +67,7 @@ def _greedy_rewrites(model: str, tasks: Sequence[Any], settings: "EvalSettings")
 
 def _hits(rewrites: Sequence[str], tasks: Sequence[Any], retrieval: Any, settings: "EvalSettings",
           run_async: Callable[[Any], Any]) -> list[float]:
-    from calibrl.trainer.eval import query_scores
+    from calibrl.trainer.kinds.rewrite import query_scores
 
     return [0.0 if score is None else float(score.hit)
             for score in query_scores(rewrites, tasks, retrieval, settings, run_async)]

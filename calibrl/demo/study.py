@@ -301,7 +301,7 @@ def question_scores(model: str | pathlib.Path, tasks: Sequence[Any], clients: An
     answer ``f1`` and ``em``, ``well_formed`` (0/1), ``searches``, the error ``category``, the
     normalised ``answer`` and ``found_answer_doc`` (0/1); with ``passages`` (doc id -> text) also
     ``grounded`` (0/1: a retrieved passage states the gold value). Their means are
-    ``calibrl.trainer.eval.evaluate_search``'s."""
+    ``calibrl.trainer.kinds.search.metrics.evaluate_search``'s."""
     from calibrl.demo.error_analysis import found_answer_doc, greedy_search_records, grounded
     from calibrl.text import normalize_answer
     from calibrl.trainer.eval import resolve_model_path

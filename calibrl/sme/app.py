@@ -27,7 +27,7 @@ from calibrl.errors import ConfigError
 from calibrl.sme.agreement import pairwise
 from calibrl.sme.items import SampleItem, read_items
 from calibrl.sme.store import FeedbackStore, check_reviewer
-from calibrl.judge_server.feedback import FeedbackRecord, normalize_tag
+from calibrl.judge_server.authoring.feedback import FeedbackRecord, normalize_tag
 
 REVIEWER_COOKIE = "calibrl_sme_reviewer"
 TOKEN_COOKIE = "calibrl_sme_token"
@@ -97,7 +97,7 @@ class ReviewState:
         return next((i for i in order if self.items[i].id not in done), None)
 
     def validation_records(self) -> list[Any]:
-        from calibrl.judge_server.validation import read_records, validation_path
+        from calibrl.judge_server.authoring.validation import read_records, validation_path
 
         path = self.settings.validation
         if path is None and self.settings.rubric is not None:
@@ -116,7 +116,7 @@ class ReviewState:
     def _score_golden(self) -> list[dict[str, Any]]:
         from calibrl.config import load_config
         from calibrl.judge_server.config import JudgeConfig
-        from calibrl.judge_server.feedback import read_feedback
+        from calibrl.judge_server.authoring.feedback import read_feedback
         from calibrl.judge_server.judge import Judge, load_llm
 
         config = load_config(JudgeConfig, None, [*self.settings.judge_overrides, f"backend={self.settings.judge}",
@@ -178,12 +178,40 @@ def answer_from_form(item: SampleItem, reviewer: str, form: Any) -> tuple[Feedba
 
 def create_app(settings: ReviewSettings) -> Any:
     """The Flask app; raises :class:`ConfigError` for a bad sample, rubric or feedback file."""
-    from flask import Flask, abort, make_response, redirect, render_template, request, url_for
+    from flask import Flask
 
     state = ReviewState(settings)
     app = Flask(__name__, template_folder=str(pathlib.Path(__file__).with_name("templates")))
     app.config["MAX_CONTENT_LENGTH"] = 1 << 20  # one answer form is far smaller
     app.extensions["calibrl_sme"] = state
+    _add_token_check(app, settings)
+    _add_entry_pages(app, state)
+    _add_item_page(app, state)
+    _add_report_pages(app, state)
+    return app
+
+
+def _current_reviewer() -> str | None:
+    """The reviewer of this request (its cookie), None when it has none or a bad one."""
+    from flask import request
+
+    name = request.cookies.get(REVIEWER_COOKIE, "")
+    try:
+        return check_reviewer(name)
+    except ConfigError:
+        return None
+
+
+def _common(state: ReviewState) -> dict[str, Any]:
+    """What every page shows: the reviewer, their progress and the sample."""
+    reviewer = _current_reviewer()
+    graded = len(state.store.graded_by(reviewer)) if reviewer else 0
+    return {"reviewer": reviewer, "graded": graded, "total": len(state.items), "sample": state.settings.sample.name}
+
+
+def _add_token_check(app: Any, settings: ReviewSettings) -> None:
+    """With ``settings.token``, every page but /healthz needs it (query, cookie or bearer header)."""
+    from flask import make_response, redirect, render_template, request
 
     @app.before_request
     def check_token() -> Any:
@@ -202,17 +230,12 @@ def create_app(settings: ReviewSettings) -> Any:
                                              message="This review server needs its token: open the address "
                                              "printed at start-up (it ends in ?token=...)."), 401)
 
-    def current_reviewer() -> str | None:
-        name = request.cookies.get(REVIEWER_COOKIE, "")
-        try:
-            return check_reviewer(name)
-        except ConfigError:
-            return None
 
-    def common() -> dict[str, Any]:
-        reviewer = current_reviewer()
-        graded = len(state.store.graded_by(reviewer)) if reviewer else 0
-        return {"reviewer": reviewer, "graded": graded, "total": len(state.items), "sample": settings.sample.name}
+def _add_entry_pages(app: Any, state: ReviewState) -> None:
+    """/healthz, / and the reviewer's name (/reviewer), then the next ungraded item (/review)."""
+    from flask import make_response, redirect, render_template, request, url_for
+
+    settings = state.settings
 
     @app.get("/healthz")
     def healthz() -> Any:
@@ -238,23 +261,30 @@ def create_app(settings: ReviewSettings) -> Any:
                 response.set_cookie(REVIEWER_COOKIE, name, samesite="Strict", max_age=365 * 24 * 3600)
                 return response
         return make_response(render_template("reviewer.html", error=error, target=target,
-                                             known=state.store.reviewers(), **common()), 400 if error else 200)
+                                             known=state.store.reviewers(), **_common(state)), 400 if error else 200)
 
     @app.get("/review")
     def review() -> Any:
-        reviewer = current_reviewer()
+        reviewer = _current_reviewer()
         if reviewer is None:
             return redirect(url_for("reviewer_page", next=request.path))
         index = state.next_ungraded(reviewer)
         if index is None:
             return render_template("message.html", title="All done",
                                    message=f"{reviewer} has graded all {len(state.items)} items. Thank you. "
-                                   "Answers are in " + str(settings.out) + ".", **common())
+                                   "Answers are in " + str(settings.out) + ".", **_common(state))
         return redirect(url_for("item_page", index=index + 1))
+
+
+def _add_item_page(app: Any, state: ReviewState) -> None:
+    """/item/<n>: one item, its documents and the answer form (a POST saves the answer)."""
+    from flask import abort, make_response, redirect, render_template, request, url_for
+
+    settings = state.settings
 
     @app.route("/item/<int:index>", methods=["GET", "POST"])
     def item_page(index: int) -> Any:
-        reviewer = current_reviewer()
+        reviewer = _current_reviewer()
         if reviewer is None:
             return redirect(url_for("reviewer_page", next=request.path))
         if not 1 <= index <= len(state.items):
@@ -292,8 +322,15 @@ def create_app(settings: ReviewSettings) -> Any:
             taxonomy=list(zip(taxonomy, list(TAG_KEYS) + [""] * len(taxonomy))), form=form, problems=problems,
             saved=saved is not None, just_saved=request.args.get("saved", ""), rubric=state.rubric,
             draft_key=f"calibrl-sme:{state.sample_key}:{reviewer}:", pass_grade=settings.pass_grade,
-            max_notes=MAX_NOTES_CHARS, **common()), 400 if problems else 200)
+            max_notes=MAX_NOTES_CHARS, **_common(state)), 400 if problems else 200)
         return response
+
+
+def _add_report_pages(app: Any, state: ReviewState) -> None:
+    """/agreement (reviewers' pairwise agreement) and /rubric (its validation records)."""
+    from flask import render_template
+
+    settings = state.settings
 
     @app.get("/agreement")
     def agreement_page() -> Any:
@@ -302,7 +339,7 @@ def create_app(settings: ReviewSettings) -> Any:
         for answer in answers:
             counts[answer.reviewer] = counts.get(answer.reviewer, 0) + 1
         return render_template("agreement.html", pairs=pairwise(answers, settings.pass_grade), counts=counts,
-                               index={k: v + 1 for k, v in state.index.items()}, **common())
+                               index={k: v + 1 for k, v in state.index.items()}, **_common(state))
 
     @app.get("/rubric")
     def rubric_page() -> Any:
@@ -316,9 +353,7 @@ def create_app(settings: ReviewSettings) -> Any:
         older = [r for r in records if r not in current]
         return render_template("rubric.html", rubric=state.rubric, current=current, older=older,
                                golden_rows=golden_rows, golden=settings.golden, error=error,
-                               pass_threshold=settings.pass_threshold, **common())
-
-    return app
+                               pass_threshold=settings.pass_threshold, **_common(state))
 
 
 def serve(settings: ReviewSettings, announce: Any = print) -> None:

@@ -147,10 +147,10 @@ def drift(argv: Sequence[str]) -> int:
 
     from calibrl.config import load_config
     from calibrl.judge_server.config import JudgeConfig
-    from calibrl.judge_server.feedback import read_feedback
+    from calibrl.judge_server.authoring.feedback import read_feedback
     from calibrl.judge_server.judge import Judge, load_llm
     from calibrl.judge_server.rubric import load_rubric
-    from calibrl.judge_server.validation import read_records, validation_path
+    from calibrl.judge_server.authoring.validation import read_records, validation_path
     from calibrl.sme.drift import DriftOptions, drift_report
 
     try:

@@ -4,7 +4,7 @@ A rubric is validated on grades of the base policy's outputs; the policy then mo
 outputs the golden set never covered. :func:`drift_report` takes items the experts graded
 *recently* (feedback records, e.g. from the trainer's review queue) and the judge's scores of
 the same items, and measures the judge's agreement with the experts the way validation does
-(:func:`calibrl.judge_server.validation.agreement`: Cohen's kappa on pass/fail with its 95%
+(:func:`calibrl.judge_server.authoring.validation.agreement`: Cohen's kappa on pass/fail with its 95%
 bootstrap interval, items resampled in clusters of one query, the same gate), so a drift
 figure and a validation figure compare directly.
 
@@ -28,10 +28,10 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Literal, Sequence
 
 from calibrl.errors import ConfigError
-from calibrl.judge_server.feedback import FeedbackRecord
+from calibrl.judge_server.authoring.feedback import FeedbackRecord
 from calibrl.judge_server.rubric import Rubric
-from calibrl.judge_server.types import ItemScore
-from calibrl.judge_server.validation import GATES, ValidationOptions, agreement
+from calibrl.api.judge import ItemScore
+from calibrl.judge_server.authoring.validation import GATES, ValidationOptions, agreement
 
 Status = Literal["ok", "alarm", "too_few"]
 

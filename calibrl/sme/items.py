@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from typing import Any, Iterable
 
 from calibrl.errors import ConfigError
-from calibrl.judge_server.feedback import check_record_object, jsonl_lines, strings_field
+from calibrl.judge_server.authoring.feedback import check_record_object, jsonl_lines, strings_field
 
 ITEM_FIELDS = frozenset({
     "id", "query", "output", "retrieved_doc_ids", "retrieved_texts", "gold_doc_ids", "signals", "judge_total",

@@ -193,7 +193,7 @@ class ReviewQueue:
         ``on_alarm=stop`` the run stops after this step."""
         import json
 
-        from calibrl.judge_server.feedback import read_feedback
+        from calibrl.judge_server.authoring.feedback import read_feedback
         from calibrl.sme.drift import DriftOptions, drift_report
         from calibrl.sme.store import split_feedback_id
 

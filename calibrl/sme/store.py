@@ -1,6 +1,6 @@
 """The feedback JSONL the review page writes: one record per (item, reviewer), saved at once.
 
-The file is the format ``calibrl rubric distill`` reads (:mod:`calibrl.judge_server.feedback`),
+The file is the format ``calibrl rubric distill`` reads (:mod:`calibrl.judge_server.authoring.feedback`),
 nothing added: a reviewer's answer to item ``rw-0012`` is the record with id
 ``rw-0012@alice``. Each answer rewrites the whole file through a temporary file,
 ``fsync`` and a rename (then an ``fsync`` of the folder), so a crash leaves the old
@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from calibrl.errors import ConfigError
-from calibrl.judge_server.feedback import FeedbackRecord, read_feedback
+from calibrl.judge_server.authoring.feedback import FeedbackRecord, read_feedback
 
 REVIEWER_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,39}$")
 REVIEWER_RULE = "1-40 characters: letters, digits, '_', '.', '-' (starting with a letter or digit)"

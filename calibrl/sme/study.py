@@ -32,7 +32,7 @@ from typing import Any, Mapping, Sequence
 from calibrl.errors import CalibrlError
 from calibrl.sme.items import SampleItem, write_items
 from calibrl.sme.sample import Embed, SampleOptions, choose_sample, item_text
-from calibrl.judge_server.feedback import FeedbackRecord
+from calibrl.judge_server.authoring.feedback import FeedbackRecord
 
 
 @dataclass
@@ -187,9 +187,9 @@ def validation_kappa(reviews: Sequence[FeedbackRecord], golden: Sequence[Feedbac
     ``calibrl rubric validate`` computes it (with ``--pass-threshold auto --feedback
     <reviews>`` when ``options.pass_threshold`` is None)."""
     from calibrl.judge_server.config import JudgeConfig
-    from calibrl.judge_server.distill import DistillOptions, distill
+    from calibrl.judge_server.authoring.distill import DistillOptions, distill
     from calibrl.judge_server.judge import Judge
-    from calibrl.judge_server.validation import ValidationOptions, agreement, pick_pass_threshold
+    from calibrl.judge_server.authoring.validation import ValidationOptions, agreement, pick_pass_threshold
 
     try:
         result = distill(list(reviews), DistillOptions(
@@ -314,8 +314,8 @@ def demo_inputs(domain: Any, search: Any, golden_fraction: float = 0.3
     ``calibrl rubric distill`` splits it; the pool is the non-golden part, each item with
     the documents ``search(outputs) -> doc ids per output`` retrieves for its rewrite
     (hence its outcome, hit or miss) and the gold passage of its query."""
-    from calibrl.judge_server.distill import split_golden
-    from calibrl.judge_server.feedback import parse_record
+    from calibrl.judge_server.authoring.distill import split_golden
+    from calibrl.judge_server.authoring.feedback import parse_record
 
     records = [parse_record(feedback.record(), "<demo feedback>", n + 1) for n, feedback in enumerate(domain.sme_feedback)]
     train, golden = split_golden(records, golden_fraction)

@@ -7,7 +7,9 @@ part of the services). Nothing here downloads anything; heavy modules load on fi
 - SME feedback (:mod:`calibrl.testing.feedback`): ``synthetic_feedback``,
   ``SYNTHETIC_GLOSSARY``;
 - retrieval (:mod:`calibrl.testing.retrieval`): ``TINY_CORPUS``, ``build_test_index``,
-  ``config_for_tests``, ``start_test_server`` (a real server on a free loopback port).
+  ``config_for_tests``, ``start_test_server`` (a real server on a free loopback port);
+- log-probs (:mod:`calibrl.testing.logprobs`): ``sequence_logprobs``, a model's log-prob of
+  every position of a batch.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ _EXPORTS = {
     "build_test_index": "retrieval",
     "config_for_tests": "retrieval",
     "start_test_server": "retrieval",
+    "sequence_logprobs": "logprobs",
 }
 
 __all__ = sorted(_EXPORTS)

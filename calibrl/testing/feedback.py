@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import random
 
-from calibrl.judge_server.feedback import FeedbackRecord
+from calibrl.judge_server.authoring.feedback import FeedbackRecord
 
 _FUNDS = [
     ("VTSAX", "Vanguard Total Stock Market Index Fund"),

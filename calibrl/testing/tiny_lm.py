@@ -14,7 +14,7 @@ import pathlib
 from typing import Any, Iterable
 
 from calibrl.fileperms import honour_umask
-from calibrl.tiny_lm import TinyLMSpec, build_tiny_lm
+from calibrl.tiny_lm import TinyLMSpec, build_tiny_lm, train_bpe_tokenizer
 
 # A minimal chat template for tests that need one (a user turn, then the assistant's).
 SIMPLE_CHAT_TEMPLATE = (
@@ -37,22 +37,9 @@ _BASE_CORPUS = [
 
 
 def _train_tokenizer(vocab_size: int, extra_texts: Iterable[str]):
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
-
-    tokenizer = Tokenizer(models.BPE())
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size, min_frequency=1, show_progress=False,
-        special_tokens=["<pad>", "<s>", "</s>", "<|user|>", "<|assistant|>", "<|system|>"],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-    )
     corpus = list(_BASE_CORPUS) * 20 + list(extra_texts) + [" yes", " no", " Yes", " No"] * 50
-    tokenizer.train_from_iterator(corpus, trainer)
-    bos = tokenizer.token_to_id("<s>")
-    tokenizer.post_processor = processors.TemplateProcessing(single="<s> $A", pair="<s> $A <s> $B",
-                                                             special_tokens=[("<s>", bos)])
-    return tokenizer
+    return train_bpe_tokenizer(corpus, vocab_size, ["<pad>", "<s>", "</s>", "<|user|>", "<|assistant|>", "<|system|>"],
+                               bos="<s>", min_frequency=1)
 
 
 def build_tiny_causal_lm(
@@ -112,22 +99,9 @@ def build_tokenizer(vocab_size: int = 400) -> Any:
     """A byte-level BPE tokenizer (any text encodes and decodes exactly) with
     ``<s>`` (BOS, prepended), ``</s>`` (EOS) and ``<pad>``. The format tags are
     ordinary text, split into several tokens as in most real tokenizers."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
     from transformers import PreTrainedTokenizerFast
 
-    core = Tokenizer(models.BPE())
-    core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    core.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size,
-        special_tokens=["<pad>", "<s>", "</s>"],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    core.train_from_iterator(POLICY_CORPUS, trainer)
-    core.post_processor = processors.TemplateProcessing(
-        single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", core.token_to_id("<s>"))]
-    )
+    core = train_bpe_tokenizer(POLICY_CORPUS, vocab_size, ["<pad>", "<s>", "</s>"], bos="<s>")
     return PreTrainedTokenizerFast(tokenizer_object=core, bos_token="<s>", eos_token="</s>", pad_token="<pad>")
 
 

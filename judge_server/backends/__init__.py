@@ -25,7 +25,7 @@ from typing import Protocol, Sequence
 
 from calibrl.errors import ConfigError
 from calibrl.judge_server.rubric import Criterion, Rubric
-from calibrl.judge_server.types import JudgeItem
+from calibrl.api.judge import JudgeItem
 
 BACKENDS = ("programmatic", "transformers", "vllm")
 

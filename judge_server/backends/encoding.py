@@ -13,7 +13,7 @@ from typing import Any, Sequence
 from calibrl.errors import ConfigError, InvalidArgument
 from calibrl.judge_server import prompts
 from calibrl.judge_server.rubric import Criterion
-from calibrl.judge_server.types import JudgeItem
+from calibrl.api.judge import JudgeItem
 
 
 @dataclass

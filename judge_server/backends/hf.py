@@ -47,7 +47,7 @@ from calibrl.judge_server.backends import model_id_for
 from calibrl.judge_server.backends.encoding import EncodedBatch, PromptEncoder
 from calibrl.judge_server.backends.pruned_forward import pruned_forward_for
 from calibrl.judge_server.rubric import Criterion, Rubric
-from calibrl.judge_server.types import JudgeItem
+from calibrl.api.judge import JudgeItem
 
 log = logging.getLogger(__name__)
 

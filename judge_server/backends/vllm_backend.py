@@ -35,7 +35,7 @@ from calibrl.judge_server import prompts
 from calibrl.judge_server.backends import model_id_for
 from calibrl.judge_server.backends.encoding import PromptEncoder
 from calibrl.judge_server.rubric import Criterion, Rubric
-from calibrl.judge_server.types import JudgeItem
+from calibrl.api.judge import JudgeItem
 
 
 BATCH_INVARIANT_ENV = "VLLM_BATCH_INVARIANT"

@@ -4,7 +4,7 @@ servicer and the trainer's gRPC client."""
 from __future__ import annotations
 
 from calibrl.v1 import judge_pb2 as pb
-from calibrl.judge_server.types import CriterionScore, ItemScore, JudgeItem
+from calibrl.api.judge import CriterionScore, ItemScore, JudgeItem
 
 
 def item_to_proto(item: JudgeItem) -> pb.JudgeItem:

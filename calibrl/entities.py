@@ -7,6 +7,10 @@ two or more capitals (``ETF``, ``iShares``, ``McDonald``), or a capital that is 
 explained by its position (a capitalised word that does not open a sentence and is
 not a common function word). Glossary terms (multi-word, case-insensitive) cover the
 domain vocabulary users type in lower case.
+
+The query-similarity helpers at the end (:func:`repeats_earlier`) are what both the
+judge's ``repeated_query`` criterion and the trainer's search-step rewards call a
+repeated search.
 """
 
 from __future__ import annotations
@@ -115,3 +119,24 @@ def content_words(text: str) -> list[str]:
 
 def vague_words(text: str) -> list[str]:
     return [t.lower() for t in tokens(text) if t.lower() in VAGUE_TERMS]
+
+
+# --- search queries: the search-step rubric's repeated_query and the trainer's step metrics share these
+
+EARLIER_QUERIES_KEY = "earlier_queries"
+# Word similarity at or above which a search query repeats an earlier one (repeated_query's default).
+REPEAT_SIMILARITY = 0.7
+
+
+def query_similarity(a: str, b: str) -> float:
+    """Jaccard similarity of the folded content words of two queries (1 for two empty ones)."""
+    words_a = {_fold(w) for w in content_words(a)}
+    words_b = {_fold(w) for w in content_words(b)}
+    if not words_a and not words_b:
+        return 1.0
+    return len(words_a & words_b) / len(words_a | words_b)
+
+
+def repeats_earlier(query: str, earlier: Sequence[str], threshold: float = REPEAT_SIMILARITY) -> bool:
+    """Whether ``query`` is at least ``threshold`` similar to any of the ``earlier`` queries."""
+    return any(query_similarity(query, previous) >= threshold for previous in earlier)

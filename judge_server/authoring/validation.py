@@ -21,7 +21,7 @@ decision line states the interval either way.
 (a feedback record is left out when it is golden or has a golden item's (query, output) text);
 the record keeps the choice (``pass_threshold_source``, ``metrics["threshold_selection"]``).
 
-The result is a :class:`ValidationRecord` bound to (rubric hash, judge model id),
+The result is a :class:`~calibrl.judge_server.validation_records.ValidationRecord` bound to (rubric hash, judge model id),
 kept next to the rubric in ``<rubric file>.validation.json`` (one record per
 (hash, model id); a new run replaces the old one). The judge server serves a rubric
 only when a passing record matches its hash and the served model id.
@@ -31,19 +31,25 @@ from __future__ import annotations
 
 import datetime
 import hashlib
-import json
 import math
-import pathlib
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, replace
 from typing import Any, Sequence
 
 from calibrl.errors import ConfigError
 from calibrl.judge_server import metrics
-from calibrl.judge_server.feedback import FeedbackRecord
+from calibrl.judge_server.authoring.feedback import FeedbackRecord
 from calibrl.judge_server.rubric import Rubric
-from calibrl.judge_server.types import ItemScore
+from calibrl.judge_server.validation_records import (  # noqa: F401 - re-exported: the records this module writes
+    VALIDATION_SUFFIX,
+    ValidationRecord,
+    find_record,
+    kappa_bound,
+    read_records,
+    validation_path,
+    write_record,
+)
+from calibrl.api.judge import ItemScore
 
-VALIDATION_SUFFIX = ".validation.json"
 GATES = ("estimate", "lower_bound")
 KAPPA_RESAMPLES = 10_000  # bootstrap resamples of every kappa interval (seed 0)
 
@@ -69,46 +75,6 @@ class ValidationOptions:
             raise ConfigError(f"pass_grade={self.pass_grade}: must be in 1..5")
         if self.min_items < 2:
             raise ConfigError(f"min_items={self.min_items}: must be >= 2")
-
-
-@dataclass
-class ValidationRecord:
-    rubric_id: str
-    rubric_hash: str
-    model_id: str
-    passed: bool
-    kappa: float | None
-    min_kappa: float
-    pass_threshold: float
-    n_items: int
-    golden_sha256: str
-    reason: str
-    metrics: dict[str, Any] = field(default_factory=dict)
-    created_at: str = ""
-    # Where pass_threshold came from: "given" (the command line) or "auto" (picked on the
-    # non-golden feedback, see metrics["threshold_selection"]).
-    pass_threshold_source: str = "given"
-    # Cohen's kappa's 95% bootstrap interval (golden items resampled in clusters of one query) and
-    # what the gate decided on ("estimate" or "lower_bound").
-    kappa_low: float | None = None
-    kappa_high: float | None = None
-    gate: str = "estimate"
-
-    def kappa_text(self) -> str:
-        """The kappa with its interval, e.g. ``0.744 [0.60, 0.88]``."""
-        if self.kappa is None:
-            return "n/a"
-        if self.kappa_low is None or self.kappa_high is None:
-            return f"{self.kappa:.3f}"
-        return f"{self.kappa:.3f} [{_bound(self.kappa_low)}, {_bound(self.kappa_high)}]"
-
-    def to_json(self) -> dict[str, Any]:
-        return asdict(self)
-
-    @staticmethod
-    def from_json(data: dict[str, Any]) -> "ValidationRecord":
-        known = {f for f in ValidationRecord.__dataclass_fields__}
-        return ValidationRecord(**{k: v for k, v in data.items() if k in known})
 
 
 def judge_grade(total: float) -> int:
@@ -184,27 +150,11 @@ def agreement(rubric: Rubric, model_id: str, golden: Sequence[FeedbackRecord], s
     low, high, n_clusters = _kappa_bounds(golden, expert_pass, judge_pass, kappa)
     agree = sum(a == b for a, b in zip(expert_pass, judge_pass)) / len(golden) if golden else None
 
-    graded = [(r.grade, s) for r, s in zip(golden, scores) if r.grade is not None]
-    expert_grades = [g for g, _ in graded]
-    judge_grades = [judge_grade(s.total) for _, s in graded]
-    grade_metrics = {
-        "n": len(graded),
-        "quadratic_weighted_kappa": metrics.quadratic_weighted_kappa(expert_grades, judge_grades) if graded else None,
-        "spearman": metrics.spearman(expert_grades, judge_grades) if graded else None,
-        "spearman_total": metrics.spearman(expert_grades, [s.total for _, s in graded]) if graded else None,
-        "confusion": {"labels": [1, 2, 3, 4, 5], "rows": "expert", "columns": "judge",
-                      "matrix": metrics.confusion(expert_grades, judge_grades, [1, 2, 3, 4, 5])},
-    }
-    per_criterion = {}
-    for criterion in rubric.criteria:
-        if not criterion.tags:
-            continue
-        flagged = [s.by_name()[criterion.name] < options.flag_threshold for s in scores]
-        tagged = [bool(set(criterion.tags) & set(_canonical_tags(r))) for r in golden]
-        per_criterion[criterion.name] = {"tags": list(criterion.tags), **metrics.precision_recall(flagged, tagged)}
+    grade_metrics = _grade_metrics(golden, scores)
+    per_criterion = _criterion_metrics(rubric, golden, scores, options.flag_threshold)
 
     interval = "n/a" if kappa is None else f"{kappa:.3f}" + (
-        "" if low is None else f" [{_bound(low)}, {_bound(high)}]")
+        "" if low is None else f" [{kappa_bound(low)}, {kappa_bound(high)}]")
     reasons = []
     if len(golden) < options.min_items:
         reasons.append(f"golden set has {len(golden)} items, fewer than min_items={options.min_items}")
@@ -259,9 +209,32 @@ def agreement(rubric: Rubric, model_id: str, golden: Sequence[FeedbackRecord], s
     )
 
 
-def _bound(value: float) -> str:
-    """A kappa interval bound, two decimals (no "-0.00" for float noise around 0)."""
-    return f"{value + 0.0:.2f}".replace("-0.00", "0.00")
+def _grade_metrics(golden: Sequence[FeedbackRecord], scores: Sequence[ItemScore]) -> dict[str, Any]:
+    """Agreement of the judge's 1-5 grades with the experts' (the records that have a grade)."""
+    graded = [(r.grade, s) for r, s in zip(golden, scores) if r.grade is not None]
+    expert_grades = [g for g, _ in graded]
+    judge_grades = [judge_grade(s.total) for _, s in graded]
+    return {
+        "n": len(graded),
+        "quadratic_weighted_kappa": metrics.quadratic_weighted_kappa(expert_grades, judge_grades) if graded else None,
+        "spearman": metrics.spearman(expert_grades, judge_grades) if graded else None,
+        "spearman_total": metrics.spearman(expert_grades, [s.total for _, s in graded]) if graded else None,
+        "confusion": {"labels": [1, 2, 3, 4, 5], "rows": "expert", "columns": "judge",
+                      "matrix": metrics.confusion(expert_grades, judge_grades, [1, 2, 3, 4, 5])},
+    }
+
+
+def _criterion_metrics(rubric: Rubric, golden: Sequence[FeedbackRecord], scores: Sequence[ItemScore],
+                       flag_threshold: float) -> dict[str, Any]:
+    """Per tagged criterion: precision/recall of its flags (score < ``flag_threshold``) against the expert tags."""
+    per_criterion = {}
+    for criterion in rubric.criteria:
+        if not criterion.tags:
+            continue
+        flagged = [s.by_name()[criterion.name] < flag_threshold for s in scores]
+        tagged = [bool(set(criterion.tags) & set(_canonical_tags(r))) for r in golden]
+        per_criterion[criterion.name] = {"tags": list(criterion.tags), **metrics.precision_recall(flagged, tagged)}
+    return per_criterion
 
 
 def _kappa_bounds(golden: Sequence[FeedbackRecord], expert_pass: Sequence[str], judge_pass: Sequence[str],
@@ -313,7 +286,7 @@ def _fmt(value: float | None) -> str:
 
 
 def _canonical_tags(record: FeedbackRecord) -> list[str]:
-    from calibrl.judge_server.distill import canonical_tag
+    from calibrl.judge_server.authoring.distill import canonical_tag
 
     return [canonical_tag(t) for t in record.error_tags]
 
@@ -336,7 +309,7 @@ def validate_judge(rubric: Rubric, golden: Sequence[FeedbackRecord], config: Any
     judge = Judge([rubric], config, llm=load_llm(config))
     choice = None
     if calibration is not None:
-        from calibrl.judge_server.distill import text_key
+        from calibrl.judge_server.authoring.distill import text_key
 
         golden_keys = {r.record_hash for r in golden} | {text_key(r) for r in golden}
         calibration = [r for r in calibration if r.record_hash not in golden_keys and text_key(r) not in golden_keys]
@@ -352,41 +325,3 @@ def _judge_scores(judge: Any, rubric: Rubric, config: Any, records: Sequence[Fee
     for start in range(0, len(items), step):
         judge.check_items(items[start : start + step])
     return judge.compute(judge.resolve(rubric.id), items)
-
-
-def validation_path(rubric_path: str | pathlib.Path) -> pathlib.Path:
-    return pathlib.Path(str(rubric_path) + VALIDATION_SUFFIX)
-
-
-def read_records(path: str | pathlib.Path) -> list[ValidationRecord]:
-    """Records of a validation file ([] when it does not exist)."""
-    path = pathlib.Path(path)
-    if not path.exists():
-        return []
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-        return [ValidationRecord.from_json(r) for r in data["records"]]
-    except (json.JSONDecodeError, KeyError, TypeError) as exc:
-        raise ConfigError(f"validation file {path} is malformed ({exc}); delete it and run "
-                          "'calibrl rubric validate' again") from None
-
-
-def write_record(path: str | pathlib.Path, record: ValidationRecord) -> list[ValidationRecord]:
-    """Add ``record`` to the file, replacing an older record for the same (hash, model id)."""
-    path = pathlib.Path(path)
-    records = [r for r in read_records(path)
-               if (r.rubric_hash, r.model_id) != (record.rubric_hash, record.model_id)]
-    records.append(record)
-    records.sort(key=lambda r: (r.rubric_hash, r.model_id))
-    payload = {"records": [r.to_json() for r in records]}
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(payload, indent=2, sort_keys=True) + "\n", encoding="utf-8")
-    tmp.replace(path)
-    return records
-
-
-def find_record(records: Sequence[ValidationRecord], rubric_hash: str, model_id: str) -> ValidationRecord | None:
-    for record in records:
-        if record.rubric_hash == rubric_hash and record.model_id == model_id:
-            return record
-    return None

@@ -27,7 +27,7 @@ from typing import Any, Iterable, Iterator
 
 from calibrl.errors import ConfigError
 from calibrl.judge_server.rubric import content_hash
-from calibrl.judge_server.types import JudgeItem
+from calibrl.api.judge import JudgeItem
 
 _FIELDS = {
     "id", "query", "output", "retrieved_doc_ids", "retrieved_texts", "gold_doc_ids", "grade", "verdict",

@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 from typing import Literal, Sequence
 
 from calibrl.errors import ConfigError
-from calibrl.judge_server.feedback import FeedbackRecord
+from calibrl.judge_server.authoring.feedback import FeedbackRecord
 from calibrl.judge_server.prompts import DEFAULT_INSTRUCTIONS
 from calibrl.judge_server.rubric import Criterion, Rubric
 
@@ -170,18 +170,9 @@ def _generated_question(tag: str, notes: list[str]) -> str:
     return text
 
 
-def distill(records: Sequence[FeedbackRecord], options: DistillOptions | None = None) -> DistillResult:
-    """Build the rubric and the golden set from SME feedback records."""
-    options = options or DistillOptions()
-    options.validate()
-    if not records:
-        raise ConfigError("no feedback records to distil")
-    train, golden = split_golden(records, options.golden_fraction)
-    if not train:
-        raise ConfigError(
-            f"golden_fraction={options.golden_fraction} left no training records out of {len(records)}")
-    critical = {canonical_tag(t) for t in options.critical_tags} | {t for t, r in RECIPES.items() if r.critical}
-
+def _tag_stats(train: Sequence[FeedbackRecord],
+               critical: set[str]) -> tuple[float, dict[str, list[FeedbackRecord]], dict[str, TagStats]]:
+    """(baseline grade of the error-free records, the records of each canonical tag, each tag's stats)."""
     clean = [grade_value(r) for r in train if not r.error_tags]
     baseline = sum(clean) / len(clean) if clean else 5.0
     by_tag: dict[str, list[FeedbackRecord]] = defaultdict(list)
@@ -196,23 +187,66 @@ def distill(records: Sequence[FeedbackRecord], options: DistillOptions | None = 
         severity = round(max(0.0, baseline - mean_grade), 4)
         stats[tag] = TagStats(tag, len(tagged), round(len(tagged) / len(train), 4), round(mean_grade, 4),
                               severity, tag in critical)
+    return baseline, by_tag, stats
+
+
+def _recipe_for(tag: str, critical: set[str], tagged: Sequence[FeedbackRecord]) -> TagRecipe:
+    """The known recipe of ``tag``, or a yes/no question generated from its records' notes."""
+    if tag in RECIPES:
+        recipe = RECIPES[tag]
+        return TagRecipe(recipe.name, recipe.scorer, recipe.question, recipe.good_answer, tag in critical)
+    notes = [r.notes for r in tagged if r.notes.strip()]
+    return TagRecipe(f"no_{tag}"[:64], "", _generated_question(tag, notes), "yes", tag in critical)
+
+
+def _criterion_kinds(tag: str, recipe: TagRecipe, criteria_mode: str) -> list[str]:
+    """Which criterion kinds a tag gets under the mode ("programmatic", "llm")."""
+    kinds = []
+    if recipe.scorer and criteria_mode in ("both", "programmatic"):
+        kinds.append("programmatic")
+    if recipe.question and (criteria_mode == "llm" or (
+            criteria_mode == "both" and (tag not in _PROGRAMMATIC_ONLY or not recipe.scorer))):
+        kinds.append("llm")
+    return kinds
+
+
+def _tag_criteria(tag: str, s: TagStats, recipe: TagRecipe, kinds: list[str], tag_weight: float,
+                  llm_share: float) -> list[Criterion]:
+    """The criteria of one tag: one per kind, the tag's weight shared ``1 - llm_share`` / ``llm_share``
+    when it gets both."""
+    shares = {"programmatic": 1.0 - llm_share, "llm": llm_share} if len(kinds) == 2 else {kinds[0]: 1.0}
+    criteria = []
+    for kind in kinds:
+        weight = round(tag_weight * shares[kind], 4)
+        if kind == "programmatic":
+            criteria.append(Criterion(recipe.name, "programmatic", weight, s.severity, s.critical,
+                                      scorer=recipe.scorer, tags=(tag,)))
+        else:
+            name = recipe.name + ("_llm" if "programmatic" in kinds else "")
+            criteria.append(Criterion(name, "llm", weight, s.severity, s.critical, question=recipe.question,
+                                      scale="yes_no", good_answer=recipe.good_answer, tags=(tag,)))
+    return criteria
+
+
+def distill(records: Sequence[FeedbackRecord], options: DistillOptions | None = None) -> DistillResult:
+    """Build the rubric and the golden set from SME feedback records."""
+    options = options or DistillOptions()
+    options.validate()
+    if not records:
+        raise ConfigError("no feedback records to distil")
+    train, golden = split_golden(records, options.golden_fraction)
+    if not train:
+        raise ConfigError(
+            f"golden_fraction={options.golden_fraction} left no training records out of {len(records)}")
+    critical = {canonical_tag(t) for t in options.critical_tags} | {t for t, r in RECIPES.items() if r.critical}
+
+    baseline, by_tag, stats = _tag_stats(train, critical)
 
     def recipe_for(tag: str) -> TagRecipe:
-        if tag in RECIPES:
-            recipe = RECIPES[tag]
-            return TagRecipe(recipe.name, recipe.scorer, recipe.question, recipe.good_answer, tag in critical)
-        notes = [r.notes for r in by_tag[tag] if r.notes.strip()]
-        return TagRecipe(f"no_{tag}"[:64], "", _generated_question(tag, notes), "yes", tag in critical)
+        return _recipe_for(tag, critical, by_tag[tag])
 
     def parts(tag: str, recipe: TagRecipe) -> list[str]:
-        """Which criterion kinds a tag gets under the mode ("programmatic", "llm")."""
-        kinds = []
-        if recipe.scorer and options.criteria_mode in ("both", "programmatic"):
-            kinds.append("programmatic")
-        if recipe.question and (options.criteria_mode == "llm" or (
-                options.criteria_mode == "both" and (tag not in _PROGRAMMATIC_ONLY or not recipe.scorer))):
-            kinds.append("llm")
-        return kinds
+        return _criterion_kinds(tag, recipe, options.criteria_mode)
 
     positive_raw: dict[str, float] = {}
     skipped: dict[str, str] = {}
@@ -247,21 +281,9 @@ def distill(records: Sequence[FeedbackRecord], options: DistillOptions | None = 
             tag_weight = min(1.0, max(0.25, s.severity / 4.0))
         else:
             tag_weight = positive_raw[tag] / total_raw
-        shares = {"programmatic": 1.0 - options.llm_share, "llm": options.llm_share} if len(kinds) == 2 else {
-            kinds[0]: 1.0}
-        names = []
-        for kind in kinds:
-            weight = round(tag_weight * shares[kind], 4)
-            if kind == "programmatic":
-                name = recipe.name
-                criteria.append(Criterion(name, "programmatic", weight, s.severity, s.critical,
-                                          scorer=recipe.scorer, tags=(tag,)))
-            else:
-                name = recipe.name + ("_llm" if "programmatic" in kinds else "")
-                criteria.append(Criterion(name, "llm", weight, s.severity, s.critical, question=recipe.question,
-                                          scale="yes_no", good_answer=recipe.good_answer, tags=(tag,)))
-            names.append(name)
-        final_stats.append(TagStats(**{**s.__dict__, "criteria": tuple(names)}))
+        new = _tag_criteria(tag, s, recipe, kinds, tag_weight, options.llm_share)
+        criteria.extend(new)
+        final_stats.append(TagStats(**{**s.__dict__, "criteria": tuple(c.name for c in new)}))
 
     criteria.sort(key=lambda c: (c.penalty, -c.weight, c.name))
     description = (

@@ -1,5 +1,5 @@
 """Plain data types of the judge service, shared by the core, the gRPC adapter
-(calibrl.judge_server.wire) and the trainer's clients."""
+(calibrl.api.judge_wire) and the trainer's clients."""
 
 from __future__ import annotations
 

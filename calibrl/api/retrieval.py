@@ -1,5 +1,5 @@
 """Plain data types of the retrieval service, shared by the core, the gRPC
-adapter (calibrl.retrieval_server.wire) and the trainer's clients."""
+adapter (calibrl.api.retrieval_wire) and the trainer's clients."""
 
 from __future__ import annotations
 

@@ -19,7 +19,7 @@ without gold documents uses silver ones: those that contain a gold answer
 query, retrieved texts = the previous step's passages (none for the first step),
 context ``earlier_queries`` = the trajectory's earlier queries, one a line.
 
-How step rewards enter training (``calibrl.trainer.rewards``,
+How step rewards enter training (``calibrl.trainer.kinds.search.reward``,
 ``calibrl.trainer.advantages``): ``reward.w_steps`` adds ``w_steps x mean_k r(k)``
 to the trajectory reward; ``advantage.step_credit`` gives the tokens of step k
 the advantage of r(k) against the group's step-k rewards.
@@ -27,31 +27,21 @@ the advantage of r(k) against the group's step-k rewards.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Sequence
 
-from calibrl.judge_server import programmatic
-from calibrl.judge_server.types import JudgeItem
+from calibrl.entities import EARLIER_QUERIES_KEY, repeats_earlier
+from calibrl.api.judge import JudgeItem
+from calibrl.trainer.rewards import StepReward
 
 if TYPE_CHECKING:  # pragma: no cover
-    from calibrl.retrieval_server.types import RetrievalScore
-    from calibrl.trainer.rewards import RewardBreakdown, SearchRollout
+    from calibrl.api.retrieval import RetrievalScore
+    from calibrl.trainer.kinds.search.records import SearchRollout
+    from calibrl.trainer.rewards import RewardBreakdown
     from calibrl.trainer.tasks import Task
 
 # Passages of the previous observation sent with a step's judge item (the observation holds top_k of them).
 STEP_JUDGE_MAX_PASSAGES = 10
 STEP_JUDGE_MAX_PASSAGE_CHARS = 4000
-
-
-@dataclass(frozen=True)
-class StepReward:
-    """One search step's dense reward and what it was made of."""
-
-    reward: float  # step_w_retrieval * retrieval + step_w_rubric * rubric
-    retrieval: float  # r_ret(k) in [0, 1]
-    rubric: float  # the step rubric's total in [0, 1] (0 when the rubric weight is 0 and the judge was not asked)
-    found_new: bool  # retrieved a relevant document that no earlier step had
-    repeated: bool  # the query repeats an earlier query of the trajectory (word similarity)
 
 
 def relevant_flags(result: "RetrievalScore", task: "Task") -> list[bool]:
@@ -81,7 +71,7 @@ def step_judge_item(rollout: "SearchRollout", k: int, max_query_chars: int) -> J
         output=rollout.steps[k].query.strip()[:max_query_chars],
         retrieved_texts=tuple(hit.text[:STEP_JUDGE_MAX_PASSAGE_CHARS] for hit in previous),
         retrieved_doc_ids=tuple(hit.doc_id for hit in previous),
-        context=((programmatic.EARLIER_QUERIES_KEY, "\n".join(earlier)),) if earlier else (),
+        context=((EARLIER_QUERIES_KEY, "\n".join(earlier)),) if earlier else (),
     )
 
 
@@ -99,7 +89,7 @@ def step_rewards(rollout: "SearchRollout", rubric_totals: Sequence[float], w_ret
             retrieval=retrieval,
             rubric=rubric,
             found_new=found_new,
-            repeated=programmatic.repeats_earlier(step.query, earlier),
+            repeated=repeats_earlier(step.query, earlier),
         ))
     return tuple(rewards)
 
@@ -109,7 +99,7 @@ def mean_step_reward(steps: Sequence[StepReward]) -> float:
     return sum(s.reward for s in steps) / len(steps) if steps else 0.0
 
 
-def step_metrics(breakdowns: Sequence["RewardBreakdown"]) -> dict[str, float]:
+def step_reward_metrics(breakdowns: Sequence["RewardBreakdown"]) -> dict[str, float]:
     """``steps/*`` metrics of a batch whose step rewards were computed (empty otherwise):
     mean step reward, searches per trajectory, share of repeated searches, share of
     searches that found a new relevant document."""
@@ -125,5 +115,5 @@ def step_metrics(breakdowns: Sequence["RewardBreakdown"]) -> dict[str, float]:
     }
 
 
-__all__ = ["StepReward", "mean_step_reward", "step_judge_item", "step_metrics", "step_retrieval_signal",
+__all__ = ["StepReward", "mean_step_reward", "step_judge_item", "step_retrieval_signal", "step_reward_metrics",
            "step_rewards"]

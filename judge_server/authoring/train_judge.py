@@ -4,7 +4,7 @@
 command line is in ``calibrl.judge_server.cli``; this module is the library core).
 
 **Which records.** Only the training part of the feedback: a record is golden when
-:func:`calibrl.judge_server.distill.is_golden` says so for ``golden_fraction`` (0.3, the
+:func:`calibrl.judge_server.authoring.distill.is_golden` says so for ``golden_fraction`` (0.3, the
 distil default), the same rule that wrote the golden file, so the judge is never
 trained on what ``calibrl rubric validate`` measures it on. A ``golden`` file given
 as well excludes its records too (for a golden set cut with another fraction). The
@@ -12,7 +12,7 @@ record written beside the model holds ``golden_sha256``, the digest
 ``calibrl rubric validate`` stores in its validation record for the same set.
 
 **Targets**, per training record and LLM criterion (``tags`` compared after alias
-folding, :func:`calibrl.judge_server.distill.canonical_tag`):
+folding, :func:`calibrl.judge_server.authoring.distill.canonical_tag`):
 
 - ``yes_no`` with tags: the criterion is violated when the record carries one of its
   tags. Met -> ``good_answer``; violated -> the other answer. (``good_answer: yes``,
@@ -72,8 +72,8 @@ from typing import Any, Callable, Sequence
 from calibrl.errors import ConfigError, InvalidArgument
 from calibrl.fileperms import honour_umask
 from calibrl.judge_server import prompts
-from calibrl.judge_server.distill import canonical_tag, grade_value, is_golden, text_key
-from calibrl.judge_server.feedback import FeedbackRecord
+from calibrl.judge_server.authoring.distill import canonical_tag, grade_value, is_golden, text_key
+from calibrl.judge_server.authoring.feedback import FeedbackRecord
 from calibrl.judge_server.rubric import Criterion, Rubric, RubricError
 
 RECORD_FILE = "calibrl_judge.json"
@@ -392,32 +392,16 @@ def train_judge(
     options = options or TrainJudgeOptions()
     options.validate()
     import torch
-    from tqdm.auto import tqdm
 
-    from calibrl.judge_server.backends import model_fingerprint, model_id_for
     from calibrl.judge_server.backends.encoding import PromptEncoder
     from calibrl.judge_server.backends.hf import resolve_device
-    from calibrl.judge_server.feedback import read_feedback
     from calibrl.judge_server.rubric import load_rubric
-    from calibrl.judge_server.validation import golden_digest
 
     feedback_path, rubric_path, base, out = (pathlib.Path(p) for p in (feedback_path, rubric_path, base, out))
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        raise ConfigError(f"--out {out}: exists and is not an empty folder; choose a new folder, nothing is "
-                          "overwritten")
-    if out.resolve() == base.resolve():
-        raise ConfigError(f"--out {out} is the --base folder; the base model is never overwritten")
+    _check_out_folder(out, base)
 
     # ---- inputs: feedback, split, rubric, criteria
-    records = read_feedback(feedback_path)
-    golden_hashes: frozenset[str] = frozenset()
-    if golden_path is not None:
-        # a golden file excludes its records and every review of the same (query, output) text
-        golden_hashes = frozenset(key for r in read_feedback(golden_path) for key in (r.record_hash, text_key(r)))
-    train, held_out = split_for_training(records, options.golden_fraction, golden_hashes)
-    if not train:
-        raise ConfigError(f"{feedback_path}: all {len(records)} records are golden (golden_fraction="
-                          f"{options.golden_fraction}); no training records are left")
+    records, train, held_out = _read_training_split(feedback_path, golden_path, options.golden_fraction)
     rubric = load_rubric(rubric_path)
     criteria = select_criteria(rubric, options.criteria, str(rubric_path))
 
@@ -437,29 +421,14 @@ def train_judge(
     answer_ids = canonical_answer_ids(tokens, lambda text: tokenizer(text, add_special_tokens=False)["input_ids"],
                                       encoder.chat)
 
-    suffixes = [encoder.encode_suffix(c) for c in criteria]
-    examples: list[Example] = []
-    for r, record in enumerate(train):
-        prefix = encoder.encode_prefix(record.to_item(), rubric.instructions)
-        if max_positions is not None and len(prefix) + max(len(s) for s in suffixes) > max_positions:
-            raise InvalidArgument(f"{feedback_path}: record {record.id or record.record_hash[:12]}",
-                                  f"judge prompt is {len(prefix) + max(len(s) for s in suffixes)} tokens, the "
-                                  f"base model takes at most {max_positions}; lower --max-doc-chars or --max-docs")
-        for c, (criterion, suffix) in enumerate(zip(criteria, suffixes)):
-            target = criterion_target(criterion, record, options.pass_grade)
-            examples.append(Example(r, c, prefix + suffix, target, answer_ids[target]))
+    examples = _examples(train, criteria, encoder, rubric.instructions, answer_ids, max_positions,
+                         options.pass_grade, feedback_path)
     check_targets(rubric, str(rubric_path), criteria, examples, str(feedback_path), len(train))
 
     echo(f"train-judge: {len(train)} training records of {len(records)} ({len(held_out)} golden, never trained "
          f"on) x {len(criteria)} criteria = {len(examples)} examples; base {base} on {device}"
          f"{', LoRA r=' + str(options.lora_rank) if options.lora else ''}; lr {options.learning_rate:g}")
-    for c, criterion in enumerate(criteria):
-        counts: dict[str, int] = {}
-        for e in examples:
-            if e.criterion == c:
-                counts[e.target] = counts.get(e.target, 0) + 1
-        echo(f"  {criterion.name} ({criterion.scale}, tags {list(criterion.tags)}): targets "
-             + ", ".join(f"{k} x{v}" for k, v in sorted(counts.items())))
+    _echo_targets(criteria, examples, echo)
 
     # ---- train
     torch.manual_seed(options.seed)
@@ -469,6 +438,95 @@ def train_judge(
     scorer = _Scorer(model, int(pad if pad is not None else 0), device, tokens, criteria)
     before = scorer.evaluate(examples, options.batch_size)
     echo(f"before training: {format_figures(criteria, before)}")
+
+    _fit(model, scorer, examples, criteria, options, progress=progress, echo=echo)
+    after = scorer.evaluate(examples, options.batch_size)
+    echo(f"after training: {format_figures(criteria, after)}")
+
+    # ---- write the model folder and the record
+    _save_model(model, tokenizer, out, saved_dtype, merge_lora=options.lora)
+    record = _training_record(out, base, feedback_path, rubric_path, golden_path, options, records, train, held_out,
+                              rubric, encoder.chat, answer_ids, criteria, examples, before, after)
+    (out / RECORD_FILE).write_text(json.dumps(record, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+    echo(f"wrote {out} (judge model id {record['model_ids']['transformers']}); validate it with: calibrl rubric "
+         f"validate --rubric {rubric_path} --golden GOLDEN --judge transformers:{out}")
+    return TrainingResult(out, record, train, held_out)
+
+
+def _read_training_split(feedback_path: pathlib.Path, golden_path: str | pathlib.Path | None,
+                         golden_fraction: float) -> tuple[list[FeedbackRecord], list[FeedbackRecord],
+                                                          list[FeedbackRecord]]:
+    """(every feedback record, the training ones, the golden ones never trained on)."""
+    from calibrl.judge_server.authoring.feedback import read_feedback
+
+    records = read_feedback(feedback_path)
+    golden_hashes: frozenset[str] = frozenset()
+    if golden_path is not None:
+        # a golden file excludes its records and every review of the same (query, output) text
+        golden_hashes = frozenset(key for r in read_feedback(golden_path) for key in (r.record_hash, text_key(r)))
+    train, held_out = split_for_training(records, golden_fraction, golden_hashes)
+    if not train:
+        raise ConfigError(f"{feedback_path}: all {len(records)} records are golden (golden_fraction="
+                          f"{golden_fraction}); no training records are left")
+    return records, train, held_out
+
+
+def _save_model(model: Any, tokenizer: Any, out: pathlib.Path, saved_dtype: Any, *, merge_lora: bool) -> None:
+    """Write the trained model and its tokenizer to ``out`` in the base's dtype (LoRA merged in)."""
+    import torch
+
+    if merge_lora:
+        model = model.merge_and_unload()
+    model.eval()
+    if isinstance(saved_dtype, torch.dtype) and saved_dtype != torch.float32:
+        model = model.to(saved_dtype)  # trained in float32, saved as the base was (a bf16 base stays bf16)
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(str(out))
+    tokenizer.save_pretrained(str(out))
+    honour_umask(out)
+
+
+def _check_out_folder(out: pathlib.Path, base: pathlib.Path) -> None:
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise ConfigError(f"--out {out}: exists and is not an empty folder; choose a new folder, nothing is "
+                          "overwritten")
+    if out.resolve() == base.resolve():
+        raise ConfigError(f"--out {out} is the --base folder; the base model is never overwritten")
+
+
+def _examples(train: Sequence[FeedbackRecord], criteria: Sequence[Criterion], encoder: Any, instructions: str,
+              answer_ids: dict[str, int], max_positions: int | None, pass_grade: int,
+              feedback_path: pathlib.Path) -> list[Example]:
+    """One example per (training record, criterion): the judge prompt and the answer the record asks for."""
+    suffixes = [encoder.encode_suffix(c) for c in criteria]
+    examples: list[Example] = []
+    for r, record in enumerate(train):
+        prefix = encoder.encode_prefix(record.to_item(), instructions)
+        if max_positions is not None and len(prefix) + max(len(s) for s in suffixes) > max_positions:
+            raise InvalidArgument(f"{feedback_path}: record {record.id or record.record_hash[:12]}",
+                                  f"judge prompt is {len(prefix) + max(len(s) for s in suffixes)} tokens, the "
+                                  f"base model takes at most {max_positions}; lower --max-doc-chars or --max-docs")
+        for c, (criterion, suffix) in enumerate(zip(criteria, suffixes)):
+            target = criterion_target(criterion, record, pass_grade)
+            examples.append(Example(r, c, prefix + suffix, target, answer_ids[target]))
+    return examples
+
+
+def _echo_targets(criteria: Sequence[Criterion], examples: Sequence[Example], echo: Callable[[str], None]) -> None:
+    for c, criterion in enumerate(criteria):
+        counts: dict[str, int] = {}
+        for e in examples:
+            if e.criterion == c:
+                counts[e.target] = counts.get(e.target, 0) + 1
+        echo(f"  {criterion.name} ({criterion.scale}, tags {list(criterion.tags)}): targets "
+             + ", ".join(f"{k} x{v}" for k, v in sorted(counts.items())))
+
+
+def _fit(model: Any, scorer: Any, examples: Sequence[Example], criteria: Sequence[Criterion],
+         options: TrainJudgeOptions, *, progress: bool, echo: Callable[[str], None]) -> None:
+    """``options.epochs`` epochs of AdamW over the examples, shuffled by ``options.seed``."""
+    import torch
+    from tqdm.auto import tqdm
 
     trainable = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(trainable, lr=options.learning_rate, weight_decay=options.weight_decay)
@@ -494,21 +552,20 @@ def train_judge(
             echo(line)
     finally:
         bar.close()
-    after = scorer.evaluate(examples, options.batch_size)
-    echo(f"after training: {format_figures(criteria, after)}")
 
-    # ---- write the model folder and the record
-    if options.lora:
-        model = model.merge_and_unload()
-    model.eval()
-    if isinstance(saved_dtype, torch.dtype) and saved_dtype != torch.float32:
-        model = model.to(saved_dtype)  # trained in float32, saved as the base was (a bf16 base stays bf16)
-    out.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(str(out))
-    tokenizer.save_pretrained(str(out))
-    honour_umask(out)
+
+def _training_record(out: pathlib.Path, base: pathlib.Path, feedback_path: pathlib.Path, rubric_path: pathlib.Path,
+                     golden_path: str | pathlib.Path | None, options: TrainJudgeOptions,
+                     records: Sequence[FeedbackRecord], train: Sequence[FeedbackRecord],
+                     held_out: Sequence[FeedbackRecord], rubric: Rubric, chat: bool, answer_ids: dict[str, int],
+                     criteria: Sequence[Criterion], examples: Sequence[Example], before: Any,
+                     after: Any) -> dict[str, Any]:
+    """The training record written beside the model (``RECORD_FILE``)."""
+    from calibrl.judge_server.backends import model_fingerprint, model_id_for
+    from calibrl.judge_server.authoring.validation import golden_digest
+
     fingerprint = model_fingerprint(out)
-    record = {
+    return {
         "format": RECORD_FORMAT,
         "model_ids": {"transformers": model_id_for("transformers", out), "vllm": model_id_for("vllm", out)},
         "fingerprint": fingerprint,
@@ -520,7 +577,7 @@ def train_judge(
             "train_sha256": golden_digest(train), "golden_sha256": golden_digest(held_out),
         },
         "rubric": {"path": str(rubric_path), "id": rubric.id, "version": rubric.version, "hash": rubric.hash},
-        "prompt": {"use_chat_template": options.use_chat_template, "chat": encoder.chat,
+        "prompt": {"use_chat_template": options.use_chat_template, "chat": chat,
                    "max_docs": options.max_docs, "max_doc_chars": options.max_doc_chars,
                    "answer_token_ids": answer_ids},
         "criteria": {
@@ -535,10 +592,6 @@ def train_judge(
                     "learning_rate": options.learning_rate},
         "created_at": datetime.datetime.now(datetime.timezone.utc).replace(microsecond=0).isoformat(),
     }
-    (out / RECORD_FILE).write_text(json.dumps(record, indent=2, sort_keys=True) + "\n", encoding="utf-8")
-    echo(f"wrote {out} (judge model id {record['model_ids']['transformers']}); validate it with: calibrl rubric "
-         f"validate --rubric {rubric_path} --golden GOLDEN --judge transformers:{out}")
-    return TrainingResult(out, record, train, held_out)
 
 
 def _with_lora(model: Any, options: TrainJudgeOptions) -> Any:

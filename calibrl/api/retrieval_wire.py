@@ -7,7 +7,7 @@ from typing import Iterable
 
 from calibrl.errors import InvalidArgument
 from calibrl.v1 import retrieval_pb2 as pb
-from calibrl.retrieval_server.types import Hit, RetrievalScore, ScoreItem, SearchMode
+from calibrl.api.retrieval import Hit, RetrievalScore, ScoreItem, SearchMode
 
 _MODE_TO_PB = {
     SearchMode.DENSE: pb.SEARCH_MODE_DENSE,
