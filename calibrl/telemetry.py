@@ -175,7 +175,32 @@ def configure(
             description="Client attempts retried (by service, method and status code; SHED: pushed back by the server)"
         ),
     }
+    meter.create_observable_counter(
+        "calibrl.embedding.cache.lookups", callbacks=[_embedding_cache_lookups],
+        description="Text -> vector cache lookups of each loaded encoder since the process started, by cache "
+                    "(encoder, backend, device) and result (hit|miss)")
+    meter.create_observable_gauge(
+        "calibrl.embedding.cache.entries", callbacks=[_embedding_cache_entries],
+        description="Vectors held in each encoder's text -> vector cache, by cache (capacity: its capacity)")
     return True
+
+
+def _embedding_cache_lookups(_options: Any) -> list[Any]:
+    from opentelemetry.metrics import Observation
+
+    from calibrl.embedding_cache import embedding_cache_stats
+
+    return [Observation(count, {"cache": stats.name, "result": result})
+            for stats in embedding_cache_stats() for result, count in (("hit", stats.hits), ("miss", stats.misses))]
+
+
+def _embedding_cache_entries(_options: Any) -> list[Any]:
+    from opentelemetry.metrics import Observation
+
+    from calibrl.embedding_cache import embedding_cache_stats
+
+    return [Observation(stats.size, {"cache": stats.name, "capacity": stats.capacity})
+            for stats in embedding_cache_stats()]
 
 
 def _views() -> list[Any]:
