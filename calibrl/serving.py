@@ -282,7 +282,9 @@ async def start_server(
     from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
     from calibrl import reflection, security, telemetry
+    from calibrl.threads import responsive_gil
 
+    responsive_gil()  # the event loop and the short lane get the GIL back soon from a busy worker
     if config.telemetry.enabled and not telemetry.enabled():
         telemetry.configure(config.telemetry, default_service_name=next(iter(service_names), "calibrl"))
     max_request_bytes = int(config.max_request_mb * 1024 * 1024)
