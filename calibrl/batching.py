@@ -28,9 +28,9 @@ latency:
   tenant all the same.
 - **A short lane.** One item cannot be split, and the largest accepted item runs
   for a good part of a second, so with ``short_item_cost`` set a second worker
-  takes units of items estimated at or below it (in the same fair order, never of
-  the tenants of the unit on the main worker) while the main worker is busy: a
-  small call does not wait behind a long item in progress.
+  takes units of items estimated at or below it, in the same fair order, while the
+  main worker is busy: a small call does not wait behind a long item in progress
+  (and a tenant's cancelled work stops after the units in progress on both).
 - **Shedding with pushback.** A call is refused at once with
   :class:`~calibrl.admission.Shed` (RESOURCE_EXHAUSTED + retry pushback) when its
   tenant's queue is full (items or cost), when its expected wait (generalised
@@ -129,6 +129,7 @@ class TenantStats:
     served_cost: float = 0.0
     shed: int = 0
     cancelled_items: int = 0  # queued items dropped because the caller gave up or ran out of time
+    missed: int = 0  # admitted calls that ran out of time on the server (expired queued, or done late)
     queue_seconds: list[float] = field(default_factory=list)  # submit -> first unit started, per call
 
 
@@ -238,7 +239,6 @@ class MicroBatcher(Generic[ItemT, ResultT]):
         self.short_item_cost = short_item_cost
         self._short_executor = _DaemonWorker(f"{name}-short") if short_item_cost > 0 else None
         self._busy = {"main": False, "short": False}
-        self._main_tenants: set[str] = set()  # tenants of the unit on the main worker
         self._units: set[asyncio.Task] = set()  # units in progress (tasks awaiting a worker)
         self._speed_seconds, self._speed_cost = 0.0, 0.0  # moving sums behind stats.seconds_per_cost
         self._tenants: dict[str, _Tenant] = {}  # tenants with queued calls
@@ -450,6 +450,7 @@ class MicroBatcher(Generic[ItemT, ResultT]):
         for state in list(self._tenants.values()):
             for pending in list(state.calls):
                 if not pending.future.done() and pending.deadline is not None and now >= pending.deadline:
+                    self._missed(pending, "queued")
                     pending.future.set_exception(DeadlineExceeded(
                         f"deadline passed with {pending.waiting} of {len(pending.items)} items not yet started"))
                 if pending.future.done():
@@ -460,14 +461,11 @@ class MicroBatcher(Generic[ItemT, ResultT]):
         finish time), its call with the least work left (then the earliest): a tenant's
         small call is not stuck behind its own large one, and calls of equal size finish
         in arrival order instead of all together; only calls of ``key`` when given, and only
-        calls whose next item is short (at most ``short_item_cost``), of tenants other than
-        those of the unit on the main worker, when ``short``."""
+        calls whose next item is short (at most ``short_item_cost``) when ``short``."""
         best: tuple[float, float, int] | None = None
         chosen = None
         for state in self._tenants.values():
             if best is not None and state.finish > best[0]:
-                continue
-            if short and state.name in self._main_tenants:  # the short lane never doubles the main unit's tenants
                 continue
             for order, pending in enumerate(state.calls):
                 if not pending.waiting or (key is not None and pending.key != key):
@@ -561,7 +559,6 @@ class MicroBatcher(Generic[ItemT, ResultT]):
             if lane == "main":
                 self._running_cost = cost
                 self._running_since = time.perf_counter()
-                self._main_tenants = {pending.tenant.name for pending, _, _ in slices}
             task = loop.create_task(self._run_unit(lane, key, slices, cost, cycle_started))
             self._units.add(task)
             task.add_done_callback(self._units.discard)
@@ -598,7 +595,6 @@ class MicroBatcher(Generic[ItemT, ResultT]):
             self._busy[lane] = False
             if lane == "main":
                 self._running_cost = 0.0
-                self._main_tenants = set()
             if self._wakeup is not None:
                 self._wakeup.set()
 
@@ -625,15 +621,23 @@ class MicroBatcher(Generic[ItemT, ResultT]):
             self._speed_cost = 0.8 * self._speed_cost + 0.2 * cost
             self.stats.seconds_per_cost = min(100.0, max(1e-4, self._speed_seconds / self._speed_cost))
 
-    @staticmethod
-    def _deliver(slices: list[tuple[_Pending, int, int]], results: list) -> None:
+    def _deliver(self, slices: list[tuple[_Pending, int, int]], results: list) -> None:
         offset = 0
+        now = asyncio.get_running_loop().time()
         for pending, start, stop in slices:
             pending.results[start:stop] = results[offset : offset + stop - start]
             pending.finished += stop - start
             offset += stop - start
             if pending.finished == len(pending.items) and not pending.future.done():
+                if pending.deadline is not None and now > pending.deadline:
+                    self._missed(pending, "late")
                 pending.future.set_result(pending.results)
+
+    def _missed(self, pending: _Pending, where: str) -> None:
+        """Count an admitted call that ran out of time here (``queued``: expired before its
+        last unit started; ``late``: its last unit ended after its deadline)."""
+        self.stats.tenant(pending.tenant.name).missed += 1
+        telemetry.record("deadline_missed", 1, tenant=pending.tenant.name or "none", where=where, batcher=self.name)
 
     async def _batching_window(self) -> None:
         """Wait ``max_wait_s`` for concurrent callers to join the batch, or less if

@@ -170,6 +170,11 @@ def configure(
             "calibrl.tenant.cancelled.items", unit="{item}",
             description="Queued items dropped before they ran because the caller cancelled or ran out of time"
         ),
+        "deadline_missed": meter.create_counter(
+            "calibrl.tenant.deadline.missed",
+            description="Admitted calls that ran out of time on the server, by tenant and where "
+                        "(queued: expired before their last unit started; late: finished after their deadline)"
+        ),
         "client_retries": meter.create_counter(
             "calibrl.client.retries",
             description="Client attempts retried (by service, method and status code; SHED: pushed back by the server)"

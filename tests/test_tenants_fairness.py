@@ -226,6 +226,7 @@ async def test_an_expired_call_stops_between_units_and_is_counted():
     assert ran <= 50, f"{ran} items ran; a tenant alone stops after its first unit of 0.5 s (50 items)"
     stats = batcher.stats.tenants["a"]
     assert stats.cancelled_items == 100 - ran and len(stats.queue_seconds) == 1
+    assert stats.missed == 1  # counted as a call that ran out of time on the server
     assert stats.admitted_cost == pytest.approx(1.0) and stats.served_cost == pytest.approx(0.01 * ran)
     await batcher.close()
 
@@ -359,5 +360,6 @@ async def test_admitted_calls_meet_their_deadlines_under_overload():
     await asyncio.gather(*tasks)
     assert outcomes["ok"] > 20 and outcomes["shed"] > 20, outcomes
     assert outcomes["missed"] == 0, outcomes
+    assert sum(stats.missed for stats in batcher.stats.tenants.values()) == 0  # none finished late either
     assert max(shed_s) < 0.05
     await batcher.close()
