@@ -54,7 +54,7 @@ class ServingConfig:
         0.05, "Most estimated work in one batch beyond its first item: a large request is split into such "
               "units, interleaved fairly with other tenants' work (the judge's default is 0.1).")
     short_item_cost_s: float = option(
-        0.03, "Items estimated at or below this many seconds may run on a second worker while the first runs "
+        0.05, "Items estimated at or below this many seconds may run on a second worker while the first runs "
               "a longer unit, so a small call never waits behind one long item in progress; 0: one worker.")
     max_tenant_queue_cost_s: float = option(
         30.0, "Estimated work one tenant may have queued; beyond it the tenant's calls are shed at once "
