@@ -486,6 +486,63 @@ async def overload(address: str, service: str, process: subprocess.Popen, caller
 
 
 
+# --------------------------------------------------------------------------- work stops
+
+def _quiet_from(samples: list[tuple[float, float]], window_s: float = 0.5, share: float = 0.1) -> float:
+    """The first time from which the process used under ``share`` of a core for ``window_s``
+    ((seconds, CPU seconds) samples)."""
+    for i, (t, cpu) in enumerate(samples):
+        j = next((j for j in range(i, len(samples)) if samples[j][0] - t >= window_s), None)
+        if j is None:
+            break
+        if samples[j][1] - cpu < share * (samples[j][0] - t):
+            return t
+    return samples[-1][0]
+
+
+async def work_stops(address: str, service: str, process: subprocess.Popen, calls: int = 16,
+                     after_s: float = 1.5) -> dict:
+    """``calls`` largest accepted requests at once (each its own connection: a tenant each
+    without keys), all cancelled ``after_s`` later: how long the server's process keeps
+    using the CPU after the cancel (psutil CPU time sampled every 20 ms; busy until the
+    first half second in which it used under 10% of a core)."""
+    import grpc
+    import psutil
+
+    _, kind, build = _requests()["search" if service == "retrieval" else "prose"]
+    channels = [grpc.aio.insecure_channel(address, options=OWN_CONNECTION) for _ in range(calls)]
+    stubs = [_stubs(c, c)[kind] for c in channels]
+    meta = _key("flood") if service == "retrieval" else []
+    _, n = await _largest_accepted(stubs[0], build, meta)
+    server = psutil.Process(process.pid)
+    await asyncio.sleep(1.0)
+    pending = [stub(build(n, f"stop{i}"), metadata=meta, timeout=60) for i, stub in enumerate(stubs)]
+    await asyncio.sleep(after_s)
+    for call in pending:
+        call.cancel()
+    cancelled_at = time.perf_counter()
+    samples = [(0.0, sum(server.cpu_times()[:2]))]
+    while samples[-1][0] < 10.0:
+        await asyncio.sleep(0.02)
+        samples.append((time.perf_counter() - cancelled_at, sum(server.cpu_times()[:2])))
+    last_busy = _quiet_from(samples)
+    codes: dict[str, int] = {}
+    for call in pending:
+        try:
+            await call
+            code = "OK"
+        except (asyncio.CancelledError, grpc.aio.AioRpcError) as exc:
+            code = exc.code().name if isinstance(exc, grpc.aio.AioRpcError) else "CANCELLED"
+        codes[code] = codes.get(code, 0) + 1
+    for channel in channels:
+        await channel.close()
+    result = {"service": service, "calls": calls, "items_each": n, "cancelled_after_s": after_s,
+              "codes": codes,
+              "server_busy_after_cancel_s": round(last_busy, 2), "load1": round(os.getloadavg()[0], 2)}
+    print(result, flush=True)
+    return result
+
+
 # --------------------------------------------------------------------------- soak
 
 async def soak(retrieval, judge, retrieval_address: str, judge_address: str, seconds: float, rate: float,
@@ -614,8 +671,8 @@ def main() -> None:
     parser.add_argument("--judge-args", default="", help="extra key=value overrides of the judge server")
     parser.add_argument("--query-chars", type=int, default=2048, help="query length of the largest retrieval requests")
     parser.add_argument("--judge-chars", type=int, default=8000, help="text length of the largest judge requests")
-    parser.add_argument("--only", default="", help="sections: calibrate, worst, small, fair, overload, soak "
-                                                    "(soak only when named)")
+    parser.add_argument("--only", default="", help="sections: calibrate, worst, small, fair, overload, stops, "
+                                                    "soak (stops and soak only when named)")
     parser.add_argument("--soak-seconds", type=float, default=3600.0, help="length of the soak")
     parser.add_argument("--soak-rate", type=float, default=4.0, help="calls per second of the soak")
     parser.add_argument("--soak-warm-up", type=float, default=600.0, help="seconds of the soak before the slope")
@@ -673,6 +730,9 @@ async def _served(args, work: pathlib.Path, index: pathlib.Path, only: set[str])
                                    args.deadline, busy, ports["retrieval"]),
                     await overload(judge_address, "judge", judge, args.callers, args.overload_seconds,
                                    args.deadline, busy, ports["judge"])]
+        if "stops" in only:
+            results["stops"] = [await work_stops(retrieval_address, "retrieval", retrieval),
+                                await work_stops(judge_address, "judge", judge)]
         if soaking:
             results["soak"] = await soak(retrieval, judge, retrieval_address, judge_address, args.soak_seconds,
                                          args.soak_rate, args.soak_warm_up,
