@@ -1,6 +1,7 @@
-"""The services under abuse (issue 10 section 3): memory under floods of refused
-requests, the cost of the worst request within the limits, and a small caller's
-latency while a heavy caller and a cancelling caller run.
+"""The services under abuse: memory under floods of refused requests; the most
+expensive requests the size limits allow, which the cost budget now refuses at once
+(how fast, and how long the largest prefix it accepts takes); and a small caller's
+latency while a heavy caller (the largest accepted request) and a cancelling caller run.
 
 Starts real `calibrl serve retrieval` and `calibrl serve judge` processes on loopback
 (default limits, API keys on the retrieval server), over the demo's generated corpus
@@ -98,8 +99,29 @@ async def memory_floods(retrieval, judge, retrieval_address, judge_address, requ
     return rows
 
 
+async def _refused_then_fitted(call, build, metadata) -> tuple[float, int, float, str]:
+    """Send ``build(None)`` (the whole request): (refusal ms, items the budget accepts, seconds
+    the accepted prefix ``build(n)`` took, the refusal's message)."""
+    import grpc
+
+    started = time.perf_counter()
+    try:
+        await call(build(None), metadata=metadata, timeout=600)
+        raise SystemExit("the cost budget accepted a request it should refuse")
+    except grpc.aio.AioRpcError as exc:
+        refused_ms = (time.perf_counter() - started) * 1000
+        if exc.code() != grpc.StatusCode.RESOURCE_EXHAUSTED:
+            raise
+        fits = int(dict(exc.trailing_metadata())["calibrl-max-items"])
+        message = exc.details()
+    started = time.perf_counter()
+    await call(build(fits), metadata=metadata, timeout=600)
+    return refused_ms, fits, time.perf_counter() - started, message
+
+
 async def worst_case(retrieval_address, judge_address, repeats: int = 1) -> list[dict]:
-    """The most expensive requests the default limits admit, timed alone."""
+    """The most expensive requests the size limits admit: refused by the cost budget (time to
+    refuse), then their largest accepted prefix, timed alone."""
     import grpc
 
     from calibrl.v1 import judge_pb2 as jpb
@@ -108,69 +130,87 @@ async def worst_case(retrieval_address, judge_address, repeats: int = 1) -> list
     from calibrl.v1 import retrieval_pb2_grpc as pb_grpc
 
     words = "fund expense ratio annual fee account eligibility manager contribution limit tax ".split()
-    long_query = " ".join(words[i % len(words)] for i in range(400))[:2048]
+    long_query = " ".join(words[i % len(words)] for i in range(400))[:2030]  # + a salt: at most 2,048
     answers = [" ".join(words[(i + j) % len(words)] for j in range(60))[:512] for i in range(8)]
-    score_items = [pb.ScoreItem(query=long_query, gold_answers=answers, gold_doc_ids=[f"d{j}" for j in range(32)],
-                                seen_doc_ids=[f"s{j}" for j in range(32)]) for _ in range(256)]
-    requests = {
-        "retrieval Search: 256 queries x 2048 chars, top_k 100, hybrid":
-            ("search", pb.SearchRequest(queries=[long_query] * 256, top_k=100, mode=pb.SEARCH_MODE_HYBRID)),
-        "retrieval ScoreRetrieval: 256 items x 2048 chars, 2048 answers x 512 chars, 16384 ids, top_k 100, hybrid":
-            ("score", pb.ScoreRetrievalRequest(items=score_items, top_k=100, mode=pb.SEARCH_MODE_HYBRID)),
-    }
     text = " ".join(words[i % len(words)] for i in range(1300))[:7800]
-    judge_items = [jpb.JudgeItem(query=text[:600], output=f"{i} " + text[:7000],
-                                 retrieved_texts=[text[:1000]] * 5, retrieved_doc_ids=[f"d{j}" for j in range(5)],
-                                 context={"domain": "funds"}) for i in range(155)]  # ~2,000,000 chars
+
+    def search(salt):
+        return lambda n: pb.SearchRequest(queries=[f"{salt}{i} {long_query}" for i in range(256 if n is None else n)],
+                                          top_k=100, mode=pb.SEARCH_MODE_HYBRID)
+
+    def score(salt):
+        return lambda n: pb.ScoreRetrievalRequest(items=[pb.ScoreItem(
+            query=f"{salt}{i} {long_query}", gold_answers=answers, gold_doc_ids=[f"d{j}" for j in range(32)],
+            seen_doc_ids=[f"s{j}" for j in range(32)]) for i in range(256 if n is None else n)], top_k=100,
+            mode=pb.SEARCH_MODE_HYBRID)
+
+    def judge(salt):  # new texts each time: the judge's result and embedding caches would answer a repeat
+        return lambda n: jpb.ScoreRequest(rubric_id="bench", items=[jpb.JudgeItem(
+            query=f"{salt}{i} {text[:600]}", output=f"{salt}{i} {text[:7000]}", retrieved_texts=[text[:1000]] * 5,
+            retrieved_doc_ids=[f"d{j}" for j in range(5)], context={"domain": "funds"})
+            for i in range(155 if n is None else n)])  # 155 items: ~2,000,000 chars
+
+    requests = {
+        "retrieval Search: 256 queries x 2048 chars, top_k 100, hybrid": ("search", search),
+        "retrieval ScoreRetrieval: 256 items x 2048 chars, 2048 answers x 512 chars, 16384 ids, top_k 100, hybrid":
+            ("score", score),
+        "judge Score: 155 items, ~2,000,000 chars, programmatic MiniLM rubric": ("judge", judge),
+    }
     rows = []
     async with grpc.aio.insecure_channel(retrieval_address) as channel, \
             grpc.aio.insecure_channel(judge_address) as judge_channel:
         stub = pb_grpc.RetrievalServiceStub(channel)
-        judge_stub = judge_pb2_grpc.JudgeServiceStub(judge_channel)
-        metadata = [("x-api-key", KEY)]
-        for name, (kind, request) in requests.items():
-            times = []
-            for _ in range(repeats):
-                started = time.perf_counter()
-                await (stub.Search if kind == "search" else stub.ScoreRetrieval)(request, metadata=metadata,
-                                                                                  timeout=600)
-                times.append(time.perf_counter() - started)
-            rows.append({"request": name, "bytes": request.ByteSize(), "seconds_min": round(min(times), 2),
-                         "seconds_max": round(max(times), 2)})
+        calls = {"search": stub.Search, "score": stub.ScoreRetrieval,
+                 "judge": judge_pb2_grpc.JudgeServiceStub(judge_channel).Score}
+        for name, (kind, build) in requests.items():
+            metadata = [] if kind == "judge" else [("x-api-key", KEY)]
+            refused, accepted = [], []
+            for repeat in range(repeats):
+                # new texts per request and repeat: the embedding and result caches would answer a repeat
+                refused_ms, fits, seconds, message = await _refused_then_fitted(calls[kind],
+                                                                                build(f"{kind}{repeat}"), metadata)
+                refused.append(refused_ms)
+                accepted.append(seconds)
+            rows.append({"request": name, "refused_ms_max": round(max(refused), 1), "refusal": message,
+                         "largest_accepted_items": fits, "accepted_seconds_min": round(min(accepted), 2),
+                         "accepted_seconds_max": round(max(accepted), 2)})
             print(rows[-1], flush=True)
-        times = []
-        for repeat in range(repeats):
-            # a new output each time: the judge's cache would answer a repeat at once
-            batch = [jpb.JudgeItem(query=i.query, output=f"r{repeat} {i.output}", retrieved_texts=i.retrieved_texts,
-                                   retrieved_doc_ids=i.retrieved_doc_ids, context=i.context) for i in judge_items]
-            request = jpb.ScoreRequest(rubric_id="bench", items=batch)
-            started = time.perf_counter()
-            await judge_stub.Score(request, timeout=600)
-            times.append(time.perf_counter() - started)
-        rows.append({"request": f"judge Score: {len(judge_items)} items, {sum(len(i.output) + len(i.query) + 5000 + 11 for i in judge_items)} chars (max_request_chars 2,000,000), programmatic MiniLM rubric",
-                     "bytes": request.ByteSize(), "seconds_min": round(min(times), 2),
-                     "seconds_max": round(max(times), 2)})
-        print(rows[-1], flush=True)
     return rows
 
 
 async def small_caller_latency(address: str, calls: int, heavy_items: int) -> list[dict]:
     """A 1-query BM25 Search, one call at a time: alone, then beside a heavy ScoreRetrieval caller
-    and a caller that sends a heavy Search and cancels it 50 ms later, over and over."""
+    and a caller that sends a heavy Search and cancels it 50 ms later, over and over (each
+    the largest the cost budget accepts, up to ``heavy_items``, with ~1,900-char queries)."""
     import grpc
 
     from calibrl.v1 import retrieval_pb2 as pb
     from calibrl.v1 import retrieval_pb2_grpc as pb_grpc
 
     metadata = [("x-api-key", KEY)]
-    heavy_request = pb.ScoreRetrievalRequest(
-        items=[pb.ScoreItem(query=f"fund expense ratio annual fee {i}", gold_answers=["fee"]) for i in range(heavy_items)],
-        top_k=100, mode=pb.SEARCH_MODE_HYBRID)
-    cancelled_request = pb.SearchRequest(queries=[f"account contribution limit {i}" for i in range(heavy_items)],
-                                         top_k=100, mode=pb.SEARCH_MODE_HYBRID)
+    long_text = " ".join("fund expense ratio annual fee account eligibility".split() * 60)[:1900]
+
+    def heavy_request(n, salt):  # new queries each time: the embedding cache would answer a repeat
+        return pb.ScoreRetrievalRequest(items=[pb.ScoreItem(query=f"{salt} {i} {long_text}", gold_answers=["fee"])
+                                               for i in range(n)], top_k=100, mode=pb.SEARCH_MODE_HYBRID)
+
+    def cancelled_request(n, salt):
+        return pb.SearchRequest(queries=[f"{salt} {i} {long_text}" for i in range(n)], top_k=100,
+                                mode=pb.SEARCH_MODE_HYBRID)
+
     rows = []
     async with grpc.aio.insecure_channel(address) as channel:
         stub = pb_grpc.RetrievalServiceStub(channel)
+        sizes = {}
+        for kind, call, build in (("heavy", stub.ScoreRetrieval, heavy_request),
+                                  ("cancelled", stub.Search, cancelled_request)):
+            try:  # the largest request the cost budget accepts (it answers how many items fit)
+                await call(build(heavy_items, "probe"), metadata=metadata, timeout=600)
+                sizes[kind] = heavy_items
+            except grpc.aio.AioRpcError as exc:
+                if exc.code() != grpc.StatusCode.RESOURCE_EXHAUSTED:
+                    raise
+                sizes[kind] = int(dict(exc.trailing_metadata())["calibrl-max-items"])
 
         async def small_calls() -> list[float]:
             latencies = []
@@ -188,13 +228,15 @@ async def small_caller_latency(address: str, calls: int, heavy_items: int) -> li
         async def heavy_caller() -> None:
             nonlocal heavy_done
             while not stop.is_set():
-                await stub.ScoreRetrieval(heavy_request, metadata=metadata, timeout=600)
+                await stub.ScoreRetrieval(heavy_request(sizes["heavy"], f"h{heavy_done}"), metadata=metadata,
+                                          timeout=600)
                 heavy_done += 1
 
         async def cancelling_caller() -> None:
             nonlocal cancelled
             while not stop.is_set():
-                call = stub.Search(cancelled_request, metadata=metadata, timeout=600)
+                call = stub.Search(cancelled_request(sizes["cancelled"], f"c{cancelled}"), metadata=metadata,
+                                   timeout=600)
                 await asyncio.sleep(0.05)
                 call.cancel()
                 cancelled += 1
@@ -215,7 +257,8 @@ async def small_caller_latency(address: str, calls: int, heavy_items: int) -> li
                      "max_ms": round(max(latencies), 1)})
         print(rows[-1], flush=True)
     rows[-1].update(heavy_requests_completed=heavy_done, heavy_calls_cancelled=cancelled,
-                    seconds=round(elapsed, 1))
+                    heavy_items=sizes["heavy"], cancelled_items=sizes["cancelled"], seconds=round(elapsed, 1),
+                    p99_ratio=round(rows[-1]["p99_ms"] / rows[-2]["p99_ms"], 2))
     return rows
 
 

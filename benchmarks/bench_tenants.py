@@ -16,6 +16,7 @@ import argparse
 import asyncio
 import hashlib
 import json
+import os
 import pathlib
 import subprocess
 import sys
@@ -187,7 +188,8 @@ async def worst(retrieval_address: str, judge_address: str, repeats: int = 3) ->
             _, n = await _largest_accepted(calls[kind], build, metadata)
             times = []
             for repeat in range(repeats):
-                request = build(n, f"r{repeat}")  # new texts each time: the judge's cache would answer a repeat
+                # new texts each time, and per request kind: the result and embedding caches would answer a repeat
+                request = build(n, f"{kind}{len(rows)}r{repeat}")
                 started = time.perf_counter()
                 await calls[kind](request, metadata=metadata, timeout=600)
                 times.append(time.perf_counter() - started)
@@ -199,9 +201,11 @@ async def worst(retrieval_address: str, judge_address: str, repeats: int = 3) ->
 
 # --------------------------------------------------------------------------- a small tenant
 
-async def small_tenant(address: str, service: str, seconds: float) -> list[dict]:
-    """A 1-item call, one at a time: alone, then beside a tenant flooding with the largest
-    accepted request and a tenant that sends it and cancels 50 ms later, over and over."""
+async def small_tenant(address: str, service: str, seconds: float, repeats: int = 2) -> list[dict]:
+    """A 1-item call with a new text each time, one at a time: alone, then beside a tenant
+    flooding with the largest accepted request and a tenant that sends it and cancels 50 ms
+    later, over and over (new texts every request: the embedding cache would answer a
+    repeat); the two phases interleaved ``repeats`` times."""
     import grpc
 
     from calibrl.v1 import judge_pb2 as jpb
@@ -213,14 +217,14 @@ async def small_tenant(address: str, service: str, seconds: float) -> list[dict]
     channels = {t: grpc.aio.insecure_channel(address, options=OWN_CONNECTION) for t in ("small", "flood", "cancel")}
     calls = {t: _stubs(c, c)[kind] for t, c in channels.items()}
     meta = {t: _key(t) if keyed else [] for t in channels}
-    heavy, n = await _largest_accepted(calls["flood"], build, meta["flood"])
+    _, n = await _largest_accepted(calls["flood"], build, meta["flood"])
     counter = [0]
 
     def small_request():
         counter[0] += 1
         if service == "retrieval":
-            return pb.SearchRequest(queries=["expense ratio"], top_k=5, mode=pb.SEARCH_MODE_HYBRID)
-        return jpb.ScoreRequest(rubric_id="bench", items=[jpb.JudgeItem(query="VTSAX expense ratio",
+            return pb.SearchRequest(queries=[f"expense ratio {counter[0]}"], top_k=5, mode=pb.SEARCH_MODE_HYBRID)
+        return jpb.ScoreRequest(rubric_id="bench", items=[jpb.JudgeItem(query=f"VTSAX expense ratio {counter[0]}",
                                                                          output=f"VTSAX fee {counter[0]}")])
 
     async def small_calls(duration: float) -> list[float]:
@@ -232,43 +236,56 @@ async def small_tenant(address: str, service: str, seconds: float) -> list[dict]
         return latencies
 
     rows = []
+    done = {"flood": 0, "cancel": 0}
+
+    async def flooder(stop: asyncio.Event) -> None:
+        while not stop.is_set():
+            await calls["flood"](build(n, f"f{done['flood']}"), metadata=meta["flood"], timeout=600)
+            done["flood"] += 1
+
+    async def canceller(stop: asyncio.Event) -> None:
+        while not stop.is_set():
+            call = calls["cancel"](build(n, f"c{done['cancel']}"), metadata=meta["cancel"], timeout=600)
+            await asyncio.sleep(0.05)
+            call.cancel()
+            done["cancel"] += 1
+
+    pooled: dict[str, list[float]] = {"alone": [], "loaded": []}
     try:
-        alone = await small_calls(seconds)
-        stop = asyncio.Event()
-        done = {"flood": 0, "cancel": 0}
-
-        async def flooder() -> None:
-            while not stop.is_set():
-                request = build(n, f"f{done['flood']}") if service == "judge" else heavy
-                await calls["flood"](request, metadata=meta["flood"], timeout=600)
-                done["flood"] += 1
-
-        async def canceller() -> None:
-            while not stop.is_set():
-                request = build(n, f"c{done['cancel']}") if service == "judge" else heavy
-                call = calls["cancel"](request, metadata=meta["cancel"], timeout=600)
-                await asyncio.sleep(0.05)
-                call.cancel()
-                done["cancel"] += 1
-
-        background = [asyncio.ensure_future(flooder()), asyncio.ensure_future(canceller())]
-        await asyncio.sleep(1.0)
-        loaded = await small_calls(seconds)
-        stop.set()
-        for task in background:
-            task.cancel()
-        await asyncio.gather(*background, return_exceptions=True)
+        for repeat in range(repeats):
+            load_before = round(os.getloadavg()[0], 2)
+            alone = await small_calls(seconds)
+            pooled["alone"] += alone
+            stop = asyncio.Event()
+            before = dict(done)
+            background = [asyncio.ensure_future(flooder(stop)), asyncio.ensure_future(canceller(stop))]
+            await asyncio.sleep(1.0)
+            loaded = await small_calls(seconds)
+            pooled["loaded"] += loaded
+            stop.set()
+            for task in background:
+                task.cancel()
+            await asyncio.gather(*background, return_exceptions=True)
+            await asyncio.sleep(1.0)  # the last flood unit finishes before the next alone phase
+            for name, latencies in (("alone", alone), (f"beside a flooding tenant ({n}-item requests) and a "
+                                                       "cancelling one", loaded)):
+                rows.append({"service": service, "repeat": repeat, "small tenant": name, "calls": len(latencies),
+                             "p50_ms": round(_percentile(latencies, 0.5), 1),
+                             "p99_ms": round(_percentile(latencies, 0.99), 1)})
+            rows[-1].update(p99_ratio=round(rows[-1]["p99_ms"] / rows[-2]["p99_ms"], 2),
+                            flood_requests=done["flood"] - before["flood"],
+                            cancelled_requests=done["cancel"] - before["cancel"], load1=load_before)
+            print(rows[-2], flush=True)
+            print(rows[-1], flush=True)
     finally:
         for channel in channels.values():
             await channel.close()
-    for name, latencies in (("alone", alone), (f"beside a flooding tenant ({n}-item requests) and a cancelling one",
-                                                loaded)):
-        rows.append({"service": service, "small tenant": name, "calls": len(latencies),
-                     "p50_ms": round(_percentile(latencies, 0.5), 1), "p99_ms": round(_percentile(latencies, 0.99), 1)})
-        print(rows[-1], flush=True)
-    rows[-1].update(p99_ratio=round(rows[-1]["p99_ms"] / rows[-2]["p99_ms"], 2), flood_requests=done["flood"],
-                    cancelled_requests=done["cancel"])
-    return rows
+    summary = {"service": service, "repeat": "all", "small tenant": "pooled over the repeats",
+               **{f"{phase}_{q}_ms": round(_percentile(pooled[phase], v), 1) for phase in pooled
+                  for q, v in (("p50", 0.5), ("p99", 0.99))}}
+    summary["p99_ratio"] = round(summary["loaded_p99_ms"] / summary["alone_p99_ms"], 2)
+    print(summary, flush=True)
+    return rows + [summary]
 
 
 # --------------------------------------------------------------------------- fair shares
@@ -329,16 +346,91 @@ async def fair_shares(index: pathlib.Path, keys: pathlib.Path, tenants: dict[str
 
 # --------------------------------------------------------------------------- overload
 
-async def overload(address: str, service: str, process: subprocess.Popen, callers: int, seconds: float,
-                   deadline_s: float) -> dict:
-    """``callers`` concurrent callers (one channel each: its own tenant without keys; one
-    tenant with keys) for ``seconds``, each call with a ``deadline_s`` deadline."""
-    import grpc
-
+def _overload_request(service: str, index: int, i: int):
     from calibrl.v1 import judge_pb2 as jpb
     from calibrl.v1 import retrieval_pb2 as pb
 
+    if service == "retrieval":
+        return pb.SearchRequest(queries=[f"{WORDS[(index + j) % len(WORDS)]} fee {index} {i} {j}" for j in range(32)],
+                                top_k=10, mode=pb.SEARCH_MODE_HYBRID)
+    return jpb.ScoreRequest(rubric_id="bench", items=[jpb.JudgeItem(
+        query="VTSAX expense ratio", output=f"VTSAX fee {index} {i} {j}") for j in range(8)])
+
+
+async def probe(service: str, address: str, seconds: float, out: pathlib.Path) -> None:
+    """From its own process (a client not overloaded itself): one call of the overload's kind
+    every 100 ms; each call's code and latency, written to ``out``."""
+    import grpc
+
+    rows = []
+    async with grpc.aio.insecure_channel(address, options=OWN_CONNECTION) as channel:
+        call = _stubs(channel, channel)["search" if service == "retrieval" else "judge"]
+        end, i = time.perf_counter() + seconds, 0
+        while time.perf_counter() < end:
+            started = time.perf_counter()
+            try:
+                await call(_overload_request(service, 10_000, i),
+                           metadata=_key("crowd") if service == "retrieval" else [], timeout=5)
+                code = "OK"
+            except grpc.aio.AioRpcError as exc:
+                code = exc.code().name
+            rows.append((code, (time.perf_counter() - started) * 1000))
+            i += 1
+            await asyncio.sleep(max(0.0, 0.1 - (time.perf_counter() - started)))
+    out.write_text(json.dumps(rows))
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _server_figures(metrics_port: int) -> dict[str, float]:
+    """From the server's Prometheus page: admitted calls that ran out of time there, and its
+    shed calls (RESOURCE_EXHAUSTED), all and those answered within 50 ms (server-side RPC
+    duration histogram)."""
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10) as response:
+        text = response.read().decode("utf-8")
+    figures = {"missed": 0.0, "shed": 0.0, "shed_within_50ms": 0.0}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == "calibrl_tenant_deadline_missed_total":
+                figures["missed"] += sample.value
+            elif (sample.name == "calibrl_rpc_server_duration_seconds_bucket"
+                  and sample.labels.get("code") == "RESOURCE_EXHAUSTED"):
+                if sample.labels.get("le") == "+Inf":
+                    figures["shed"] += sample.value
+                elif float(sample.labels.get("le", "0")) == 0.05:
+                    figures["shed_within_50ms"] += sample.value
+    return figures
+
+
+def _busy_processes(count: int, seconds: float) -> list[subprocess.Popen]:
+    """``count`` processes that spin on a core for ``seconds`` (other work on the machine)."""
+    spin = f"import time\nend = time.time() + {seconds}\nwhile time.time() < end: pass\n"
+    return [subprocess.Popen([sys.executable, "-c", spin]) for _ in range(count)]
+
+
+async def overload(address: str, service: str, process: subprocess.Popen, callers: int, seconds: float,
+                   deadline_s: float, busy: int = 0, metrics_port: int = 0) -> dict:
+    """``callers`` concurrent callers (50 channels: each its own tenant without keys; one
+    tenant with keys) for ``seconds``, each call with a ``deadline_s`` deadline; with
+    ``busy`` processes spinning on the cores meanwhile."""
+    import grpc
+
     rss_before = _rss_mib(process)
+    server_before = _server_figures(metrics_port)
+    load_before = round(os.getloadavg()[0], 2)
+    spinners = _busy_processes(busy, seconds + 1)
+    probe_out = pathlib.Path(tempfile.mkdtemp(prefix="bench-probe-")) / "probe.json"
+    prober = subprocess.Popen([sys.executable, __file__, "--probe", f"{service},{address},{seconds - 5},{probe_out}"])
     codes: dict[str, int] = {}
     shed_ms: list[float] = []
     ok_ms: list[float] = []
@@ -350,12 +442,7 @@ async def overload(address: str, service: str, process: subprocess.Popen, caller
         call = stubs[index % len(stubs)]["search" if service == "retrieval" else "judge"]
         i = 0
         while not stop.is_set():
-            if service == "retrieval":
-                request = pb.SearchRequest(queries=[f"{WORDS[(index + j) % len(WORDS)]} fee {i} {j}"
-                                                    for j in range(32)], top_k=10, mode=pb.SEARCH_MODE_HYBRID)
-            else:
-                request = jpb.ScoreRequest(rubric_id="bench", items=[jpb.JudgeItem(
-                    query="VTSAX expense ratio", output=f"VTSAX fee {index} {i} {j}") for j in range(8)])
+            request = _overload_request(service, index, i)
             started = time.perf_counter()
             trailers: dict = {}
             try:
@@ -377,13 +464,175 @@ async def overload(address: str, service: str, process: subprocess.Popen, caller
     await asyncio.gather(*tasks, return_exceptions=True)
     for channel in channels:
         await channel.close()
+    for spinner in spinners:
+        spinner.wait()
+    prober.wait()
+    probed = json.loads(probe_out.read_text())
+    probe_shed = [ms for code, ms in probed if code == "RESOURCE_EXHAUSTED"]
     await asyncio.sleep(2.0)
-    result = {"service": service, "callers": callers, "seconds": seconds, "deadline_s": deadline_s, "codes": codes,
+    result = {"service": service, "callers": callers, "seconds": seconds, "deadline_s": deadline_s,
+              "busy_processes": busy, "load1_before": load_before, "codes": codes,
+              "client_deadline_exceeded": codes.get("DEADLINE_EXCEEDED", 0),
+              **{f"server_{k}": v - server_before[k] for k, v in _server_figures(metrics_port).items()},
+              "probe_codes": {c: sum(1 for code, _ in probed if code == c) for c in {code for code, _ in probed}},
+              "probe_shed_p50_ms": round(_percentile(probe_shed, 0.5), 1) if probe_shed else None,
+              "probe_shed_p99_ms": round(_percentile(probe_shed, 0.99), 1) if probe_shed else None,
               "shed_p99_ms": round(_percentile(shed_ms, 0.99), 1) if shed_ms else None,
               "shed_max_ms": round(max(shed_ms), 1) if shed_ms else None,
               "ok_p99_ms": round(_percentile(ok_ms, 0.99), 1) if ok_ms else None,
               "rss_mib_before": round(rss_before, 1), "rss_mib_after": round(_rss_mib(process), 1)}
     print(result, flush=True)
+    return result
+
+
+
+# --------------------------------------------------------------------------- work stops
+
+def _quiet_from(samples: list[tuple[float, float]], window_s: float = 0.5, share: float = 0.1) -> float:
+    """The first time from which the process used under ``share`` of a core for ``window_s``
+    ((seconds, CPU seconds) samples)."""
+    for i, (t, cpu) in enumerate(samples):
+        j = next((j for j in range(i, len(samples)) if samples[j][0] - t >= window_s), None)
+        if j is None:
+            break
+        if samples[j][1] - cpu < share * (samples[j][0] - t):
+            return t
+    return samples[-1][0]
+
+
+async def work_stops(address: str, service: str, process: subprocess.Popen, calls: int = 16,
+                     after_s: float = 1.5) -> dict:
+    """``calls`` largest accepted requests at once (each its own connection: a tenant each
+    without keys), all cancelled ``after_s`` later: how long the server's process keeps
+    using the CPU after the cancel (psutil CPU time sampled every 20 ms; busy until the
+    first half second in which it used under 10% of a core)."""
+    import grpc
+    import psutil
+
+    _, kind, build = _requests()["search" if service == "retrieval" else "prose"]
+    channels = [grpc.aio.insecure_channel(address, options=OWN_CONNECTION) for _ in range(calls)]
+    stubs = [_stubs(c, c)[kind] for c in channels]
+    meta = _key("flood") if service == "retrieval" else []
+    _, n = await _largest_accepted(stubs[0], build, meta)
+    server = psutil.Process(process.pid)
+    await asyncio.sleep(1.0)
+    pending = [stub(build(n, f"stop{i}"), metadata=meta, timeout=60) for i, stub in enumerate(stubs)]
+    await asyncio.sleep(after_s)
+    for call in pending:
+        call.cancel()
+    cancelled_at = time.perf_counter()
+    samples = [(0.0, sum(server.cpu_times()[:2]))]
+    while samples[-1][0] < 10.0:
+        await asyncio.sleep(0.02)
+        samples.append((time.perf_counter() - cancelled_at, sum(server.cpu_times()[:2])))
+    last_busy = _quiet_from(samples)
+    codes: dict[str, int] = {}
+    for call in pending:
+        try:
+            await call
+            code = "OK"
+        except (asyncio.CancelledError, grpc.aio.AioRpcError) as exc:
+            code = exc.code().name if isinstance(exc, grpc.aio.AioRpcError) else "CANCELLED"
+        codes[code] = codes.get(code, 0) + 1
+    for channel in channels:
+        await channel.close()
+    result = {"service": service, "calls": calls, "items_each": n, "cancelled_after_s": after_s,
+              "codes": codes,
+              "server_busy_after_cancel_s": round(last_busy, 2), "load1": round(os.getloadavg()[0], 2)}
+    print(result, flush=True)
+    return result
+
+
+# --------------------------------------------------------------------------- soak
+
+async def soak(retrieval, judge, retrieval_address: str, judge_address: str, seconds: float, rate: float,
+               warm_up_s: float, out: pathlib.Path | None) -> dict:
+    """Mixed valid and invalid traffic at a steady, low rate (``rate`` calls per second over
+    both services, one at a time on a fixed schedule) for ``seconds``; the servers' RSS every
+    30 s, and its least-squares slope after ``warm_up_s``. Valid calls use new texts, so the
+    result and embedding caches (started small by the caller) fill and then evict."""
+    import grpc
+
+    from calibrl.v1 import judge_pb2 as jpb
+    from calibrl.v1 import retrieval_pb2 as pb
+
+    codes: dict[str, dict[str, int]] = {}
+    samples: list[dict] = []
+    started = time.monotonic()
+    mib = {"retrieval": lambda: _rss_mib(retrieval), "judge": lambda: _rss_mib(judge)}
+
+    def search(n: int, **overrides) -> "pb.SearchRequest":
+        fields = dict(queries=[f"{WORDS[(n + j) % len(WORDS)]} fee {n} {j}" for j in range(4)], top_k=10,
+                      mode=pb.SEARCH_MODE_HYBRID)
+        fields.update(overrides)
+        return pb.SearchRequest(**fields)
+
+    def score(n: int, **overrides) -> "jpb.ScoreRequest":
+        fields = dict(rubric_id="bench", items=[jpb.JudgeItem(query=f"VTSAX expense ratio {n}",
+                                                              output=f"VTSAX fee {n} {j} 0.04%") for j in range(4)])
+        fields.update(overrides)
+        return jpb.ScoreRequest(**fields)
+
+    # (service, what, request builder, metadata, cancel after seconds or None)
+    mix = [
+        ("retrieval", "search", lambda n: search(n), _key("small"), None),
+        ("judge", "score", lambda n: score(n), [], None),
+        ("retrieval", "search", lambda n: search(n), _key("small"), None),
+        ("retrieval", "empty query", lambda n: search(n, queries=["fee", " "]), _key("small"), None),
+        ("judge", "score", lambda n: score(n), [], None),
+        ("retrieval", "top_k 0", lambda n: search(n, top_k=0), _key("small"), None),
+        ("judge", "unknown rubric", lambda n: score(n, rubric_id="nope"), [], None),
+        ("retrieval", "query too long", lambda n: search(n, queries=["x" * 3000]), _key("small"), None),
+        ("judge", "over budget", lambda n: score(n, items=[jpb.JudgeItem(query=_text(8000, str(n)),
+                                                                           output=_text(8000, f"o{n}"))] * 40),
+         [], None),
+        ("retrieval", "wrong key", lambda n: search(n), [("x-api-key", "wrong")], None),
+        ("retrieval", "cancelled", lambda n: search(n), _key("small"), 0.005),
+        ("judge", "empty items", lambda n: score(n, items=[]), [], None),
+        ("retrieval", "oversize 5 MiB", lambda n: search(n, queries=["y" * (5 << 20)]), _key("small"), None),
+        ("judge", "score", lambda n: score(n), [], None),
+    ]
+    async with grpc.aio.insecure_channel(retrieval_address) as rc, grpc.aio.insecure_channel(judge_address) as jc:
+        calls = _stubs(rc, jc)
+        n = 0
+        next_sample = started
+        while time.monotonic() - started < seconds:
+            now = time.monotonic()
+            if now >= next_sample:
+                samples.append({"t_s": round(now - started, 1), **{k: round(f(), 2) for k, f in mib.items()},
+                                "load1": round(os.getloadavg()[0], 2)})
+                next_sample += 30.0
+                if out is not None:
+                    out.write_text(json.dumps({"samples": samples, "codes": codes}, indent=1))
+            service, what, build, metadata, cancel_after = mix[n % len(mix)]
+            call = calls["judge" if service == "judge" else "search"](build(n), metadata=metadata, timeout=30)
+            try:
+                if cancel_after is not None:
+                    await asyncio.sleep(cancel_after)
+                    call.cancel()
+                await call
+                code = "OK"
+            except asyncio.CancelledError:
+                code = "CANCELLED"
+            except grpc.aio.AioRpcError as exc:
+                code = exc.code().name
+            row = codes.setdefault(f"{service} {what}", {})
+            row[code] = row.get(code, 0) + 1
+            n += 1
+            await asyncio.sleep(max(0.0, started + n / rate - time.monotonic()))
+    result = {"seconds": seconds, "rate_per_s": rate, "calls": n, "warm_up_s": warm_up_s, "codes": codes,
+              "samples": samples}
+    for service in ("retrieval", "judge"):
+        points = [(s["t_s"] / 60, s[service]) for s in samples if s["t_s"] >= warm_up_s]
+        if len(points) >= 3:
+            mx = sum(x for x, _ in points) / len(points)
+            my = sum(y for _, y in points) / len(points)
+            slope = (sum((x - mx) * (y - my) for x, y in points) / sum((x - mx) ** 2 for x, _ in points))
+            result[f"{service}_rss_slope_mib_per_min"] = round(slope, 3)
+            result[f"{service}_rss_mib_after_warm_up"] = [points[0][1], points[-1][1]]
+    if out is not None:
+        out.write_text(json.dumps(result, indent=1))
+    print({k: v for k, v in result.items() if k != "samples"}, flush=True)
     return result
 
 
@@ -406,16 +655,29 @@ def _prepare(work: pathlib.Path) -> pathlib.Path:
 
 
 def main() -> None:
+    if sys.argv[1:2] == ["--probe"]:  # the overload's probe process (see probe())
+        service, address, seconds, out = sys.argv[2].split(",")
+        asyncio.run(probe(service, address, float(seconds), pathlib.Path(out)))
+        return
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seconds", type=float, default=10.0, help="length of each timed phase")
+    parser.add_argument("--repeats", type=int, default=2, help="interleaved alone/loaded phase pairs (small)")
     parser.add_argument("--callers", type=int, default=200, help="concurrent callers of the overload phase")
-    parser.add_argument("--overload-seconds", type=float, default=20.0, help="length of the overload phase")
+    parser.add_argument("--overload-seconds", type=float, default=60.0, help="length of the overload phase")
+    parser.add_argument("--busy", type=int, default=2,
+                        help="overload again with this many processes spinning on the cores (0: not)")
     parser.add_argument("--deadline", type=float, default=5.0, help="deadline of each overload call, seconds")
     parser.add_argument("--retrieval-args", default="", help="extra key=value overrides of the retrieval server")
     parser.add_argument("--judge-args", default="", help="extra key=value overrides of the judge server")
     parser.add_argument("--query-chars", type=int, default=2048, help="query length of the largest retrieval requests")
     parser.add_argument("--judge-chars", type=int, default=8000, help="text length of the largest judge requests")
-    parser.add_argument("--only", default="", help="sections: calibrate, worst, small, fair, overload")
+    parser.add_argument("--only", default="", help="sections: calibrate, worst, small, fair, overload, stops, "
+                                                    "soak (stops and soak only when named)")
+    parser.add_argument("--soak-seconds", type=float, default=3600.0, help="length of the soak")
+    parser.add_argument("--soak-rate", type=float, default=4.0, help="calls per second of the soak")
+    parser.add_argument("--soak-warm-up", type=float, default=600.0, help="seconds of the soak before the slope")
+    parser.add_argument("--soak-cache", type=int, default=2000,
+                        help="result and embedding cache sizes of the soak's servers (small, so they fill)")
     parser.add_argument("--workdir", default="", help="folder for the index and logs (default: a temp folder)")
     parser.add_argument("--json", default="", help="write the results here")
     args = parser.parse_args()
@@ -434,29 +696,47 @@ def main() -> None:
 
 
 async def _served(args, work: pathlib.Path, index: pathlib.Path, only: set[str]) -> dict:
+    soaking = "soak" in only  # small caches that fill; otherwise no result cache (every call is work)
+    caches = ([f"embedding_cache_size={args.soak_cache}"],
+              [f"judge.cache_size={args.soak_cache}", f"judge.embedder_cache_size={args.soak_cache}"]) \
+        if soaking else ([], ["judge.cache_size=0"])
+    ports = {"retrieval": _free_port(), "judge": _free_port()}  # their Prometheus pages (overload reads them)
+    metrics = {name: ["serving.telemetry.enabled=true", f"serving.telemetry.prometheus_port={port}"]
+               for name, port in ports.items()}
     retrieval, retrieval_address = _start(
         ["serve", "retrieval", "--index", str(index), "--port", "0", "device=cpu", "torch_threads=1",
-         f"serving.api_keys_file={work / 'keys.yaml'}", *args.retrieval_args.split()], work / "retrieval.log")
+         f"serving.api_keys_file={work / 'keys.yaml'}", *caches[0], *metrics["retrieval"],
+         *args.retrieval_args.split()], work / "retrieval.log")
     judge, judge_address = _start(["serve", "judge", "--rubrics", str(work / "rubrics"), "--port", "0",
-                                   "--allow-unvalidated", "judge.cache_size=0", *args.judge_args.split()],
+                                   "--allow-unvalidated", *caches[1], *metrics["judge"], *args.judge_args.split()],
                                   work / "judge.log")
     results: dict = {}
     try:
         if "worst" in only:
             results["worst"] = await worst(retrieval_address, judge_address)
         if "small" in only:
-            results["small"] = (await small_tenant(retrieval_address, "retrieval", args.seconds)
-                                + await small_tenant(judge_address, "judge", args.seconds))
+            results["small"] = (await small_tenant(retrieval_address, "retrieval", args.seconds, args.repeats)
+                                + await small_tenant(judge_address, "judge", args.seconds, args.repeats))
         if "fair" in only:
             keys = work / "keys.yaml"
             results["fair_equal"] = await fair_shares(index, keys, {t: 1 for t in ("t1", "t2", "t3", "t4")},
                                                       args.seconds)
             results["fair_weighted"] = await fair_shares(index, keys, {"w1": 1, "w2": 2, "w4": 4}, args.seconds)
         if "overload" in only:
-            results["overload"] = [
-                await overload(retrieval_address, "retrieval", retrieval, args.callers, args.overload_seconds,
-                               args.deadline),
-                await overload(judge_address, "judge", judge, args.callers, args.overload_seconds, args.deadline)]
+            results["overload"] = []
+            for busy in sorted({0, args.busy}):
+                results["overload"] += [
+                    await overload(retrieval_address, "retrieval", retrieval, args.callers, args.overload_seconds,
+                                   args.deadline, busy, ports["retrieval"]),
+                    await overload(judge_address, "judge", judge, args.callers, args.overload_seconds,
+                                   args.deadline, busy, ports["judge"])]
+        if "stops" in only:
+            results["stops"] = [await work_stops(retrieval_address, "retrieval", retrieval),
+                                await work_stops(judge_address, "judge", judge)]
+        if soaking:
+            results["soak"] = await soak(retrieval, judge, retrieval_address, judge_address, args.soak_seconds,
+                                         args.soak_rate, args.soak_warm_up,
+                                         pathlib.Path(args.json + ".partial") if args.json else None)
     finally:
         for process in (retrieval, judge):
             process.terminate()

@@ -19,16 +19,27 @@ latency:
   ``SOLO_UNIT_COST`` (0.5 s of estimated work, with costs in seconds).
 - **Weighted fair queueing.** Each tenant has a virtual finish time, the cost
   served to it divided by its weight. The next unit is filled item by item from
-  the tenant that is furthest behind (then, within a tenant, from the call that
-  has been served least), so a tenant's backlog delays others by at most its
-  share, whatever the sizes of its requests. A tenant that comes back from idle
-  starts at the current virtual time: idle time banks no credit, and work taken
-  for a caller that then cancels is charged to its tenant all the same.
+  the tenant that is furthest behind (then, within a tenant, from its call with the
+  least work left: its small call is not stuck behind its own large one, and calls
+  of equal size finish in arrival order instead of all together), so a tenant's
+  backlog delays others by at most its share, whatever the sizes of its requests.
+  A tenant that comes back from idle starts at the current virtual time: idle time
+  banks no credit, and work taken for a caller that then cancels is charged to its
+  tenant all the same.
+- **A short lane.** One item cannot be split, and the largest accepted item runs
+  for a good part of a second, so with ``short_item_cost`` set a second worker
+  takes units of items estimated at or below it, in the same fair order, while the
+  main worker is busy: a small call does not wait behind a long item in progress
+  (and a tenant's cancelled work stops after the units in progress on both).
 - **Shedding with pushback.** A call is refused at once with
   :class:`~calibrl.admission.Shed` (RESOURCE_EXHAUSTED + retry pushback) when its
-  tenant's queue is full (items or cost) or when the expected wait, estimated as
-  under generalised processor sharing and scaled by the measured seconds per unit
-  of estimated cost, would pass the call's deadline.
+  tenant's queue is full (items or cost), when its expected wait (generalised
+  processor sharing of the backlog, scaled by the measured wall seconds per unit of
+  estimated cost) times ``DEADLINE_SAFETY`` would pass its deadline, or when
+  running it would push a call already admitted for its deadline past that margin
+  (each admitted call carries its promised wait, grown by every later call that
+  goes ahead of it): an admitted call is not made to miss its deadline by the
+  calls admitted after it.
 - **Abandoned work is dropped.** When a caller gives up (cancelled, disconnected,
   past its deadline) its items still queued are removed before the next unit;
   only the unit already running finishes for it.
@@ -89,9 +100,15 @@ class _Pending(Generic[ItemT, ResultT]):
     def waiting(self) -> int:
         return len(self.items) - self.next_index
 
+    left_cost: float = -1.0  # estimated cost of the items not yet handed to a batch (set at submit)
+    timeout_s: float | None = None  # set when admitted for its deadline: later admissions keep it
+    promised_s: float = 0.0  # expected seconds from enqueued to done, grown by every later call ahead of it
+
     @property
     def waiting_cost(self) -> float:
-        return float(sum(self.costs[self.next_index:]))
+        if self.left_cost < 0:
+            self.left_cost = float(sum(self.costs[self.next_index:]))
+        return self.left_cost
 
 
 @dataclass(eq=False)
@@ -112,6 +129,7 @@ class TenantStats:
     served_cost: float = 0.0
     shed: int = 0
     cancelled_items: int = 0  # queued items dropped because the caller gave up or ran out of time
+    missed: int = 0  # admitted calls that ran out of time on the server (expired queued, or done late)
     queue_seconds: list[float] = field(default_factory=list)  # submit -> first unit started, per call
 
 
@@ -203,6 +221,7 @@ class MicroBatcher(Generic[ItemT, ResultT]):
         weights: Mapping[str, float] | None = None,
         executor: concurrent.futures.Executor | None = None,
         name: str = "batcher",
+        short_item_cost: float = 0.0,
     ) -> None:
         self.name = name
         self._gauge_registered = False
@@ -215,6 +234,13 @@ class MicroBatcher(Generic[ItemT, ResultT]):
         self.weights = dict(weights or {})
         self.max_wait_s = max_wait_ms / 1000.0
         self._executor = executor or _DaemonWorker(name)
+        # the short lane: a second worker that runs only items estimated at or below
+        # short_item_cost, while the main one runs anything (0: no short lane)
+        self.short_item_cost = short_item_cost
+        self._short_executor = _DaemonWorker(f"{name}-short") if short_item_cost > 0 else None
+        self._busy = {"main": False, "short": False}
+        self._units: set[asyncio.Task] = set()  # units in progress (tasks awaiting a worker)
+        self._speed_seconds, self._speed_cost = 0.0, 0.0  # moving sums behind stats.seconds_per_cost
         self._tenants: dict[str, _Tenant] = {}  # tenants with queued calls
         self._finish_of: dict[str, float] = {}  # virtual finish time of every tenant seen (bounded below)
         self._virtual_now = 0.0
@@ -236,23 +262,46 @@ class MicroBatcher(Generic[ItemT, ResultT]):
 
     def expected_wait_s(self, tenant: str, cost: float) -> float:
         """Seconds until a new call of ``tenant`` costing ``cost`` would be done, as under
-        generalised processor sharing of the current backlog: its own backlog and the new
-        call, plus each other tenant's backlog up to that tenant's share meanwhile (a full
-        share for a tenant active within the last second but idle now), plus the unit in
-        progress; scaled by the measured seconds per unit of cost."""
+        generalised processor sharing of the current backlog: its tenant's queued calls with
+        no more work left (a tenant's calls run least work left first) and the new call,
+        plus each other tenant's backlog up to that tenant's share meanwhile, plus the unit
+        in progress; scaled by the measured seconds per unit of cost. Calls that arrive
+        later cannot stretch this beyond the call's deadline: they are admitted only while
+        every admitted call keeps its margin (:meth:`_delays`)."""
         weight = self.weights.get(tenant, 1.0)
         own_state = self._tenants.get(tenant)
-        own = cost + (own_state.queued_cost if own_state else 0.0)
+        own = cost + (sum(r for p in own_state.calls if (r := p.waiting_cost) <= cost)
+                      if own_state is not None else 0.0)
         others = sum(min(t.queued_cost, own * t.weight / weight)
                      for name, t in self._tenants.items() if name != tenant)
-        # tenants active within the contention window but with nothing queued now are likely to
-        # come back meanwhile and take their share: count it, so an admitted call keeps its deadline
-        now = time.monotonic()
-        others += sum(own * self.weights.get(name, 1.0) / weight for name, seen in self._last_submit.items()
-                      if name != tenant and name not in self._tenants and now - seen <= CONTENTION_WINDOW_S)
         running_s = max(0.0, self._running_cost * self.stats.seconds_per_cost
                         - (time.perf_counter() - self._running_since))
         return (own + others) * self.stats.seconds_per_cost + running_s
+
+    def _delays(self, tenant: str, cost: float) -> tuple[list[tuple[_Pending, float]], _Pending | None]:
+        """How much a new call of ``tenant`` costing ``cost`` would delay each call admitted
+        for its deadline and still waiting (at most its cost; for another tenant's call at
+        most that call's remaining work times the weight ratio, the new call's share
+        meanwhile; for its own tenant's, only a call with more work left), in seconds;
+        and the first call whose margin it would break (None: none)."""
+        spc = self.stats.seconds_per_cost
+        weight = self.weights.get(tenant, 1.0)
+        delays = []
+        for name, state in self._tenants.items():
+            for pending in state.calls:
+                if pending.timeout_s is None or not pending.waiting:
+                    continue
+                left = pending.waiting_cost
+                if name == tenant:
+                    delay = cost if cost < left else 0.0
+                else:
+                    delay = min(cost, left * weight / state.weight)
+                if delay <= 0:
+                    continue
+                if (pending.promised_s + delay * spc) * DEADLINE_SAFETY > pending.timeout_s:
+                    return delays, pending
+                delays.append((pending, delay * spc))
+        return delays, None
 
     async def submit(self, key: Hashable, items: Sequence[ItemT], timeout_s: float | None = None,
                      *, tenant: str | None = None, costs: Sequence[float] | None = None) -> list[ResultT]:
@@ -276,8 +325,9 @@ class MicroBatcher(Generic[ItemT, ResultT]):
         if len(costs) != len(items):
             raise ValueError(f"{len(costs)} costs for {len(items)} items")
         cost = float(sum(costs))
-        self._admit(name, len(items), cost, timeout_s if estimated else None)
         loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s if timeout_s is not None else None
+        wait_s = self._admit(name, len(items), cost, timeout_s if estimated else None, estimated)
         if self._worker is None or self._worker.done():
             self._wakeup = asyncio.Event()
             self._window_cut = asyncio.Event()
@@ -290,9 +340,9 @@ class MicroBatcher(Generic[ItemT, ResultT]):
         if state is None:  # back from idle: start at the current virtual time, no banked credit
             state = self._tenants[name] = _Tenant(name, self.weights.get(name, 1.0))
             state.finish = max(self._finish_of.get(name, 0.0), self._virtual_now)
-        deadline = loop.time() + timeout_s if timeout_s is not None else None
         pending = _Pending(key=key, tenant=state, items=items, costs=costs, future=loop.create_future(),
-                           enqueued=loop.time(), deadline=deadline, results=[None] * len(items))
+                           enqueued=loop.time(), deadline=deadline, results=[None] * len(items),
+                           timeout_s=timeout_s if estimated else None, promised_s=wait_s)
         state.calls.append(pending)
         state.queued_items += len(items)
         state.queued_cost += cost
@@ -330,14 +380,18 @@ class MicroBatcher(Generic[ItemT, ResultT]):
             )
             self._gauge_registered = True
 
-    def _admit(self, tenant: str, count: int, cost: float, timeout_s: float | None) -> None:
-        """Shed a call at once when a queue is full or it could not be served before its deadline
-        (``timeout_s``: only for calls whose costs were estimated, in seconds)."""
+    def _admit(self, tenant: str, count: int, cost: float, timeout_s: float | None, estimated: bool) -> float:
+        """Shed a call at once when a queue is full, when it could not be served before its
+        deadline (``timeout_s``), or when running it would make a call already admitted
+        for its deadline miss it (only for calls whose costs were estimated, in seconds);
+        else charge its delay to the calls it goes ahead of and return its expected wait."""
         state = self._tenants.get(tenant)
         queued_items = state.queued_items if state else 0
         queued_cost = state.queued_cost if state else 0.0
         reason = message = ""
         wait_s = self.expected_wait_s(tenant, cost)
+        retry_after = wait_s - (timeout_s / DEADLINE_SAFETY if timeout_s is not None else cost)
+        delays: list[tuple[_Pending, float]] = []
         if self._queued_items + count > self.max_queue_items:
             reason, message = "queue_full", (f"request queue full ({self._queued_items} items waiting, limit "
                                              f"{self.max_queue_items})")
@@ -349,8 +403,18 @@ class MicroBatcher(Generic[ItemT, ResultT]):
               and wait_s > cost * self.stats.seconds_per_cost):  # only queued work ahead sheds a call
             reason, message = "deadline", (f"expected wait {wait_s:.2f} s (x{DEADLINE_SAFETY} margin) exceeds the "
                                            f"call's deadline of {timeout_s:.2f} s")
+        elif estimated:
+            delays, kept = self._delays(tenant, cost)
+            if kept is not None:
+                reason, message = "deadline", (
+                    f"running it now would make an admitted call miss its deadline ({kept.waiting_cost:.2f} s of "
+                    f"its work left, {kept.timeout_s:.2f} s deadline)")
+                # come back when that call is expected to be done
+                retry_after = kept.enqueued + kept.promised_s - asyncio.get_running_loop().time()
         if not reason:
-            return
+            for pending, delay in delays:
+                pending.promised_s += delay
+            return wait_s
         self.stats.rejected += 1
         tenant_stats = self.stats.tenant(tenant)
         tenant_stats.shed += 1
@@ -358,7 +422,6 @@ class MicroBatcher(Generic[ItemT, ResultT]):
         telemetry.record("cost_refused", cost, tenant=tenant or "none", reason=reason, batcher=self.name)
         # come back when this tenant's backlog (at its share) would have drained enough; never
         # sooner than a quarter of the wait, so an estimate near the line is not retried in a loop
-        retry_after = wait_s - (timeout_s / DEADLINE_SAFETY if timeout_s is not None else cost)
         raise Shed(message, retry_after_s=max(0.01, 0.25 * wait_s, retry_after))
 
     def _forget(self, pending: _Pending) -> None:
@@ -387,23 +450,31 @@ class MicroBatcher(Generic[ItemT, ResultT]):
         for state in list(self._tenants.values()):
             for pending in list(state.calls):
                 if not pending.future.done() and pending.deadline is not None and now >= pending.deadline:
+                    self._missed(pending, "queued")
                     pending.future.set_exception(DeadlineExceeded(
                         f"deadline passed with {pending.waiting} of {len(pending.items)} items not yet started"))
                 if pending.future.done():
                     self._forget(pending)
 
-    def _next_call(self, key: Hashable | None) -> _Pending | None:
+    def _next_call(self, key: Hashable | None, short: bool = False) -> _Pending | None:
         """The call that gets the next item: of the tenant furthest behind (least virtual
-        finish time), its call served least (a tenant's callers share its turn, so its small
-        call is not stuck behind its own large one); only calls of ``key`` when given."""
+        finish time), its call with the least work left (then the earliest): a tenant's
+        small call is not stuck behind its own large one, and calls of equal size finish
+        in arrival order instead of all together; only calls of ``key`` when given, and only
+        calls whose next item is short (at most ``short_item_cost``) when ``short``."""
         best: tuple[float, float, int] | None = None
         chosen = None
-        for order, state in enumerate(self._tenants.values()):
-            for pending in state.calls:
-                if pending.waiting and (key is None or pending.key == key):
-                    rank = (state.finish, pending.served_cost, order)
-                    if best is None or rank < best:
-                        best, chosen = rank, pending
+        for state in self._tenants.values():
+            if best is not None and state.finish > best[0]:
+                continue
+            for order, pending in enumerate(state.calls):
+                if not pending.waiting or (key is not None and pending.key != key):
+                    continue
+                if short and pending.costs[pending.next_index] > self.short_item_cost:
+                    continue
+                rank = (state.finish, pending.waiting_cost, order)
+                if best is None or rank < best:
+                    best, chosen = rank, pending
         return chosen
 
     def _competing(self) -> bool:
@@ -414,11 +485,13 @@ class MicroBatcher(Generic[ItemT, ResultT]):
             self._last_submit = {name: self._last_submit[name] for name in recent}
         return len(recent) + sum(1 for name in self._tenants if name not in recent) >= 2
 
-    def _take_unit(self) -> tuple[Hashable, list[tuple[_Pending, int, int]], float]:
+    def _take_unit(self, short: bool = False) -> tuple[Hashable, list[tuple[_Pending, int, int]], float] | None:
         """One bounded unit of work: items of one key, at most ``max_batch_items`` and
-        (beyond the first) ``max_batch_cost``, taken item by item in fair order."""
-        first = self._next_call(None)
-        assert first is not None
+        (beyond the first) ``max_batch_cost``, taken item by item in fair order; for the
+        short lane only short items (None when there are none)."""
+        first = self._next_call(None, short)
+        if first is None:
+            return None
         key = first.key
         # bounded while tenants compete, in measured seconds (on a host slower than the cost
         # model units hold less); a tenant alone keeps the large batches that are cheapest
@@ -436,12 +509,13 @@ class MicroBatcher(Generic[ItemT, ResultT]):
             entry = taken.setdefault(id(pending), [pending, pending.next_index, pending.next_index])
             entry[2] += 1
             pending.next_index += 1
+            pending.left_cost = max(0.0, pending.waiting_cost - item_cost)
             pending.served_cost += item_cost
             pending.tenant.finish += item_cost / pending.tenant.weight
             count += 1
             cost += item_cost
             self._unqueue_item(pending, item_cost)
-            pending = self._next_call(key)
+            pending = self._next_call(key, short)
         return key, [(p, start, stop) for p, start, stop in taken.values()], cost
 
     def _unqueue_item(self, pending: _Pending, cost: float) -> None:
@@ -452,32 +526,55 @@ class MicroBatcher(Generic[ItemT, ResultT]):
         self._unqueue(pending, 1, cost)
 
     async def _run(self) -> None:
+        """Hand units to the workers: the main one takes the next unit in fair order; while
+        it is busy, the short lane (when configured) takes the next unit of short items,
+        so a small call never waits behind a long item already running."""
         assert self._wakeup is not None
         loop = asyncio.get_running_loop()
         while True:
             self._drop_abandoned(loop.time())
-            if not self._queued_items:
-                if self._closing:
+            lane = ("main" if not self._busy["main"] else
+                    "short" if self._short_executor is not None and not self._busy["short"] else None)
+            if not self._queued_items or lane is None:
+                if self._closing and not self._queued_items and not self._units:
                     return
                 self._wakeup.clear()
                 await self._wakeup.wait()
                 continue
-            if self.max_wait_s > 0 and self._queued_items < self.max_batch_items and self._windows_open:
-                await self._batching_window()
+            cycle_started = time.perf_counter()
+            if (self.max_wait_s > 0 and self._queued_items < self.max_batch_items and self._windows_open
+                    and sum(t.queued_cost for t in self._tenants.values()) < self.max_batch_cost):
+                await self._batching_window()  # nobody else is waiting for a unit's worth: let callers join
                 self._drop_abandoned(loop.time())
                 if not self._queued_items:
                     continue
-            key, slices, cost = self._take_unit()
+            unit = self._take_unit(short=lane == "short")
+            if unit is None:  # nothing short queued: wait for the main worker or a new call
+                self._wakeup.clear()
+                await self._wakeup.wait()
+                continue
+            key, slices, cost = unit
             self._record_queue_times(slices, loop.time())
-            flat = [item for pending, start, stop in slices for item in pending.items[start:stop]]
-            self._running_cost = cost
-            started = self._running_since = time.perf_counter()
+            self._busy[lane] = True
+            if lane == "main":
+                self._running_cost = cost
+                self._running_since = time.perf_counter()
+            task = loop.create_task(self._run_unit(lane, key, slices, cost, cycle_started))
+            self._units.add(task)
+            task.add_done_callback(self._units.discard)
+
+    async def _run_unit(self, lane: str, key: Hashable, slices: list[tuple[_Pending, int, int]], cost: float,
+                        cycle_started: float) -> None:
+        """Run one unit on ``lane``'s worker and deliver its results (or its error)."""
+        loop = asyncio.get_running_loop()
+        flat = [item for pending, start, stop in slices for item in pending.items[start:stop]]
+        executor = self._executor if lane == "main" else self._short_executor
+        try:
             try:
-                results = await loop.run_in_executor(self._executor, self._process, key, flat)
+                results = await loop.run_in_executor(executor, self._process, key, flat)
                 if len(results) != len(flat):
                     raise RuntimeError(f"batch returned {len(results)} results for {len(flat)} items")
             except BaseException as exc:  # noqa: BLE001 - delivered to every caller of the batch
-                self._running_cost = 0.0
                 cancelled = isinstance(exc, asyncio.CancelledError)
                 if cancelled:  # close() gave up on this batch
                     exc = Unavailable("server is shutting down; the batch was abandoned")
@@ -487,12 +584,19 @@ class MicroBatcher(Generic[ItemT, ResultT]):
                     self._forget(pending)  # the rest of a failed call never runs
                 if cancelled:
                     raise
-                continue
-            self._running_cost = 0.0
-            self._learn_speed(cost, time.perf_counter() - started)
+                return
             self.stats.record(len(flat))
             telemetry.record("batch_size", len(flat), batcher=self.name)
             self._deliver(slices, results)
+            if lane == "main":  # wall time per unit of cost, hand-over and delivery included
+                self._learn_speed(cost, time.perf_counter() - cycle_started)
+        finally:
+            self._units.discard(asyncio.current_task())  # before the wake-up: close() waits for none left
+            self._busy[lane] = False
+            if lane == "main":
+                self._running_cost = 0.0
+            if self._wakeup is not None:
+                self._wakeup.set()
 
     def _record_queue_times(self, slices: list[tuple[_Pending, int, int]], now: float) -> None:
         for pending, start, _ in slices:
@@ -509,18 +613,31 @@ class MicroBatcher(Generic[ItemT, ResultT]):
         """Moving average of measured seconds per unit of estimated cost (the host may be
         slower or busier than the one the cost model was measured on)."""
         if cost > 0 and math.isfinite(cost):
-            ratio = min(100.0, max(1e-4, seconds / cost))
-            self.stats.seconds_per_cost = 0.8 * self.stats.seconds_per_cost + 0.2 * ratio
+            # moving sums of seconds and of cost, so a unit weighs by its cost (a tiny unit's
+            # fixed overheads do not swing the rate)
+            if not self._speed_cost:  # the first measurement replaces the prior of 1
+                self._speed_seconds, self._speed_cost = seconds, cost
+            self._speed_seconds = 0.8 * self._speed_seconds + 0.2 * seconds
+            self._speed_cost = 0.8 * self._speed_cost + 0.2 * cost
+            self.stats.seconds_per_cost = min(100.0, max(1e-4, self._speed_seconds / self._speed_cost))
 
-    @staticmethod
-    def _deliver(slices: list[tuple[_Pending, int, int]], results: list) -> None:
+    def _deliver(self, slices: list[tuple[_Pending, int, int]], results: list) -> None:
         offset = 0
+        now = asyncio.get_running_loop().time()
         for pending, start, stop in slices:
             pending.results[start:stop] = results[offset : offset + stop - start]
             pending.finished += stop - start
             offset += stop - start
             if pending.finished == len(pending.items) and not pending.future.done():
+                if pending.deadline is not None and now > pending.deadline:
+                    self._missed(pending, "late")
                 pending.future.set_result(pending.results)
+
+    def _missed(self, pending: _Pending, where: str) -> None:
+        """Count an admitted call that ran out of time here (``queued``: expired before its
+        last unit started; ``late``: its last unit ended after its deadline)."""
+        self.stats.tenant(pending.tenant.name).missed += 1
+        telemetry.record("deadline_missed", 1, tenant=pending.tenant.name or "none", where=where, batcher=self.name)
 
     async def _batching_window(self) -> None:
         """Wait ``max_wait_s`` for concurrent callers to join the batch, or less if
@@ -559,11 +676,18 @@ class MicroBatcher(Generic[ItemT, ResultT]):
             except asyncio.TimeoutError:
                 log.warning("%s: work still running after %.1fs at shutdown; abandoned", self.name, timeout_s)
                 self._worker.cancel()
+                for task in list(self._units):
+                    task.cancel()
                 for state in list(self._tenants.values()):
                     for pending in list(state.calls):
                         if not pending.future.done():
                             pending.future.set_exception(Unavailable("server is shutting down"))
                         self._forget(pending)
-                self._executor.shutdown(wait=False)
+                for executor in self._executors():
+                    executor.shutdown(wait=False)
                 return
-        self._executor.shutdown(wait=True)
+        for executor in self._executors():
+            executor.shutdown(wait=True)
+
+    def _executors(self) -> list[concurrent.futures.Executor]:
+        return [self._executor] + ([self._short_executor] if self._short_executor is not None else [])

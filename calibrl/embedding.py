@@ -180,8 +180,9 @@ class SentenceEmbedder:
 
     Models are cached per (path, device) in the process, so several indexes, a judge
     and the tests share one copy. ``encode`` may be called from several threads: calls
-    on one model take turns, because a fast tokenizer shared between threads can fail
-    with "Already borrowed".
+    on one model take turns to tokenise (a fast tokenizer shared between threads can fail
+    with "Already borrowed") and, on torch, to run; ONNX Runtime forward passes run
+    side by side.
     """
 
     def __init__(self, name_or_path: str | None = None, device: str = "auto", *, backend: str | None = None,
@@ -274,15 +275,20 @@ class SentenceEmbedder:
         todo = list(missing)
         step = max(1, batch_size if self._onnx is None else max(batch_size, 1024))
         progress = _progress(len(todo), show_progress)
-        with self._lock:
-            for start in range(0, len(todo), step):
-                chunk = todo[start : start + step]
-                vectors = self._onnx.encode(chunk) if self._onnx is not None else self._encode_chunk(chunk)
-                for text, vector in zip(chunk, vectors):
-                    out[missing[text]] = vector
-                    if use_cache:
-                        self.cache.put(text, vector)
-                progress(len(chunk))
+        for start in range(0, len(todo), step):
+            chunk = todo[start : start + step]
+            if self._onnx is not None:  # ONNX Runtime runs sessions from several threads: only tokenising takes turns
+                with self._lock:
+                    ids = self._onnx.tokenize(chunk)
+                vectors = self._onnx.encode_ids(ids)
+            else:
+                with self._lock:
+                    vectors = self._encode_chunk(chunk)
+            for text, vector in zip(chunk, vectors):
+                out[missing[text]] = vector
+                if use_cache:
+                    self.cache.put(text, vector)
+            progress(len(chunk))
         return out
 
     def _encode_chunk(self, texts: list[str]) -> list[Any]:

@@ -222,9 +222,13 @@ class OnnxRunner:
                     out[row] = pool(hidden[offset], self.pooling, self.normalize)
         return out
 
+    def tokenize(self, texts: Sequence[str]) -> list[list[int]]:
+        """Token ids of each text, truncated as the model is (the tokenizer is not
+        thread-safe: callers that share it take turns; the forward passes need not)."""
+        return self.tokenizer(list(texts), truncation=True, max_length=self.max_tokens)["input_ids"]
+
     def encode(self, texts: Sequence[str]) -> list[Any]:
-        encoded = self.tokenizer(list(texts), truncation=True, max_length=self.max_tokens)
-        return self.encode_ids(encoded["input_ids"])
+        return self.encode_ids(self.tokenize(texts))
 
 
 def probe_sequences(cls_id: int, sep_id: int, vocab_size: int) -> list[list[int]]:

@@ -53,6 +53,9 @@ class ServingConfig:
     max_unit_cost_s: float = option(
         0.05, "Most estimated work in one batch beyond its first item: a large request is split into such "
               "units, interleaved fairly with other tenants' work (the judge's default is 0.1).")
+    short_item_cost_s: float = option(
+        0.05, "Items estimated at or below this many seconds may run on a second worker while the first runs "
+              "a longer unit, so a small call never waits behind one long item in progress; 0: one worker.")
     max_tenant_queue_cost_s: float = option(
         30.0, "Estimated work one tenant may have queued; beyond it the tenant's calls are shed at once "
               "(RESOURCE_EXHAUSTED with grpc-retry-pushback-ms).")
@@ -78,6 +81,8 @@ class ServingConfig:
                               "(gRPC's limit is a signed 32-bit byte count)")
         if self.max_request_cost_s < 0:
             raise ConfigError(f"serving.max_request_cost_s={self.max_request_cost_s}: must be >= 0 (0: no budget)")
+        if self.short_item_cost_s < 0:
+            raise ConfigError(f"serving.short_item_cost_s={self.short_item_cost_s}: must be >= 0 (0: one worker)")
         for name in ("max_unit_cost_s", "max_tenant_queue_cost_s"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"serving.{name}={getattr(self, name)}: must be > 0")
@@ -277,7 +282,9 @@ async def start_server(
     from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
     from calibrl import reflection, security, telemetry
+    from calibrl.threads import responsive_gil
 
+    responsive_gil()  # the event loop and the short lane get the GIL back soon from a busy worker
     if config.telemetry.enabled and not telemetry.enabled():
         telemetry.configure(config.telemetry, default_service_name=next(iter(service_names), "calibrl"))
     max_request_bytes = int(config.max_request_mb * 1024 * 1024)

@@ -137,7 +137,7 @@ def _add_otlp_exporters(config: TelemetryConfig, tracer_provider: Any) -> Any:
 
 def _instruments(meter: Any) -> dict[str, Any]:
     """Every instrument calibrl records, by the key the recording functions use."""
-    return {
+    instruments = {
         "rpc_duration": meter.create_histogram(
             "calibrl.rpc.server.duration", unit="s", description="Server-side latency of each RPC"
         ),
@@ -187,11 +187,42 @@ def _instruments(meter: Any) -> dict[str, Any]:
             "calibrl.tenant.cancelled.items", unit="{item}",
             description="Queued items dropped before they ran because the caller cancelled or ran out of time"
         ),
+        "deadline_missed": meter.create_counter(
+            "calibrl.tenant.deadline.missed",
+            description="Admitted calls that ran out of time on the server, by tenant and where "
+                        "(queued: expired before their last unit started; late: finished after their deadline)"
+        ),
         "client_retries": meter.create_counter(
             "calibrl.client.retries",
             description="Client attempts retried (by service, method and status code; SHED: pushed back by the server)"
         ),
     }
+    meter.create_observable_counter(
+        "calibrl.embedding.cache.lookups", callbacks=[_embedding_cache_lookups],
+        description="Text -> vector cache lookups of each loaded encoder since the process started, by cache "
+                    "(encoder, backend, device) and result (hit|miss)")
+    meter.create_observable_gauge(
+        "calibrl.embedding.cache.entries", callbacks=[_embedding_cache_entries],
+        description="Vectors held in each encoder's text -> vector cache, by cache (capacity: its capacity)")
+    return instruments
+
+
+def _embedding_cache_lookups(_options: Any) -> list[Any]:
+    from opentelemetry.metrics import Observation
+
+    from calibrl.embedding_cache import embedding_cache_stats
+
+    return [Observation(count, {"cache": stats.name, "result": result})
+            for stats in embedding_cache_stats() for result, count in (("hit", stats.hits), ("miss", stats.misses))]
+
+
+def _embedding_cache_entries(_options: Any) -> list[Any]:
+    from opentelemetry.metrics import Observation
+
+    from calibrl.embedding_cache import embedding_cache_stats
+
+    return [Observation(stats.size, {"cache": stats.name, "capacity": stats.capacity})
+            for stats in embedding_cache_stats()]
 
 
 def _views() -> list[Any]:

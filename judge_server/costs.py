@@ -12,7 +12,13 @@ on a shared 2-core host (load average 5-7, so they err on the slow side), by::
   character of retrieved text, retrieved id and context (only scanned once);
 - the MiniLM sentence embedder (intent similarity embeds the query and the output,
   each alone): ``MINILM_PER_TEXT_S`` plus ``MINILM_PER_CHAR_S`` per character, up to
-  ``MINILM_MAX_CHARS`` (the model truncates at 256 tokens).
+  ``MINILM_MAX_CHARS`` (the model truncates at 256 tokens). These are the retrieval
+  service's constants for the same encoder on the same texts
+  (``calibrl.retrieval_server.limits.DENSE_PER_QUERY_S`` and ``DENSE_PER_CHAR_S``): the
+  judge's own earlier figures (11.6 ms for 24 characters, 75.6 ms for 1,808) put the
+  largest accepted judge request at 1.8-2.2 s against its 1 s estimate
+  (``bench_tenants.py --only worst``, load average ~11), where retrieval's largest
+  measured 0.7-1.2 s in the same run.
 
 LLM criteria (transformers, vLLM) are not in this estimate: their cost depends on the
 model; ``judge.llm_cost_per_item_s`` adds a flat figure per item and criterion.
@@ -27,8 +33,8 @@ from calibrl.api.judge import JudgeItem
 PER_ITEM_S = 0.0001
 PER_TEXT_CHAR_S = 1.4e-6  # 16,000 chars of query + output: 21.8 ms
 PER_SOURCE_CHAR_S = 0.13e-6  # 50 retrieved texts x 8,000 chars: 52 ms
-MINILM_PER_TEXT_S = 0.008  # a 24-character text: 11.6 ms (min of 7)
-MINILM_PER_CHAR_S = 37e-6  # 1,808 chars: 75.5 ms; 7,079 chars: 75.6 ms (truncated)
+MINILM_PER_TEXT_S = 0.015  # as retrieval_server.limits.DENSE_PER_QUERY_S (same encoder)
+MINILM_PER_CHAR_S = 85e-6  # as retrieval_server.limits.DENSE_PER_CHAR_S; flat past MINILM_MAX_CHARS (truncated)
 MINILM_MAX_CHARS = 1800
 
 

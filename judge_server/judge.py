@@ -18,6 +18,8 @@ authentication is configured and every rubric is visible.
 
 from __future__ import annotations
 
+import contextlib
+
 import logging
 import math
 import pathlib
@@ -247,7 +249,9 @@ class Judge:
         if record:
             telemetry.record("judge_batch_size", len(items), rubric=rubric.id)
         scorer_id = self.scorer_id(rubric)
-        with self._compute_lock:
+        # one LLM backend runs one batch at a time; programmatic scorers are pure functions
+        # and the embedder takes its own turns, so their batches may run side by side
+        with self._compute_lock if rubric.llm_criteria else contextlib.nullcontext():
             columns: dict[str, list[float]] = {}
             context = programmatic.ScorerContext(glossary=rubric.glossary, embed=None)
             for criterion in rubric.criteria:

@@ -146,7 +146,9 @@ async def test_cancelling_a_heavy_call_frees_the_server_for_a_small_one(tiny_ind
             assert reply.results[0].hits[0].doc_id == "mozart"
             await asyncio.sleep(0.3)  # time for several more batches, had the heavy call kept its work
             heavy_ranked = sum(q.startswith("heavy") for q in retriever.ranked_queries)
-            assert heavy_ranked <= 3 * 16, f"{heavy_ranked} of 256 cancelled queries were still ranked"
+            # two workers (the short lane takes these short queries too): the units each had in
+            # progress or started before the cancel arrived, then nothing more
+            assert heavy_ranked <= 6 * 16, f"{heavy_ranked} of 256 cancelled queries were still ranked"
             assert running.batcher.queue_depth == 0
 
             # past its deadline: the same, with DEADLINE_EXCEEDED for the caller. The server has

@@ -127,7 +127,7 @@ def test_the_judge_exits_in_time_with_calls_that_outlive_the_grace(tmp_path):
             # a fast CPU (12 such calls once finished within the grace)
             calls = [stub.Score.future(jpb.ScoreRequest(rubric_id="shutdown", items=[
                 jpb.JudgeItem(query=f"{c} {i} {text}"[:8000], output=f"{i} {c} {text}"[:8000]) for i in range(40)]),
-                timeout=120) for c in range(60)]
+                timeout=3600) for c in range(60)]  # deadlines they all meet: none is shed to protect another
             time.sleep(0.5)
             assert not all(call.done() for call in calls), "the work did not outlive the signal"
             signalled = time.monotonic()

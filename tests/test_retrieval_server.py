@@ -229,7 +229,8 @@ class _CountingSlowRetriever(_SlowRetriever):
 
 async def test_a_call_whose_client_gave_up_is_not_computed(tiny_index):
     slow = _CountingSlowRetriever.load(tiny_index, device="cpu")
-    served = await _serve(tiny_index, retriever=slow)
+    # one worker, so the second call waits in the queue (with the short lane it would run at once)
+    served = await _serve(tiny_index, "serving.short_item_cost_s=0", retriever=slow)
     try:
         first = asyncio.ensure_future(served.stub.Search(pb.SearchRequest(queries=["Mozart"], top_k=1), timeout=30))
         # Wait until the first batch is really computing (0.8 s), however loaded the machine is.

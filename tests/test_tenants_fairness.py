@@ -180,7 +180,8 @@ async def test_a_call_that_cannot_meet_its_deadline_is_shed_at_once_with_pushbac
     backend = Backend()
     batcher = MicroBatcher(backend, max_batch_cost=0.05, max_wait_ms=0)
     first = await _hold_first_unit(batcher, backend)
-    queued = submit(batcher, "a", 100, 0.01)  # 1 s of estimated work ahead
+    # 1 s of estimated work ahead: calls no larger than the next one (a tenant's calls run least work left first)
+    queued = [submit(batcher, "a", 1, 0.01) for _ in range(100)]
     await asyncio.sleep(0)
     started = time.monotonic()
     with pytest.raises(Shed, match="exceeds the call's deadline") as shed:
@@ -194,7 +195,7 @@ async def test_a_call_that_cannot_meet_its_deadline_is_shed_at_once_with_pushbac
     assert batcher.stats.tenants["a"].shed == 1
     assert batcher.stats.tenants["b"].shed == 0 and batcher.stats.tenants["b"].admitted_cost == 0.01
     backend.gate.set()
-    await asyncio.gather(first, queued, other)
+    await asyncio.gather(first, *queued, other)
     await batcher.close()
 
 
@@ -225,6 +226,7 @@ async def test_an_expired_call_stops_between_units_and_is_counted():
     assert ran <= 50, f"{ran} items ran; a tenant alone stops after its first unit of 0.5 s (50 items)"
     stats = batcher.stats.tenants["a"]
     assert stats.cancelled_items == 100 - ran and len(stats.queue_seconds) == 1
+    assert stats.missed == 1  # counted as a call that ran out of time on the server
     assert stats.admitted_cost == pytest.approx(1.0) and stats.served_cost == pytest.approx(0.01 * ran)
     await batcher.close()
 
@@ -272,3 +274,92 @@ async def test_tenant_figures_reach_the_metrics_and_the_span():
         assert span.attributes["calibrl.queue_s"] >= 0
     finally:
         telemetry.shutdown()
+
+
+class LongItems(Backend):
+    """A Backend whose units with an item above ``long_cost`` wait at ``long_gate``; records
+    which worker thread ran each unit."""
+
+    def __init__(self, long_cost: float) -> None:
+        super().__init__()
+        self.long_cost = long_cost
+        self.long_gate = threading.Event()
+        self.threads: list[tuple[str, float]] = []
+
+    def __call__(self, key, items):
+        longest = max(item[1] for item in items)
+        with self.lock:
+            self.threads.append((threading.current_thread().name, longest))
+        if longest > self.long_cost:
+            self.long_gate.wait(30)
+        return super().__call__(key, items)
+
+
+@pytest.mark.parametrize("short_lane", [True, False])
+async def test_a_small_call_does_not_wait_behind_a_long_item_in_progress(short_lane):
+    backend = LongItems(long_cost=0.05)
+    batcher = MicroBatcher(backend, max_batch_cost=0.05, max_wait_ms=0, short_item_cost=0.02 if short_lane else 0)
+    flood = submit(batcher, "flood", 3, 0.5)  # three long items, the first held in its worker
+    while not backend.threads:
+        await asyncio.sleep(0.005)
+    small = submit(batcher, "small", 2, 0.01)
+    done, _ = await asyncio.wait([small], timeout=0.5)
+    assert bool(done) is short_lane  # with the short lane it is served while the long item runs
+    assert not flood.done()
+    backend.long_gate.set()
+    assert await small == ["small", "small"] and await flood == ["flood"] * 3
+    short_worker = [cost for name, cost in backend.threads if name.endswith("-short-worker")]
+    assert all(cost <= 0.02 for cost in short_worker)  # a long item never runs on the short lane
+    assert bool(short_worker) is short_lane
+    await batcher.close()
+
+
+async def test_the_short_lane_keeps_fair_order_and_closes_cleanly():
+    backend = LongItems(long_cost=0.05)
+    batcher = MicroBatcher(backend, max_batch_cost=0.05, max_wait_ms=0, short_item_cost=0.02)
+    flood = submit(batcher, "flood", 2, 0.5)
+    while not backend.threads:
+        await asyncio.sleep(0.005)
+    # two short tenants while the long item runs: they alternate on the short lane
+    a, b = submit(batcher, "a", 6, 0.01), submit(batcher, "b", 6, 0.01)
+    await asyncio.gather(a, b)
+    shorts = [unit for unit in backend.units if unit[0][0] in ("a", "b")]
+    first_half = backend.served(shorts[: len(shorts) // 2])
+    assert abs(first_half.get("a", 0) - first_half.get("b", 0)) <= 0.05 + 1e-9, first_half
+    backend.long_gate.set()
+    await flood
+    await batcher.close()  # returns: no unit left on either worker
+
+
+async def test_admitted_calls_meet_their_deadlines_under_overload():
+    """Twelve tenants x 3 callers send 5-item calls with 0.4 s deadlines to a backend at
+    10 ms per item: more than it can serve. A call is either shed at once or answered
+    in time; none is admitted and then runs out of time in the queue."""
+    backend = Backend(seconds_per_cost=1.0)
+    batcher = MicroBatcher(backend, max_batch_cost=0.05, max_wait_ms=0, max_queue_items=100_000)
+    outcomes: dict[str, int] = {"ok": 0, "shed": 0, "missed": 0}
+    shed_s: list[float] = []
+    stop = asyncio.Event()
+
+    async def caller(tenant):
+        while not stop.is_set():
+            started = time.monotonic()
+            try:
+                await submit(batcher, tenant, 5, 0.01, timeout_s=0.4)
+                outcomes["ok"] += 1
+            except Shed as shed:
+                outcomes["shed"] += 1
+                shed_s.append(time.monotonic() - started)
+                await asyncio.sleep(min(0.2, shed.retry_after_s))
+            except DeadlineExceeded:
+                outcomes["missed"] += 1
+
+    tasks = [asyncio.ensure_future(caller(f"t{t}")) for t in range(12) for _ in range(3)]
+    await asyncio.sleep(2.5)
+    stop.set()
+    await asyncio.gather(*tasks)
+    assert outcomes["ok"] > 20 and outcomes["shed"] > 20, outcomes
+    assert outcomes["missed"] == 0, outcomes
+    assert sum(stats.missed for stats in batcher.stats.tenants.values()) == 0  # none finished late either
+    assert max(shed_s) < 0.05
+    await batcher.close()

@@ -56,3 +56,18 @@ def test_retrieval_config_refuses_a_negative_cache():
 
     with pytest.raises(ConfigError, match="embedding_cache_size=-1"):
         load_config(RetrievalServerConfig, None, ["index_dir=x", "embedding_cache_size=-1"])
+
+
+def test_a_server_lowers_the_gil_switch_interval_and_never_raises_it():
+    import sys
+
+    from calibrl.threads import SERVER_SWITCH_INTERVAL_S, responsive_gil
+
+    before = sys.getswitchinterval()
+    try:
+        sys.setswitchinterval(0.005)
+        assert responsive_gil() == pytest.approx(SERVER_SWITCH_INTERVAL_S)
+        sys.setswitchinterval(0.0005)
+        assert responsive_gil() == pytest.approx(0.0005)  # a lower value the user chose stays
+    finally:
+        sys.setswitchinterval(before)
