@@ -550,6 +550,11 @@ class MicroBatcher(Generic[ItemT, ResultT]):
                     continue
             unit = self._take_unit(short=lane == "short")
             if unit is None:  # nothing short queued: wait for the main worker or a new call
+                if not self._busy["main"]:
+                    # the main unit ended during the batching window: its wake-up is already
+                    # spent, so clearing it now would leave the queue waiting for a call that
+                    # may never come
+                    continue
                 self._wakeup.clear()
                 await self._wakeup.wait()
                 continue

@@ -270,7 +270,8 @@ async def test_retrieval_scores_agree_across_callers_restart_and_replica(tiny_in
     assert reference[rpb.SEARCH_MODE_DENSE]["Mozart"][0][0][0] == "mozart"  # a real ranking, not an empty one
 
     for restart in range(2):  # the same in-process server, then a fresh one (restarted: index loaded again)
-        running = await start_test_server(tiny_index, "batch_max_wait_ms=40")
+        # a unit large enough for every caller's items: the batching window then lets them join one batch
+        running = await start_test_server(tiny_index, "batch_max_wait_ms=40", "serving.max_unit_cost_s=100")
         try:
             async with grpc.aio.insecure_channel(running.address) as channel:
                 stub = rpb_grpc.RetrievalServiceStub(channel)
@@ -312,6 +313,9 @@ async def test_judge_scores_agree_across_callers_restart_and_replica(variant, tm
     for restart in range(2):
         config = JudgeServerConfig(rubrics=folder, judge=judge_config, max_wait_ms=40)
         config.serving.port, config.serving.host = 0, "127.0.0.1"
+        # this test is about scores, not budgets: no per-request budget, and units that hold every
+        # caller's items, so the callers' items share batches
+        config.serving.max_request_cost_s, config.serving.max_unit_cost_s = 0.0, 100.0
         running = await start_judge(config, Judge.from_config(judge_config, folder))
         try:
             async with grpc.aio.insecure_channel(f"127.0.0.1:{running.port}") as channel:

@@ -410,8 +410,10 @@ async def test_retrieval_stop_finishes_every_call_in_flight_and_refuses_new_ones
     # A long batching window holds every call in the server's queue until all have
     # arrived, however slowly a loaded machine delivers them (a 2 s window once closed
     # before the eighth call came); stop() ends the window, so the test does not wait it
-    # out, and the 64 queries are embedded and searched as one batch.
-    running = await start_test_server(world.index_dir, f"batch_max_wait_ms={HOLD_WINDOW_MS}", "batch_max_items=64")
+    # out, and the 64 queries are embedded and searched as one batch. The window opens only
+    # while less than one unit of work is queued, so the unit is made large enough for all 64.
+    running = await start_test_server(world.index_dir, f"batch_max_wait_ms={HOLD_WINDOW_MS}", "batch_max_items=64",
+                                      "serving.max_unit_cost_s=100")
     channel = grpc.aio.insecure_channel(running.address)
     stub = rpb_grpc.RetrievalServiceStub(channel)
     try:

@@ -331,6 +331,24 @@ async def test_the_short_lane_keeps_fair_order_and_closes_cleanly():
     await batcher.close()  # returns: no unit left on either worker
 
 
+async def test_a_long_unit_ending_during_the_short_lanes_window_is_not_lost():
+    """The main worker finishes its long item while the short lane waits out a batching
+    window for a queue that holds only long items: the main worker must then take them (the
+    short lane finds nothing it may run, and no new call comes to wake the queue up)."""
+    backend = LongItems(long_cost=0.05)
+    batcher = MicroBatcher(backend, max_batch_cost=0.05, max_wait_ms=300, short_item_cost=0.02)
+    first = submit(batcher, "flood", 1, 0.5)  # one long item, held in the main worker
+    while not backend.threads:
+        await asyncio.sleep(0.005)
+    # above the short lane's bound but under a unit's worth: the short lane opens a window for it
+    second = submit(batcher, "other", 1, 0.03)
+    await asyncio.sleep(0.05)  # the short lane is in its batching window now
+    backend.long_gate.set()  # the main unit ends inside that window
+    done, _ = await asyncio.wait([first, second], timeout=10)
+    assert first in done and second in done, "the queued long item was never taken"
+    await batcher.close()
+
+
 async def test_admitted_calls_meet_their_deadlines_under_overload():
     """Twelve tenants x 3 callers send 5-item calls with 0.4 s deadlines to a backend at
     10 ms per item: more than it can serve. A call is either shed at once or answered
