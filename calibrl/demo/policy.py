@@ -46,7 +46,6 @@ from calibrl.demo.domain import (
     candidate_rewrite,
     passage_text,
     user_query,
-    value_choices,
 )
 from calibrl.fileperms import honour_umask
 from calibrl.tiny_lm import TinyLMSpec
@@ -138,7 +137,10 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int = 2048) -> Any:
     from transformers import PreTrainedTokenizerFast
 
     core = Tokenizer(models.BPE())
-    core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    # digits one by one: copying a number out of a passage is then a look-up per digit, whatever numbers
+    # the training texts hold (experiments/LOG.md, D11)
+    core.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True),
+                                                  pre_tokenizers.ByteLevel(add_prefix_space=False)])
     core.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
@@ -232,19 +234,18 @@ def evidence_of(text: str, value: str, words: int = 4) -> str:
 class AgentTeacher:
     """How the base search agent's reference trajectories are drawn (its warm start).
 
-    The teacher shows the format and how to read an answer out of an observation
-    (it quotes the passage's words that state the answer, then answers). It makes
-    two mistakes that RL can fix from the answer reward, since the right move is in
-    the base agent's samples too: in a ``shortcut_share`` of its two-search
-    demonstrations it searches the question's own entity a second time instead of
-    the bridge entity the first search revealed, misses the answer document and
-    guesses; and in a ``verbose_share`` of its answers it answers with the whole
-    quoted phrase instead of the value (right document, inexact answer)."""
+    The teacher shows the format and always reads what it retrieved: its second query
+    names the fund the observed passage names, and it quotes the words of the last
+    observed passage that state the value, then answers that value, right or wrong. It
+    makes two mistakes that RL can fix from the answer reward, since the right move is in
+    the base agent's samples too: in a ``careless_first`` share of its demonstrations the
+    first query leaves out the plan's industry word (a near miss that ties the sibling
+    plans), in a ``careless_second`` share the second query leaves out the fund's style
+    word (it ties the sibling funds)."""
 
-    single_hop: int = 200  # one-search trajectories on facts no held-out question asks for
-    value_swaps: int = 1  # extra copies of each trajectory whose answer passage states another value
-    shortcut_share: float = 0.0  # share of two-search demonstrations with the careless second search
-    verbose_share: float = 0.0  # share of answers that give the whole quoted phrase rather than the value
+    careless_first: float = 0.5
+    careless_second: float = 0.5
+    value_swaps: int = 2  # extra copies of each trajectory whose answer passage states another value
 
 
 @dataclass(frozen=True)
@@ -256,54 +257,60 @@ class Plan:
     steps: tuple[tuple[str, str], ...]  # (think, query)
     answer: str
     rewritten: tuple[tuple[str, str], ...] = ()
-    evidence: str = ""  # the answer passage's words that state the answer ("" when it was not found)
-    verbose: bool = False  # answer with the evidence instead of the value
+    evidence: str = ""  # the answer passage's words that state the answer
 
 
-def reference_trajectories(domain: Domain, teacher: AgentTeacher = AgentTeacher(), seed: int = 0) -> list[Plan]:
-    """The warm-start plans: every training two-search question (a ``shortcut_share`` of
-    them with the careless second search), ``single_hop`` one-search questions on facts
-    that no held-out task asks for, and ``value_swaps`` copies of each careful plan whose
-    answer passage states another value (so the answer is read, not recalled)."""
+def reference_trajectories(domain: Domain, search_many: "SearchManyFn", teacher: AgentTeacher = AgentTeacher(),
+                           seed: int = 0) -> list[Plan]:
+    """The warm-start plans, on training questions only: each question once, with the
+    teacher's careless queries drawn as :class:`AgentTeacher` says, its second query and
+    answer read from what ``search_many`` returned; then ``value_swaps`` copies of each
+    whose answer passage states another value of the aspect (so the answer is read, not
+    recalled). A trajectory whose observation is not a passage it can read on from is
+    left out."""
+    from calibrl.demo.search_domain import SEARCH_ASPECTS, fact_text, first_query, search_values, second_query
+
     rng = random.Random(seed)
     facts_by_doc = {f.doc_id: f for f in domain.facts}
+    aspects = {a.key.replace("_", "-"): a for a in SEARCH_ASPECTS}
+    tasks = domain.multistep("train")
+    firsts = []
+    for task in tasks:
+        link = domain.search_links[task.gold_doc_ids[0]]
+        firsts.append(first_query(link, careless=rng.random() < teacher.careless_first))
+    first_hits = dict(zip(sorted(set(firsts)), search_many(sorted(set(firsts)))))
+    seconds: list[tuple[Any, str, str] | None] = []
+    for task, query in zip(tasks, firsts):
+        hits = first_hits[query]
+        link = domain.search_links.get(hits[0].doc_id) if hits else None
+        aspect = next(a for suffix, a in aspects.items() if task.gold_doc_ids[-1].endswith("-" + suffix))
+        careless = rng.random() < teacher.careless_second
+        seconds.append(None if link is None else (aspect, second_query(link.fund, aspect, careless), query))
+    wanted = sorted({s[1] for s in seconds if s is not None})
+    second_hits = dict(zip(wanted, search_many(wanted)))
     plans: list[Plan] = []
-    careful: list[tuple[Plan, Fact]] = []
-    for task in domain.multistep("train"):
-        fact = facts_by_doc[task.gold_doc_ids[-1]]
-        steps = tuple((s.think, s.query) for s in task.steps)
-        if task.shortcut_query and rng.random() < teacher.shortcut_share:
-            guess = answer_of(fact.aspect.key, rng.choice(value_choices(fact.aspect.key)))
-            plans.append(Plan(task.question, (steps[0], (steps[1][0], task.shortcut_query)), guess))
+    read: list[tuple[Plan, Fact]] = []
+    for task, step in zip(tasks, seconds):
+        if step is None:
             continue
-        text = passage_text(fact.entity, fact.aspect, fact.value)
-        plan = Plan(task.question, steps, task.answers[0], evidence=evidence_of(text, task.answers[0]),
-                    verbose=rng.random() < teacher.verbose_share)
+        aspect, query, first = step
+        hits = second_hits[query]
+        fact = facts_by_doc.get(hits[0].doc_id) if hits else None
+        if fact is None or fact.aspect.key != aspect.key:
+            continue
+        think1, think2 = (s.think for s in task.steps)
+        plan = Plan(task.question, ((think1, first), (think2, query)), fact.value,
+                    evidence=evidence_of(fact_text(fact.entity, fact.aspect, fact.value), fact.value))
         plans.append(plan)
-        careful.append((plan, fact))
-    heldout_docs = {doc for t in domain.multistep("heldout") for doc in t.gold_doc_ids}
-    heldout_pairs = {(t.entity_key, t.aspect_key) for t in domain.tasks("heldout")}
-    facts: list[Fact] = [
-        f for f in domain.facts
-        if f.doc_id not in heldout_docs and (f.entity.key, f.aspect.key) not in heldout_pairs
-        and f.entity.kind in ("fund", "account") and f.aspect.key != "default_investment"
-    ]
-    for fact in rng.sample(facts, min(teacher.single_hop, len(facts))):
-        question = rng.choice(fact.aspect.formal).format(e=f"the {fact.entity.name}")
-        question = question[0].upper() + question[1:]
-        think = f"I need the {fact.aspect.title} of the {fact.entity.name}."
-        plan = Plan(question, ((think, f"{fact.entity.name} {fact.aspect.terms}"),), fact.value,
-                    evidence=evidence_of(passage_text(fact.entity, fact.aspect, fact.value), fact.value),
-                    verbose=rng.random() < teacher.verbose_share)
-        plans.append(plan)
-        careful.append((plan, fact))
-    for plan, fact in careful:
-        others = [v for v in value_choices(fact.aspect.key) if v != fact.value]
-        for value in rng.sample(others, min(teacher.value_swaps, len(others))):
-            text = passage_text(fact.entity, fact.aspect, value)
-            answer = answer_of(fact.aspect.key, value)
-            plans.append(Plan(plan.question, plan.steps, answer, ((fact.doc_id, text),), evidence_of(text, answer),
-                              rng.random() < teacher.verbose_share))
+        read.append((plan, fact))
+    for plan, fact in read:
+        pool = search_values(fact.aspect.key)
+        for _ in range(teacher.value_swaps):
+            value = rng.choice(pool)
+            while value == fact.value:
+                value = rng.choice(pool)
+            text = fact_text(fact.entity, fact.aspect, value)
+            plans.append(Plan(plan.question, plan.steps, value, ((fact.doc_id, text),), evidence_of(text, value)))
     return plans
 
 
@@ -317,8 +324,8 @@ class _ShownHit:
 def search_examples(domain: Domain, search_many: SearchManyFn, teacher: AgentTeacher = AgentTeacher(),
                     seed: int = 0) -> list[Example]:
     """The reference trajectories of :func:`reference_trajectories`, their observations
-    retrieved with one call of ``search_many`` (the demo's retrieval service)."""
-    plans = reference_trajectories(domain, teacher, seed)
+    retrieved through ``search_many`` (the demo's retrieval service)."""
+    plans = reference_trajectories(domain, search_many, teacher, seed)
     queries = sorted({query for plan in plans for _, query in plan.steps})
     found = dict(zip(queries, search_many(queries)))
 
@@ -329,7 +336,7 @@ def search_examples(domain: Domain, search_many: SearchManyFn, teacher: AgentTea
 
     return [
         trajectory_example(plan.question, [(think, query, shown(plan, query)) for think, query in plan.steps],
-                           plan.evidence if plan.verbose else plan.answer, plan.evidence)
+                           plan.answer, plan.evidence)
         for plan in plans
     ]
 

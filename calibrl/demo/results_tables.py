@@ -59,25 +59,30 @@ def _source(demo: Mapping[str, Any]) -> str:
 
 
 def demo_search(demo: Mapping[str, Any]) -> list[str]:
-    from calibrl.demo.error_analysis import BEST_CONSTANT, comparison
+    from calibrl.demo.error_analysis import BEST_CONSTANT, METRIC_UNITS, comparison
     from calibrl.stats import describe_difference
 
     analysis = demo["search_analysis"]
     labels = analysis["labels"]
     runs = {r["name"]: r for r in demo["search"]}
     readout = analysis.get("readout", {})
-    header = ["agent", "answer EM", "answer F1", "read-out rate", "F1 vs base, points [95% CI]",
-              "F1 vs best constant [95% CI]", "EM vs best constant [95% CI]"]
+    search = analysis.get("search", {})
+    header = ["agent", "answer EM", "answer F1", "bridge found", "answer doc found", "read-out rate",
+              "F1 vs base, points [95% CI]", "recall vs base [95% CI]", "F1 vs best constant [95% CI]",
+              "EM vs best constant [95% CI]"]
     rows = []
     for name, run in runs.items():
         rows.append([run["label"], _pct(run["heldout"].get("em")), _pct(run["heldout"].get("f1")),
+                     _pct(search.get(name, {}).get("bridge_found")), _pct(search.get(name, {}).get("answer_doc_found")),
                      _pct(readout.get(name, {}).get("readout_rate")),
                      _ci(comparison(analysis, name, "base_agent", "f1")),
+                     _ci(comparison(analysis, name, "base_agent", "recall")),
                      _ci(comparison(analysis, name, BEST_CONSTANT, "f1")),
                      _ci(comparison(analysis, name, BEST_CONSTANT, "em"))])
     if "constant" in analysis:
         constant = analysis["constant"]
-        rows.insert(1, [labels[BEST_CONSTANT], _pct(constant["em"]), _pct(constant["f1"]), "-", "-", "-", "-"])
+        rows.insert(1, [labels[BEST_CONSTANT], _pct(constant["em"]), _pct(constant["f1"]), "-", "-", "-", "-", "-",
+                        "-", "-"])
     lines = [_source(demo), "", *_table(header, rows), "",
              f"{analysis['questions']} held-out questions in {analysis.get('bridge_clusters', '?')} bridge clusters; "
              "intervals pair the same questions and resample whole clusters. The read-out rate is the share of "
@@ -87,8 +92,9 @@ def demo_search(demo: Mapping[str, Any]) -> list[str]:
     if pairs:
         lines.append("")
     for a, b in pairs:
-        for metric, unit in (("f1", "points of answer F1"), ("em", "points of exact match")):
+        for metric in ("recall", "f1", "em"):
             item = comparison(analysis, a, b, metric)
+            unit = METRIC_UNITS[metric]
             if item:
                 lines.append(f"- {describe_difference(labels[a], labels[b], item, unit)}")
     return lines
