@@ -42,6 +42,12 @@ def _pct(value: Any) -> str:
     return "-" if value is None or (isinstance(value, float) and not math.isfinite(value)) else f"{100 * value:.1f}%"
 
 
+def _num(value: Any, digits: int, signed: bool = False) -> str:
+    if value is None or (isinstance(value, float) and not math.isfinite(value)):
+        return "-"
+    return f"{value:+.{digits}f}" if signed else f"{value:.{digits}f}"
+
+
 def _ci(item: Mapping[str, Any] | None) -> str:
     if not item:
         return "-"
@@ -87,6 +93,19 @@ def demo_search(demo: Mapping[str, Any]) -> list[str]:
              f"{analysis['questions']} held-out questions in {analysis.get('bridge_clusters', '?')} bridge clusters; "
              "intervals pair the same questions and resample whole clusters. The read-out rate is the share of "
              "trajectories that found the answer document and then answered its value exactly."]
+    interventions = [r for r in runs.values() if r.get("interventions")]
+    if interventions:
+        lines += ["", "What CalibAdv changed against GRPO's advantages (means over its training steps):", "",
+                  *_table(["arm", "negative search steps per step", "softened", "of those, found a gold document",
+                           "softened that found gold", "advantage change, search tokens",
+                           "advantage change, answer tokens"],
+                          [[r["label"], _num(r["interventions"]["calibadv/neg_search_steps"], 1),
+                            _pct(r["interventions"]["calibadv/frac_neg_search_steps_softened"]),
+                            _pct(r["interventions"]["calibadv/frac_neg_search_steps_found_gold"]),
+                            _pct(r["interventions"]["calibadv/frac_softened_found_gold"]),
+                            _num(r["interventions"]["calibadv/adv_change_search"], 3, signed=True),
+                            _num(r["interventions"]["calibadv/adv_change_answer"], 3, signed=True)]
+                           for r in interventions])]
     trained = [name for name in runs if name != "base_agent"]
     pairs = [(a, b) for i, b in enumerate(trained) for a in trained[i + 1:]]
     if pairs:
