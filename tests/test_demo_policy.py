@@ -98,7 +98,8 @@ def test_search_trajectories_follow_the_search_r1_format(examples) -> None:
 def test_the_teacher_reads_what_it_retrieved_and_makes_near_miss_searches(domain: Domain) -> None:
     """Careless queries leave out the plan's industry word or the fund's style word; the second
     query names the fund the observed passage names; the answer is the value the observed passage
-    states; value-swapped copies state another value and answer it; only training questions."""
+    states; value-swapped copies state another value and answer it, with made-up family words;
+    only training questions; the tokenizer reads no validation or test text."""
     from calibrl.demo import search_domain as sd
 
     search_many, _ = fake_search_many(domain)
@@ -132,12 +133,23 @@ def test_the_teacher_reads_what_it_retrieved_and_makes_near_miss_searches(domain
         assert text != passages[doc_id] and plan.answer in text and plan.answer in plan.evidence
     examples = pol.search_examples(domain, search_many, teacher, seed=0)
     assert len(examples) == len(plans)
+    corpus = " ".join(pol.tokenizer_corpus(domain, examples))
+    held_out = {w for t in domain.multistep_tasks if t.split != "train"
+                for w in (domain.search_links[t.gold_doc_ids[0]].plan.name.split()[0],
+                          domain.search_links[t.gold_doc_ids[0]].fund.name.split()[0])}
+    assert held_out and not {w for w in held_out if w in corpus}
     for plan, example in zip(plans, examples):
         answer_turn = example.pieces[-1][0]
-        assert f"It says {plan.evidence}." in answer_turn and f"<answer> {plan.answer} </answer>" in answer_turn
-        if plan.rewritten:
+        assert f"It says {pol._rename(plan.evidence, plan.renamed)}." in answer_turn
+        if plan.rewritten:  # the swapped value, and made-up family words in every piece
             (doc_id, text), = plan.rewritten
-            assert text in example.pieces[-2][0] and passages[doc_id] not in example.pieces[-2][0]
+            shown = pol._rename(text, plan.renamed)
+            assert shown in example.pieces[-2][0] and passages[doc_id] not in example.pieces[-2][0]
+            link = domain.search_links[train[plan.question].gold_doc_ids[0]]
+            assert [old for old, _ in plan.renamed] == [link.plan.name.split()[0], link.fund.name.split()[0]]
+            whole = "".join(piece for piece, _ in example.pieces)
+            assert all(old not in whole and new in whole for old, new in plan.renamed)
+            assert f"<answer> {plan.answer} </answer>" in answer_turn
 
 
 def test_tokenizer_keeps_tags_and_prompt_constants_whole(tokenizer) -> None:

@@ -20,10 +20,11 @@ Stages, in order (each prints what it did; the report lists their times):
 7. evaluate the untrained bases on held-out tasks;
 8. train the rewriter with GRPO three times, binary hit@1 reward, binary + dynamic
    sampling, and the blended dense reward (0.7 MRR@10 + 0.3 rubric, the LLM rubric when
-   it passed its gate), and the search agent twice, GRPO vs CalibAdv (its search steps
-   scored on the step rubric): the dense rewriter and the GRPO search agent first, as two
+   it passed its gate), and the search agent three times, GRPO, CalibAdv with gold documents
+   as silver and CalibAdv with the authors' silver documents (its search steps scored on the
+   step rubric): the dense rewriter and the GRPO search agent first, as two
    ``calibrl train`` processes at once (two agents, two rubrics, one judge server), then
-   the other three in this process; each run's metrics are what it gives alone;
+   the other four; each run's metrics are what it gives alone;
 9. evaluate every checkpoint on held-out tasks (the table goes into each run's own
    tracker runs); write the table, plots and report, with when each run trained and
    what the judge server did per rubric while the two agents ran at once.
@@ -938,7 +939,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         description="Run the whole loop on the built-in domain, with nothing downloaded: distil a rubric from "
         "simulated SME feedback, validate it, build, train and validate a tiny LLM judge, build the index, start "
         "both services on loopback, warm-start a tiny policy, train it with GRPO (binary vs binary + dynamic "
-        "sampling vs blended dense reward; GRPO vs CalibAdv), evaluate, and write a report with plots.",
+        "sampling vs blended dense reward; GRPO vs CalibAdv with gold and with the authors' silver documents), "
+        "evaluate, and write a report with plots.",
     )
     parser.add_argument("--quick", action="store_true", help="a smoke run with few steps (under 3 minutes)")
     parser.add_argument("--out", default="calibrl_demo_out", help="output folder (default: calibrl_demo_out)")
@@ -955,7 +957,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="run torch with this CPU's fastest float kernels instead of kernels pinned to AVX2 "
                         "(calibrl.kernels); trained figures then depend on the CPU")
     parser.add_argument("--report-to", default="tensorboard", metavar="TRACKERS",
-                        help="experiment trackers of the five training runs, comma-separated: tensorboard, wandb, "
+                        help="experiment trackers of the six training runs, comma-separated: tensorboard, wandb, "
                         "mlflow, trackio, or none (default tensorboard); project calibrl-demo, one run per "
                         "training run, with its held-out table")
     args = parser.parse_args(list(argv) if argv is not None else None)

@@ -258,6 +258,7 @@ class Plan:
     answer: str
     rewritten: tuple[tuple[str, str], ...] = ()
     evidence: str = ""  # the answer passage's words that state the answer
+    renamed: tuple[tuple[str, str], ...] = ()  # (name word, made-up word): replaced in every piece of the example
 
 
 def reference_trajectories(domain: Domain, search_many: "SearchManyFn", teacher: AgentTeacher = AgentTeacher(),
@@ -303,15 +304,41 @@ def reference_trajectories(domain: Domain, search_many: "SearchManyFn", teacher:
                     evidence=evidence_of(fact_text(fact.entity, fact.aspect, fact.value), fact.value))
         plans.append(plan)
         read.append((plan, fact))
+    taken = {w.lower() for e in (*domain.entities, *domain.search_entities) for w in e.name.split()}
     for plan, fact in read:
         pool = search_values(fact.aspect.key)
+        task = next(t for t in tasks if t.question == plan.question)
+        link = domain.search_links[task.gold_doc_ids[0]]
         for _ in range(teacher.value_swaps):
             value = rng.choice(pool)
             while value == fact.value:
                 value = rng.choice(pool)
             text = fact_text(fact.entity, fact.aspect, value)
-            plans.append(Plan(plan.question, plan.steps, value, ((fact.doc_id, text),), evidence_of(text, value)))
+            # the family words of the plan and of the funds its passages name, renamed: copied, not recalled
+            renamed = ((link.plan.name.split()[0], made_up_word(rng, taken)),
+                       (link.fund.name.split()[0], made_up_word(rng, taken)))
+            plans.append(Plan(plan.question, plan.steps, value, ((fact.doc_id, text),), evidence_of(text, value),
+                              renamed))
     return plans
+
+
+_SYLLABLES = ("ba", "ce", "di", "fo", "gu", "ha", "ke", "li", "mo", "nu", "pa", "re", "si", "to", "vu", "wa", "ze",
+              "bra", "cle", "dro", "fra", "gle", "pri", "sto", "tra", "vel", "mar", "lin", "dor", "ven", "sor")
+
+
+def made_up_word(rng: random.Random, taken: set[str]) -> str:
+    """A capitalised word of 2-4 syllables that is no word of ``taken`` (lower case); added to it."""
+    while True:
+        word = "".join(rng.choice(_SYLLABLES) for _ in range(rng.randint(2, 4))).capitalize()
+        if word.lower() not in taken:
+            taken.add(word.lower())
+            return word
+
+
+def _rename(text: str, renamed: Sequence[tuple[str, str]]) -> str:
+    for old, new in renamed:
+        text = re.sub(rf"\b{re.escape(old)}\b", new, text)
+    return text
 
 
 @dataclass(frozen=True)
@@ -334,17 +361,27 @@ def search_examples(domain: Domain, search_many: SearchManyFn, teacher: AgentTea
         return [_ShownHit(h.doc_id, h.title, rewritten[h.doc_id]) if h.doc_id in rewritten else h
                 for h in found[query]]
 
-    return [
-        trajectory_example(plan.question, [(think, query, shown(plan, query)) for think, query in plan.steps],
-                           plan.answer, plan.evidence)
-        for plan in plans
-    ]
+    examples = []
+    for plan in plans:
+        example = trajectory_example(plan.question, [(think, query, shown(plan, query)) for think, query in plan.steps],
+                                     plan.answer, plan.evidence)
+        if plan.renamed:
+            example = Example(tuple((_rename(text, plan.renamed), trained) for text, trained in example.pieces),
+                              example.kind)
+        examples.append(example)
+    return examples
 
 
 def tokenizer_corpus(domain: Domain, examples: Iterable[Example]) -> list[str]:
-    """Texts the tokenizer is trained on: passages, task queries, warm-start sequences."""
-    texts = [f"{p.title} {p.text}" for p in domain.passages]
-    texts += [t.query for t in domain.rewrite_tasks] + [t.question for t in domain.multistep_tasks]
+    """Texts the tokenizer is trained on: the rewriter half's passages and queries, the search
+    half's training passages and questions, the warm-start sequences. No validation or test
+    text of the search half: their names are made of pieces the model has seen in training."""
+    held_out = {d for t in domain.multistep_tasks if t.split != "train" for d in t.gold_doc_ids}
+    held_out |= {f"{link.fund.key}-{suffix}" for doc in held_out if doc in domain.search_links
+                 for link in (domain.search_links[doc],)
+                 for suffix in ("minimum-investment", "total-assets", "holdings", "inception")}
+    texts = [f"{p.title} {p.text}" for p in domain.passages if p.doc_id not in held_out]
+    texts += [t.query for t in domain.rewrite_tasks] + [t.question for t in domain.multistep("train")]
     texts += ["".join(text for text, _ in e.pieces) for e in examples]
     return texts
 
