@@ -69,7 +69,9 @@ class SearchDesign:
 # bridge document on more than 60% (fewer than 30%) of training questions. warm_steps: of 800 and 1200, the one
 # with the higher base answer F1 on validation (800 when within 1 point). steps: 40, so that three search arms
 # take the time two arms of 60 steps took (a wall-time rule, read on no result).
-FULL_SEARCH = SearchDesign(warm_steps=1200, steps=40, prompts_per_step=4, group_size=8, lr=5e-4)
+# Measured (experiments/LOG.md, D12): validation F1 14.2% at 800 vs 11.8% at 1200 -> 800; the base at 800 finds the
+# bridge on 30.2% of training questions -> careless_first stays 0.5.
+FULL_SEARCH = SearchDesign(warm_steps=800, steps=40, prompts_per_step=4, group_size=8, lr=5e-4)
 QUICK_SEARCH = SearchDesign(warm_steps=100, steps=3, prompts_per_step=4, group_size=4, lr=5e-4, checkpoints=1,
                             eval_questions=24)
 
