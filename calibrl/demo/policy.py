@@ -42,9 +42,7 @@ from calibrl.demo.domain import (
     Domain,
     Fact,
     RewriteTask,
-    answer_of,
     candidate_rewrite,
-    passage_text,
     user_query,
 )
 from calibrl.fileperms import honour_umask
