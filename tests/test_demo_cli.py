@@ -118,7 +118,8 @@ def test_quick_demo_end_to_end(tmp_path: pathlib.Path) -> None:
 
     # the printed table and the report hold real numbers for every policy
     for label in ("base rewriter (untrained)", "GRPO, binary hit@1 reward", "GRPO, blended dense reward",
-                  "base search agent (untrained)", "GRPO (answer F1)", "CalibAdv (answer F1)"):
+                  "base search agent (untrained)", "GRPO (answer F1)", "CalibAdv, gold as silver (answer F1)",
+                  "CalibAdv, authors' silver (answer F1)"):
         line = next(line for line in stdout.splitlines() if line.startswith(label))
         assert re.search(r"\d+\.\d%", line), line
     report = (out / "report.md").read_text()
