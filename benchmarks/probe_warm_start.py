@@ -1,18 +1,19 @@
-"""The untrained search agent's failures against the length of its warm start.
+"""The untrained search agent against the length of its warm start and the teacher's care.
 
 For each ``--steps`` value, build the demo's base search agent of ``--seed`` exactly as
 ``calibrl study`` builds it (the demo's tokenizer, seeded model, teacher and
-``calibrl.demo.policy.warm_start``), with only ``warm_steps`` changed, and decode
-greedily (``calibrl study``'s ``question_scores``) on every ``--train-stride``-th
-training question. Print one JSON line per setting: warm-start seconds, mean answer
-F1 and the error categories (``calibrl/demo/error_analysis.py``). No arm is trained
-and no held-out question is read: a design knob is chosen on training data only, by a
-rule written before the probe's first run (``experiments/LOG.md``).
+``calibrl.demo.policy.warm_start``), with only ``warm_steps`` (and, with
+``--careless-first``, the teacher's share of careless first queries) changed, and decode
+greedily on every ``--train-stride``-th training question and on every validation
+question. Print one JSON line per setting: warm-start seconds and, per split, answer F1,
+exact match, the bridge-found rate (the first search returned the bridge document), the
+answer-document-found rate, the read-out rate (``calibrl/demo/error_analysis.py``) and
+the error categories. No arm is trained and no test question is read: the knobs are
+chosen on training and validation data only, by the rules of experiments/LOG.md (D11).
 
-    python benchmarks/probe_warm_start.py --seed 0 --steps 300,600,900
+    python benchmarks/probe_warm_start.py --seed 0 --steps 800,1200
 
-It starts the study's retrieval and judge services on loopback ports; on two cores
-one setting of 600 steps takes about two minutes.
+It starts the study's retrieval and judge services on loopback ports.
 """
 
 from __future__ import annotations
@@ -34,7 +35,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--steps", default="300,600,900", help="comma-separated warm-start step counts")
-    parser.add_argument("--train-stride", type=int, default=8, help="probe every N-th training question")
+    parser.add_argument("--train-stride", type=int, default=4, help="probe every N-th training question")
+    parser.add_argument("--careless-first", type=float, default=None,
+                        help="the teacher's share of first queries without the industry word (default: the design's)")
     parser.add_argument("--out", default="", help="working folder (default: a temporary one)")
     args = parser.parse_args()
 
@@ -46,6 +49,7 @@ def main() -> None:
     from calibrl.demo import study
     from calibrl.demo.cli import FULL, _Clients, build_demo_index
     from calibrl.demo.domain import generate_domain, write_domain
+    from calibrl.demo.error_analysis import greedy_search_records
     from calibrl.demo.search_design import eval_settings
     from calibrl.trainer.aio import BackgroundLoop
     from calibrl.trainer.tasks import load_tasks
@@ -57,24 +61,44 @@ def main() -> None:
         domain = generate_domain(args.seed)
         files = write_domain(domain, out / "data")
         build_demo_index(files.corpus, out / "index")
-        train = load_tasks(files.multistep_train)[:: args.train_stride]
+        passages = {p.doc_id: p.text for p in domain.passages}
+        splits = {"train": load_tasks(files.multistep_train)[:: args.train_stride],
+                  "validation": load_tasks(files.multistep_validation)}
         with study._services(out) as (retrieval, judge), BackgroundLoop(name="probe") as background:
             clients = _Clients(retrieval, judge, background)
             try:
                 for warm_steps in steps:
-                    design = FULL.search.with_overrides(warm_steps=warm_steps)
+                    changes: dict = {"warm_steps": warm_steps}
+                    if args.careless_first is not None:
+                        changes["careless_first"] = args.careless_first
+                    design = FULL.search.with_overrides(**changes)
                     started = time.perf_counter()
                     agent = study.build_base_agent(replace(FULL, search=design), domain, out / f"warm_{warm_steps}",
                                                    clients, args.seed, False)
-                    row: dict = {"seed": args.seed, "warm_steps": warm_steps,
+                    row: dict = {"seed": args.seed, "warm_steps": warm_steps, "careless_first": design.careless_first,
+                                 "careless_second": design.careless_second,
                                  "warm_s": round(time.perf_counter() - started, 1)}
-                    for name, tasks in (("train", train),):
-                        scores = study.question_scores(agent, tasks, clients, eval_settings(design))
-                        row[name] = {"questions": len(tasks), "f1": round(sum(scores["f1"]) / len(tasks), 4),
-                                     "categories": dict(collections.Counter(scores["category"]))}
+                    for name, tasks in splits.items():
+                        records = greedy_search_records(str(agent), tasks, clients.retrieval, eval_settings(design),
+                                                        background.run)
+                        row[name] = probe_row(records, passages)
                     print(json.dumps(row), flush=True)
             finally:
                 clients.close()
+
+
+def probe_row(records: list, passages: dict) -> dict:
+    """The probe's figures of one split's greedy records."""
+    from calibrl.demo.error_analysis import found_answer_doc, readout
+
+    n = len(records)
+    bridge = sum(bool(r.found) and r.gold_doc_ids[0] in r.found[0] for r in records)
+    return {"questions": n, "f1": round(sum(r.f1 for r in records) / n, 4),
+            "em": round(sum(r.em for r in records) / n, 4), "bridge_found": round(bridge / n, 4),
+            "answer_doc_found": round(sum(found_answer_doc(r) for r in records) / n, 4),
+            "readout_rate": readout(records, passages)["readout_rate"],
+            "well_formed": round(sum(r.well_formed for r in records) / n, 4),
+            "categories": dict(collections.Counter(r.category for r in records))}
 
 
 if __name__ == "__main__":

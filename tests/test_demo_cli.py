@@ -118,7 +118,8 @@ def test_quick_demo_end_to_end(tmp_path: pathlib.Path) -> None:
 
     # the printed table and the report hold real numbers for every policy
     for label in ("base rewriter (untrained)", "GRPO, binary hit@1 reward", "GRPO, blended dense reward",
-                  "base search agent (untrained)", "GRPO (answer F1)", "CalibAdv (answer F1)"):
+                  "base search agent (untrained)", "GRPO (answer F1)", "CalibAdv, gold as silver (answer F1)",
+                  "CalibAdv, authors' silver (answer F1)"):
         line = next(line for line in stdout.splitlines() if line.startswith(label))
         assert re.search(r"\d+\.\d%", line), line
     report = (out / "report.md").read_text()
@@ -141,10 +142,10 @@ def test_quick_demo_end_to_end(tmp_path: pathlib.Path) -> None:
         mkl = "AVX2" if kernels.cpu_vendor() == "GenuineIntel" else "AUTO"  # MKL pins on Intel CPUs only
         assert f"float kernels ATen AVX2, MKL code path {mkl}" in results["machine"], results["machine"]
     by_name = {r["name"]: r for r in results["rewrite"] + results["search"]}
-    assert set(by_name) == {"raw", "base", "binary", "binary_ds", "dense", "base_agent", "grpo", "calibadv"}
+    assert set(by_name) == {"raw", "base", "binary", "binary_ds", "dense", "base_agent", *demo_cli.SEARCH_ARMS}
     for name in ("raw", "base", "binary", "binary_ds", "dense"):
         assert 0.0 <= by_name[name]["heldout"]["hit"] <= 1.0
-    for name in ("binary", "binary_ds", "dense", "grpo", "calibadv"):
+    for name in ("binary", "binary_ds", "dense", *demo_cli.SEARCH_ARMS):
         run = by_name[name]
         assert run["steps"] == (demo_cli.QUICK.rewrite_steps if name in demo_cli.REWRITE_ARMS
                                 else demo_cli.QUICK.search.steps)
@@ -157,21 +158,26 @@ def test_quick_demo_end_to_end(tmp_path: pathlib.Path) -> None:
     assert analysis["questions"] == demo_cli.QUICK.search.eval_questions
     assert analysis["independent_questions"] == analysis["questions"]  # one phrasing per held-out question
     assert "## Two-search agent: where the trajectories fail" in report
-    for name in ("base_agent", "grpo", "calibadv"):
+    agents = ("base_agent", *demo_cli.SEARCH_ARMS)
+    for name in agents:
         assert sum(analysis["categories"][name]["counts"].values()) == analysis["questions"]
+        figures = analysis["search"][name]  # search recall beside F1: bridge and answer document found
+        assert 0.0 <= figures["bridge_found"] <= 1.0 and 0.0 <= figures["answer_doc_found"] <= 1.0
     lines = [json.loads(line) for line in (out / "search_records.jsonl").read_text().splitlines()]
-    assert len(lines) == 3 * analysis["questions"] and {r["model"] for r in lines} == {"base_agent", "grpo", "calibadv"}
+    assert len(lines) == 4 * analysis["questions"] and {r["model"] for r in lines} == set(agents)
     # each trained agent against the base and the best constant answer, in F1 and exact match, and
     # the two agents against each other: paired, bridge-clustered, the interval holding its estimate
     pairs = {(c["a"], c["b"], c["metric"]) for c in analysis["comparisons"]}
-    for name in ("grpo", "calibadv"):
+    for name in demo_cli.SEARCH_ARMS:
         for other in ("base_agent", "best_constant"):
             assert {(name, other, "f1"), (name, other, "em")} <= pairs
-    assert ("calibadv", "grpo", "f1") in pairs
+        assert (name, "base_agent", "recall") in pairs and (name, "best_constant", "recall") not in pairs
+    for calibadv in ("calibadv", "calibadv_silver"):  # H1 and H2 of experiments/LOG.md D11
+        assert {(calibadv, "grpo", "f1"), (calibadv, "grpo", "recall")} <= pairs
     for diff in analysis["comparisons"]:
         assert diff["low"] <= diff["estimate"] <= diff["high"] and diff["units"] == analysis["questions"]
     assert 0.0 <= analysis["constant"]["em"] <= 1.0 and analysis["bridge_clusters"] <= analysis["questions"]
-    for name in ("base_agent", "grpo", "calibadv"):
+    for name in agents:
         readout = analysis["readout"][name]
         assert readout["found_answer_doc"] <= analysis["questions"]
         assert set(analysis["modal_answers"][name]) <= set(demo_cli.search_aspects())
@@ -215,17 +221,19 @@ def test_quick_demo_end_to_end(tmp_path: pathlib.Path) -> None:
     assert "## Two judges on the SME golden set" in report and "## One judge server, every rubric" in report
     # the search agent is the second agent on that server: every search step scored on the step rubric
     step_server = judge["server"]["search-steps"]
-    search_steps = sum(by_name[name]["steps"] for name in ("grpo", "calibadv"))
+    search_steps = sum(by_name[name]["steps"] for name in demo_cli.SEARCH_ARMS)
     assert step_server["calls"] >= search_steps and step_server["batch_items"] > 0
-    assert "| search-steps | programmatic criteria | grpo, calibadv |" in report
+    assert "| search-steps | programmatic criteria | grpo, calibadv, calibadv_silver |" in report
     search_log = (out / "runs" / "grpo" / "metrics.jsonl").read_text()
     assert "steps/reward/mean" in search_log and "steps/new_gold_share" in search_log
     # two agents at once: the dense rewriter and the GRPO search agent were two `calibrl train`
     # processes started together that overlapped; the demo trained the other three itself afterwards
     # (the full demo starts CalibAdv as a third process when the first of the pair ends)
     processes, in_process = demo_cli.QUICK.processes(), demo_cli.QUICK.in_process()
-    assert processes == demo_cli.CONCURRENT_PAIR and set(in_process) == {"binary", "binary_ds", "calibadv"}
-    assert demo_cli.FULL.processes() == (*demo_cli.CONCURRENT_PAIR, "calibadv", "binary_ds", "binary")
+    assert processes == demo_cli.CONCURRENT_PAIR and set(in_process) == {"binary", "binary_ds", "calibadv",
+                                                                          "calibadv_silver"}
+    assert demo_cli.FULL.processes() == (*demo_cli.CONCURRENT_PAIR, "calibadv", "calibadv_silver", "binary_ds",
+                                         "binary")
     assert demo_cli.FULL.in_process() == ()
     spans = judge["training_processes"]
     assert list(spans) == [*processes, *in_process] and judge["pair"] == ["dense", "grpo"]

@@ -49,9 +49,8 @@ def fake_search_many(domain: Domain):
 def examples(domain: Domain):
     search_many, calls = fake_search_many(domain)
     rewrites = pol.rewrite_examples(domain, 400, seed=0)
-    trajectories = pol.search_examples(domain, search_many, pol.AgentTeacher(single_hop=20, shortcut_share=0.5),
-                                       seed=0)
-    assert len(calls) == 1  # one batched call for every reference search
+    trajectories = pol.search_examples(domain, search_many, pol.AgentTeacher(), seed=0)
+    assert len(calls) == 3  # first searches, second searches (read from the first), then the observations
     return rewrites, trajectories
 
 
@@ -82,8 +81,7 @@ def test_search_trajectories_follow_the_search_r1_format(examples) -> None:
     from calibrl.trainer.search_format import is_well_formed, parse_turn
 
     _, trajectories = examples
-    two_search = [e for e in trajectories if sum(trained for _, trained in e.pieces) == 3]
-    assert two_search and len(two_search) < len(trajectories)
+    assert trajectories and all(sum(trained for _, trained in e.pieces) == 3 for e in trajectories)
     for example in trajectories:
         prompt = example.pieces[0][0]
         assert prompt.endswith("<think>") and not example.pieces[0][1]
@@ -97,55 +95,61 @@ def test_search_trajectories_follow_the_search_r1_format(examples) -> None:
         assert is_well_formed(trajectory)
 
 
-def test_the_teacher_swaps_values_and_makes_the_careless_second_search(domain: Domain) -> None:
-    """Value-swapped copies state another value in the answer passage and answer it (the
-    answer must be read, not recalled); careless plans search the question's entity again
-    and guess; verbose plans answer with the quoted phrase; no plan asks a held-out question."""
-    teacher = pol.AgentTeacher(single_hop=40, value_swaps=1, shortcut_share=0.5, verbose_share=0.5)
-    plans = pol.reference_trajectories(domain, teacher, seed=0)
+def test_the_teacher_reads_what_it_retrieved_and_makes_near_miss_searches(domain: Domain) -> None:
+    """Careless queries leave out the plan's industry word or the fund's style word; the second
+    query names the fund the observed passage names; the answer is the value the observed passage
+    states; value-swapped copies state another value and answer it, with made-up family words;
+    only training questions; the tokenizer reads no validation or test text."""
+    from calibrl.demo import search_domain as sd
+
+    search_many, _ = fake_search_many(domain)
+    teacher = pol.AgentTeacher(careless_first=0.5, careless_second=0.5, value_swaps=1)
+    plans = pol.reference_trajectories(domain, search_many, teacher, seed=0)
     train = {t.question: t for t in domain.multistep("train")}
-    assert not {p.question for p in plans} & {t.question for t in domain.multistep("heldout")}
-    # no plan searches for a held-out answer document nor shows it with another value
-    heldout = domain.multistep("heldout")
-    assert not {q for p in plans for _, q in p.steps} & {t.steps[1].query for t in heldout}
-    assert not {doc for p in plans for doc, _ in p.rewritten} & {t.gold_doc_ids[1] for t in heldout}
-    two_search = [p for p in plans if p.question in train and not p.rewritten]
-    careless = [p for p in two_search if p.steps[1][1] == train[p.question].shortcut_query]
-    assert len(two_search) == len(train) and 0.35 < len(careless) / len(two_search) < 0.65
-    careful = [p for p in two_search if p not in careless]
-    assert all(p.steps == tuple((s.think, s.query) for s in train[p.question].steps) for p in careful)
-    assert all(p.answer == train[p.question].answers[0] for p in careful)
-    swapped = [p for p in plans if p.rewritten]
-    assert len(swapped) == len(careful) + 40  # one copy of each careful plan
+    assert {p.question for p in plans} <= set(train)
     passages = {x.doc_id: x.text for x in domain.passages}
+    facts = {f.doc_id: f for f in domain.facts}
+    read = [p for p in plans if not p.rewritten]
+    assert len(read) > 0.9 * len(train)
+    careless_first = careless_second = 0
+    for plan in read:
+        task = train[plan.question]
+        link = domain.search_links[task.gold_doc_ids[0]]
+        (_, first), (_, second) = plan.steps
+        assert first in (sd.first_query(link), sd.first_query(link, careless=True))
+        careless_first += first != sd.first_query(link)
+        seen = domain.search_links[search_many([first])[0][0].doc_id]  # the plan the first observation names
+        assert seen.fund.name.split()[0] in second
+        careless_second += seen.fund.name not in second
+        observed = facts[search_many([second])[0][0].doc_id]
+        assert plan.answer == observed.value and plan.answer in passages[observed.doc_id]
+    assert 0.35 < careless_first / len(read) < 0.65 and 0.35 < careless_second / len(read) < 0.65
+    wrong = sum(p.answer != train[p.question].answers[0] for p in read)
+    assert 0.2 < wrong / len(read) < 0.8  # reading a near miss answers its value
+    swapped = [p for p in plans if p.rewritten]
+    assert len(swapped) == len(read)
     for plan in swapped:
         (doc_id, text), = plan.rewritten
-        assert text != passages[doc_id] and plan.answer in text
-    # the observations show the swapped text in place of the corpus text (examples follow the plans' order)
-    search_many, _ = fake_search_many(domain)
+        assert text != passages[doc_id] and plan.answer in text and plan.answer in plan.evidence
     examples = pol.search_examples(domain, search_many, teacher, seed=0)
     assert len(examples) == len(plans)
-    shown = 0
-    for plan, example in zip(plans, examples):
-        if not plan.rewritten:
-            continue
-        (doc_id, text), = plan.rewritten
-        last_observation = example.pieces[-2][0]
-        if passages[doc_id] in last_observation or text in last_observation:
-            assert text in last_observation and passages[doc_id] not in last_observation
-            shown += 1
-    assert shown > len(swapped) // 2
-    # every careful plan quotes its evidence before answering; verbose ones answer with the whole quote
-    verbose = 0
+    corpus = " ".join(pol.tokenizer_corpus(domain, []))  # the domain's part (this fake search may show any passage)
+    held_out = {w for t in domain.multistep_tasks if t.split != "train"
+                for w in (domain.search_links[t.gold_doc_ids[0]].plan.name.split()[0],
+                          domain.search_links[t.gold_doc_ids[0]].fund.name.split()[0])}
+    assert held_out and not {w for w in held_out if w in corpus}
     for plan, example in zip(plans, examples):
         answer_turn = example.pieces[-1][0]
-        if plan.evidence:
-            assert plan.answer in plan.evidence and f"It says {plan.evidence}." in answer_turn
-            assert f"<answer> {plan.evidence if plan.verbose else plan.answer} </answer>" in answer_turn
-            verbose += plan.verbose
-        else:  # a careless plan guesses
-            assert f"The answer is {plan.answer}." in answer_turn and not plan.verbose
-    assert 0.35 < verbose / sum(1 for p in plans if p.evidence) < 0.65
+        assert f"It says {pol._rename(plan.evidence, plan.renamed)}." in answer_turn
+        if plan.rewritten:  # the swapped value, and made-up family words in every piece
+            (doc_id, text), = plan.rewritten
+            shown = pol._rename(text, plan.renamed)
+            assert shown in example.pieces[-2][0] and passages[doc_id] not in example.pieces[-2][0]
+            link = domain.search_links[train[plan.question].gold_doc_ids[0]]
+            assert [old for old, _ in plan.renamed] == [link.plan.name.split()[0], link.fund.name.split()[0]]
+            whole = "".join(piece for piece, _ in example.pieces)
+            assert all(old not in whole and new in whole for old, new in plan.renamed)
+            assert f"<answer> {plan.answer} </answer>" in answer_turn
 
 
 def test_tokenizer_keeps_tags_and_prompt_constants_whole(tokenizer) -> None:
@@ -155,6 +159,9 @@ def test_tokenizer_keeps_tags_and_prompt_constants_whole(tokenizer) -> None:
         assert len(tokenizer(constant, add_special_tokens=False)["input_ids"]) == 1, constant
     text = "What is the expense ratio of Evergreen Growth Fund (EVGRX)? 0.12% $1,000"
     assert tokenizer.decode(tokenizer(text, add_special_tokens=False)["input_ids"]) == text
+    # digits one by one (copying a number is a look-up per digit)
+    ids = tokenizer(" $12,345", add_special_tokens=False)["input_ids"]
+    assert all(len(tokenizer.decode([i]).strip()) <= 1 for i in ids)
 
 
 def test_encoding_matches_the_rollout_prompt_and_masks_only_generated_tokens(tokenizer, examples) -> None:
@@ -221,7 +228,7 @@ def test_the_rewriter_warm_started_beside_the_agent_is_the_model_trained_alone(d
     for beside in (False, True):
         bases = pol.build_base_policies(domain, tmp_path / f"beside_{beside}", search_many, spec=spec,
                                         rewriter_steps=6, agent_steps=4, rewrite_count=120,
-                                        teacher=pol.AgentTeacher(single_hop=5), seed=3, progress=False,
+                                        teacher=pol.AgentTeacher(), seed=3, progress=False,
                                         rewriter_beside=beside)
         folders[beside] = bases
     for kind in ("rewriter", "agent"):

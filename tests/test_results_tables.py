@@ -52,14 +52,21 @@ def _demo_records() -> dict:
         "search": [
             {"name": "base_agent", "label": "base agent", "heldout": {"em": 0.1, "f1": 0.3}},
             {"name": "grpo", "label": "GRPO", "heldout": {"em": 0.2, "f1": 0.4}},
+            {"name": "calibadv", "label": "CalibAdv", "heldout": {"em": 0.2, "f1": 0.4}, "interventions": {
+                "calibadv/neg_search_steps": 3.5, "calibadv/frac_neg_search_steps_softened": 0.4,
+                "calibadv/frac_neg_search_steps_found_gold": 0.9, "calibadv/frac_softened_found_gold": 0.95,
+                "calibadv/adv_change_search": 0.12, "calibadv/adv_change_answer": -0.05}},
         ],
         "search_analysis": {
             "questions": 40, "bridge_clusters": 12, "labels": {"base_agent": "base agent", "grpo": "GRPO",
-                                                               "best_constant": "best constant"},
+                                                               "calibadv": "CalibAdv", "best_constant": "best constant"},
             "readout": {"grpo": {"readout_rate": 0.25}},
+            "search": {"grpo": {"bridge_found": 0.5, "answer_doc_found": 0.25, "recall": 0.375}},
             "constant": {"em": 0.15, "f1": 0.35, "per_aspect": {}},
             "comparisons": [
                 {"a": "grpo", "b": "base_agent", "metric": "f1", **interval(0.1, 0.02, 0.18)},
+                {"a": "grpo", "b": "base_agent", "metric": "recall", **interval(0.04, 0.01, 0.07)},
+                {"a": "calibadv", "b": "grpo", "metric": "recall", **interval(0.02, -0.01, 0.05)},
                 {"a": "grpo", "b": "best_constant", "metric": "f1", **interval(0.05, -0.03, 0.12)},
                 {"a": "grpo", "b": "best_constant", "metric": "em", **interval(0.05, -0.01, 0.1)},
             ],
@@ -80,9 +87,13 @@ def test_blocks_render_the_records_with_their_intervals(tmp_path: pathlib.Path) 
             "<!-- BEGIN generated: study -->\n<!-- END generated: study -->\nend\n")
     text = rt.render_text(page, tmp_path)
     assert "stale 99.9%" not in text and text.startswith("intro\n") and text.endswith("end\n")
-    assert "| GRPO | 20.0% | 40.0% | 25.0% | +10.0 [+2.0, +18.0] | +5.0 [-3.0, +12.0] (includes 0) |" in text
+    assert ("| GRPO | 20.0% | 40.0% | 50.0% | 25.0% | 25.0% | +10.0 [+2.0, +18.0] | +4.0 [+1.0, +7.0] "
+            "| +5.0 [-3.0, +12.0] (includes 0) |") in text
     assert "| best constant | 15.0% | 35.0% | - |" in text
+    # CalibAdv's interventions, from the run's means over its training steps
+    assert "| CalibAdv | 3.5 | 40.0% | 90.0% | 95.0% | +0.120 | -0.050 |" in text
     assert "40 held-out questions in 12 bridge clusters" in text
+    assert "- CalibAdv and GRPO are indistinguishable" in text and "points of search recall" in text
     # the rewriter's comparisons are worded by their intervals
     assert "- dense reward beats the base rewriter: +20.0 points of hit@1" in text
     assert "- the base rewriter and the raw query are indistinguishable" in text

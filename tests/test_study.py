@@ -13,10 +13,12 @@ import types
 import pytest
 
 from calibrl.demo import study_report
-from calibrl.demo.study import ARMS, StudyPlan, main, parse_seeds, question_scores, run_study
+from calibrl.demo.study import ARMS, SETTINGS, StudyPlan, main, parse_seeds, question_scores, run_study
 from tests.test_trainer_support import TrainerWorld, one_torch_thread, trainer_world  # noqa: F401  (fixtures)
 
-ARM_NAMES = [a.name for a in ARMS]
+# the hand-made records' arms (the aggregation is the same for any arms)
+ARM_NAMES = ["grpo", "calibadv", "grpo_steps", "calibadv_steps"]
+TINY_ARMS = [a for a in ARMS if a.name in ("grpo", "calibadv", "calibadv_silver")]  # the study's default arms
 # Means of a few dozen numbers in [0, 1], summed in different orders: equal to 1e-12.
 SUM_TOL = 1e-12
 
@@ -24,7 +26,7 @@ SUM_TOL = 1e-12
 def _tiny_plan() -> StudyPlan:
     from calibrl.demo.cli import QUICK
 
-    design = QUICK.search.with_overrides(steps=2, prompts_per_step=2, warm_steps=20, single_hop=20)
+    design = QUICK.search.with_overrides(steps=2, prompts_per_step=2, warm_steps=20)
     demo = dataclasses.replace(QUICK, name="tiny", search=design, rewrite_examples=200)
     return StudyPlan(demo, seeds=(0,), heldout_limit=4)
 
@@ -40,20 +42,30 @@ def test_the_study_writes_its_report_tables_and_plots(tiny_study):
     out, report = tiny_study
     text = report.read_text(encoding="utf-8")
     for heading in ("## What the data shows", "## Held-out answer F1, normal setting",
-                    "## Held-out answer F1, stress setting", "## Collapse signals per step"):
+                    "## Held-out answer F1, stress setting", "## Held-out answer F1, long setting",
+                    "## Collapse signals per step"):
         assert heading in text
     lines = text.splitlines()
-    for label in [a.label for a in ARMS] + ["base search agent (untrained)",
-                                           "best constant answer per aspect (no search)"]:
+    for label in [a.label for a in TINY_ARMS] + ["base search agent (untrained)",
+                                                "best constant answer per aspect (no search)"]:
         # per setting, a row of the F1 table ("| label | 41.7 [35.0, 48.3] | ...")
-        assert sum(bool(re.match(rf"\| {re.escape(label)} \| [\d.]+ \[", line)) for line in lines) == 2
-    for arm in ARMS:  # and a row of the collapse table per setting
-        assert sum(line.startswith((f"| normal | {arm.label} | ", f"| stress | {arm.label} | ")) for line in lines) == 2
-    # Per setting: six pairs of arms, four arm-vs-base and four arm-vs-best-constant rows of F1, and the same
-    # eight rows of exact match; each with its interval over questions and over seeds, then questions.
+        assert sum(bool(re.match(rf"\| {re.escape(label)} \| [\d.]+ \[", line)) for line in lines) == 3
+    for arm in TINY_ARMS:  # and a row of the collapse table per setting
+        assert sum(line.startswith(tuple(f"| {s} | {arm.label} | " for s in SETTINGS)) for line in lines) == 3
+    # Per setting: three pairs of arms, three arm-vs-base and three arm-vs-best-constant rows of F1, six
+    # rows of exact match, and six of search recall (pairs and vs the base); each with its interval over
+    # questions and over seeds, then questions.
     assert sum(bool(re.search(r"\| (yes|no) \| [+-][\d.]+ \[[+-][\d.]+, [+-][\d.]+\] \|$", line))
-               for line in lines) == 2 * (6 + 4 + 4 + 4 + 4)
-    assert sum(line.startswith("Exact-match gain over the base (") for line in lines) == 2
+               for line in lines) == 3 * (3 + 3 + 3 + 6 + 6)
+    assert sum(line.startswith("Exact-match gain over the base (") for line in lines) == 3
+    assert sum(line.startswith("Search recall (") for line in lines) == 3
+    # H1 and H2 are answered in the verdict, for both CalibAdv arms
+    verdict = text.split("## What the data shows")[1].split("##")[0]
+    for label in ("CalibAdv (gold as silver)", "CalibAdv (authors' silver)"):
+        assert sum(label in line and "points of search recall" in line for line in verdict.splitlines()) == 1
+    # the long run: held-out figures at every checkpoint, and last - best with its interval
+    assert "Held-out figures along the long run" in text
+    assert sum(line.startswith(f"| {a.label} | recall | ") for a in TINY_ARMS for line in lines) == 3
     assert "CalibAdv" in text.split("## What the data shows")[1].split("##")[0]
     for stem in ("well_formed", "searches_per_trajectory", "repeated_share", "entropy", "ref_ppl", "reward"):
         assert (out / "plots" / f"{stem}.png").stat().st_size > 1000
@@ -67,7 +79,7 @@ def test_the_numbers_are_consistent(tiny_study):
     assert summary["questions_per_seed"] == {"0": 4} and len(seed["base"]["f1"]) == 4
     base_mean = sum(seed["base"]["f1"]) / 4
     assert summary["base"]["f1"]["estimate"] == pytest.approx(base_mean, abs=SUM_TOL)
-    for setting in ("normal", "stress"):
+    for setting in SETTINGS:
         arms = summary["settings"][setting]["arms"]
         means = {name: arm["f1"]["estimate"] for name, arm in arms.items()}
         means["base"] = base_mean
@@ -78,7 +90,12 @@ def test_the_numbers_are_consistent(tiny_study):
             assert arm["f1"]["low"] <= arm["f1"]["estimate"] <= arm["f1"]["high"]
             assert all(0.0 <= v <= 1.0 for v in scores["f1"] + scores["well_formed"])
         pairs = summary["settings"][setting]["paired"]
-        assert len(pairs) == 14
+        assert len(pairs) == 9
+        recall = {(p["a"], p["b"]): p for p in summary["settings"][setting]["paired_recall"]}
+        seed_recall = {name: sum(seed["runs"][setting][name]["scores"]["recall"]) / 4 for name in arms}
+        seed_recall["base"] = sum(seed["base"]["recall"]) / 4
+        for (a, b), pair in recall.items():
+            assert pair["estimate"] == pytest.approx(seed_recall[a] - seed_recall[b], abs=SUM_TOL)
         for pair in pairs:  # the paired difference is the difference of the means on the same questions
             assert pair["estimate"] == pytest.approx(means[pair["a"]] - means[pair["b"]], abs=SUM_TOL)
             assert pair["low"] <= pair["estimate"] <= pair["high"]
@@ -94,10 +111,16 @@ def test_every_run_logged_its_collapse_signals_each_step(tiny_study):
     results = json.loads((out / "results.json").read_text(encoding="utf-8"))
     plan = results["plan"]
     assert plan["stress_lr"] == pytest.approx(5 * plan["lr"], rel=1e-12)
-    for setting in ("normal", "stress"):
-        for arm in ARMS:
-            steps = results["seeds"][0]["runs"][setting][arm.name]["steps"]
-            assert [s["step"] for s in steps] == [1, 2]
+    assert plan["long_steps"] == 4 * plan["search_steps"]
+    for setting in SETTINGS:
+        for arm in TINY_ARMS:
+            run = results["seeds"][0]["runs"][setting][arm.name]
+            steps = run["steps"]
+            assert [s["step"] for s in steps] == list(range(1, 1 + (8 if setting == "long" else 2)))
+            if setting == "long":  # held-out figures at each of its four checkpoints, the last the final policy's
+                assert [c["step"] for c in run["curve"]] == [2, 4, 6, 8]
+                assert run["curve"][-1]["f1"] == run["scores"]["f1"]
+                assert all(len(c["recall"]) == 4 for c in run["curve"])
             for record in steps:
                 assert 0.0 <= record["search/well_formed"] <= 1.0
                 assert record["search/searches_per_trajectory"] >= 0.0
@@ -105,7 +128,7 @@ def test_every_run_logged_its_collapse_signals_each_step(tiny_study):
                 assert ("steps/reward/mean" in record) == arm.step_rewards
             curve = results["summary"]["settings"][setting]["signals"][arm.name]["policy/ref_ppl"]
             assert curve == pytest.approx([s["policy/ref_ppl"] for s in steps], rel=1e-12)
-    # The step-rewarded runs called the judge server for the search-step rubric.
+    # The judge server for the search-step rubric was started (the step-rewarded arms, --arms, call it).
     assert (out / "seed_0" / "logs" / "serve_judge.log").exists()
 
 
@@ -320,5 +343,8 @@ def test_report_only_needs_a_study_folder(tmp_path, capsys):
 
 def test_the_headline_arms_run_first_under_every_setting():
     order = [(setting, arm.name) for setting, arm in _tiny_plan().run_order()]
-    assert order[:4] == [("normal", "grpo"), ("normal", "calibadv"), ("stress", "grpo"), ("stress", "calibadv")]
-    assert sorted(order) == sorted((s, a) for s in ("normal", "stress") for a in ARM_NAMES)
+    assert order[:3] == [("normal", "grpo"), ("normal", "calibadv"), ("normal", "calibadv_silver")]
+    assert sorted(order) == sorted((s, a.name) for s in SETTINGS for a in TINY_ARMS)
+    everything = dataclasses.replace(_tiny_plan(), arms=ARMS)
+    names = [(s, a.name) for s, a in everything.run_order()]
+    assert names.index(("long", "calibadv_silver")) < names.index(("normal", "grpo_steps"))

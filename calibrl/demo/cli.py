@@ -20,10 +20,11 @@ Stages, in order (each prints what it did; the report lists their times):
 7. evaluate the untrained bases on held-out tasks;
 8. train the rewriter with GRPO three times, binary hit@1 reward, binary + dynamic
    sampling, and the blended dense reward (0.7 MRR@10 + 0.3 rubric, the LLM rubric when
-   it passed its gate), and the search agent twice, GRPO vs CalibAdv (its search steps
-   scored on the step rubric): the dense rewriter and the GRPO search agent first, as two
+   it passed its gate), and the search agent three times, GRPO, CalibAdv with gold documents
+   as silver and CalibAdv with the authors' silver documents (its search steps scored on the
+   step rubric): the dense rewriter and the GRPO search agent first, as two
    ``calibrl train`` processes at once (two agents, two rubrics, one judge server), then
-   the other three in this process; each run's metrics are what it gives alone;
+   the other four; each run's metrics are what it gives alone;
 9. evaluate every checkpoint on held-out tasks (the table goes into each run's own
    tracker runs); write the table, plots and report, with when each run trained and
    what the judge server did per rubric while the two agents ran at once.
@@ -63,6 +64,7 @@ RUBRIC_ID = "demo-rewriter"
 STEP_RUBRIC_ID = "search-steps"  # the search agent's step rubric, served by the same judge as the rewriter's
 STEP_RUBRIC = pathlib.Path(__file__).resolve().parents[2] / "configs" / "rubrics" / f"{STEP_RUBRIC_ID}.yaml"
 REWRITE_ARMS = ("binary", "binary_ds", "dense")  # the rewriter's training runs
+SEARCH_ARMS = ("grpo", "calibadv", "calibadv_silver")  # the search agent's (calibrl.demo.search_design.ARMS)
 # Two agents, two rubrics, one judge server: these two runs are `calibrl train` processes, started together.
 CONCURRENT_PAIR = ("dense", "grpo")
 # Then the others. The full demo (DemoSettings.more_processes) starts each as a process too, the longest
@@ -70,7 +72,7 @@ CONCURRENT_PAIR = ("dense", "grpo")
 # CalibAdv), so both cores stay busy; the quick demo trains them one after another in the demo process,
 # since a process start (torch, transformers) costs 10-15 s, more than a quick run's training
 # (benchmarks/README, "Two agents at once").
-OTHER_RUNS = ("calibadv", "binary", "binary_ds")
+OTHER_RUNS = ("calibadv", "calibadv_silver", "binary", "binary_ds")
 MARKER = ".calibrl-demo"  # marks a folder as a demo run's output, which a later run may replace
 RETRIEVAL_MODE = "bm25"
 # The judge passes a golden item when its rubric total reaches a threshold picked on the NON-golden
@@ -113,7 +115,7 @@ class DemoSettings:
 
 FULL = DemoSettings(
     name="full", warm_rewriter_steps=400, rewrite_steps=60, group_size=4, prompts_per_step=16, checkpoints=3,
-    search=FULL_SEARCH, more_processes=("calibadv", "binary_ds", "binary"),  # the longest first
+    search=FULL_SEARCH, more_processes=("calibadv", "calibadv_silver", "binary_ds", "binary"),  # the longest first
 )
 QUICK = DemoSettings(
     name="quick", warm_rewriter_steps=120, rewrite_steps=12, group_size=4, prompts_per_step=8, checkpoints=2,
@@ -577,17 +579,15 @@ def _train_and_evaluate(settings: DemoSettings, out: pathlib.Path, domain: Any, 
               f"{base_agent['f1']:.3f}, well-formed {base_agent['well_formed']:.3f} on {len(heldout_search)} questions")
 
     # 8 -------------------------------------------------------------------- training
-    bars = {name: progress and name in settings.in_process() for name in (*REWRITE_ARMS, "grpo", "calibadv")}
+    bars = {name: progress and name in settings.in_process() for name in (*REWRITE_ARMS, *SEARCH_ARMS)}
     runs = {
         **{arm: _train_overrides(settings, out, bases.rewriter, files.train_tasks, clients, arm, seed, bars[arm],
                                  dense_rubric) for arm in REWRITE_ARMS},
-        "grpo": _train_overrides(settings, out, bases.agent, files.multistep_train, clients, "grpo", seed,
-                                 bars["grpo"]),
-        "calibadv": _train_overrides(settings, out, bases.agent, files.multistep_train, clients, "calibadv", seed,
-                                     bars["calibadv"]),
+        **{arm: _train_overrides(settings, out, bases.agent, files.multistep_train, clients, arm, seed, bars[arm])
+           for arm in SEARCH_ARMS},
     }
-    others = ("then CalibAdv, binary + dynamic sampling and binary as processes, each when a running one ends"
-              if settings.more_processes else "then CalibAdv, binary + dynamic sampling and binary")
+    others = ("then both CalibAdv arms, binary + dynamic sampling and binary as processes, each when a running one "
+              "ends" if settings.more_processes else "then both CalibAdv arms, binary + dynamic sampling and binary")
     with stages.stage("GRPO training: the dense rewriter and the GRPO search agent as two `calibrl train` processes at "
                       f"once, {others}"):
         concurrency = _train_runs(runs, settings, out, clients, report_to, metrics_port, progress,
@@ -625,7 +625,8 @@ def _train_and_evaluate(settings: DemoSettings, out: pathlib.Path, domain: Any, 
         "dense": f"GRPO, blended dense reward (0.7 MRR@{settings.dense_k} + 0.3 rubric {dense_rubric})",
         "base_agent": "base search agent (untrained)",
         "grpo": "GRPO (answer F1)",
-        "calibadv": "CalibAdv (answer F1)",
+        "calibadv": "CalibAdv, gold as silver (answer F1)",
+        "calibadv_silver": "CalibAdv, authors' silver (answer F1)",
     }
     raw_result = rep.RunResult("raw", "raw query, no rewrite", "rewrite", _rewrite_heldout(raw.metrics))
     rewrite_runs = [raw_result, rep.RunResult("base", labels["base"], "rewrite", _rewrite_heldout(base.metrics))]
@@ -660,11 +661,11 @@ def _train_and_evaluate(settings: DemoSettings, out: pathlib.Path, domain: Any, 
                                      "(DAPO); same number of policy updates",
         "dense reward": f"0.7 x MRR@{settings.dense_k} + 0.3 x rubric total ({dense_rubric}, "
                         f"{'LLM judge' if dense_rubric != RUBRIC_ID else 'programmatic judge'})",
-        "search agent GRPO / CalibAdv": describe_design(settings.search),
+        "search agent GRPO / CalibAdv (gold as silver) / CalibAdv (authors' silver)": describe_design(settings.search),
         "held-out": f"{len(heldout_rewrites)} rewrite tasks ((product, topic) pairs never seen in training), "
-                    f"{len(heldout_search)} two-search questions (one phrasing each, each with its own answer "
-                    "document, never gold in training; their bridge documents and entities do appear in training "
-                    "questions, so comparisons resample whole bridge clusters); greedy decoding",
+                    f"{len(heldout_search)} two-search questions of the test split (one phrasing each; no plan, fund, "
+                    "company or fund family of theirs is in a training or validation question; comparisons "
+                    "resample whole bridge clusters); greedy decoding",
     }
     _write_search_records(out / "search_records.jsonl", search_records)
     notes = []
@@ -682,9 +683,9 @@ def _train_and_evaluate(settings: DemoSettings, out: pathlib.Path, domain: Any, 
 
 def search_aspects() -> list[str]:
     """Every aspect a two-search question may ask about (the last part of its answer document id)."""
-    from calibrl.demo.domain import ACCOUNT_ASPECTS, FUND_ASPECTS, MANAGER_ASPECTS
+    from calibrl.demo.search_domain import SEARCH_ASPECTS
 
-    return [a.key for a in (*FUND_ASPECTS, *MANAGER_ASPECTS, *ACCOUNT_ASPECTS)]
+    return [a.key for a in SEARCH_ASPECTS]
 
 
 def search_analysis(domain: Any, records: dict[str, list[Any]], labels: dict[str, str]) -> dict[str, Any]:
@@ -705,7 +706,8 @@ def _describe_run(name: str, settings: DemoSettings, dense_rubric: str = RUBRIC_
                      "rounds)",
         "dense": f"rewriter, reward 0.7 MRR@{settings.dense_k} + 0.3 rubric {dense_rubric}",
         "grpo": "search agent, GRPO advantages",
-        "calibadv": "search agent, CalibAdv advantages",
+        "calibadv": "search agent, CalibAdv advantages, gold documents as silver",
+        "calibadv_silver": "search agent, CalibAdv advantages, silver documents from the group's best rollouts",
     }[name]
 
 
@@ -937,7 +939,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         description="Run the whole loop on the built-in domain, with nothing downloaded: distil a rubric from "
         "simulated SME feedback, validate it, build, train and validate a tiny LLM judge, build the index, start "
         "both services on loopback, warm-start a tiny policy, train it with GRPO (binary vs binary + dynamic "
-        "sampling vs blended dense reward; GRPO vs CalibAdv), evaluate, and write a report with plots.",
+        "sampling vs blended dense reward; GRPO vs CalibAdv with gold and with the authors' silver documents), "
+        "evaluate, and write a report with plots.",
     )
     parser.add_argument("--quick", action="store_true", help="a smoke run with few steps (under 3 minutes)")
     parser.add_argument("--out", default="calibrl_demo_out", help="output folder (default: calibrl_demo_out)")
@@ -954,7 +957,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="run torch with this CPU's fastest float kernels instead of kernels pinned to AVX2 "
                         "(calibrl.kernels); trained figures then depend on the CPU")
     parser.add_argument("--report-to", default="tensorboard", metavar="TRACKERS",
-                        help="experiment trackers of the five training runs, comma-separated: tensorboard, wandb, "
+                        help="experiment trackers of the six training runs, comma-separated: tensorboard, wandb, "
                         "mlflow, trackio, or none (default tensorboard); project calibrl-demo, one run per "
                         "training run, with its held-out table")
     args = parser.parse_args(list(argv) if argv is not None else None)

@@ -10,10 +10,11 @@ from one seed, with no download:
   instead of the product's name (``missing_entity``), slang instead of the topic's
   terms (``missed_intent``), or both in a short vague query (``underspecified``),
   beside well-formed queries (``none``);
-- two-search questions (account -> its default fund -> a fact of that fund;
-  fund -> its manager -> a fact of that manager) in the Search-R1 format, over these
-  entities and the search-only ones of :mod:`calibrl.demo.search_domain` (its own
-  random stream, so the rewriter half below stays as it is whatever it draws);
+- two-search questions (an employer plan -> its default fund -> a fact of that fund)
+  in the Search-R1 format, in three entity-disjoint splits (train / validation /
+  test), over the search-only entities of :mod:`calibrl.demo.search_domain` (its own
+  random stream and word lists, so the rewriter half below stays as it is whatever it
+  draws);
 - a simulated SME feedback sample (grades 1-5 and error tags) on rewrites of training
   queries, from which the judge distils its rubric: a panel of simulated experts
   (:mod:`calibrl.demo.experts`) grades each rewrite from its hidden quality, the
@@ -369,6 +370,9 @@ class Domain:
     aspects: list[Aspect] = field(default_factory=list)
     search_entities: list[Entity] = field(default_factory=list)  # funds, plans, managers of the search half only
     search_passages: list[Passage] = field(default_factory=list)  # their passages (also in ``passages``, at the end)
+    # the search half's plans: bridge document id -> calibrl.demo.search_domain.Link (its plan, default fund, cluster)
+    search_links: dict[str, Any] = field(default_factory=dict)
+    search_clusters: dict[str, int] = field(default_factory=dict)  # two-search task id -> its cluster
     # The simulated SME panel's reviews behind ``sme_feedback`` (calibrl.demo.experts.PanelReview): every
     # expert's grade and the rewrite's hidden quality. No judge reads them.
     sme_panel: list[Any] = field(default_factory=list)
@@ -571,7 +575,7 @@ def generate_domain(seed: int = 0, heldout_fraction: float = 0.25) -> Domain:
 
     rng.shuffle(list(range(_LEGACY_SPLIT_DRAW)))
     sme, panel = _sme_feedback([t for t in rewrite_tasks if t.split == "train"], list(passages), rng)
-    search = search_half(seed, facts, default_funds, fund_managers)
+    search = search_half(seed)
     return Domain(
         seed=seed,
         passages=passages + search.passages,
@@ -584,6 +588,8 @@ def generate_domain(seed: int = 0, heldout_fraction: float = 0.25) -> Domain:
         aspects=[*FUND_ASPECTS, *ACCOUNT_ASPECTS, *MANAGER_ASPECTS],
         search_entities=search.entities,
         search_passages=search.passages,
+        search_links=search.links,
+        search_clusters=search.clusters,
     )
 
 
@@ -780,10 +786,11 @@ class DomainFiles:
     train_tasks: pathlib.Path
     heldout_tasks: pathlib.Path
     multistep_train: pathlib.Path
-    multistep_heldout: pathlib.Path
+    multistep_heldout: pathlib.Path  # the test split
     sme_feedback: pathlib.Path
     glossary: pathlib.Path
     sme_panel: pathlib.Path  # every expert's grade and each rewrite's hidden quality (no judge reads it)
+    multistep_validation: pathlib.Path | None = None  # where search design knobs are chosen
 
 
 def write_domain(domain: Domain, root: str | pathlib.Path) -> DomainFiles:
@@ -802,6 +809,7 @@ def write_domain(domain: Domain, root: str | pathlib.Path) -> DomainFiles:
         sme_feedback=root / "sme_feedback.jsonl",
         glossary=root / "glossary.json",
         sme_panel=root / "sme_panel.jsonl",
+        multistep_validation=root / "multistep_validation.jsonl",
     )
     _write_jsonl(files.corpus, ({"_id": p.doc_id, "title": p.title, "text": p.text} for p in domain.passages))
     _write_jsonl(files.queries, ({"_id": t.task_id, "text": t.query} for t in domain.rewrite_tasks))
@@ -814,6 +822,7 @@ def write_domain(domain: Domain, root: str | pathlib.Path) -> DomainFiles:
     _write_jsonl(files.heldout_tasks, (t.record() for t in domain.tasks("heldout")))
     _write_jsonl(files.multistep_train, (t.record() for t in domain.multistep("train")))
     _write_jsonl(files.multistep_heldout, (t.record() for t in domain.multistep("heldout")))
+    _write_jsonl(files.multistep_validation, (t.record() for t in domain.multistep("validation")))
     _write_jsonl(files.sme_feedback, (r.record() for r in domain.sme_feedback))
     _write_jsonl(files.sme_panel, (r.record() for r in domain.sme_panel))
     files.glossary.write_text(json.dumps(domain.glossary(), indent=2, ensure_ascii=False) + "\n", encoding="utf-8")

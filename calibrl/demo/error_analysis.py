@@ -84,6 +84,18 @@ class SearchRecord:
     def category(self) -> str:
         return classify(self)
 
+    @property
+    def bridge_found(self) -> float:
+        """1.0 when the first search returned the bridge document."""
+        return float(bool(self.found) and bool(self.gold_doc_ids) and self.gold_doc_ids[0] in self.found[0])
+
+    @property
+    def recall(self) -> float:
+        """Search recall: the share of the gold documents (bridge and answer document) that
+        some search of the trajectory returned."""
+        gold = set(self.gold_doc_ids)
+        return len(gold & {d for docs in self.found for d in docs}) / len(gold) if gold else 0.0
+
     def as_dict(self) -> dict[str, Any]:
         return {**asdict(self), "category": self.category}
 
@@ -297,8 +309,8 @@ def paired_gain(base: Sequence[SearchRecord], other: Sequence[SearchRecord], *, 
     gain); ``by_question`` resamples questions with all their phrasings together (the
     phrasings of one question are not independent); ``by_bridge`` resamples every
     question through one bridge document together (:func:`bridge_of`)."""
-    if metric not in ("f1", "em"):
-        raise ValueError(f"metric={metric!r}: must be 'f1' or 'em'")
+    if metric not in METRICS:
+        raise ValueError(f"metric={metric!r}: must be one of {list(METRICS)}")
     if [r.task_id for r in base] != [r.task_id for r in other]:
         raise ValueError("the two record lists are not over the same questions in the same order")
     clusters = ([bridge_of(r) for r in base] if by_bridge
@@ -307,6 +319,9 @@ def paired_gain(base: Sequence[SearchRecord], other: Sequence[SearchRecord], *, 
                              clusters=clusters, **options)
 
 
+METRICS = ("f1", "em", "recall")  # what a paired comparison may compare (SearchRecord attributes)
+METRIC_UNITS = {"f1": "points of answer F1", "em": "points of exact match",
+                "recall": "points of search recall (bridge and answer document found)"}
 BEST_CONSTANT = "best_constant"  # the name of the best-constant baseline among the compared models
 
 
@@ -333,6 +348,7 @@ def analysis_results(records: dict[str, Sequence[SearchRecord]], labels: dict[st
         "labels": {name: labels.get(name, name) for name in records},
         "categories": {name: analyse(recs).as_dict() for name, recs in records.items()},
     }
+    results["search"] = {name: search_figures(recs) for name, recs in records.items()}
     if passages is not None:
         results["readout"] = {name: readout(recs, passages) for name, recs in records.items()}
     if aspects:
@@ -350,8 +366,18 @@ def analysis_results(records: dict[str, Sequence[SearchRecord]], labels: dict[st
         {"a": a, "b": b, "metric": metric,
          **paired_gain(compared[b], compared[a], by_bridge=True, metric=metric, resamples=resamples,
                        seed=seed).as_dict()}
-        for a, b in pairs for metric in ("f1", "em")]
+        for a, b in pairs for metric in METRICS
+        if not (metric == "recall" and BEST_CONSTANT in (a, b))]  # the constant searches nothing
     return results
+
+
+def search_figures(records: Sequence[SearchRecord]) -> dict[str, float]:
+    """The shares of trajectories whose first search returned the bridge document and whose
+    searches returned the answer document, and the mean search recall."""
+    n = len(records) or 1
+    return {"bridge_found": sum(r.bridge_found for r in records) / n,
+            "answer_doc_found": sum(found_answer_doc(r) for r in records) / n,
+            "recall": sum(r.recall for r in records) / n}
 
 
 def _constant_summary(baseline: Sequence[SearchRecord], constants: dict[str, str],
@@ -399,7 +425,7 @@ def analysis_markdown(results: dict[str, Any]) -> list[str]:
                   f"{results['resamples']} resamples). A difference is a win only when its interval excludes zero.",
                   ""]
         for item in results["comparisons"]:
-            unit = "points of answer F1" if item["metric"] == "f1" else "points of exact match"
+            unit = METRIC_UNITS[item["metric"]]
             lines.append("- " + describe_difference(labels[item["a"]], labels[item["b"]], item, unit))
         lines.append("")
     return lines
@@ -408,6 +434,15 @@ def analysis_markdown(results: dict[str, Any]) -> list[str]:
 def _shortcut_lines(results: dict[str, Any], names: Sequence[str]) -> list[str]:
     """The read-out, constant-answer and best-constant tables, where computed."""
     labels, lines = results["labels"], []
+    if "search" in results:
+        lines += ["Search recall: the share of trajectories whose first search returned the bridge document, whose "
+                  "searches returned the answer document, and the mean share of the two found.", "",
+                  "| agent | bridge found | answer document found | search recall |", "| --- | ---: | ---: | ---: |"]
+        for name in names:
+            r = results["search"][name]
+            lines.append(f"| {labels[name]} | {_rate(r['bridge_found'])} | {_rate(r['answer_doc_found'])} "
+                         f"| {_rate(r['recall'])} |")
+        lines.append("")
     if "readout" in results:
         lines += ["Does the agent read? Of the trajectories whose searches returned the answer document, the share "
                   "answering its value exactly (read-out rate); of the exact answers, the share whose value is in a "
@@ -457,7 +492,7 @@ def _phrasings(results: dict[str, Any]) -> str:
 
 
 __all__ = [
-    "BEST_CONSTANT", "CATEGORIES", "CATEGORY_LABELS", "CORRECT", "ErrorAnalysis", "MALFORMED", "MISSED_ANSWER_DOC",
+    "BEST_CONSTANT", "CATEGORIES", "METRICS", "METRIC_UNITS", "search_figures", "CATEGORY_LABELS", "CORRECT", "ErrorAnalysis", "MALFORMED", "MISSED_ANSWER_DOC",
     "MISSED_BRIDGE", "SearchRecord", "WRONG_ANSWER", "analyse", "analysis_markdown", "analysis_results", "aspect_of",
     "best_constant_answers", "bridge_of", "classify", "comparison", "constant_records", "found_answer_doc",
     "greedy_search_records", "grounded",

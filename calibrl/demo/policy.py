@@ -42,11 +42,8 @@ from calibrl.demo.domain import (
     Domain,
     Fact,
     RewriteTask,
-    answer_of,
     candidate_rewrite,
-    passage_text,
     user_query,
-    value_choices,
 )
 from calibrl.fileperms import honour_umask
 from calibrl.tiny_lm import TinyLMSpec
@@ -138,7 +135,10 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int = 2048) -> Any:
 
     from calibrl.tiny_lm import train_bpe_tokenizer
 
-    core = train_bpe_tokenizer(texts, vocab_size, [PAD, EOS, *SEARCH_TAGS], added_tokens=prompt_constants())
+    # digits one by one: copying a number out of a passage is then a look-up per digit, whatever numbers
+    # the training texts hold (experiments/LOG.md, D11)
+    core = train_bpe_tokenizer(texts, vocab_size, [PAD, EOS, *SEARCH_TAGS], added_tokens=prompt_constants(),
+                               individual_digits=True)
     return PreTrainedTokenizerFast(
         tokenizer_object=core, eos_token=EOS, pad_token=PAD, additional_special_tokens=list(SEARCH_TAGS)
     )
@@ -223,19 +223,18 @@ def evidence_of(text: str, value: str, words: int = 4) -> str:
 class AgentTeacher:
     """How the base search agent's reference trajectories are drawn (its warm start).
 
-    The teacher shows the format and how to read an answer out of an observation
-    (it quotes the passage's words that state the answer, then answers). It makes
-    two mistakes that RL can fix from the answer reward, since the right move is in
-    the base agent's samples too: in a ``shortcut_share`` of its two-search
-    demonstrations it searches the question's own entity a second time instead of
-    the bridge entity the first search revealed, misses the answer document and
-    guesses; and in a ``verbose_share`` of its answers it answers with the whole
-    quoted phrase instead of the value (right document, inexact answer)."""
+    The teacher shows the format and always reads what it retrieved: its second query
+    names the fund the observed passage names, and it quotes the words of the last
+    observed passage that state the value, then answers that value, right or wrong. It
+    makes two mistakes that RL can fix from the answer reward, since the right move is in
+    the base agent's samples too: in a ``careless_first`` share of its demonstrations the
+    first query leaves out the plan's industry word (a near miss that ties the sibling
+    plans), in a ``careless_second`` share the second query leaves out the fund's style
+    word (it ties the sibling funds)."""
 
-    single_hop: int = 200  # one-search trajectories on facts no held-out question asks for
-    value_swaps: int = 1  # extra copies of each trajectory whose answer passage states another value
-    shortcut_share: float = 0.0  # share of two-search demonstrations with the careless second search
-    verbose_share: float = 0.0  # share of answers that give the whole quoted phrase rather than the value
+    careless_first: float = 0.5
+    careless_second: float = 0.5
+    value_swaps: int = 2  # extra copies of each trajectory whose answer passage states another value
 
 
 @dataclass(frozen=True)
@@ -247,55 +246,88 @@ class Plan:
     steps: tuple[tuple[str, str], ...]  # (think, query)
     answer: str
     rewritten: tuple[tuple[str, str], ...] = ()
-    evidence: str = ""  # the answer passage's words that state the answer ("" when it was not found)
-    verbose: bool = False  # answer with the evidence instead of the value
+    evidence: str = ""  # the answer passage's words that state the answer
+    renamed: tuple[tuple[str, str], ...] = ()  # (name word, made-up word): replaced in every piece of the example
 
 
-def reference_trajectories(domain: Domain, teacher: AgentTeacher = AgentTeacher(), seed: int = 0) -> list[Plan]:
-    """The warm-start plans: every training two-search question (a ``shortcut_share`` of
-    them with the careless second search), ``single_hop`` one-search questions on facts
-    that no held-out task asks for, and ``value_swaps`` copies of each careful plan whose
-    answer passage states another value (so the answer is read, not recalled)."""
+def reference_trajectories(domain: Domain, search_many: "SearchManyFn", teacher: AgentTeacher = AgentTeacher(),
+                           seed: int = 0) -> list[Plan]:
+    """The warm-start plans, on training questions only: each question once, with the
+    teacher's careless queries drawn as :class:`AgentTeacher` says, its second query and
+    answer read from what ``search_many`` returned; then ``value_swaps`` copies of each
+    whose answer passage states another value of the aspect (so the answer is read, not
+    recalled). A trajectory whose observation is not a passage it can read on from is
+    left out."""
+    from calibrl.demo.search_domain import SEARCH_ASPECTS, fact_text, first_query, search_values, second_query
+
     rng = random.Random(seed)
     facts_by_doc = {f.doc_id: f for f in domain.facts}
+    aspects = {a.key.replace("_", "-"): a for a in SEARCH_ASPECTS}
+    tasks = domain.multistep("train")
+    firsts = []
+    for task in tasks:
+        link = domain.search_links[task.gold_doc_ids[0]]
+        firsts.append(first_query(link, careless=rng.random() < teacher.careless_first))
+    first_hits = dict(zip(sorted(set(firsts)), search_many(sorted(set(firsts)))))
+    seconds: list[tuple[Any, str, str] | None] = []
+    for task, query in zip(tasks, firsts):
+        hits = first_hits[query]
+        link = domain.search_links.get(hits[0].doc_id) if hits else None
+        aspect = next(a for suffix, a in aspects.items() if task.gold_doc_ids[-1].endswith("-" + suffix))
+        careless = rng.random() < teacher.careless_second
+        seconds.append(None if link is None else (aspect, second_query(link.fund, aspect, careless), query))
+    wanted = sorted({s[1] for s in seconds if s is not None})
+    second_hits = dict(zip(wanted, search_many(wanted)))
     plans: list[Plan] = []
-    careful: list[tuple[Plan, Fact]] = []
-    for task in domain.multistep("train"):
-        fact = facts_by_doc[task.gold_doc_ids[-1]]
-        steps = tuple((s.think, s.query) for s in task.steps)
-        if task.shortcut_query and rng.random() < teacher.shortcut_share:
-            guess = answer_of(fact.aspect.key, rng.choice(value_choices(fact.aspect.key)))
-            plans.append(Plan(task.question, (steps[0], (steps[1][0], task.shortcut_query)), guess))
+    read: list[tuple[Plan, Fact]] = []
+    for task, step in zip(tasks, seconds):
+        if step is None:
             continue
-        text = passage_text(fact.entity, fact.aspect, fact.value)
-        plan = Plan(task.question, steps, task.answers[0], evidence=evidence_of(text, task.answers[0]),
-                    verbose=rng.random() < teacher.verbose_share)
+        aspect, query, first = step
+        hits = second_hits[query]
+        fact = facts_by_doc.get(hits[0].doc_id) if hits else None
+        if fact is None or fact.aspect.key != aspect.key:
+            continue
+        think1, think2 = (s.think for s in task.steps)
+        plan = Plan(task.question, ((think1, first), (think2, query)), fact.value,
+                    evidence=evidence_of(fact_text(fact.entity, fact.aspect, fact.value), fact.value))
         plans.append(plan)
-        careful.append((plan, fact))
-    heldout_docs = {doc for t in domain.multistep("heldout") for doc in t.gold_doc_ids}
-    heldout_pairs = {(t.entity_key, t.aspect_key) for t in domain.tasks("heldout")}
-    facts: list[Fact] = [
-        f for f in domain.facts
-        if f.doc_id not in heldout_docs and (f.entity.key, f.aspect.key) not in heldout_pairs
-        and f.entity.kind in ("fund", "account") and f.aspect.key != "default_investment"
-    ]
-    for fact in rng.sample(facts, min(teacher.single_hop, len(facts))):
-        question = rng.choice(fact.aspect.formal).format(e=f"the {fact.entity.name}")
-        question = question[0].upper() + question[1:]
-        think = f"I need the {fact.aspect.title} of the {fact.entity.name}."
-        plan = Plan(question, ((think, f"{fact.entity.name} {fact.aspect.terms}"),), fact.value,
-                    evidence=evidence_of(passage_text(fact.entity, fact.aspect, fact.value), fact.value),
-                    verbose=rng.random() < teacher.verbose_share)
-        plans.append(plan)
-        careful.append((plan, fact))
-    for plan, fact in careful:
-        others = [v for v in value_choices(fact.aspect.key) if v != fact.value]
-        for value in rng.sample(others, min(teacher.value_swaps, len(others))):
-            text = passage_text(fact.entity, fact.aspect, value)
-            answer = answer_of(fact.aspect.key, value)
-            plans.append(Plan(plan.question, plan.steps, answer, ((fact.doc_id, text),), evidence_of(text, answer),
-                              rng.random() < teacher.verbose_share))
+        read.append((plan, fact))
+    taken = {w.lower() for e in (*domain.entities, *domain.search_entities) for w in e.name.split()}
+    for plan, fact in read:
+        pool = search_values(fact.aspect.key)
+        task = next(t for t in tasks if t.question == plan.question)
+        link = domain.search_links[task.gold_doc_ids[0]]
+        for _ in range(teacher.value_swaps):
+            value = rng.choice(pool)
+            while value == fact.value:
+                value = rng.choice(pool)
+            text = fact_text(fact.entity, fact.aspect, value)
+            # the family words of the plan and of the funds its passages name, renamed: copied, not recalled
+            renamed = ((link.plan.name.split()[0], made_up_word(rng, taken)),
+                       (link.fund.name.split()[0], made_up_word(rng, taken)))
+            plans.append(Plan(plan.question, plan.steps, value, ((fact.doc_id, text),), evidence_of(text, value),
+                              renamed))
     return plans
+
+
+_SYLLABLES = ("ba", "ce", "di", "fo", "gu", "ha", "ke", "li", "mo", "nu", "pa", "re", "si", "to", "vu", "wa", "ze",
+              "bra", "cle", "dro", "fra", "gle", "pri", "sto", "tra", "vel", "mar", "lin", "dor", "ven", "sor")
+
+
+def made_up_word(rng: random.Random, taken: set[str]) -> str:
+    """A capitalised word of 2-4 syllables that is no word of ``taken`` (lower case); added to it."""
+    while True:
+        word = "".join(rng.choice(_SYLLABLES) for _ in range(rng.randint(2, 4))).capitalize()
+        if word.lower() not in taken:
+            taken.add(word.lower())
+            return word
+
+
+def _rename(text: str, renamed: Sequence[tuple[str, str]]) -> str:
+    for old, new in renamed:
+        text = re.sub(rf"\b{re.escape(old)}\b", new, text)
+    return text
 
 
 @dataclass(frozen=True)
@@ -308,8 +340,8 @@ class _ShownHit:
 def search_examples(domain: Domain, search_many: SearchManyFn, teacher: AgentTeacher = AgentTeacher(),
                     seed: int = 0) -> list[Example]:
     """The reference trajectories of :func:`reference_trajectories`, their observations
-    retrieved with one call of ``search_many`` (the demo's retrieval service)."""
-    plans = reference_trajectories(domain, teacher, seed)
+    retrieved through ``search_many`` (the demo's retrieval service)."""
+    plans = reference_trajectories(domain, search_many, teacher, seed)
     queries = sorted({query for plan in plans for _, query in plan.steps})
     found = dict(zip(queries, search_many(queries)))
 
@@ -318,17 +350,27 @@ def search_examples(domain: Domain, search_many: SearchManyFn, teacher: AgentTea
         return [_ShownHit(h.doc_id, h.title, rewritten[h.doc_id]) if h.doc_id in rewritten else h
                 for h in found[query]]
 
-    return [
-        trajectory_example(plan.question, [(think, query, shown(plan, query)) for think, query in plan.steps],
-                           plan.evidence if plan.verbose else plan.answer, plan.evidence)
-        for plan in plans
-    ]
+    examples = []
+    for plan in plans:
+        example = trajectory_example(plan.question, [(think, query, shown(plan, query)) for think, query in plan.steps],
+                                     plan.answer, plan.evidence)
+        if plan.renamed:
+            example = Example(tuple((_rename(text, plan.renamed), trained) for text, trained in example.pieces),
+                              example.kind)
+        examples.append(example)
+    return examples
 
 
 def tokenizer_corpus(domain: Domain, examples: Iterable[Example]) -> list[str]:
-    """Texts the tokenizer is trained on: passages, task queries, warm-start sequences."""
-    texts = [f"{p.title} {p.text}" for p in domain.passages]
-    texts += [t.query for t in domain.rewrite_tasks] + [t.question for t in domain.multistep_tasks]
+    """Texts the tokenizer is trained on: the rewriter half's passages and queries, the search
+    half's training passages and questions, the warm-start sequences. No validation or test
+    text of the search half: their names are made of pieces the model has seen in training."""
+    held_out = {d for t in domain.multistep_tasks if t.split != "train" for d in t.gold_doc_ids}
+    held_out |= {f"{link.fund.key}-{suffix}" for doc in held_out if doc in domain.search_links
+                 for link in (domain.search_links[doc],)
+                 for suffix in ("minimum-investment", "total-assets", "holdings", "inception")}
+    texts = [f"{p.title} {p.text}" for p in domain.passages if p.doc_id not in held_out]
+    texts += [t.query for t in domain.rewrite_tasks] + [t.question for t in domain.multistep("train")]
     texts += ["".join(text for text, _ in e.pieces) for e in examples]
     return texts
 

@@ -230,6 +230,12 @@ def search_verdict(base: RunResult, runs: Sequence[RunResult]) -> list[str]:
     return lines
 
 
+INTERVENTIONS = ("calibadv/neg_search_steps", "calibadv/frac_neg_search_steps_softened",
+                 "calibadv/frac_neg_search_steps_found_gold", "calibadv/frac_softened_found_gold",
+                 "calibadv/adv_change_search", "calibadv/adv_change_answer", "calibadv/frac_tokens_softened",
+                 "calibadv/frac_groups_answer_zeroed")
+
+
 def calibadv_interventions(run: RunResult) -> str:
     """What a CalibAdv run changed against plain group advantages, as means over its steps;
     "" for a run that logged no CalibAdv interventions."""
@@ -356,6 +362,9 @@ def _results_json(report: DemoReport) -> dict[str, Any]:
             "mean_frac_reward_zero_std": _json_safe(run.mean_of("frac_reward_zero_std")),
             "final_reward": _json_safe(run.mean_of("reward", 10)),
             "wall_s": round(run.wall_s, 2),
+            # what CalibAdv changed against GRPO's advantages, means over the training steps (none for GRPO)
+            **({"interventions": {key: _json_safe(run.mean_of(key)) for key in INTERVENTIONS}}
+               if _is_number(run.mean_of("calibadv/neg_search_steps")) else {}),
         }
 
     return {

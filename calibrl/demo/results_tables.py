@@ -42,6 +42,12 @@ def _pct(value: Any) -> str:
     return "-" if value is None or (isinstance(value, float) and not math.isfinite(value)) else f"{100 * value:.1f}%"
 
 
+def _num(value: Any, digits: int, signed: bool = False) -> str:
+    if value is None or (isinstance(value, float) and not math.isfinite(value)):
+        return "-"
+    return f"{value:+.{digits}f}" if signed else f"{value:.{digits}f}"
+
+
 def _ci(item: Mapping[str, Any] | None) -> str:
     if not item:
         return "-"
@@ -59,36 +65,55 @@ def _source(demo: Mapping[str, Any]) -> str:
 
 
 def demo_search(demo: Mapping[str, Any]) -> list[str]:
-    from calibrl.demo.error_analysis import BEST_CONSTANT, comparison
+    from calibrl.demo.error_analysis import BEST_CONSTANT, METRIC_UNITS, comparison
     from calibrl.stats import describe_difference
 
     analysis = demo["search_analysis"]
     labels = analysis["labels"]
     runs = {r["name"]: r for r in demo["search"]}
     readout = analysis.get("readout", {})
-    header = ["agent", "answer EM", "answer F1", "read-out rate", "F1 vs base, points [95% CI]",
-              "F1 vs best constant [95% CI]", "EM vs best constant [95% CI]"]
+    search = analysis.get("search", {})
+    header = ["agent", "answer EM", "answer F1", "bridge found", "answer doc found", "read-out rate",
+              "F1 vs base, points [95% CI]", "recall vs base [95% CI]", "F1 vs best constant [95% CI]",
+              "EM vs best constant [95% CI]"]
     rows = []
     for name, run in runs.items():
         rows.append([run["label"], _pct(run["heldout"].get("em")), _pct(run["heldout"].get("f1")),
+                     _pct(search.get(name, {}).get("bridge_found")), _pct(search.get(name, {}).get("answer_doc_found")),
                      _pct(readout.get(name, {}).get("readout_rate")),
                      _ci(comparison(analysis, name, "base_agent", "f1")),
+                     _ci(comparison(analysis, name, "base_agent", "recall")),
                      _ci(comparison(analysis, name, BEST_CONSTANT, "f1")),
                      _ci(comparison(analysis, name, BEST_CONSTANT, "em"))])
     if "constant" in analysis:
         constant = analysis["constant"]
-        rows.insert(1, [labels[BEST_CONSTANT], _pct(constant["em"]), _pct(constant["f1"]), "-", "-", "-", "-"])
+        rows.insert(1, [labels[BEST_CONSTANT], _pct(constant["em"]), _pct(constant["f1"]), "-", "-", "-", "-", "-",
+                        "-", "-"])
     lines = [_source(demo), "", *_table(header, rows), "",
              f"{analysis['questions']} held-out questions in {analysis.get('bridge_clusters', '?')} bridge clusters; "
              "intervals pair the same questions and resample whole clusters. The read-out rate is the share of "
              "trajectories that found the answer document and then answered its value exactly."]
+    interventions = [r for r in runs.values() if r.get("interventions")]
+    if interventions:
+        lines += ["", "What CalibAdv changed against GRPO's advantages (means over its training steps):", "",
+                  *_table(["arm", "negative search steps per step", "softened", "of those, found a gold document",
+                           "softened that found gold", "advantage change, search tokens",
+                           "advantage change, answer tokens"],
+                          [[r["label"], _num(r["interventions"]["calibadv/neg_search_steps"], 1),
+                            _pct(r["interventions"]["calibadv/frac_neg_search_steps_softened"]),
+                            _pct(r["interventions"]["calibadv/frac_neg_search_steps_found_gold"]),
+                            _pct(r["interventions"]["calibadv/frac_softened_found_gold"]),
+                            _num(r["interventions"]["calibadv/adv_change_search"], 3, signed=True),
+                            _num(r["interventions"]["calibadv/adv_change_answer"], 3, signed=True)]
+                           for r in interventions])]
     trained = [name for name in runs if name != "base_agent"]
     pairs = [(a, b) for i, b in enumerate(trained) for a in trained[i + 1:]]
     if pairs:
         lines.append("")
     for a, b in pairs:
-        for metric, unit in (("f1", "points of answer F1"), ("em", "points of exact match")):
+        for metric in ("recall", "f1", "em"):
             item = comparison(analysis, a, b, metric)
+            unit = METRIC_UNITS[metric]
             if item:
                 lines.append(f"- {describe_difference(labels[a], labels[b], item, unit)}")
     return lines

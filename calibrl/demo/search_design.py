@@ -21,8 +21,12 @@ if TYPE_CHECKING:  # pragma: no cover
 # The arms, each from the same base agent with the same design (docs/design.md, "Comparing arms").
 ARMS = {
     "grpo": "GRPO (answer F1 x format)",
-    "calibadv": "CalibAdv (answer F1 x format)",
+    "calibadv": "CalibAdv, gold documents as silver (answer F1 x format)",
+    "calibadv_silver": "CalibAdv, the authors' silver documents (answer F1 x format)",
 }
+# Each arm's advantage estimator and where CalibAdv takes its silver documents from: the tasks' gold
+# documents (``use_gold``), or the group's best well-formed rollouts, as its authors do (no gold labels needed).
+ESTIMATORS = {"grpo": ("grpo", None), "calibadv": ("calibadv", True), "calibadv_silver": ("calibadv", False)}
 RETRIEVAL_MODE = "bm25"
 
 
@@ -31,7 +35,6 @@ class SearchDesign:
     """Settings shared by every search-agent arm of one demo or study run."""
 
     warm_steps: int  # supervised warm-start steps of the base agent (batch 8)
-    single_hop: int  # one-search warm-start trajectories beside the two-search ones
     steps: int  # RL steps per arm
     prompts_per_step: int  # questions per RL step
     group_size: int  # rollouts per question (G)
@@ -44,44 +47,42 @@ class SearchDesign:
     temperature: float = 1.0  # sampling temperature of the rollouts
     checkpoints: int = 2  # held-out evaluations per arm (the curve's points)
     eval_questions: int = 0  # held-out questions evaluated, the first ones of the file (0 = all)
-    value_swaps: int = 2  # warm start: copies of each careful trajectory whose answer passage states another value
-    shortcut_share: float = 0.0  # warm start: share of two-search demonstrations with the careless second search
-    verbose_share: float = 0.6  # warm start: share of answers giving the whole quoted phrase instead of the value
+    value_swaps: int = 2  # warm start: copies of each trajectory whose answer passage states another value
+    careless_first: float = 0.5  # warm start: share of first queries without the plan's industry word
+    careless_second: float = 0.5  # warm start: share of second queries without the fund's style word
 
     def teacher(self) -> "AgentTeacher":
         """The warm start's reference trajectories (:class:`calibrl.demo.policy.AgentTeacher`)."""
         from calibrl.demo.policy import AgentTeacher
 
-        return AgentTeacher(single_hop=self.single_hop, value_swaps=self.value_swaps,
-                            shortcut_share=self.shortcut_share, verbose_share=self.verbose_share)
+        return AgentTeacher(careless_first=self.careless_first, careless_second=self.careless_second,
+                            value_swaps=self.value_swaps)
 
     def with_overrides(self, **changes: object) -> "SearchDesign":
         """A copy with some fields changed (a stress setting, a pilot)."""
         return replace(self, **changes)
 
 
-# Fixed from the untrained base's error analysis and pilots of both arms with identical settings
-# (docs/getting-started/demo.md): the full demo and the multi-seed study run FULL_SEARCH.
-# warm_steps: the smallest probed length (300, 600, 900, ... steps) after which the base finds the bridge
-# document on every probed training question (benchmarks/probe_warm_start.py; the base alone, no arm
-# trained). Shorter warm starts leave it writing a memorised account or fund name of the same shape in
-# its first search. On the 120-question domain that was 600; on the 360-question domain (more names,
-# fewer passes over each) 600 missed 3 of 110 probed training bridges, 900 and 1200 one, 1500 none.
-# steps: the smallest multiple of 30 after which the 10-step mean training reward, averaged over GRPO and
-# CalibAdv, rises by less than 0.01 over the next 30 steps (benchmarks/probe_rl_budget.py, training reward
-# only): 30 from the 600-step base on the 120-question domain, 60 from the 1500-step base on this one.
-FULL_SEARCH = SearchDesign(warm_steps=1500, single_hop=200, steps=60, prompts_per_step=4, group_size=8, lr=5e-4)
-QUICK_SEARCH = SearchDesign(warm_steps=100, single_hop=60, steps=3, prompts_per_step=4, group_size=4, lr=5e-4,
-                            checkpoints=1, eval_questions=24)
+# Fixed by the rules of experiments/LOG.md, D11, written before any run of this domain, on the training and
+# validation questions of seed 0 only (benchmarks/probe_warm_start.py; the base alone, no arm trained):
+# careless_first / careless_second start at 0.5; careless_first moves to 0.75 (0.25) once if the base finds the
+# bridge document on more than 60% (fewer than 30%) of training questions. warm_steps: of 800 and 1200, the one
+# with the higher base answer F1 on validation (800 when within 1 point). steps: 40, so that three search arms
+# take the time two arms of 60 steps took (a wall-time rule, read on no result).
+# Measured (experiments/LOG.md, D12): validation F1 14.2% at 800 vs 11.8% at 1200 -> 800; the base at 800 finds the
+# bridge on 30.2% of training questions -> careless_first stays 0.5.
+FULL_SEARCH = SearchDesign(warm_steps=800, steps=40, prompts_per_step=4, group_size=8, lr=5e-4)
+QUICK_SEARCH = SearchDesign(warm_steps=100, steps=3, prompts_per_step=4, group_size=4, lr=5e-4, checkpoints=1,
+                            eval_questions=24)
 
 
 def describe_design(design: SearchDesign) -> str:
     """One line for the report's settings table."""
     return (f"{design.steps} steps x {design.prompts_per_step} questions x G={design.group_size}, lr {design.lr:g}, "
             f"KL beta {design.kl_beta:g}, up to {design.max_turns} turns, {design.top_k} documents per search, "
-            f"reward answer F1 x format; warm start {design.warm_steps} steps on a teacher that answers with the whole "
-            f"quoted phrase in {design.verbose_share:.0%} of its answers and searches the question's own entity "
-            f"second in {design.shortcut_share:.0%} of its two-search demonstrations")
+            f"reward answer F1 x format; warm start {design.warm_steps} steps on a teacher that reads what it "
+            f"retrieved and leaves out the plan's industry word in {design.careless_first:.0%} of its first queries "
+            f"and the fund's style word in {design.careless_second:.0%} of its second queries")
 
 
 def train_overrides(design: SearchDesign, arm: str, *, policy: str | pathlib.Path, tasks: str | pathlib.Path,
@@ -101,8 +102,14 @@ def train_overrides(design: SearchDesign, arm: str, *, policy: str | pathlib.Pat
         f"rollout.search_top_k={design.top_k}", f"rollout.max_obs_tokens={design.max_obs_tokens}",
         f"rollout.temperature={design.temperature}",
         f"optimizer.lr={design.lr}", "services.judge=none", "reward.answer_metric=f1", "reward.w_rubric=0",
-        f"advantage.type={arm}", *(["advantage.use_gold=true"] if arm == "calibadv" else []), *extra,
+        *estimator_overrides(arm), *extra,
     ]
+
+
+def estimator_overrides(arm: str) -> list[str]:
+    """The trainer overrides that pick the arm's advantage estimator (and CalibAdv's silver documents)."""
+    estimator, use_gold = ESTIMATORS[arm]
+    return [f"advantage.type={estimator}", *([] if use_gold is None else [f"advantage.use_gold={str(use_gold).lower()}"])]
 
 
 def eval_settings(design: SearchDesign) -> "EvalSettings":
@@ -114,4 +121,4 @@ def eval_settings(design: SearchDesign) -> "EvalSettings":
                         device="cpu")
 
 
-__all__ = ["ARMS", "FULL_SEARCH", "QUICK_SEARCH", "SearchDesign", "describe_design", "eval_settings", "train_overrides"]
+__all__ = ["ARMS", "ESTIMATORS", "estimator_overrides", "FULL_SEARCH", "QUICK_SEARCH", "SearchDesign", "describe_design", "eval_settings", "train_overrides"]

@@ -1,65 +1,48 @@
-"""The search half of the demo's domain: the two-search questions and their held-out split.
+"""The search half of the demo's domain: two-search questions the agent must learn to ask.
 
-The rewriter half (:mod:`calibrl.demo.domain`: 12 funds, 6 accounts, their passages,
-rewrite tasks, SME feedback, glossary) has too few chains for a held-out set with
-power: 60 two-search questions, 21 of them held out. This module adds *search-only*
-entities, drawn from their own random stream (``random.Random(f"{seed}-search")``) so
-that the rewriter half stays byte-identical whatever is drawn here:
+A question names an employer retirement plan and asks for a fact of the fund the plan
+invests in by default. The fund's name is in the plan's passage only (the *bridge
+document*), so the second search needs a name that only the first one reveals; the fact
+is in one of the fund's passages (the *answer document*).
 
-- :data:`NEW_FUNDS` generated funds (name from word lists, ticker, the six fund-aspect
-  passages and a portfolio-manager passage);
-- :data:`NEW_MANAGERS` generated managers (tenure and education passages);
-- :data:`NEW_PLANS` employer retirement plans, each with one passage: its default
-  investment, a fund no other account defaults to.
+Everything here is search-only and drawn from its own random stream
+(``random.Random(f"{seed}-search")``): no entity, value or draw of the rewriter half
+(:mod:`calibrl.demo.domain`) is used, so that half stays byte-identical whatever is
+drawn here. The corpus, the index and the policies' tokenizer are shared.
 
-Two chains make the questions: account -> its default fund -> one of six fund facts,
-and fund -> its manager -> one of two manager facts. A question's *answer document*
-is the fact's passage. Every account has its own default fund, so the account chains
-have distinct answer documents; a manager may manage several funds, so manager chains
-may share one. The split is by answer document: :data:`HELDOUT_QUESTIONS` answer
-documents are held out, each asked by exactly one chain in one phrasing (independent
-questions, each with its own answer document); every chain whose answer document is
-not held out trains, in :data:`TRAIN_PHRASINGS` phrasings. The other chains to a
-held-out answer document are dropped, so no held-out answer document is gold in any
-training question, nor in the warm start.
+- :data:`CLUSTERS` clusters, each a *plan family* (one company word, :data:`FAMILY_SIZE`
+  plans that differ only in their industry word: "Abernathy Logistics Retirement Plan",
+  "Abernathy Foods Retirement Plan", ...) and a *fund family* (one fund word,
+  :data:`FAMILY_SIZE` funds that differ only in their style word: "Kestrel Core Fund",
+  "Kestrel Select Fund", ...); the plans default to the funds by a random bijection.
+- Near misses compete for both searches: a first query without the industry word ties
+  the sibling plans, a second query without the style word ties the sibling funds'
+  passages of the aspect (BM25 scores them alike; one document per search).
+- Each fund has one passage per aspect of :data:`SEARCH_ASPECTS`; every value is drawn
+  uniformly, without replacement over all funds, from a set of at least 840 values, so no
+  value repeats and no constant answer is right for more than one question.
+- Splits by cluster, entity-disjoint (no plan, fund, company word or fund word is
+  shared): :data:`TEST_CLUSTERS` clusters are the test split (``heldout``, one phrasing
+  per question), :data:`VALIDATION_CLUSTERS` the validation split (one phrasing), the
+  rest train in :data:`TRAIN_PHRASINGS` of 6 phrasings.
 
-Names are built so that BM25 ranks the reference trajectory's passage first for each
-search: every generated name has a first word no other name or passage uses.
+Design rules and hypotheses: experiments/LOG.md, D11.
 """
 
 from __future__ import annotations
 
 import random
 from dataclasses import dataclass
-from typing import Sequence
 
-from calibrl.demo.domain import (
-    ACCOUNT_ASPECTS,
-    ACCOUNTS,
-    FUND_ASPECTS,
-    FUNDS,
-    MANAGER_ASPECTS,
-    Entity,
-    Fact,
-    MultiStepTask,
-    Passage,
-    SearchStep,
-    _account_text,
-    _doc_id,
-    _fund_text,
-    _manager_text,
-    answer_of,
-    value_choices,
-)
+from calibrl.demo.domain import Aspect, Entity, Fact, MultiStepTask, Passage, SearchStep
 
-NEW_FUNDS = 96
-NEW_MANAGERS = 32
-NEW_PLANS = 102  # every fund not yet a default becomes one
-HELDOUT_QUESTIONS = 360  # of 724 answer documents (108 accounts x 6 fund facts + 38 managers x 2)
-TRAIN_PHRASINGS = 2  # of the six phrasings of each training chain
+CLUSTERS = 90
+FAMILY_SIZE = 3  # plans per plan family = funds per fund family
+TEST_CLUSTERS = 30  # 360 test questions
+VALIDATION_CLUSTERS = 12  # 144 validation questions
+TRAIN_PHRASINGS = 2  # of the six phrasings of each training question
+SPLITS = ("train", "validation", "heldout")  # "heldout" is the test split
 
-# First words of generated fund names: one per fund, shared with no other name, passage,
-# nickname or slang word of the domain.
 _FUND_WORDS = (
     "Alder", "Birchwood", "Cedarbrook", "Driftwood", "Elmstead", "Fernhill", "Glenmoor", "Hawthorn", "Ironwood",
     "Juniper", "Kestrel", "Larkspur", "Maplewood", "Northgate", "Orchard", "Pinecrest", "Quarrystone", "Redwood",
@@ -112,17 +95,85 @@ def generated_fund_names() -> tuple[str, ...]:
     return tuple(f"{word} {style} Fund" for word in _FUND_WORDS for style in _FUND_STYLES)
 
 
-@dataclass(frozen=True)
-class Chain:
-    """One two-search question before phrasing: bridge document, answer fact, reference searches."""
 
-    chain_id: str
-    questions: tuple[str, ...]  # its six phrasings
-    answer: str
-    bridge_id: str
-    fact: Fact
-    steps: tuple[SearchStep, ...]
-    shortcut_query: str
+_MONTHS = ("January", "February", "March", "April", "May", "June", "July", "August", "September", "October",
+           "November", "December")
+
+# The facts a question may ask for: key, passage title, the catalogue's terms (what a search names).
+SEARCH_ASPECTS = (
+    Aspect("minimum_investment", "fund", "minimum initial investment", "minimum initial investment", (), ()),
+    Aspect("total_assets", "fund", "total net assets", "total net assets", (), ()),
+    Aspect("holdings", "fund", "number of holdings", "number of holdings securities", (), ()),
+    Aspect("inception", "fund", "inception date", "inception date launched", (), ()),
+)
+_ASPECT_BY_KEY = {a.key: a for a in SEARCH_ASPECTS}
+
+
+def search_values(aspect_key: str) -> tuple[str, ...]:
+    """Every value a fund's fact of the aspect may take (each at least 840 of them)."""
+    if aspect_key == "minimum_investment":
+        return tuple(f"${n:,}" for n in range(1_000, 100_000, 100))
+    if aspect_key == "total_assets":
+        return tuple(f"${n} million" for n in range(100, 1_000))
+    if aspect_key == "holdings":
+        return tuple(str(n) for n in range(100, 1_000))
+    if aspect_key == "inception":
+        return tuple(f"{month} {year}" for year in range(1950, 2020) for month in _MONTHS)
+    raise KeyError(f"aspect {aspect_key!r}: not one of {[a.key for a in SEARCH_ASPECTS]}")
+
+
+def fact_text(fund: Entity, aspect: Aspect, value: str) -> str:
+    """The text of the fund's passage of ``aspect`` stating ``value``."""
+    name = f"the {fund.name} ({fund.ticker})"
+    return {
+        "minimum_investment": f"The minimum initial investment for {name} is {value}. Later purchases have no "
+                              "minimum.",
+        "total_assets": f"At the end of its last fiscal year {name} reported total net assets of {value}.",
+        "holdings": f"The portfolio of {name} holds {value} securities; the number of holdings changes as securities are bought and sold.",
+        "inception": f"{name[0].upper()}{name[1:]} was launched in {value}, its inception date.",
+    }[aspect.key]
+
+
+def bridge_text(plan: Entity, fund: Entity) -> str:
+    """The plan's passage: the one place that names its default fund."""
+    return (f"Unless the participant chooses otherwise, contributions to the {plan.name} are invested by default "
+            f"in the {fund.name} ({fund.ticker}).")
+
+
+DEFAULT_INVESTMENT = "default investment"
+
+
+@dataclass(frozen=True)
+class Link:
+    """One plan of the search half: its family word, its default fund and that fund's family word."""
+
+    plan: Entity
+    fund: Entity
+    cluster: int
+
+    @property
+    def bridge_id(self) -> str:
+        return f"{self.plan.key}-default-investment"
+
+
+def careful_name(entity: Entity) -> str:
+    """The entity's full catalogue name (what a search must name)."""
+    return entity.name
+
+
+def careless_name(entity: Entity) -> str:
+    """The name without its second word (the industry of a plan, the style of a fund): a
+    near miss that BM25 ties with the entity's siblings."""
+    words = entity.name.split()
+    return " ".join([words[0], *words[2:]])
+
+
+def first_query(link: Link, careless: bool = False) -> str:
+    return f"{careless_name(link.plan) if careless else careful_name(link.plan)} {DEFAULT_INVESTMENT}"
+
+
+def second_query(fund: Entity, aspect: Aspect, careless: bool = False) -> str:
+    return f"{careless_name(fund) if careless else careful_name(fund)} {aspect.terms}"
 
 
 @dataclass(frozen=True)
@@ -131,67 +182,70 @@ class SearchHalf:
 
     passages: list[Passage]
     facts: list[Fact]
-    entities: list[Entity]  # the search-only funds, plans and managers
+    entities: list[Entity]  # the search-only plans and funds
     tasks: list[MultiStepTask]
+    links: dict[str, Link]  # bridge document id -> its plan and default fund
+    clusters: dict[str, int]  # task id -> its cluster
 
 
-def search_half(seed: int, facts: Sequence[Fact], default_funds: Sequence[Entity],
-                fund_managers: Sequence[Entity]) -> SearchHalf:
-    """The search-only entities, their passages and facts, and every two-search task.
-    ``facts``, ``default_funds`` and ``fund_managers``: the rewriter half's (its 12
-    funds' managers and its 6 accounts' default funds stay as they are)."""
+def search_half(seed: int) -> SearchHalf:
+    """The search-only entities, their passages and facts, and every two-search task."""
     rng = random.Random(f"{seed}-search")
-    funds = _new_funds(rng)
-    managers = _new_managers(rng)
-    plans = _new_plans(rng)
+    fund_words = rng.sample(_FUND_WORDS, CLUSTERS)
+    company_words = rng.sample(_COMPANY_WORDS, CLUSTERS)
+    taken: set[str] = set()
+    links: list[Link] = []
+    for cluster, (fund_word, company_word) in enumerate(zip(fund_words, company_words)):
+        funds = []
+        for style in rng.sample(_FUND_STYLES, FAMILY_SIZE):
+            ticker = _ticker(rng, taken)
+            taken.add(ticker)
+            funds.append(Entity(f"{fund_word}-{style}".lower(), "fund", f"{fund_word} {style} Fund", (), ticker))
+        plans = [Entity(f"{company_word}-{industry}".lower(), "account", f"{company_word} {industry} Retirement Plan",
+                        ()) for industry in rng.sample(_INDUSTRIES, FAMILY_SIZE)]
+        rng.shuffle(funds)
+        links += [Link(plan, fund, cluster) for plan, fund in zip(plans, funds)]
+    funds = [link.fund for link in links]
     passages: list[Passage] = []
-    new_facts: list[Fact] = []
-    for fund in funds:
-        for aspect in FUND_ASPECTS:
-            value = rng.choice(value_choices(aspect.key))  # with replacement: 96 funds, pools of 4-12 values
-            new_facts.append(Fact(fund, aspect, value, _doc_id(fund, aspect)))
-            passages.append(Passage(_doc_id(fund, aspect), f"{fund.name}: {aspect.title}",
-                                    _fund_text(fund, aspect, value)))
-    for manager in managers:
-        for aspect in MANAGER_ASPECTS:
-            value = rng.choice(_manager_values(aspect.key))
-            new_facts.append(Fact(manager, aspect, value, _doc_id(manager, aspect)))
-            passages.append(Passage(_doc_id(manager, aspect), f"{manager.name}: {aspect.title}",
-                                    _manager_text(manager, aspect, value)))
-    # every new manager manages at least one new fund; the rest of the new funds draw a manager
-    new_fund_managers = list(managers) + [rng.choice(managers) for _ in range(len(funds) - len(managers))]
-    rng.shuffle(new_fund_managers)
-    for fund, manager in zip(funds, new_fund_managers):
-        passages.append(_manager_passage(fund, manager))
-    # every plan defaults to a fund no other account defaults to
-    taken = {f.key for f in default_funds}
-    plan_defaults = rng.sample([f for f in (*FUNDS, *funds) if f.key not in taken], len(plans))
-    default_aspect = next(a for a in ACCOUNT_ASPECTS if a.key == "default_investment")
-    for plan, fund in zip(plans, plan_defaults):
-        fact = Fact(plan, default_aspect, fund.name, _doc_id(plan, default_aspect))
-        new_facts.append(fact)
-        passages.append(Passage(fact.doc_id, f"{plan.name}: {default_aspect.title}",
-                                _account_text(plan, default_aspect, fund.name)))
-    by_pair = {(f.entity.key, f.aspect.key): f for f in (*facts, *new_facts)}
-    chains = _account_chains(list(zip((*ACCOUNTS, *plans), (*default_funds, *plan_defaults))), by_pair)
-    chains += _manager_chains(list(zip((*FUNDS, *funds), (*fund_managers, *new_fund_managers))), by_pair)
-    return SearchHalf(passages, new_facts, [*funds, *plans, *managers], _split(chains, rng))
-
-
-def _manager_values(aspect_key: str) -> tuple[str, ...]:
-    """The values a generated manager's fact may take: no doctorate, whose stem ("doctor")
-    is a word of the HSA's nickname, which must stay absent from the corpus."""
-    return tuple(v for v in value_choices(aspect_key) if "doctorate" not in v)
-
-
-def _new_funds(rng: random.Random) -> list[Entity]:
-    taken = {f.ticker for f in FUNDS}
-    funds = []
-    for word in rng.sample(_FUND_WORDS, NEW_FUNDS):
-        ticker = _ticker(rng, taken)
-        taken.add(ticker)
-        funds.append(Entity(word.lower(), "fund", f"{word} {rng.choice(_FUND_STYLES)} Fund", (), ticker))
-    return funds
+    facts: list[Fact] = []
+    pools = {a.key: rng.sample(search_values(a.key), len(funds)) for a in SEARCH_ASPECTS}
+    for n, fund in enumerate(funds):
+        for aspect in SEARCH_ASPECTS:
+            doc_id = f"{fund.key}-{aspect.key.replace('_', '-')}"
+            value = pools[aspect.key][n]
+            facts.append(Fact(fund, aspect, value, doc_id))
+            passages.append(Passage(doc_id, f"{fund.name}: {aspect.title}", fact_text(fund, aspect, value)))
+    for link in links:
+        passages.append(Passage(link.bridge_id, f"{link.plan.name}: {DEFAULT_INVESTMENT}", bridge_text(link.plan,
+                                                                                                     link.fund)))
+    facts_by_doc = {f.doc_id: f for f in facts}
+    order = list(range(CLUSTERS))
+    rng.shuffle(order)
+    split_of = {c: "heldout" for c in order[:TEST_CLUSTERS]}
+    split_of.update({c: "validation" for c in order[TEST_CLUSTERS:TEST_CLUSTERS + VALIDATION_CLUSTERS]})
+    tasks: dict[str, list[MultiStepTask]] = {s: [] for s in SPLITS}
+    clusters: dict[str, int] = {}
+    for link in links:
+        split = split_of.get(link.cluster, "train")
+        for aspect in SEARCH_ASPECTS:
+            fact = facts_by_doc[f"{link.fund.key}-{aspect.key.replace('_', '-')}"]
+            steps = (
+                SearchStep(first_query(link), link.bridge_id, f"I need the {DEFAULT_INVESTMENT} of the plan first."),
+                SearchStep(second_query(link.fund, aspect), fact.doc_id, f"Now the {aspect.title} of that fund."),
+            )
+            phrasings = [q.format(p=link.plan.name) for q in QUESTIONS[aspect.key]]
+            chosen = (sorted(rng.sample(range(len(phrasings)), TRAIN_PHRASINGS)) if split == "train"
+                      else [rng.randrange(len(phrasings))])
+            for n in chosen:
+                task = MultiStepTask(f"ms-{link.plan.key}-{aspect.key.replace('_', '-')}-{n}", phrasings[n],
+                                     (fact.value,), (link.bridge_id, fact.doc_id), steps, split)
+                tasks[split].append(task)
+                clusters[task.task_id] = link.cluster
+    for split in ("validation", "heldout"):  # a prefix of the file (what --quick evaluates) mixes the clusters
+        rng.shuffle(tasks[split])
+    entities = [*(link.plan for link in links), *funds]
+    return SearchHalf(passages, facts, entities, [t for s in SPLITS for t in tasks[s]],
+                      {link.bridge_id: link for link in links}, clusters)
 
 
 def _ticker(rng: random.Random, taken: set[str]) -> str:
@@ -201,145 +255,39 @@ def _ticker(rng: random.Random, taken: set[str]) -> str:
             return ticker
 
 
-def _new_managers(rng: random.Random) -> list[Entity]:
-    firsts = rng.sample(_FIRST_NAMES, NEW_MANAGERS)
-    return [Entity(last.lower(), "manager", f"{first} {last}", ())
-            for first, last in zip(firsts, rng.sample(_LAST_NAMES, NEW_MANAGERS))]
-
-
-def _new_plans(rng: random.Random) -> list[Entity]:
-    return [Entity(f"{word.lower()}-plan", "account", f"{word} {rng.choice(_INDUSTRIES)} Retirement Plan", ())
-            for word in rng.sample(_COMPANY_WORDS, NEW_PLANS)]
-
-
-def _manager_passage(fund: Entity, manager: Entity) -> Passage:
-    return Passage(f"{fund.key}-manager", f"{fund.name}: portfolio manager",
-                   f"{fund.name} ({fund.ticker}) is managed by portfolio manager {manager.name}.")
-
-
-def _account_chains(account_funds: list[tuple[Entity, Entity]], by_pair: dict) -> list[Chain]:
-    """account -> its default fund -> a fact of that fund."""
-    chains = []
-    for account, fund in account_funds:
-        bridge_id = f"{account.key}-default-investment"
-        for aspect in FUND_ASPECTS:
-            fact = by_pair[(fund.key, aspect.key)]
-            steps = (
-                SearchStep(f"{account.name} default investment", bridge_id,
-                           f"I need the default investment of the {account.name} first."),
-                SearchStep(f"{fund.name} {aspect.terms}", fact.doc_id,
-                           f"The default investment is the {fund.name}; now its {aspect.title}."),
-            )
-            questions = tuple(q.format(a=account.name) for q in DEFAULT_FUND_QUESTIONS[aspect.key])
-            chains.append(Chain(f"ms-{account.key}-{aspect.key.replace('_', '-')}", questions, fact.value, bridge_id,
-                                fact, steps, f"{account.name} {aspect.terms}"))
-    return chains
-
-
-def _manager_chains(fund_managers: list[tuple[Entity, Entity]], by_pair: dict) -> list[Chain]:
-    """fund -> its manager -> a fact of that manager."""
-    chains = []
-    for fund, manager in fund_managers:
-        bridge_id = f"{fund.key}-manager"
-        for aspect in MANAGER_ASPECTS:
-            fact = by_pair[(manager.key, aspect.key)]
-            steps = (
-                SearchStep(f"{fund.name} portfolio manager", bridge_id,
-                           f"I need the portfolio manager of the {fund.name} first."),
-                SearchStep(f"{manager.name} {aspect.terms}", fact.doc_id,
-                           f"The manager is {manager.name}; now the {aspect.title}."),
-            )
-            questions = tuple(q.format(f=fund.name) for q in MANAGER_QUESTIONS[aspect.key])
-            chains.append(Chain(f"ms-{fund.key}-{aspect.key}", questions, answer_of(aspect.key, fact.value),
-                                bridge_id, fact, steps, f"{fund.name} {aspect.terms}"))
-    return chains
-
-
-def _split(chains: list[Chain], rng: random.Random) -> list[MultiStepTask]:
-    """Hold out :data:`HELDOUT_QUESTIONS` answer documents, each asked by one chain in one
-    phrasing; train every chain whose answer document is not held out, in
-    :data:`TRAIN_PHRASINGS` phrasings; drop the rest. Held-out tasks come in a random
-    order (a prefix of the file, as ``--quick`` evaluates, mixes both chains)."""
-    by_answer: dict[str, list[Chain]] = {}
-    for chain in chains:
-        by_answer.setdefault(chain.fact.doc_id, []).append(chain)
-    answer_docs = sorted(by_answer)
-    if len(answer_docs) < 2 * HELDOUT_QUESTIONS:
-        raise ValueError(f"{len(answer_docs)} answer documents: too few to hold out {HELDOUT_QUESTIONS}")
-    heldout_docs = set(rng.sample(answer_docs, HELDOUT_QUESTIONS))
-    heldout = []
-    for doc in sorted(heldout_docs):
-        chain = rng.choice(by_answer[doc])
-        n = rng.randrange(len(chain.questions))
-        heldout.append(_task(chain, n, "heldout"))
-    rng.shuffle(heldout)
-    train = [
-        _task(chain, n, "train")
-        for chain in chains if chain.fact.doc_id not in heldout_docs
-        for n in sorted(rng.sample(range(len(chain.questions)), TRAIN_PHRASINGS))
-    ]
-    return train + heldout
-
-
-def _task(chain: Chain, n: int, split: str) -> MultiStepTask:
-    return MultiStepTask(f"{chain.chain_id}-{n}", chain.questions[n], (chain.answer,),
-                         (chain.bridge_id, chain.fact.doc_id), chain.steps, split, chain.shortcut_query)
-
-
-# Six phrasings of each two-search question.
-DEFAULT_FUND_QUESTIONS = {
-    "expense_ratio": ("What is the expense ratio of the default investment of the {a}?",
-                      "How high is the annual fee of the fund the {a} invests in by default?",
-                      "What expense ratio does the default fund of the {a} charge?",
-                      "If I put money in the {a} and choose nothing, what annual fee does that fund charge?",
-                      "Tell me the expense ratio of the fund the {a} uses by default.",
-                      "What does the default investment of the {a} charge as its expense ratio?"),
-    "minimum_investment": ("What is the minimum initial investment of the fund that the {a} invests in by default?",
-                           "What minimum investment does the default fund of the {a} require?",
-                           "How much must I invest at first in the default investment of the {a}?",
-                           "What is the smallest initial investment the default fund of the {a} accepts?",
-                           "Tell me the minimum initial investment of the fund the {a} uses by default.",
-                           "If I choose nothing in the {a}, what minimum investment does that fund require?"),
-    "dividend_schedule": ("How often does the default fund of the {a} pay dividends?",
-                          "What dividend schedule does the default investment of the {a} follow?",
-                          "On what schedule does the fund the {a} invests in by default distribute dividends?",
-                          "Tell me the dividend distribution schedule of the default fund of the {a}.",
-                          "How frequently are dividends paid by the default investment of the {a}?",
-                          "If I choose nothing in the {a}, how often does that fund pay dividends?"),
-    "redemption_fee": ("What is the holding period of the redemption fee of the default fund of the {a}?",
-                       "For how long does the default investment of the {a} charge a redemption fee?",
-                       "How long must I hold the default fund of the {a} to avoid its redemption fee?",
-                       "Tell me the redemption fee holding period of the fund the {a} invests in by default.",
-                       "What holding period applies to the redemption fee of the default investment of the {a}?",
-                       "If I choose nothing in the {a}, how long is that fund's redemption fee holding period?"),
-    "risk_rating": ("What is the risk rating of the default investment of the {a}?",
-                    "How risky, on the 1 to 5 scale, is the default fund of the {a}?",
-                    "What risk rating does the fund the {a} invests in by default carry?",
-                    "Tell me the risk rating of the default fund of the {a}.",
-                    "How volatile is the default investment of the {a}, by its risk rating?",
-                    "If I choose nothing in the {a}, what risk rating does that fund have?"),
-    "benchmark": ("Which benchmark index does the default fund of the {a} track?",
-                  "What index is the default investment of the {a} measured against?",
-                  "What is the benchmark index of the fund the {a} invests in by default?",
-                  "Tell me the benchmark of the default fund of the {a}.",
-                  "Which index does the default investment of the {a} follow as its benchmark?",
-                  "If I choose nothing in the {a}, which benchmark index does that fund track?"),
-}
-MANAGER_QUESTIONS = {
-    "tenure": ("In what year did the portfolio manager of the {f} join the firm?",
-               "When did the person who manages the {f} join the firm?",
-               "What year did the manager of the {f} start at the firm?",
-               "Tell me when the portfolio manager of the {f} joined the firm.",
-               "Since what year has the manager of the {f} been with the firm?",
-               "How long ago, by year joined, did the person running the {f} come to the firm?"),
-    "education": ("Where did the portfolio manager of the {f} study?",
-                  "Which university did the manager of the {f} attend?",
-                  "At which school did the person who manages the {f} study?",
-                  "Tell me where the portfolio manager of the {f} was educated.",
-                  "What university did the manager of the {f} graduate from?",
-                  "Where was the person running the {f} educated?"),
+# Six phrasings of each question; {p} is the plan's full name.
+QUESTIONS = {
+    "minimum_investment": (
+        "What is the minimum initial investment of the default fund of the {p}?",
+        "How much must I invest at first in the fund the {p} invests in by default?",
+        "What minimum initial investment does the default investment of the {p} require?",
+        "Tell me the minimum initial investment of the fund the {p} uses by default.",
+        "If I choose nothing in the {p}, what minimum initial investment does that fund require?",
+        "What is the smallest first purchase the default fund of the {p} accepts?"),
+    "total_assets": (
+        "What are the total net assets of the default fund of the {p}?",
+        "How large, in net assets, is the fund the {p} invests in by default?",
+        "Tell me the total net assets of the default investment of the {p}.",
+        "How much money does the default fund of the {p} manage in total?",
+        "If I choose nothing in the {p}, how big is that fund by total net assets?",
+        "What total net assets did the fund the {p} uses by default hold?"),
+    "holdings": (
+        "How many securities does the default fund of the {p} hold?",
+        "What is the number of holdings of the fund the {p} invests in by default?",
+        "Tell me how many holdings the default investment of the {p} has.",
+        "How many securities are in the portfolio of the default fund of the {p}?",
+        "If I choose nothing in the {p}, how many holdings does that fund have?",
+        "What number of securities does the fund the {p} uses by default hold?"),
+    "inception": (
+        "When was the default fund of the {p} launched?",
+        "What is the inception date of the fund the {p} invests in by default?",
+        "Tell me when the default investment of the {p} was launched.",
+        "Since when has the default fund of the {p} existed?",
+        "If I choose nothing in the {p}, when was that fund launched?",
+        "What inception date does the fund the {p} uses by default have?"),
 }
 
 
-__all__ = ["HELDOUT_QUESTIONS", "NEW_FUNDS", "NEW_MANAGERS", "NEW_PLANS", "SearchHalf", "TRAIN_PHRASINGS",
-           "generated_fund_names", "search_half"]
+__all__ = ["CLUSTERS", "FAMILY_SIZE", "Link", "QUESTIONS", "SEARCH_ASPECTS", "SPLITS", "SearchHalf", "TEST_CLUSTERS",
+           "TRAIN_PHRASINGS", "VALIDATION_CLUSTERS", "bridge_text", "careless_name", "fact_text", "first_query",
+           "generated_fund_names", "search_half", "search_values", "second_query"]

@@ -1,6 +1,6 @@
 """`calibrl study`: the search-agent arms over several seeds, with intervals.
 
-    calibrl study                       # seeds 6,7,8, the full demo's sizes, normal + stress setting
+    calibrl study                       # seeds 6-10, the full demo's sizes, normal + stress + long setting
     calibrl study --seeds 6,7 --jobs 2  # two seeds, each in its own process
     calibrl study --quick               # every stage with few steps (the test's size)
 
@@ -8,16 +8,21 @@ For each seed the study builds what ``calibrl demo --seed N`` builds for its sea
 agent, with the demo's own functions: the domain (so every seed has its own corpus
 and questions), the index, the retrieval service and the base search agent. A judge
 service serves the search-step rubric (``configs/rubrics/search-steps.yaml``) for the
-step-rewarded arms. From that one base it trains four arms with the demo's search
+step-rewarded arms. From that one base it trains the arms with the demo's search
 settings, differing only in what the arm names:
 
 * ``grpo``: GRPO advantages, reward answer F1 x format;
-* ``calibadv``: CalibAdv (gold documents as silver, as the demo);
-* ``grpo_steps`` / ``calibadv_steps``: the same, with per-step dense rewards from both
-  services in the trajectory reward (``reward.w_steps``; the one way both estimators take);
+* ``calibadv``: CalibAdv, gold documents as silver (``advantage.use_gold=true``);
+* ``calibadv_silver``: CalibAdv, silver documents from the group's best well-formed
+  rollouts, as its authors take them (``advantage.use_gold=false``);
+* ``grpo_steps`` / ``calibadv_steps`` (``--arms``, not run by default): GRPO and CalibAdv
+  with per-step dense rewards from both services in the trajectory reward
+  (``reward.w_steps``; the one way both estimators take);
 
-once under the demo's learning rate (``normal``) and once under a stress setting,
-the same for every arm (``stress``: the learning rate times ``STRESS_LR_FACTOR``).
+under the demo's learning rate (``normal``), under a stress setting, the same for every
+arm (``stress``: the learning rate times ``STRESS_LR_FACTOR``), and over a longer run at
+the normal learning rate (``long``: ``LONG_STEPS_FACTOR`` times the steps, with held-out
+search recall and answer F1 at ``LONG_CHECKPOINTS`` checkpoints: does an arm degrade?).
 Every final policy and the base answer every held-out question greedily; the
 per-question answer F1 feeds ``calibrl.stats``: each arm's mean with a 95% bootstrap
 interval over questions (resampled within each seed: the seeds have different
@@ -45,13 +50,16 @@ from typing import Any, Sequence
 
 from calibrl.errors import CalibrlError
 
-DEFAULT_SEEDS = "6,7,8"  # no design knob was chosen on these seeds (experiments/LOG.md)
+DEFAULT_SEEDS = "6,7,8,9,10"  # no design knob was chosen on these seeds (experiments/LOG.md, D11)
 STUDY_MARKER = ".calibrl-study"  # marks a folder as a study's output, which a later study may replace
 STEP_RUBRIC_ID = "search-steps"
 STEP_RUBRIC = pathlib.Path(__file__).resolve().parents[2] / "configs" / "rubrics" / f"{STEP_RUBRIC_ID}.yaml"
 STRESS_LR_FACTOR = 5.0  # the stress setting's learning rate, in multiples of the demo's search_lr
+LONG_STEPS_FACTOR = 4  # the long setting's steps, in multiples of the demo's (same learning rate)
+LONG_CHECKPOINTS = 4  # held-out evaluations along the long run
 W_STEPS = 0.5  # weight of the mean step reward in the step-rewarded arms' trajectory reward
 SEED_RESULT = "seed_result.json"
+CURVE_METRICS = ("f1", "em", "recall", "bridge_found", "well_formed")  # kept per checkpoint of the long run
 STUDY_FILE = "study.json"  # the command, the plan and the start time (calibrl study --report-only reads it)
 # Per-step metrics kept from each run's metrics.jsonl (the collapse signals and the reward).
 KEPT_METRICS = ("reward", "reward_std", "frac_reward_zero_std", "kl", "entropy", "grad_norm", "policy/ref_ppl",
@@ -75,11 +83,13 @@ class Arm:
 
 ARMS = (
     Arm("grpo", "GRPO", "grpo", False),
-    Arm("calibadv", "CalibAdv", "calibadv", False),
+    Arm("calibadv", "CalibAdv (gold as silver)", "calibadv", False),
+    Arm("calibadv_silver", "CalibAdv (authors' silver)", "calibadv_silver", False),
     Arm("grpo_steps", "GRPO + step rewards", "grpo", True),
     Arm("calibadv_steps", "CalibAdv + step rewards", "calibadv", True),
 )
-SETTINGS = ("normal", "stress")
+DEFAULT_ARMS = ("grpo", "calibadv", "calibadv_silver")
+SETTINGS = ("normal", "stress", "long")
 
 
 @dataclass(frozen=True)
@@ -89,7 +99,7 @@ class StudyPlan:
     demo: Any  # calibrl.demo.cli.DemoSettings (FULL or QUICK); its ``search`` design is every arm's
     seeds: tuple[int, ...]
     heldout_limit: int = 0  # evaluate only the first N held-out questions (0 = all; tests use a few)
-    arms: tuple[Arm, ...] = ARMS
+    arms: tuple[Arm, ...] = tuple(a for a in ARMS if a.name in DEFAULT_ARMS)
     settings: tuple[str, ...] = SETTINGS
 
     @property
@@ -101,6 +111,9 @@ class StudyPlan:
         """The design under ``setting`` (stress: the learning rate times ``STRESS_LR_FACTOR``)."""
         if setting == "stress":
             return self.design.with_overrides(lr=self.design.lr * STRESS_LR_FACTOR)
+        if setting == "long":
+            return self.design.with_overrides(steps=self.design.steps * LONG_STEPS_FACTOR,
+                                              checkpoints=LONG_CHECKPOINTS)
         return self.design
 
     def run_order(self) -> list[tuple[str, Arm]]:
@@ -117,6 +130,7 @@ class StudyPlan:
         return {
             "mode": self.demo.name, "seeds": list(self.seeds), "arms": [a.name for a in self.arms],
             "settings": list(self.settings), "search_steps": design.steps,
+            "long_steps": design.steps * LONG_STEPS_FACTOR, "long_checkpoints": LONG_CHECKPOINTS,
             "questions_per_step": design.prompts_per_step, "group_size": design.group_size,
             "lr": design.lr, "stress_lr": design.lr * STRESS_LR_FACTOR, "kl_beta": design.kl_beta,
             "max_turns": design.max_turns, "search_top_k": design.top_k, "w_steps": W_STEPS,
@@ -223,6 +237,12 @@ def _train_and_score(plan: StudyPlan, seed: int, out: pathlib.Path, domain: Any,
     for setting, arm in plan.run_order():
         run = train_arm(plan, setting, arm, base_agent, files, clients, out, seed, progress)
         eval_started = time.perf_counter()
+        checkpoints = run.pop("checkpoints")
+        if setting == "long":  # held-out figures along the run (the last checkpoint is the final policy)
+            run["curve"] = []
+            for step, path in checkpoints:
+                scores = question_scores(path, heldout, clients, eval_settings, passages)
+                run["curve"].append({"step": step, **{k: scores[k] for k in CURVE_METRICS}})
         run["scores"] = question_scores(run.pop("model"), heldout, clients, eval_settings, passages)
         run["eval_s"] = time.perf_counter() - eval_started
         record["runs"].setdefault(setting, {})[arm.name] = run
@@ -269,7 +289,7 @@ def arm_overrides(plan: StudyPlan, setting: str, arm: Arm, base_agent: pathlib.P
     written (the study evaluates the final policy)."""
     from calibrl.demo.search_design import train_overrides
 
-    extra = ["checkpoint_every=0"]
+    extra = [] if setting == "long" else ["checkpoint_every=0"]  # the long run keeps its checkpoints
     if arm.step_rewards:
         extra += [f"reward.w_steps={W_STEPS}", f"reward.step_rubric_id={STEP_RUBRIC_ID}",
                   f"services.judge={clients.judge_target}"]
@@ -292,7 +312,9 @@ def train_arm(plan: StudyPlan, setting: str, arm: Arm, base_agent: pathlib.Path,
     if len(history) < planned:  # the trainer caught a SIGTERM: it checkpointed and returned early
         raise StudyError(f"{run_dir}: training stopped after {len(history)} of {planned} steps (SIGTERM)")
     steps = [{"step": n + 1, **{k: float(h[k]) for k in KEPT_METRICS if k in h}} for n, h in enumerate(history)]
-    return {"steps": steps, "wall_s": seconds, "model": str(find_checkpoint(run_dir))}
+    checkpoints = sorted(((int(p.name.split("_")[1]), str(p)) for p in (run_dir / "checkpoints").glob("step_*")),
+                         key=lambda c: c[0]) if (run_dir / "checkpoints").is_dir() else []
+    return {"steps": steps, "wall_s": seconds, "model": str(find_checkpoint(run_dir)), "checkpoints": checkpoints}
 
 
 def question_scores(model: str | pathlib.Path, tasks: Sequence[Any], clients: Any, settings: Any,
@@ -312,7 +334,8 @@ def question_scores(model: str | pathlib.Path, tasks: Sequence[Any], clients: An
               "well_formed": [float(r.well_formed) for r in records], "searches": [len(r.queries) for r in records],
               "category": [_category(r) for r in records],
               "answer": [normalize_answer(r.answer) if r.answer is not None else "" for r in records],
-              "found_answer_doc": [float(found_answer_doc(r)) for r in records]}
+              "found_answer_doc": [float(found_answer_doc(r)) for r in records],
+              "bridge_found": [r.bridge_found for r in records], "recall": [r.recall for r in records]}
     if passages is not None:
         scores["grounded"] = [float(grounded(r, passages)) for r in records]
     return scores
@@ -417,7 +440,8 @@ def _supervise(plan: StudyPlan, out: pathlib.Path, jobs: int, waiting: list[int]
             log = open(out / f"seed_{seed}" / "worker.log", "w", encoding="utf-8")
             args = [*command, "study", "--worker", "--seeds", str(seed), "--out", str(out / f"seed_{seed}"),
                     *(["--quick"] if plan.demo.name == "quick" else []),
-                    *(["--heldout-limit", str(plan.heldout_limit)] if plan.heldout_limit else [])]
+                    *(["--heldout-limit", str(plan.heldout_limit)] if plan.heldout_limit else []),
+                    "--arms", ",".join(arm.name for arm in plan.arms), "--settings", ",".join(plan.settings)]
             running.append((seed, subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=env), log))
         time.sleep(1.0)
         for entry in list(running):
@@ -453,15 +477,19 @@ def parse_seeds(text: str) -> tuple[int, ...]:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="calibrl study",
-        description="Train the search agent's four arms (GRPO, CalibAdv, each with and without per-step dense "
-        "rewards) from the demo's base over several seeds, under the demo's learning rate and a stress setting; "
-        "report each arm's held-out answer F1 with 95% intervals, paired bootstraps over questions, and the "
-        "collapse signals per step.",
+        description="Train the search agent's arms (GRPO, CalibAdv with gold documents as silver, CalibAdv with the "
+        "authors' silver documents) from the demo's base over several seeds, under the demo's learning rate, a "
+        "stress setting and a 4x longer run; report each arm's held-out search recall and answer F1 with 95% "
+        "intervals (over questions, and over seeds then questions), and the collapse signals per step.",
     )
     parser.add_argument("--seeds", default=DEFAULT_SEEDS,
                         help=f"comma-separated seeds (default {DEFAULT_SEEDS}: seeds no design choice was made on; "
                              "experiments/LOG.md)")
     parser.add_argument("--quick", action="store_true", help="the demo's --quick sizes: a smoke run")
+    parser.add_argument("--arms", default=",".join(DEFAULT_ARMS),
+                        help=f"comma-separated arms of {[a.name for a in ARMS]} (default {','.join(DEFAULT_ARMS)})")
+    parser.add_argument("--settings", default=",".join(SETTINGS),
+                        help=f"comma-separated settings of {list(SETTINGS)} (default all)")
     parser.add_argument("--out", default="calibrl_study_out", help="output folder (default calibrl_study_out)")
     parser.add_argument("--jobs", type=int, default=1, help="seeds run at once, each in its own process (default 1)")
     parser.add_argument("--heldout-limit", type=int, default=0,
@@ -495,7 +523,15 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     hide_library_progress_bars()  # the study prints one line per run; its logs hold the rest
 
-    plan = StudyPlan(QUICK if args.quick else FULL, seeds, heldout_limit=args.heldout_limit)
+    arms = [a.strip() for a in args.arms.split(",") if a.strip()]
+    settings = [s.strip() for s in args.settings.split(",") if s.strip()]
+    unknown = [a for a in arms if a not in {arm.name for arm in ARMS}] + [s for s in settings if s not in SETTINGS]
+    if unknown or not arms or not settings:
+        print(f"error: --arms {args.arms!r} / --settings {args.settings!r}: unknown or empty: {unknown}; arms are "
+              f"{[a.name for a in ARMS]}, settings {list(SETTINGS)}", file=sys.stderr)
+        return 2
+    plan = StudyPlan(QUICK if args.quick else FULL, seeds, heldout_limit=args.heldout_limit,
+                     arms=tuple(a for a in ARMS if a.name in arms), settings=tuple(s for s in SETTINGS if s in settings))
     out = pathlib.Path(args.out)
     if args.report_only:
         try:
@@ -543,4 +579,4 @@ def _prepare_out(out: pathlib.Path, overwrite: bool) -> str | None:
     return None
 
 
-__all__ = ["ARMS", "Arm", "StudyPlan", "main", "parse_seeds", "question_scores", "run_seed", "run_study"]
+__all__ = ["ARMS", "Arm", "DEFAULT_ARMS", "SETTINGS", "StudyPlan", "main", "parse_seeds", "question_scores", "run_seed", "run_study"]

@@ -117,7 +117,40 @@ def arm_summary(records: Sequence[Mapping[str, Any]], setting: str, arm: str, se
         "categories": category_shares(records, setting, arm),
     })
     summary.update(readout_summary(records, setting, arm))
+    if all("recall" in (r["base"] if arm == BASE else r["runs"][setting][arm]["scores"]) for r in records):
+        summary["recall"] = _mean(units(records, setting, arm, "recall")[0])
+        summary["bridge_found"] = _mean(units(records, setting, arm, "bridge_found")[0])
     return summary
+
+
+def has_recall(records: Sequence[Mapping[str, Any]], setting: str, arms: Sequence[str]) -> bool:
+    """Whether every seed's base and arms carry per-question search recall."""
+    return all("recall" in r["base"] and all("recall" in r["runs"][setting][a]["scores"] for a in arms)
+               for r in records)
+
+
+def long_curves(records: Sequence[Mapping[str, Any]], setting: str, arm: str) -> dict[str, Any] | None:
+    """The held-out figures along a run evaluated at several checkpoints (the long setting):
+    per checkpoint step the mean over seeds of each curve metric, and the hierarchical
+    interval (seeds, then bridge clusters) of last - best checkpoint in search recall and in
+    the well-formed rate, the best chosen on the mean curve. None without curves."""
+    curves = [r["runs"][setting][arm].get("curve") for r in records]
+    if not all(curves):
+        return None
+    steps = [point["step"] for point in curves[0]]
+    if any([p["step"] for p in c] != steps for c in curves):
+        return None
+    out: dict[str, Any] = {"steps": steps}
+    for metric in ("f1", "recall", "well_formed", "bridge_found"):
+        out[metric] = [_mean([_mean(c[n][metric]) for c in curves]) for n in range(len(steps))]
+    clusters = [[_cluster_label(q) for q in r["questions"]] for r in records]
+    for metric in ("recall", "well_formed"):
+        best = max(range(len(steps)), key=lambda n: out[metric][n])
+        out[f"last_minus_best_{metric}"] = {
+            "best_step": steps[best], **hierarchical_difference(
+                [c[-1][metric] for c in curves], [c[best][metric] for c in curves],
+                clusters_per_seed=clusters).as_dict()}
+    return out
 
 
 def readout_summary(records: Sequence[Mapping[str, Any]], setting: str, arm: str) -> dict[str, Any]:
@@ -230,6 +263,12 @@ def summarize(plan: Mapping[str, Any], records: Sequence[Mapping[str, Any]]) -> 
             "signals": {arm: {key: signal_curves(records, setting, arm, key) for key, _, _ in SIGNALS}
                         for arm in arms},
         }
+        if has_recall(records, setting, arms):  # search recall: bridge and answer document found
+            out["settings"][setting]["paired_recall"] = [_pair(records, setting, a, b, metric="recall")
+                                                         for a, b in pairs_of(arms)]
+        curves = {arm: long_curves(records, setting, arm) for arm in arms}
+        if any(curves.values()):
+            out["settings"][setting]["curves"] = {arm: c for arm, c in curves.items() if c}
         if "calibadv" in arms and "grpo" in arms:
             out["settings"][setting]["calibadv_signals"] = {
                 key: signal_curves(records, setting, "calibadv", key) for key in CALIBADV_SIGNALS}
@@ -263,6 +302,13 @@ def write_study(plan: Mapping[str, Any], records: Sequence[Mapping[str, Any]], o
         if summary["settings"][setting].get("paired_em_vs_base"):
             lines += [f"Exact-match gain over the base ({setting}), paired the same way:", "",
                       paired_table(summary, setting, labels, key="paired_em_vs_base"), ""]
+        if summary["settings"][setting].get("paired_recall"):
+            lines += [f"Search recall ({setting}; per question, the share of its bridge and answer documents some "
+                      "search returned), paired the same way:", "",
+                      paired_table(summary, setting, labels, key="paired_recall"), ""]
+        if summary["settings"][setting].get("curves"):
+            lines += [f"Held-out figures along the {setting} run (means over seeds), and last - best checkpoint "
+                      "(95% CI over seeds, then questions):", "", curve_table(summary, setting, labels), ""]
         categories = category_table(summary, setting, labels)
         if categories:
             lines += [f"Where the trajectories fail ({setting}; error analysis of every held-out question):", "",
@@ -344,6 +390,19 @@ def arm_table(plan: Mapping[str, Any], summary: Mapping[str, Any], setting: str,
     return _markdown(header, rows)
 
 
+def curve_table(summary: Mapping[str, Any], setting: str, labels: Mapping[str, str]) -> str:
+    rows, drops = [], []
+    for arm, curve in summary["settings"][setting]["curves"].items():
+        for n, step in enumerate(curve["steps"]):
+            rows.append([labels[arm], str(step), _pct(curve["recall"][n]), _pct(curve["bridge_found"][n]),
+                         _pct(curve["f1"][n]), _pct(curve["well_formed"][n])])
+        for metric in ("recall", "well_formed"):
+            d = curve[f"last_minus_best_{metric}"]
+            drops.append([labels[arm], metric, str(d["best_step"]), _ci_points(d), "yes" if d["high"] < 0 else "no"])
+    return (_markdown(["arm", "step", "search recall %", "bridge found %", "answer F1 %", "well-formed %"], rows)
+            + "\n\n" + _markdown(["arm", "metric", "best step", "last - best, points [95% CI]", "degraded"], drops))
+
+
 def _nan_if_none(value: Any) -> float:
     return math.nan if value is None else float(value)
 
@@ -387,8 +446,14 @@ def verdict(plan: Mapping[str, Any], summary: Mapping[str, Any], labels: Mapping
     first = next(iter(summary["settings"]))
     normal = summary["settings"][first]
     by_pair = {(p["a"], p["b"]): p for p in normal["paired"]}
+    by_recall = {(p["a"], p["b"]): p for p in normal.get("paired_recall", [])}
+    for calibadv in ("calibadv", "calibadv_silver"):  # H1 (search recall) and H2 (answer F1), experiments/LOG.md D11
+        if ("grpo", calibadv) in by_recall:
+            lines.append(_compare(by_recall[("grpo", calibadv)], labels, f"{first} setting", reverse=True,
+                                  unit="points of search recall"))
+        if ("grpo", calibadv) in by_pair:
+            lines.append(_compare(by_pair[("grpo", calibadv)], labels, f"{first} setting", reverse=True))
     if ("grpo", "calibadv") in by_pair:
-        lines.append(_compare(by_pair[("grpo", "calibadv")], labels, f"{first} setting", reverse=True))
         if not by_pair[("grpo", "calibadv")]["high"] < 0:  # CalibAdv did not beat GRPO: show what it changed
             lines.append(calibadv_line(normal, labels))
     best = max(normal["arms"], key=lambda a: normal["arms"][a]["f1"]["estimate"])
@@ -404,13 +469,14 @@ def verdict(plan: Mapping[str, Any], summary: Mapping[str, Any], labels: Mapping
     return lines
 
 
-def _compare(pair: Mapping[str, Any], labels: Mapping[str, str], where: str, reverse: bool = False) -> str:
+def _compare(pair: Mapping[str, Any], labels: Mapping[str, str], where: str, reverse: bool = False,
+             unit: str = "points of answer F1") -> str:
     """One sentence on a paired difference (``reverse``: state it as b - a)."""
     a, b = (pair["b"], pair["a"]) if reverse else (pair["a"], pair["b"])
     sign = -1.0 if reverse else 1.0
     estimate, low, high = (sign * pair[k] for k in ("estimate", "low", "high"))
     low, high = min(low, high), max(low, high)
-    span = f"{_points(estimate)} points of answer F1 [95% CI {_points(low)}, {_points(high)}]"
+    span = f"{_points(estimate)} {unit} [95% CI {_points(low)}, {_points(high)}]"
     if low > 0:
         return f"{labels[a]} beats {labels[b]} ({where}): {span}."
     if high < 0:
