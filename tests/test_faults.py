@@ -464,6 +464,7 @@ async def test_judge_stop_finishes_every_call_in_flight_and_refuses_new_ones(wor
     from calibrl.judge_server import server as judge_server
 
     config = _judge_server_config(world.rubric_dir, 0, max_wait_ms=HOLD_WINDOW_MS, max_batch_items=64)
+    config.serving.max_unit_cost_s = 100.0  # the window opens only below one unit's worth: one unit holds all calls
     running = await judge_server.start(config)
     channel = grpc.aio.insecure_channel(f"127.0.0.1:{running.port}")
     stub = jpb_grpc.JudgeServiceStub(channel)
