@@ -18,15 +18,13 @@ import torch
 
 from calibrl.api.judge import JudgeItem
 from calibrl.api.retrieval import ScoreItem
-from calibrl.cli import main as calibrl_main
-from calibrl.trainer.aio import BackgroundLoop
 from calibrl.trainer.diagnostics import read_log
 from calibrl.trainer.rewards import RewardBreakdown, RewardModel, weighted_total
 from calibrl.trainer.rollout import RolloutBatch, assemble_rows, decode_completion, encode_prompt
 from calibrl.trainer.search_format import fill_template
 from calibrl.trainer.task_kinds import TASK_KINDS, RolloutSettings, TaskKind, register_task_kind
 from calibrl.trainer.tasks import Task
-from tests.test_trainer_support import one_torch_thread, trainer_world  # noqa: F401  (fixtures)
+from tests.test_trainer_support import one_torch_thread, train_against_real_services, trainer_world  # noqa: F401
 
 WEIGHTS = {"recall": 0.5, "rubric": 0.5}
 
@@ -90,27 +88,7 @@ def lookup_kind():
 
 def test_a_kind_defined_outside_the_trainer_trains_against_both_real_services(lookup_kind, trainer_world,
                                                                                tmp_path, capsys):
-    from calibrl.config import load_config
-    from calibrl.judge_server.config import JudgeServerConfig
-    from calibrl.judge_server.server import start as start_judge
-    from calibrl.testing import start_test_server
-
-    judge_config = load_config(JudgeServerConfig, None, [
-        f"rubrics={trainer_world.rubric_dir}", "serving.port=0", "serving.host=127.0.0.1", "serving.grace_seconds=1",
-        "judge.allow_unvalidated=true", "judge.embedder=hashed-ngrams",
-    ])
-    with BackgroundLoop(name="test-servers") as servers:
-        retrieval = servers.run(start_test_server(trainer_world.index_dir, retriever=trainer_world.retriever))
-        judge = servers.run(start_judge(judge_config))
-        try:
-            code = calibrl_main([
-                "train", *trainer_world.overrides(tmp_path, "steps=2", "tasks.kind=lookup"),
-                f"services.retrieval=127.0.0.1:{retrieval.port}", f"services.judge=127.0.0.1:{judge.port}",
-                "services.timeout_s=60",
-            ])
-        finally:
-            servers.run(retrieval.stop(grace=1.0))
-            servers.run(judge.stop(grace=1.0))
+    code, _ = train_against_real_services(trainer_world, tmp_path, "steps=2", "tasks.kind=lookup")
     assert code == 0, capsys.readouterr().err
     records = read_log(tmp_path / "metrics.jsonl")
     assert [r["step"] for r in records] == [1, 2]

@@ -9,41 +9,23 @@ import json
 import pytest
 
 from calibrl.cli import main as calibrl_main
-from tests.test_trainer_support import RUBRIC_ID, one_torch_thread, trainer_world  # noqa: F401  (fixtures)
-from calibrl.trainer.aio import BackgroundLoop
+from tests.test_trainer_support import (  # noqa: F401  (fixtures)
+    RUBRIC_ID, one_torch_thread, train_against_real_services, trainer_world)
 from calibrl.trainer.checkpoint import find_checkpoint, load_train_state
 from calibrl.trainer.diagnostics import read_log
 
 
 @pytest.mark.slow
 def test_calibrl_train_against_real_retrieval_and_judge_servers(trainer_world, tmp_path, capsys):
-    from calibrl.config import load_config
-    from calibrl.judge_server.config import JudgeServerConfig
-    from calibrl.judge_server.server import start as start_judge
-    from calibrl.testing import start_test_server
+    def evaluate(retrieval_port: int) -> int:  # the trained run, evaluated through the same retrieval server
+        return calibrl_main([
+            "eval", "--model", str(tmp_path), "--tasks", str(trainer_world.rewrite_tasks), "--limit", "4",
+            "--retrieval", f"127.0.0.1:{retrieval_port}", "--max-new-tokens", "6", "--device", "cpu",
+            "--raw-query-baseline", "--out", str(tmp_path / "eval.json"),
+        ])
 
-    judge_config = load_config(JudgeServerConfig, None, [
-        f"rubrics={trainer_world.rubric_dir}", "serving.port=0", "serving.host=127.0.0.1", "serving.grace_seconds=1",
-        "judge.allow_unvalidated=true", "judge.embedder=hashed-ngrams",
-    ])
-    with BackgroundLoop(name="test-servers") as servers:
-        retrieval = servers.run(start_test_server(trainer_world.index_dir, retriever=trainer_world.retriever))
-        judge = servers.run(start_judge(judge_config))
-        try:
-            code = calibrl_main([
-                "train", *trainer_world.overrides(tmp_path, "steps=2", "tensorboard=true"),
-                f"services.retrieval=127.0.0.1:{retrieval.port}", f"services.judge=127.0.0.1:{judge.port}",
-                "services.timeout_s=60",
-            ])
-            # The trained run, evaluated through the same retrieval server.
-            eval_code = calibrl_main([
-                "eval", "--model", str(tmp_path), "--tasks", str(trainer_world.rewrite_tasks), "--limit", "4",
-                "--retrieval", f"127.0.0.1:{retrieval.port}", "--max-new-tokens", "6", "--device", "cpu",
-                "--raw-query-baseline", "--out", str(tmp_path / "eval.json"),
-            ])
-        finally:
-            servers.run(retrieval.stop(grace=1.0))
-            servers.run(judge.stop(grace=1.0))
+    code, eval_code = train_against_real_services(trainer_world, tmp_path, "steps=2", "tensorboard=true",
+                                                  then=evaluate)
     assert code == 0 and eval_code == 0, capsys.readouterr().err
     records = read_log(tmp_path / "metrics.jsonl")
     assert [r["step"] for r in records] == [1, 2]

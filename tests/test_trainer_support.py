@@ -148,3 +148,34 @@ def test_world_is_real_and_consistent(trainer_world: TrainerWorld) -> None:
     scores = trainer_world.retriever.score([ScoreItem(t.query, t.gold_doc_ids) for t in tasks], top_k=3)
     assert sum(s.hit for s in scores) >= 9
     assert (trainer_world.policy_dir / "config.json").exists()
+
+
+def train_against_real_services(world: TrainerWorld, out: pathlib.Path, *overrides: str,
+                                then: Any = None) -> tuple[int, Any]:
+    """``calibrl train`` over ``world`` against a real retrieval and a real judge server on
+    loopback (in-process, on a background loop), with ``overrides``; ``then(retrieval_port)``
+    runs while the servers are still up. Returns (exit code, what ``then`` returned)."""
+    from calibrl.trainer.aio import BackgroundLoop
+    from calibrl.cli import main as calibrl_main
+    from calibrl.config import load_config
+    from calibrl.judge_server.config import JudgeServerConfig
+    from calibrl.judge_server.server import start as start_judge
+    from calibrl.testing import start_test_server
+
+    judge_config = load_config(JudgeServerConfig, None, [
+        f"rubrics={world.rubric_dir}", "serving.port=0", "serving.host=127.0.0.1", "serving.grace_seconds=1",
+        "judge.allow_unvalidated=true", "judge.embedder=hashed-ngrams",
+    ])
+    with BackgroundLoop(name="test-servers") as servers:
+        retrieval = servers.run(start_test_server(world.index_dir, retriever=world.retriever))
+        judge = servers.run(start_judge(judge_config))
+        try:
+            code = calibrl_main([
+                "train", *world.overrides(out, *overrides),
+                f"services.retrieval=127.0.0.1:{retrieval.port}", f"services.judge=127.0.0.1:{judge.port}",
+                "services.timeout_s=60",
+            ])
+            return code, (then(retrieval.port) if then is not None else None)
+        finally:
+            servers.run(retrieval.stop(grace=1.0))
+            servers.run(judge.stop(grace=1.0))
