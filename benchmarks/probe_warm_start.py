@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import dataclasses
 import json
 import pathlib
 import sys
@@ -39,6 +40,8 @@ def main() -> None:
     parser.add_argument("--careless-first", type=float, default=None,
                         help="the teacher's share of first queries without the industry word (default: the design's)")
     parser.add_argument("--out", default="", help="working folder (default: a temporary one)")
+    parser.add_argument("--dump", type=int, default=0,
+                        help="also write the first N greedy records of each split to <out>/records_<steps>_<split>.jsonl")
     args = parser.parse_args()
 
     from calibrl import kernels
@@ -82,6 +85,9 @@ def main() -> None:
                         records = greedy_search_records(str(agent), tasks, clients.retrieval, eval_settings(design),
                                                         background.run)
                         row[name] = probe_row(records, passages)
+                        if args.dump:
+                            with open(out / f"records_{warm_steps}_{name}.jsonl", "w") as f:
+                                f.writelines(json.dumps(dataclasses.asdict(r)) + "\n" for r in records[: args.dump])
                     print(json.dumps(row), flush=True)
             finally:
                 clients.close()

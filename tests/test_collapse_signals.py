@@ -10,8 +10,8 @@ import math
 import pytest
 import torch
 
-from calibrl.api.retrieval import RetrievalScore
-from calibrl.trainer.kinds.search.metrics import collapse_metrics
+from calibrl.api.retrieval import Hit, RetrievalScore
+from calibrl.trainer.kinds.search.metrics import collapse_metrics, recall_metrics, search_step_metrics
 from calibrl.trainer.kinds.rewrite import REWRITE
 from calibrl.trainer.kinds.search import SEARCH
 from calibrl.trainer.kinds.search.records import SearchRollout, SearchStepRecord
@@ -106,3 +106,30 @@ def test_the_search_counts_agree_with_the_step_reward_counts(trainer_world, sear
     assert record["search/searches_per_trajectory"] == pytest.approx(record["steps/searches_per_trajectory"],
                                                                      abs=1e-12)
     assert record["search/repeated_share"] == pytest.approx(record["steps/repeated_share"], abs=1e-12)
+
+
+def _found(doc_ids):
+    hits = tuple(Hit(d, d, 1.0, rank) for rank, d in enumerate(doc_ids, start=1))
+    return RetrievalScore(hits=hits, hit=bool(doc_ids), all_gold=False, recall=0.0, mrr=0.0, ndcg=0.0,
+                          first_gold_rank=0)
+
+
+def test_search_recall_per_step_counts_the_bridge_and_the_answer_document_on_hand_made_trajectories():
+    two_hop = Task("q", "search", "What does the default fund of plan 4821 hold?", answers=("512",),
+                   gold_doc_ids=("bridge", "answer"))
+    rollouts = [
+        SearchRollout(two_hop, (SearchStepRecord("t", "a", _found(["bridge"])),
+                                SearchStepRecord("t", "b", _found(["answer"]))), "512", True),  # both found
+        SearchRollout(two_hop, (SearchStepRecord("t", "a", _found(["bridge"])),
+                                SearchStepRecord("t", "b", _found(["sibling"]))), "3", True),  # bridge only
+        SearchRollout(two_hop, (SearchStepRecord("t", "a", _found(["answer"])),), "512", True),  # answer only
+        SearchRollout(two_hop, (), None, False),  # searched nothing
+        _rollout(["Fleming"]),  # no gold documents: not counted
+    ]
+    assert recall_metrics(rollouts) == pytest.approx({
+        "search/gold_doc_recall": (1 + 0.5 + 0.5 + 0) / 4,
+        "search/first_gold_found": 2 / 4,
+        "search/all_gold_found": 1 / 4,
+    }, abs=1e-12)
+    assert recall_metrics([_rollout(["Fleming"])]) == {}
+    assert set(recall_metrics(rollouts)) <= set(search_step_metrics(rollouts, []))

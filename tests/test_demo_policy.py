@@ -99,7 +99,7 @@ def test_search_trajectories_follow_the_search_r1_format(examples) -> None:
 def test_the_teacher_reads_what_it_retrieved_and_makes_near_miss_searches(domain: Domain) -> None:
     """Careless queries leave out the plan's industry word or the fund's style word; the second
     query names the fund the observed passage names; the answer is the value the observed passage
-    states; value-swapped copies state another value and answer it, with made-up family words;
+    states; value-swapped copies state another value and answer it, with fresh family numbers;
     only training questions; the tokenizer reads no validation or test text."""
     from calibrl.demo import search_domain as sd
 

@@ -135,7 +135,7 @@ DEFAULT_INVESTMENT = "default investment"
 
 @dataclass(frozen=True)
 class Link:
-    """One plan of the search half: its family word, its default fund and that fund's family word."""
+    """One plan of the search half: its default fund, and the cluster of their two families."""
 
     plan: Entity
     fund: Entity

@@ -64,6 +64,7 @@ STUDY_FILE = "study.json"  # the command, the plan and the start time (calibrl s
 # Per-step metrics kept from each run's metrics.jsonl (the collapse signals and the reward).
 KEPT_METRICS = ("reward", "reward_std", "frac_reward_zero_std", "kl", "entropy", "grad_norm", "policy/ref_ppl",
                 "search/well_formed", "search/answered", "search/searches_per_trajectory", "search/repeated_share",
+                "search/first_gold_found", "search/all_gold_found",
                 "steps/reward/mean", "steps/new_gold_share", "completions/mean_length",
                 "calibadv/frac_tokens_softened", "calibadv/frac_groups_answer_zeroed", "calibadv/mean_step_score",
                 "calibadv/neg_search_steps", "calibadv/frac_neg_search_steps_softened",

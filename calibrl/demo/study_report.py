@@ -30,6 +30,8 @@ BASE = "base"
 CONSTANT = "best_constant"  # the best constant answer per aspect, scored like an arm
 # Collapse signals drawn per step: (metric key in the run's step records, title, file stem).
 SIGNALS = (
+    ("search/first_gold_found", "Bridge document found (training rollouts)", "bridge_found"),
+    ("search/all_gold_found", "Bridge and answer document found (training rollouts)", "all_found"),
     ("search/well_formed", "Well-formed trajectories (training rollouts)", "well_formed"),
     ("search/searches_per_trajectory", "Searches per trajectory", "searches_per_trajectory"),
     ("search/repeated_share", "Share of repeated searches", "repeated_share"),
@@ -37,7 +39,8 @@ SIGNALS = (
     ("policy/ref_ppl", "Perplexity of generated tokens under the frozen reference", "ref_ppl"),
     ("reward", "Mean reward", "reward"),
 )
-SIGNAL_COLUMNS = {"search/well_formed": "well-formed", "search/searches_per_trajectory": "searches/traj",
+SIGNAL_COLUMNS = {"search/first_gold_found": "bridge found", "search/all_gold_found": "both found",
+                  "search/well_formed": "well-formed", "search/searches_per_trajectory": "searches/traj",
                   "search/repeated_share": "repeated", "entropy": "entropy", "policy/ref_ppl": "reference PPL",
                   "reward": "reward"}
 # What CalibAdv changed, per step (the verdict's "why" when it does not beat GRPO).

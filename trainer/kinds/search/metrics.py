@@ -121,10 +121,32 @@ def collapse_metrics(rollouts: Sequence[SearchRollout]) -> dict[str, float]:
     }
 
 
+def recall_metrics(rollouts: Sequence[SearchRollout]) -> dict[str, float]:
+    """The training rollouts' search recall, over the trajectories whose task lists gold
+    documents (none of these metrics when no task does):
+
+    * ``search/gold_doc_recall``: mean share of the task's gold documents that any of the
+      trajectory's searches retrieved;
+    * ``search/first_gold_found``: share of trajectories that retrieved the task's first
+      gold document (a two-search task's bridge document);
+    * ``search/all_gold_found``: share that retrieved every gold document."""
+    with_gold = [r for r in rollouts if r.task.gold_doc_ids]
+    if not with_gold:
+        return {}
+    found = [{d for step in r.steps for d in step.result.doc_ids} for r in with_gold]
+    golds = [set(r.task.gold_doc_ids) for r in with_gold]
+    return {
+        "search/gold_doc_recall": sum(len(g & f) / len(g) for g, f in zip(golds, found)) / len(with_gold),
+        "search/first_gold_found": sum(r.task.gold_doc_ids[0] in f for r, f in zip(with_gold, found)) / len(with_gold),
+        "search/all_gold_found": sum(g <= f for g, f in zip(golds, found)) / len(with_gold),
+    }
+
+
 def search_step_metrics(rollouts: Sequence[SearchRollout], breakdowns: Sequence[RewardBreakdown]) -> dict[str, float]:
-    """A training step's search metrics: the collapse signals and, when step rewards were
-    computed, the ``steps/*`` metrics (:func:`~calibrl.trainer.kinds.search.step_rewards.step_reward_metrics`)."""
-    return {**step_reward_metrics(breakdowns), **collapse_metrics(rollouts)}
+    """A training step's search metrics: the collapse signals, the search recall and, when
+    step rewards were computed, the ``steps/*`` metrics
+    (:func:`~calibrl.trainer.kinds.search.step_rewards.step_reward_metrics`)."""
+    return {**step_reward_metrics(breakdowns), **collapse_metrics(rollouts), **recall_metrics(rollouts)}
 
 
-__all__ = ["METRIC_NAMES", "collapse_metrics", "evaluate_search", "search_items", "search_step_metrics"]
+__all__ = ["METRIC_NAMES", "collapse_metrics", "evaluate_search", "recall_metrics", "search_items", "search_step_metrics"]
