@@ -8,6 +8,8 @@ Each page is built from the one source of truth of its facts:
 - reference/errors.md  the exception tree of calibrl.errors and its gRPC status mapping
 - reference/limits.md  every request limit of both servers (config fields named max_* / batch_*)
 - reference/server-metrics.md  the OpenTelemetry instruments declared in calibrl/telemetry.py
+- reference/metrics.md the trainer's step metrics (calibrl.trainer.metrics_catalog, checked against the
+                       trainer's source by tests/test_metrics_catalog.py)
 
 The functions return Markdown text; tests/test_docs.py calls them directly too.
 """
@@ -409,6 +411,27 @@ def server_metrics_reference() -> str:
     return "\n".join(lines) + "\n"
 
 
+# ---------------------------------------------------------------- trainer metrics
+
+
+def trainer_metrics_reference() -> str:
+    from calibrl.trainer.metrics_catalog import EVAL, SECTIONS
+
+    lines = [GENERATED_NOTE.format(source="calibrl/trainer/metrics_catalog.py"),
+             "# Trainer metrics\n",
+             "Every step, `calibrl train` appends one JSON object to `<output_dir>/metrics.jsonl` and sends "
+             "the same scalars to the trackers of `report_to` ([Experiment tracking](../guides/tracking.md)). "
+             "Names follow TRL's where TRL has one. A metric that is undefined for a step is absent, never "
+             "logged as 0. `<component>` and `<name>` stand for any name. What to do when a warning fires: "
+             "[What the trainer logs](../concepts/training-signals.md).\n"]
+    for section in (*SECTIONS, None):
+        title, metrics = ("Held-out evaluation", (EVAL,)) if section is None else (section.title, section.metrics)
+        lines += [f"## {title}", "", "| metric | meaning |", "| --- | --- |"]
+        lines += [f"| {', '.join(_code(n) for n in m.names)} | {_cell(m.meaning)} |" for m in metrics]
+        lines.append("")
+    return "\n".join(lines)
+
+
 # ---------------------------------------------------------------- mkdocs hook
 
 PAGES = {
@@ -418,6 +441,7 @@ PAGES = {
     "reference/errors.md": errors_reference,
     "reference/limits.md": limits_reference,
     "reference/server-metrics.md": server_metrics_reference,
+    "reference/metrics.md": trainer_metrics_reference,
 }
 
 
