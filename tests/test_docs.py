@@ -281,7 +281,8 @@ def built_site(tmp_path_factory) -> pathlib.Path:
 def test_mkdocs_build_strict(built_site):
     """`mkdocs build --strict`: no broken link, anchor or nav entry; every reference page built."""
     for page in ("index.html", "reference/cli/index.html", "reference/config/index.html",
-                 "reference/grpc/index.html", "reference/python/index.html", "reference/errors/index.html"):
+                 "reference/grpc/index.html", "reference/python/index.html", "reference/errors/index.html",
+                 "reference/metrics/index.html", "results/benchmarks/index.html"):
         assert (built_site / page).is_file(), page
     # a skipped snippet's reason is shown on the built page
     html = (built_site / "guides" / "vllm-judge" / "index.html").read_text(encoding="utf-8")
@@ -349,6 +350,70 @@ def test_generated_reference_covers_the_code():
         assert code in errors_page
     limits = hook.limits_reference()
     assert "`max_top_k`" in limits and "`judge.max_batch_size`" in limits and "`serving.max_request_mb`" in limits
+
+
+def _hook():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("docs_reference_hook", DOCS / "hooks" / "reference.py")
+    hook = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(hook)
+    return hook
+
+
+def test_benchmarks_page_is_generated_from_the_benchmarks_readme():
+    """The site's benchmark tables are those of benchmarks/README.md, cell for cell, each under
+    its section with its commands; none tells measurement history; the replaced domain's
+    sections stay off the site."""
+    hook = _hook()
+    source = (ROOT / "benchmarks" / "README.md").read_text(encoding="utf-8")
+    page = hook.benchmarks_page()
+    tables = hook.benchmark_tables(source)
+    assert len(tables) >= 15
+    for table in tables:
+        assert hook._site_text(table) in page
+        assert "\n".join(table) in source
+    page_tables = [b for b in hook._blocks(page.splitlines()) if b[0].startswith("|")]
+    assert len(page_tables) == len(tables)  # every table on the page comes from the source
+    assert not hook.HISTORY.search(page), hook.HISTORY.search(page)
+    assert "/tmp/" not in page
+    for heading in ("## Retrieval service", "## Trainer (`benchmarks/bench_trainer.py`)",
+                    "## The services under abuse (`benchmarks/bench_abuse.py`)"):
+        assert f"\n{heading}\n" in page
+    assert "| hybrid | 0.625 |" in page  # the retrieval quality table, as measured
+    assert "## Search-agent study" not in page and "probe_warm_start" not in page
+    assert "```bash" not in page  # the measuring commands are shown, not run by these tests
+
+
+def test_benchmark_history_stays_off_the_site():
+    hook = _hook()
+    source = """<!-- section:x -->
+## X (`benchmarks/bench_x.py`)
+
+Machine: 2 cores.
+
+```bash
+python benchmarks/bench_x.py --out /tmp/x/y.json
+```
+
+Now, one run:
+
+| a | b |
+| --- | --- |
+| 1 | 2 |
+
+The same in session 3:
+
+| a | b |
+| --- | --- |
+| 3 | 4 |
+<!-- /section:x -->
+"""
+    [(name, blocks)] = hook.benchmark_units(source)
+    assert name == "x"
+    shown = "\n\n".join(hook._site_text(b) for b in blocks)
+    assert "| 1 | 2 |" in shown and "| 3 | 4 |" not in shown and "session" not in shown
+    assert "Machine: 2 cores." in shown and "--out <dir>" in shown and "Now, one run:" in shown
 
 
 # --------------------------------------------------------------------------- in a browser
