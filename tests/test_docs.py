@@ -484,3 +484,36 @@ def test_site_renders_in_a_browser(built_site):
     finally:
         driver.quit()
         server.shutdown()
+
+
+def test_config_page_holds_every_key_print_config_prints():
+    """Every `key = default  # doc` line of `calibrl train --print-config` is a row of the
+    configuration page, with the same doc (the page and the command read one source)."""
+    import ast
+
+    hook = _hook()
+    page = hook.config_reference()
+    result = subprocess.run([sys.executable, "-m", "calibrl.cli", "train", "--print-config"], text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=300, cwd=ROOT)
+    assert result.returncode == 0, result.stdout[-3000:]
+    rows: dict[str, list[str]] = {}  # a tagged union's variants share keys (advantage.type)
+    for row in page.splitlines():
+        if row.startswith("| `"):
+            rows.setdefault(row.split("`")[1], []).append(row)
+    keys = 0
+    for line in result.stdout.splitlines():
+        line = line.strip()
+        if line.startswith("#") or " = " not in line:
+            continue
+        key, rest = line.split(" = ", 1)
+        keys += 1
+        assert key in rows, f"`calibrl train --print-config` prints {key}, the configuration page lacks it"
+        value, _, doc = rest.partition("  # ")
+        assert any(hook._cell(doc) in row for row in rows[key]), (key, doc)
+        try:
+            default = ast.literal_eval(value)
+        except (ValueError, SyntaxError):
+            continue
+        if isinstance(default, (int, float)) and not isinstance(default, bool):
+            assert any(f"`{default}`" in row for row in rows[key]), (key, default, rows[key])
+    assert keys >= 50
