@@ -517,3 +517,33 @@ def test_config_page_holds_every_key_print_config_prints():
         if isinstance(default, (int, float)) and not isinstance(default, bool):
             assert any(f"`{default}`" in row for row in rows[key]), (key, default, rows[key])
     assert keys >= 50
+
+
+# `a.b` names in the prose that are not config keys although they start like one
+NOT_CONFIG_KEYS = {"serving.encoder": "an entry of GetIndexInfo's library_versions"}
+FILE_NAME = re.compile(r".*\.(?:py|pt|proto|jsonl|json|yaml|yml|md|txt|safetensors)$")
+
+
+def test_prose_names_config_keys_and_metrics_that_exist():
+    """A config key (`rollout.off_policy_steps`) or a trainer metric (`calibadv/rebalance_factor`)
+    named in the prose of README.md or docs/ is one the code defines: a renamed key or metric
+    fails here until the pages follow (the same names in --help, errors and docs)."""
+    hook = _hook()
+    from calibrl.trainer import metrics_catalog
+
+    rows = {row.split("`")[1] for row in hook.config_reference().splitlines() if row.startswith("| `")}
+    sections = {key.split(".")[0] for key in rows if "." in key}
+    metric_prefixes = {n.split("/")[0] for m in metrics_catalog.all_metrics() for n in m.names if "/" in n}
+    problems = []
+    for path in doc_pages():
+        prose = FENCE.sub("", path.read_text(encoding="utf-8"))
+        for token in re.findall(r"`([^`\s]+)`", prose):
+            key = token.split("=")[0]
+            if (re.fullmatch(r"[a-z_]+(?:\.[a-z_0-9]+)+", key) and key.split(".")[0] in sections
+                    and not FILE_NAME.fullmatch(key) and key not in NOT_CONFIG_KEYS
+                    and key not in rows and not any(r.startswith(key + ".") for r in rows)):
+                problems.append(f"{page_name(path)}: `{token}` is no config key")
+            if (re.fullmatch(r"[a-z_]+(?:/[a-z_@0-9<>]+)+", token) and token.split("/")[0] in metric_prefixes
+                    and not FILE_NAME.fullmatch(token) and not metrics_catalog.documented(token)):
+                problems.append(f"{page_name(path)}: `{token}` is no trainer metric")
+    assert not problems, "\n".join(problems)
