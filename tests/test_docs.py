@@ -481,6 +481,11 @@ def test_site_renders_in_a_browser(built_site):
         # the configuration page renders its tables too
         driver.get(base + "/reference/config/")
         wait.until(lambda d: any(c.text == "optimizer.lr" for c in d.find_elements(By.CSS_SELECTOR, "td code")))
+        # the generated trainer-metrics and benchmarks pages render their tables
+        driver.get(base + "/reference/metrics/")
+        wait.until(lambda d: any(c.text == "calibadv/rebalance_factor" for c in d.find_elements(By.CSS_SELECTOR, "td code")))
+        driver.get(base + "/results/benchmarks/")
+        wait.until(lambda d: any(c.text == "hybrid" for c in d.find_elements(By.CSS_SELECTOR, "article table td")))
     finally:
         driver.quit()
         server.shutdown()
