@@ -233,26 +233,32 @@ def test_slow_page_snippets_run(path, tmp_path):
         for line in metrics_file.read_text(encoding="utf-8").splitlines():
             logged.update(json.loads(line))
     undocumented = sorted(name for name in logged if not documented_metric(name))
-    assert not undocumented, f"metrics missing from docs/reference/metrics.md: {undocumented}"
+    assert not undocumented, f"metrics missing from calibrl/trainer/metrics_catalog.py: {undocumented}"
 
 
 def documented_metric(name: str) -> bool:
-    """Whether docs/reference/metrics.md names this metric (`<component>`, `<name>` match any part)."""
-    page = (DOCS / "reference" / "metrics.md").read_text(encoding="utf-8")
-    for row in page.splitlines():
-        if not row.startswith("| `"):
-            continue
-        for documented in re.findall(r"`([^`]+)`", row.split(" | ")[0]):
-            pattern = re.escape(documented).replace(re.escape("<component>"), "[^/]+").replace(re.escape("<name>"), ".+")
-            if re.fullmatch(pattern, name):
-                return True
-    return False
+    """Whether the trainer-metrics page (generated from calibrl.trainer.metrics_catalog) names this
+    metric (`<component>`, `<name>` match any part)."""
+    from calibrl.trainer.metrics_catalog import documented
+
+    return documented(name)
 
 
 def test_metrics_page_matches_the_names_it_documents():
+    import importlib.util
+
     for name in ("reward", "rewards/retrieval/mean", "rewards/rubric/std", "calibadv/rebalance_factor", "kl"):
         assert documented_metric(name), name
     assert not documented_metric("rewards/retrieval/median")
+    spec = importlib.util.spec_from_file_location("docs_reference_hook", DOCS / "hooks" / "reference.py")
+    hook = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(hook)
+    page = hook.trainer_metrics_reference()
+    from calibrl.trainer.metrics_catalog import all_metrics
+
+    for metric in all_metrics():  # every catalogued name is on the generated page, in a table row
+        for name in metric.names:
+            assert any(row.startswith("| ") and f"`{name}`" in row.split(" | ")[0] for row in page.splitlines()), name
 
 
 # --------------------------------------------------------------------------- the site
@@ -275,7 +281,8 @@ def built_site(tmp_path_factory) -> pathlib.Path:
 def test_mkdocs_build_strict(built_site):
     """`mkdocs build --strict`: no broken link, anchor or nav entry; every reference page built."""
     for page in ("index.html", "reference/cli/index.html", "reference/config/index.html",
-                 "reference/grpc/index.html", "reference/python/index.html", "reference/errors/index.html"):
+                 "reference/grpc/index.html", "reference/python/index.html", "reference/errors/index.html",
+                 "reference/metrics/index.html", "results/benchmarks/index.html"):
         assert (built_site / page).is_file(), page
     # a skipped snippet's reason is shown on the built page
     html = (built_site / "guides" / "vllm-judge" / "index.html").read_text(encoding="utf-8")
@@ -345,6 +352,70 @@ def test_generated_reference_covers_the_code():
     assert "`max_top_k`" in limits and "`judge.max_batch_size`" in limits and "`serving.max_request_mb`" in limits
 
 
+def _hook():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("docs_reference_hook", DOCS / "hooks" / "reference.py")
+    hook = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(hook)
+    return hook
+
+
+def test_benchmarks_page_is_generated_from_the_benchmarks_readme():
+    """The site's benchmark tables are those of benchmarks/README.md, cell for cell, each under
+    its section with its commands; none tells measurement history; the replaced domain's
+    sections stay off the site."""
+    hook = _hook()
+    source = (ROOT / "benchmarks" / "README.md").read_text(encoding="utf-8")
+    page = hook.benchmarks_page()
+    tables = hook.benchmark_tables(source)
+    assert len(tables) >= 15
+    for table in tables:
+        assert hook._site_text(table) in page
+        assert "\n".join(table) in source
+    page_tables = [b for b in hook._blocks(page.splitlines()) if b[0].startswith("|")]
+    assert len(page_tables) == len(tables)  # every table on the page comes from the source
+    assert not hook.HISTORY.search(page), hook.HISTORY.search(page)
+    assert "/tmp/" not in page
+    for heading in ("## Retrieval service", "## Trainer (`benchmarks/bench_trainer.py`)",
+                    "## The services under abuse (`benchmarks/bench_abuse.py`)"):
+        assert f"\n{heading}\n" in page
+    assert "| hybrid | 0.625 |" in page  # the retrieval quality table, as measured
+    assert "## Search-agent study" not in page and "probe_warm_start" not in page
+    assert "```bash" not in page  # the measuring commands are shown, not run by these tests
+
+
+def test_benchmark_history_stays_off_the_site():
+    hook = _hook()
+    source = """<!-- section:x -->
+## X (`benchmarks/bench_x.py`)
+
+Machine: 2 cores.
+
+```bash
+python benchmarks/bench_x.py --out /tmp/x/y.json
+```
+
+Now, one run:
+
+| a | b |
+| --- | --- |
+| 1 | 2 |
+
+The same in session 3:
+
+| a | b |
+| --- | --- |
+| 3 | 4 |
+<!-- /section:x -->
+"""
+    [(name, blocks)] = hook.benchmark_units(source)
+    assert name == "x"
+    shown = "\n\n".join(hook._site_text(b) for b in blocks)
+    assert "| 1 | 2 |" in shown and "| 3 | 4 |" not in shown and "session" not in shown
+    assert "Machine: 2 cores." in shown and "--out <dir>" in shown and "Now, one run:" in shown
+
+
 # --------------------------------------------------------------------------- in a browser
 
 CHROMIUM = next((p for p in map(shutil.which, ("chromium", "chromium-browser", "google-chrome")) if p), None)
@@ -410,6 +481,74 @@ def test_site_renders_in_a_browser(built_site):
         # the configuration page renders its tables too
         driver.get(base + "/reference/config/")
         wait.until(lambda d: any(c.text == "optimizer.lr" for c in d.find_elements(By.CSS_SELECTOR, "td code")))
+        # the generated trainer-metrics and benchmarks pages render their tables
+        driver.get(base + "/reference/metrics/")
+        wait.until(lambda d: any(c.text == "calibadv/rebalance_factor" for c in d.find_elements(By.CSS_SELECTOR, "td code")))
+        driver.get(base + "/results/benchmarks/")
+        wait.until(lambda d: any(c.text == "hybrid" for c in d.find_elements(By.CSS_SELECTOR, "article table td")))
     finally:
         driver.quit()
         server.shutdown()
+
+
+def test_config_page_holds_every_key_print_config_prints():
+    """Every `key = default  # doc` line of `calibrl train --print-config` is a row of the
+    configuration page, with the same doc (the page and the command read one source)."""
+    import ast
+
+    hook = _hook()
+    page = hook.config_reference()
+    result = subprocess.run([sys.executable, "-m", "calibrl.cli", "train", "--print-config"], text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=300, cwd=ROOT)
+    assert result.returncode == 0, result.stdout[-3000:]
+    rows: dict[str, list[str]] = {}  # a tagged union's variants share keys (advantage.type)
+    for row in page.splitlines():
+        if row.startswith("| `"):
+            rows.setdefault(row.split("`")[1], []).append(row)
+    keys = 0
+    for line in result.stdout.splitlines():
+        line = line.strip()
+        if line.startswith("#") or " = " not in line:
+            continue
+        key, rest = line.split(" = ", 1)
+        keys += 1
+        assert key in rows, f"`calibrl train --print-config` prints {key}, the configuration page lacks it"
+        value, _, doc = rest.partition("  # ")
+        assert any(hook._cell(doc) in row for row in rows[key]), (key, doc)
+        try:
+            default = ast.literal_eval(value)
+        except (ValueError, SyntaxError):
+            continue
+        if isinstance(default, (int, float)) and not isinstance(default, bool):
+            assert any(f"`{default}`" in row for row in rows[key]), (key, default, rows[key])
+    assert keys >= 50
+
+
+# `a.b` names in the prose that are not config keys although they start like one
+NOT_CONFIG_KEYS = {"serving.encoder": "an entry of GetIndexInfo's library_versions"}
+FILE_NAME = re.compile(r".*\.(?:py|pt|proto|jsonl|json|yaml|yml|md|txt|safetensors)$")
+
+
+def test_prose_names_config_keys_and_metrics_that_exist():
+    """A config key (`rollout.off_policy_steps`) or a trainer metric (`calibadv/rebalance_factor`)
+    named in the prose of README.md or docs/ is one the code defines: a renamed key or metric
+    fails here until the pages follow (the same names in --help, errors and docs)."""
+    hook = _hook()
+    from calibrl.trainer import metrics_catalog
+
+    rows = {row.split("`")[1] for row in hook.config_reference().splitlines() if row.startswith("| `")}
+    sections = {key.split(".")[0] for key in rows if "." in key}
+    metric_prefixes = {n.split("/")[0] for m in metrics_catalog.all_metrics() for n in m.names if "/" in n}
+    problems = []
+    for path in doc_pages():
+        prose = FENCE.sub("", path.read_text(encoding="utf-8"))
+        for token in re.findall(r"`([^`\s]+)`", prose):
+            key = token.split("=")[0]
+            if (re.fullmatch(r"[a-z_]+(?:\.[a-z_0-9]+)+", key) and key.split(".")[0] in sections
+                    and not FILE_NAME.fullmatch(key) and key not in NOT_CONFIG_KEYS
+                    and key not in rows and not any(r.startswith(key + ".") for r in rows)):
+                problems.append(f"{page_name(path)}: `{token}` is no config key")
+            if (re.fullmatch(r"[a-z_]+(?:/[a-z_@0-9<>]+)+", token) and token.split("/")[0] in metric_prefixes
+                    and not FILE_NAME.fullmatch(token) and not metrics_catalog.documented(token)):
+                problems.append(f"{page_name(path)}: `{token}` is no trainer metric")
+    assert not problems, "\n".join(problems)

@@ -8,6 +8,9 @@ Each page is built from the one source of truth of its facts:
 - reference/errors.md  the exception tree of calibrl.errors and its gRPC status mapping
 - reference/limits.md  every request limit of both servers (config fields named max_* / batch_*)
 - reference/server-metrics.md  the OpenTelemetry instruments declared in calibrl/telemetry.py
+- results/benchmarks.md the benchmark tables of benchmarks/README.md, with their commands and machines
+- reference/metrics.md the trainer's step metrics (calibrl.trainer.metrics_catalog, checked against the
+                       trainer's source by tests/test_metrics_catalog.py)
 
 The functions return Markdown text; tests/test_docs.py calls them directly too.
 """
@@ -409,6 +412,159 @@ def server_metrics_reference() -> str:
     return "\n".join(lines) + "\n"
 
 
+# ---------------------------------------------------------------- trainer metrics
+
+
+def trainer_metrics_reference() -> str:
+    from calibrl.trainer.metrics_catalog import EVAL, SECTIONS
+
+    lines = [GENERATED_NOTE.format(source="calibrl/trainer/metrics_catalog.py"),
+             "# Trainer metrics\n",
+             "Every step, `calibrl train` appends one JSON object to `<output_dir>/metrics.jsonl` and sends "
+             "the same scalars to the trackers of `report_to` ([Experiment tracking](../guides/tracking.md)). "
+             "Names follow TRL's where TRL has one. A metric that is undefined for a step is absent, never "
+             "logged as 0. `<component>` and `<name>` stand for any name. What to do when a warning fires: "
+             "[What the trainer logs](../concepts/training-signals.md).\n"]
+    for section in (*SECTIONS, None):
+        title, metrics = ("Held-out evaluation", (EVAL,)) if section is None else (section.title, section.metrics)
+        lines += [f"## {title}", "", "| metric | meaning |", "| --- | --- |"]
+        lines += [f"| {', '.join(_code(n) for n in m.names)} | {_cell(m.meaning)} |" for m in metrics]
+        lines.append("")
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------- benchmarks
+
+BENCHMARKS = ROOT / "benchmarks" / "README.md"
+# sections measured on the replaced search domain (dated so in benchmarks/README.md): not on the site
+BENCHMARKS_NOT_SHOWN = ("warm-start", "rl-budget", "study")
+# a block that tells measurement history (which run, which code, which working session) stays in
+# benchmarks/README.md: user docs speak about the product as it is
+HISTORY = re.compile(r"\bsessions?\b|\bearlier\b|\bfirst run\b|\bcode before\b|\bbefore (?:the|this)\b"
+                     r"|\(default before|\bold held-out\b|\bpreviously\b|\bissues? \d+"
+                     r"|\b(?:commit|code at) [0-9a-f]{7}", re.I)
+SCRATCH_PATH = re.compile(r"/tmp/[\w.-]+(?:/[\w.-]+)*")
+_LINK = re.compile(r"\[([^\]]+)\]\((?!https?://)[^)]+\)")
+
+
+def _blocks(lines: list[str]) -> list[list[str]]:
+    """A Markdown text cut into blocks: blank-line separated, a fenced block whole."""
+    blocks: list[list[str]] = []
+    current: list[str] = []
+    fence = False
+    for line in lines:
+        if line.startswith("```"):
+            fence = not fence
+        if not line.strip() and not fence:
+            if current:
+                blocks.append(current)
+            current = []
+            continue
+        current.append(line)
+    if current:
+        blocks.append(current)
+    return blocks
+
+
+def benchmark_sections(text: str) -> list[tuple[str, list[list[str]]]]:
+    """(name, blocks) of every `## ` section of benchmarks/README.md, named by the
+    `<!-- section:NAME -->` marker it lies in, or by its heading where it has none."""
+    sections: list[tuple[str, list[str]]] = []
+    marker = ""
+    for line in text.splitlines():
+        opened = re.fullmatch(r"<!-- section:([\w-]+) -->", line.strip())
+        if opened:
+            marker = opened.group(1)
+            continue
+        if re.fullmatch(r"<!-- /section:[\w-]+ -->", line.strip()):
+            marker = ""
+            continue
+        if line.startswith("## "):
+            sections.append((marker or line[3:].strip(), [line]))
+        elif sections:
+            sections[-1][1].append(line)
+    return [(name, _blocks(lines)) for name, lines in sections]
+
+
+def _is_paragraph(block: list[str]) -> bool:
+    return not block[0].startswith(("|", "#", "```", "<!--", "- ", "* ", "1. "))
+
+
+def benchmark_units(text: str) -> list[tuple[str, list[list[str]]]]:
+    """What the site shows of benchmarks/README.md: per shown section, its blocks in order.
+
+    A table is shown with the commands above it (every fenced block since the previous table)
+    and its caption (the last paragraph above it), when neither the caption nor the table tells
+    measurement history; a `Machine:` paragraph goes with the next table shown. Headings are
+    kept above what is shown under them."""
+    shown = []
+    for name, blocks in benchmark_sections(text):
+        if name in BENCHMARKS_NOT_SHOWN:
+            continue
+        out: list[list[str]] = []
+        headings: list[list[str]] = []
+        pending: list[list[str]] = []
+        machine: list[str] | None = None  # the section's machine, shown with its next table
+        for block in blocks:
+            if block[0].startswith("#"):
+                level = len(block[0]) - len(block[0].lstrip("#"))
+                headings = [h for h in headings if len(h[0]) - len(h[0].lstrip("#")) < level] + [block]
+                pending = []
+            elif block[0].startswith("|"):
+                # the caption: the paragraph above the table, with only commands between them
+                before = [b for b in pending if not b[0].startswith("```")]
+                caption = before[-1] if before and _is_paragraph(before[-1]) else None
+                unit_text = "\n".join((caption or []) + block)
+                if not HISTORY.search(unit_text):
+                    out += headings
+                    headings = []
+                    if machine is not None and machine not in pending and not HISTORY.search("\n".join(machine)):
+                        out.append(machine)
+                    out += [b for b in pending if (b[0].startswith("```") or b is caption or b is machine)
+                            and not HISTORY.search("\n".join(b))]
+                    out.append(block)
+                    machine = None
+                pending = []
+            else:
+                pending.append(block)
+                if block[0].startswith("Machine:"):
+                    machine = block
+        if out:
+            shown.append((name, out))
+    return shown
+
+
+def benchmark_tables(text: str) -> list[list[str]]:
+    """The tables of benchmarks/README.md that the site shows."""
+    return [b for _, blocks in benchmark_units(text) for b in blocks if b[0].startswith("|")]
+
+
+def _site_text(lines: list[str]) -> str:
+    text = "\n".join(lines)
+    if lines[0].startswith("```"):  # the measuring commands: shown, not run by the docs tests
+        text = re.sub(r"^```\w*", "```text", text, count=1)
+    return _LINK.sub(r"\1", SCRATCH_PATH.sub("<dir>", text))
+
+
+def benchmarks_page() -> str:
+    """The benchmark tables of benchmarks/README.md (benchmark_units), each under its section with
+    the commands that measured it and the machine, as the benchmarks README has them (scratch
+    folders read `<dir>`, links to repository files plain text)."""
+    text = BENCHMARKS.read_text(encoding="utf-8")
+    lines = [GENERATED_NOTE.format(source="benchmarks/README.md").rstrip(),
+             "# Benchmarks",
+             "Speed and behaviour of the services and the trainer, measured by the scripts under `benchmarks/` "
+             "of the repository on CPU machines shared with other jobs: compare figures as ratios within one "
+             "table (its rows ran back to back), not across tables. Each table comes with the commands that "
+             "measured it (not run by the documentation tests: each takes minutes to hours) and the machine. "
+             "`benchmarks/README.md` discusses every figure and holds the tables not shown here (dated "
+             "measurements, and those of the replaced search domain). The demo and the search-agent study have "
+             "their own pages: [Demo](demo.md), [Search-agent study](study.md)."]
+    for _, blocks in benchmark_units(text):
+        lines += [_site_text(b) for b in blocks]
+    return "\n\n".join(lines) + "\n"
+
+
 # ---------------------------------------------------------------- mkdocs hook
 
 PAGES = {
@@ -418,6 +574,8 @@ PAGES = {
     "reference/errors.md": errors_reference,
     "reference/limits.md": limits_reference,
     "reference/server-metrics.md": server_metrics_reference,
+    "reference/metrics.md": trainer_metrics_reference,
+    "results/benchmarks.md": benchmarks_page,
 }
 
 
