@@ -114,6 +114,11 @@ SECTIONS: tuple[Section, ...] = (
         _m("search/answered", "search runs: share of trajectories with an answer"),
         _m("search/searches_per_trajectory", "search runs: mean number of searches"),
         _m("search/repeated_share", "search runs: share of searches that repeat an earlier one"),
+        _m("search/gold_doc_recall", "search runs with gold documents: mean share of a task's gold documents the "
+           "trajectory's searches retrieved"),
+        _m("search/first_gold_found", "search runs with gold documents: share of trajectories that retrieved the "
+           "task's first gold document (a two-search task's bridge document)"),
+        _m("search/all_gold_found", "search runs with gold documents: share that retrieved every gold document"),
         _m("steps/reward/mean", "per-step rewards scored: mean step reward"),
         _m("steps/searches_per_trajectory, steps/repeated_share, steps/new_gold_share",
            "per-step rewards scored: searches, repeats and steps that found a new gold document"),
