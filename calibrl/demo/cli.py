@@ -664,7 +664,7 @@ def _train_and_evaluate(settings: DemoSettings, out: pathlib.Path, domain: Any, 
         "search agent GRPO / CalibAdv (gold as silver) / CalibAdv (authors' silver)": describe_design(settings.search),
         "held-out": f"{len(heldout_rewrites)} rewrite tasks ((product, topic) pairs never seen in training), "
                     f"{len(heldout_search)} two-search questions of the test split (one phrasing each; no plan, fund, "
-                    "plan or fund family of theirs is in a training or validation question; comparisons "
+                    "company or fund family of theirs is in a training or validation question; comparisons "
                     "resample whole bridge clusters); greedy decoding",
     }
     _write_search_records(out / "search_records.jsonl", search_records)

@@ -247,7 +247,7 @@ class Plan:
     answer: str
     rewritten: tuple[tuple[str, str], ...] = ()
     evidence: str = ""  # the answer passage's words that state the answer
-    renamed: tuple[tuple[str, str], ...] = ()  # (family number, fresh number): replaced in every piece of the example
+    renamed: tuple[tuple[str, str], ...] = ()  # (name word, made-up word): replaced in every piece of the example
 
 
 def reference_trajectories(domain: Domain, search_many: "SearchManyFn", teacher: AgentTeacher = AgentTeacher(),
@@ -258,8 +258,7 @@ def reference_trajectories(domain: Domain, search_many: "SearchManyFn", teacher:
     whose answer passage states another value of the aspect (so the answer is read, not
     recalled). A trajectory whose observation is not a passage it can read on from is
     left out."""
-    from calibrl.demo.search_domain import (SEARCH_ASPECTS, fact_text, family_number, first_query, search_values,
-                                             second_query)
+    from calibrl.demo.search_domain import SEARCH_ASPECTS, fact_text, first_query, search_values, second_query
 
     rng = random.Random(seed)
     facts_by_doc = {f.doc_id: f for f in domain.facts}
@@ -294,7 +293,7 @@ def reference_trajectories(domain: Domain, search_many: "SearchManyFn", teacher:
                     evidence=evidence_of(fact_text(fact.entity, fact.aspect, fact.value), fact.value))
         plans.append(plan)
         read.append((plan, fact))
-    taken = {family_number(e) for e in domain.search_entities}
+    taken = {w.lower() for e in (*domain.entities, *domain.search_entities) for w in e.name.split()}
     for plan, fact in read:
         pool = search_values(fact.aspect.key)
         task = next(t for t in tasks if t.question == plan.question)
@@ -304,24 +303,25 @@ def reference_trajectories(domain: Domain, search_many: "SearchManyFn", teacher:
             while value == fact.value:
                 value = rng.choice(pool)
             text = fact_text(fact.entity, fact.aspect, value)
-            # the family numbers of the plan and of the funds its passages name, renumbered: copied, not recalled
-            renamed = ((family_number(link.plan), fresh_number(rng, taken)),
-                       (family_number(link.fund), fresh_number(rng, taken)))
+            # the family words of the plan and of the funds its passages name, renamed: copied, not recalled
+            renamed = ((link.plan.name.split()[0], made_up_word(rng, taken)),
+                       (link.fund.name.split()[0], made_up_word(rng, taken)))
             plans.append(Plan(plan.question, plan.steps, value, ((fact.doc_id, text),), evidence_of(text, value),
                               renamed))
     return plans
 
 
-def fresh_number(rng: random.Random, taken: set[str]) -> str:
-    """A family number (:data:`calibrl.demo.search_domain.FAMILY_NUMBERS`) that is not in
-    ``taken``; added to it."""
-    from calibrl.demo.search_domain import FAMILY_NUMBERS
+_SYLLABLES = ("ba", "ce", "di", "fo", "gu", "ha", "ke", "li", "mo", "nu", "pa", "re", "si", "to", "vu", "wa", "ze",
+              "bra", "cle", "dro", "fra", "gle", "pri", "sto", "tra", "vel", "mar", "lin", "dor", "ven", "sor")
 
+
+def made_up_word(rng: random.Random, taken: set[str]) -> str:
+    """A capitalised word of 2-4 syllables that is no word of ``taken`` (lower case); added to it."""
     while True:
-        number = str(rng.choice(FAMILY_NUMBERS))
-        if number not in taken:
-            taken.add(number)
-            return number
+        word = "".join(rng.choice(_SYLLABLES) for _ in range(rng.randint(2, 4))).capitalize()
+        if word.lower() not in taken:
+            taken.add(word.lower())
+            return word
 
 
 def _rename(text: str, renamed: Sequence[tuple[str, str]]) -> str:

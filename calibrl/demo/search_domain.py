@@ -10,24 +10,23 @@ Everything here is search-only and drawn from its own random stream
 (:mod:`calibrl.demo.domain`) is used, so that half stays byte-identical whatever is
 drawn here. The corpus, the index and the policies' tokenizer are shared.
 
-- :data:`CLUSTERS` clusters, each a *plan family* (one four-digit family number,
-  :data:`FAMILY_SIZE` plans that differ only in their industry word: "Logistics Retirement
-  Plan 4821", "Foods Retirement Plan 4821", ...) and a *fund family* (another number,
-  :data:`FAMILY_SIZE` funds that differ only in their style word: "Core Fund 7305",
-  "Select Fund 7305", ...); the plans default to the funds by a random bijection. Names
-  are copied digit by digit, as values are (the policies' tokenizer splits digits).
+- :data:`CLUSTERS` clusters, each a *plan family* (one company word, :data:`FAMILY_SIZE`
+  plans that differ only in their industry word: "Abernathy Logistics Retirement Plan",
+  "Abernathy Foods Retirement Plan", ...) and a *fund family* (one fund word,
+  :data:`FAMILY_SIZE` funds that differ only in their style word: "Kestrel Core Fund",
+  "Kestrel Select Fund", ...); the plans default to the funds by a random bijection.
 - Near misses compete for both searches: a first query without the industry word ties
   the sibling plans, a second query without the style word ties the sibling funds'
   passages of the aspect (BM25 scores them alike; one document per search).
 - Each fund has one passage per aspect of :data:`SEARCH_ASPECTS`; every value is drawn
   uniformly, without replacement over all funds, from a set of at least 840 values, so no
   value repeats and no constant answer is right for more than one question.
-- Splits by cluster, entity-disjoint (no plan, fund or family number is
+- Splits by cluster, entity-disjoint (no plan, fund, company word or fund word is
   shared): :data:`TEST_CLUSTERS` clusters are the test split (``heldout``, one phrasing
   per question), :data:`VALIDATION_CLUSTERS` the validation split (one phrasing), the
   rest train in :data:`TRAIN_PHRASINGS` of 6 phrasings.
 
-Design rules and hypotheses: experiments/LOG.md, D11-D13.
+Design rules and hypotheses: experiments/LOG.md, D11.
 """
 
 from __future__ import annotations
@@ -44,9 +43,36 @@ VALIDATION_CLUSTERS = 12  # 144 validation questions
 TRAIN_PHRASINGS = 2  # of the six phrasings of each training question
 SPLITS = ("train", "validation", "heldout")  # "heldout" is the test split
 
+_FUND_WORDS = (
+    "Alder", "Birchwood", "Cedarbrook", "Driftwood", "Elmstead", "Fernhill", "Glenmoor", "Hawthorn", "Ironwood",
+    "Juniper", "Kestrel", "Larkspur", "Maplewood", "Northgate", "Orchard", "Pinecrest", "Quarrystone", "Redwood",
+    "Saltmarsh", "Thornbury", "Upland", "Valewood", "Willowby", "Yarrow", "Zephyr", "Bramble", "Clover", "Dunmore",
+    "Eastwick", "Foxglove", "Goldcrest", "Heather", "Ivybridge", "Kingfisher", "Lindenfield", "Marigold", "Osprey",
+    "Primrose", "Starling", "Tamarack", "Verbena", "Wrenfield", "Ashgrove", "Bluestone", "Coppice", "Dovecote",
+    "Everholt", "Fallowfield", "Gorsemoor", "Hollyhock", "Inglewood", "Jasmine", "Knapweed", "Lavender",
+    "Meadowsweet", "Nettlebed", "Oakhurst", "Peregrine", "Quillwort", "Rosebay", "Sorrel", "Teasel", "Umberleigh",
+    "Vetchley", "Wychwood", "Yewdale", "Ambleside", "Bracken", "Campion", "Dogrose", "Eyebright", "Fieldfare",
+    "Gannet", "Harebell", "Ibisford", "Kittiwake", "Lapwing", "Merlin", "Nightjar", "Oxlip", "Plover", "Redstart",
+    "Sandpiper", "Whinchat", "Yellowhammer", "Avocet", "Bittern", "Curlew", "Dunlin", "Goldfinch", "Hornbeam",
+    "Linnet", "Moorhen", "Pipistrelle", "Sedgefield", "Tansy",
+)
 _FUND_STYLES = ("Opportunity", "Core", "Strategic", "Allocation", "Select", "Enhanced", "Emerging", "Quality",
                 "Momentum", "Sustainable")
-# Employer plans: a family number (one per plan family) and an industry word (one per plan of it).
+# Employer plans: a company word (one per plan) and an industry (shared).
+_COMPANY_WORDS = (
+    "Abernathy", "Bellweather", "Corrigan", "Dalmore", "Everly", "Fairbanks", "Galloway", "Hollister", "Inverness",
+    "Jessop", "Kimberton", "Langford", "Mowbray", "Newcombe", "Ormond", "Prescott", "Quincy", "Rutherford",
+    "Stanwick", "Tolliver", "Underhill", "Vickery", "Whitlock", "Yardley", "Aldridge", "Blackwood", "Carrington",
+    "Dunleavy", "Ellison", "Fenwick", "Garrick", "Hartwell", "Iverson", "Kendrick", "Lockhart", "Merriweather",
+    "Northcott", "Pemberton", "Radcliffe", "Sheridan", "Thackeray", "Wexford", "Ashby", "Brockman", "Ainsworth",
+    "Barrington", "Chadwick", "Davenport", "Eastbrook", "Fairweather", "Gresham", "Holloway", "Ingram", "Jellicoe",
+    "Kensworth", "Marchbank", "Nettleton", "Oakley", "Pendleton", "Quimby", "Rowntree", "Sallowby", "Treadwell",
+    "Upshaw", "Vandermeer", "Wakefield", "Yelverton", "Atherton", "Bexley", "Colbourne", "Drummond", "Egerton",
+    "Fotheringham", "Grantham", "Haverford", "Islington", "Jarrow", "Kilbride", "Lowther", "Mansfield", "Norbury",
+    "Overton", "Pickering", "Rushworth", "Stafford", "Tenbury", "Uxbridge", "Waverley", "Wolcott", "Aylward",
+    "Brantley", "Cranston", "Dewhurst", "Elphick", "Farnsworth", "Gilchrist", "Huxtable", "Kirkwood", "Lambert",
+    "Morland", "Nesbitt", "Pargeter",
+)
 _INDUSTRIES = ("Logistics", "Foods", "Robotics", "Textiles", "Shipping", "Pharmacy", "Printing", "Aerospace",
                "Ceramics", "Brewing", "Hospitality", "Furniture")
 # Managers: a first and a last name, each used once (a manager's name words are all rare).
@@ -64,25 +90,9 @@ _LAST_NAMES = (
 _TICKER_LETTERS = "BCDFGHJKLMNPQRSTVWZ"
 
 
-FAMILY_NUMBERS = range(2100, 10_000)  # a family's number: four digits, never a year or value of a passage
-
-
-def fund_name(style: str, number: int) -> str:
-    return f"{style} Fund {number}"
-
-
-def plan_name(industry: str, number: int) -> str:
-    return f"{industry} Retirement Plan {number}"
-
-
-def family_number(entity: Entity) -> str:
-    """The number a plan or fund shares with its family (its name's last word)."""
-    return entity.name.split()[-1]
-
-
 def generated_fund_names() -> tuple[str, ...]:
     """Every name a generated fund may take (a fund's default-investment value)."""
-    return tuple(fund_name(style, n) for n in FAMILY_NUMBERS for style in _FUND_STYLES)
+    return tuple(f"{word} {style} Fund" for word in _FUND_WORDS for style in _FUND_STYLES)
 
 
 
@@ -135,7 +145,7 @@ DEFAULT_INVESTMENT = "default investment"
 
 @dataclass(frozen=True)
 class Link:
-    """One plan of the search half: its default fund, and the cluster of their two families."""
+    """One plan of the search half: its family word, its default fund and that fund's family word."""
 
     plan: Entity
     fund: Entity
@@ -152,9 +162,10 @@ def careful_name(entity: Entity) -> str:
 
 
 def careless_name(entity: Entity) -> str:
-    """The name without its first word (the industry of a plan, the style of a fund): a
+    """The name without its second word (the industry of a plan, the style of a fund): a
     near miss that BM25 ties with the entity's siblings."""
-    return " ".join(entity.name.split()[1:])
+    words = entity.name.split()
+    return " ".join([words[0], *words[2:]])
 
 
 def first_query(link: Link, careless: bool = False) -> str:
@@ -180,18 +191,18 @@ class SearchHalf:
 def search_half(seed: int) -> SearchHalf:
     """The search-only entities, their passages and facts, and every two-search task."""
     rng = random.Random(f"{seed}-search")
-    numbers = rng.sample(FAMILY_NUMBERS, 2 * CLUSTERS)
+    fund_words = rng.sample(_FUND_WORDS, CLUSTERS)
+    company_words = rng.sample(_COMPANY_WORDS, CLUSTERS)
     taken: set[str] = set()
     links: list[Link] = []
-    for cluster, (fund_number, plan_number) in enumerate(zip(numbers[:CLUSTERS], numbers[CLUSTERS:])):
+    for cluster, (fund_word, company_word) in enumerate(zip(fund_words, company_words)):
         funds = []
         for style in rng.sample(_FUND_STYLES, FAMILY_SIZE):
             ticker = _ticker(rng, taken)
             taken.add(ticker)
-            funds.append(Entity(f"fund-{fund_number}-{style}".lower(), "fund", fund_name(style, fund_number), (),
-                                ticker))
-        plans = [Entity(f"plan-{plan_number}-{industry}".lower(), "account", plan_name(industry, plan_number), ())
-                 for industry in rng.sample(_INDUSTRIES, FAMILY_SIZE)]
+            funds.append(Entity(f"{fund_word}-{style}".lower(), "fund", f"{fund_word} {style} Fund", (), ticker))
+        plans = [Entity(f"{company_word}-{industry}".lower(), "account", f"{company_word} {industry} Retirement Plan",
+                        ()) for industry in rng.sample(_INDUSTRIES, FAMILY_SIZE)]
         rng.shuffle(funds)
         links += [Link(plan, fund, cluster) for plan, fund in zip(plans, funds)]
     funds = [link.fund for link in links]
@@ -278,5 +289,5 @@ QUESTIONS = {
 
 
 __all__ = ["CLUSTERS", "FAMILY_SIZE", "Link", "QUESTIONS", "SEARCH_ASPECTS", "SPLITS", "SearchHalf", "TEST_CLUSTERS",
-           "TRAIN_PHRASINGS", "VALIDATION_CLUSTERS", "FAMILY_NUMBERS", "bridge_text", "careless_name", "fact_text",
-           "family_number", "first_query", "fund_name", "generated_fund_names", "plan_name", "search_half", "search_values", "second_query"]
+           "TRAIN_PHRASINGS", "VALIDATION_CLUSTERS", "bridge_text", "careless_name", "fact_text", "first_query",
+           "generated_fund_names", "search_half", "search_values", "second_query"]
