@@ -77,7 +77,8 @@ from calibrl.trainer import distributed as dist_util
 from calibrl.trainer.aio import BackgroundLoop
 from calibrl.trainer.clients import JudgeClient, RetrievalClient
 from calibrl.trainer.config import TrainConfig
-from calibrl.trainer.scoring import PendingBatch, settled
+from calibrl.trainer.handoff import PendingBatch
+from calibrl.trainer.scoring import settled
 
 if TYPE_CHECKING:  # pragma: no cover
     from calibrl import tracking
@@ -242,8 +243,9 @@ class _Loop:
         # upcoming batch's behaviour log-probs (under the weights that sampled it,
         # before this step's update), the reference's, the first micro-batch's.
         overlap_start = time.perf_counter()
-        if rollouts.upcoming is not None:
-            rollouts.upcoming.behaviour_logp = self.updater.behaviour_logprobs(rollouts.upcoming.batch)
+        upcoming = rollouts.upcoming
+        if upcoming is not None:
+            upcoming = upcoming.with_behaviour_logp(self.updater.behaviour_logprobs(upcoming.batch))
         early = self.updater.forward_without_rewards(rollouts.current.batch)
         times.overlap_forward = time.perf_counter() - overlap_start
 
@@ -269,7 +271,7 @@ class _Loop:
                         result.metrics["grad_norm"])
         run.engine.update_weights(run.policy.model)
         state.step = step
-        self.pipeline.keep(rollouts.upcoming)
+        self.pipeline.keep(upcoming)
         times.update = time.perf_counter() - update_start
 
         # -------------------------------------------------------------- log
@@ -288,7 +290,7 @@ class _Loop:
         # the data position, and a rank whose generation failed has nothing to keep.
         keep = not dist_util.any_rank(current is None, self.run.ctx)
         if keep:
-            current.forget_scores()
+            current = current.without_scores()
             position = current.data_position
         path = self.checkpointer.save(self.run.state, "reward_error", rng=rng, position=position,
                                       pending=current if keep else None)

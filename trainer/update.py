@@ -23,36 +23,21 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, ContextManager
 
 from calibrl.trainer import distributed as dist_util
+from calibrl.trainer.handoff import EarlyForward, MicroBatch, RolloutBatch, TrainingBatch, UpdateResult
 from calibrl.trainer.policy import completion_logprobs
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
 
     from calibrl.trainer.config import LossConfig, TrainConfig
-    from calibrl.trainer.rollout import RolloutBatch
-    from calibrl.trainer.training_batch import TrainingBatch
 
 log = logging.getLogger(__name__)
 
 
 # --------------------------------------------------------------------------- micro-batches
-
-
-@dataclass
-class MicroBatch:
-    """Rows of the step's batch, cut to their longest row; the loss-side tensors
-    start at ``start``, the first column holding a generated token of any row."""
-
-    input_ids: "torch.Tensor"  # (b, L)
-    attention_mask: "torch.Tensor"  # (b, L)
-    start: int
-    mask: "torch.Tensor"  # (b, L - start) completion_mask
-    token_adv: "torch.Tensor | None"  # (b, L - start), or None before advantages exist
-    old_logp: "torch.Tensor | None" = None  # (b, L - start) behaviour log-probs of a stale batch, else None
 
 
 def micro_batches(rows: int, parts: int) -> list[list[int]]:
@@ -158,24 +143,6 @@ def apply_update(optimizer: "torch.optim.Optimizer", grad_norm: float) -> bool:
 
 
 # --------------------------------------------------------------------------- the update
-
-
-@dataclass
-class EarlyForward:
-    """Forward passes of a batch done before its rewards are in."""
-
-    parts: list[list[int]]  # the micro-batches' rows
-    ref_logps: "list[torch.Tensor | None]"  # per micro-batch, None without a KL term
-    first: "tuple[torch.Tensor, float | None] | None"  # the policy's (logp, entropy) of micro-batch 0
-    reference_metrics: dict[str, float] = field(default_factory=dict)  # reference_perplexity's, {} without a reference
-
-
-@dataclass
-class UpdateResult:
-    """What one update reports."""
-
-    metrics: dict[str, float]  # loss, grad_norm, learning_rate, and the loss's own metrics
-    stepped: bool  # False when a non-finite gradient norm skipped the optimizer step
 
 
 class PolicyUpdate:
