@@ -79,3 +79,13 @@ def test_a_failed_score_is_dropped_from_the_copy_and_still_raises_on_the_origina
     assert saved.breakdowns is None and saved.futures == ()
     with pytest.raises(RewardError, match="judge down"):
         failing.scored()  # the step that trains on it stops for the failure; it never trains on no rewards
+
+
+def test_the_upcoming_batch_gets_its_behaviour_logprobs_on_a_copy():
+    upcoming = PendingBatch(2, _batch(), (), {})
+    rollouts = StepRollouts(PendingBatch(1, _batch(), (), {}), upcoming, None)
+    with_logp = rollouts.with_upcoming_behaviour(lambda batch: torch.full(batch.input_ids.shape, -2.0))
+    assert float(with_logp.upcoming.behaviour_logp.sum()) == -2.0 * upcoming.batch.input_ids.numel()
+    assert rollouts.upcoming.behaviour_logp is None and with_logp.current is rollouts.current
+    on_policy = StepRollouts(rollouts.current, None, None)
+    assert on_policy.with_upcoming_behaviour(lambda batch: 1 / 0) is on_policy

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import concurrent.futures
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Protocol, Sequence
+from typing import TYPE_CHECKING, Callable, Protocol, Sequence
 
 from calibrl.errors import CalibrlError
 
@@ -156,6 +156,12 @@ class StepRollouts:
     current: PendingBatch | None  # this step's rollouts (None only when sampling failed)
     upcoming: PendingBatch | None  # the next step's, sampled ahead (off-policy), else None
     failure: CalibrlError | None  # why sampling failed, else None
+
+    def with_upcoming_behaviour(self, behaviour_logprobs: "Callable[[RolloutBatch], torch.Tensor]") -> "StepRollouts":
+        """A copy whose upcoming batch (when there is one) carries ``behaviour_logprobs`` of its rows."""
+        if self.upcoming is None:
+            return self
+        return replace(self, upcoming=self.upcoming.with_behaviour_logp(behaviour_logprobs(self.upcoming.batch)))
 
 
 # --------------------------------------------------------------------------- advantages and update

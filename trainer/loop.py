@@ -77,8 +77,7 @@ from calibrl.trainer import distributed as dist_util
 from calibrl.trainer.aio import BackgroundLoop
 from calibrl.trainer.clients import JudgeClient, RetrievalClient
 from calibrl.trainer.config import TrainConfig
-from calibrl.trainer.handoff import PendingBatch
-from calibrl.trainer.scoring import settled
+from calibrl.trainer.scoring import PendingBatch, settled
 
 if TYPE_CHECKING:  # pragma: no cover
     from calibrl import tracking
@@ -243,9 +242,7 @@ class _Loop:
         # upcoming batch's behaviour log-probs (under the weights that sampled it,
         # before this step's update), the reference's, the first micro-batch's.
         overlap_start = time.perf_counter()
-        upcoming = rollouts.upcoming
-        if upcoming is not None:
-            upcoming = upcoming.with_behaviour_logp(self.updater.behaviour_logprobs(upcoming.batch))
+        rollouts = rollouts.with_upcoming_behaviour(self.updater.behaviour_logprobs)
         early = self.updater.forward_without_rewards(rollouts.current.batch)
         times.overlap_forward = time.perf_counter() - overlap_start
 
@@ -271,7 +268,7 @@ class _Loop:
                         result.metrics["grad_norm"])
         run.engine.update_weights(run.policy.model)
         state.step = step
-        self.pipeline.keep(upcoming)
+        self.pipeline.keep(rollouts.upcoming)
         times.update = time.perf_counter() - update_start
 
         # -------------------------------------------------------------- log

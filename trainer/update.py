@@ -213,8 +213,9 @@ class PolicyUpdate:
         for n, (rows, ref_logp) in enumerate(zip(early.parts, early.ref_logps)):
             micro = micro_batch(batch, training.token_adv, rows, training.behaviour_logp)
             if n == 0:
+                # EarlyForward is frozen: it keeps this logp until the step ends, but the backward
+                # below frees the graph's saved tensors (retain_graph=False), so only (b, L) floats stay
                 logp, entropy = early.first
-                early.first = None  # the graph is freed by this micro-batch's backward
             else:
                 with self.autocast:
                     logp, entropy = micro_logprobs(self.model, micro, config.rollout.temperature, with_entropy=True)
