@@ -18,8 +18,10 @@ from dataclasses import replace
 from typing import TYPE_CHECKING, Sequence
 
 from calibrl.trainer import distributed as dist_util
+from calibrl.trainer.dynamic_sampling import enough_kept, select_groups, select_rows
 from calibrl.trainer.policy import pad_token_id
 from calibrl.trainer.handoff import PendingBatch
+from calibrl.trainer.rollout import RolloutBatch
 from calibrl.trainer.scoring import ScoreFn
 from calibrl.trainer.task_kinds import RolloutSettings, TaskKind
 
@@ -67,8 +69,6 @@ class RolloutSampler:
         batch (on every rank) or ``rollout.max_sampling_rounds`` rounds were sampled.
         Raises the first reward failure (nothing half-scored is kept)."""
         import torch
-
-        from calibrl.trainer.dynamic_sampling import enough_kept, select_groups, select_rows
 
         started = time.perf_counter()
         parts: list[RolloutBatch] = []
@@ -153,8 +153,6 @@ def concat_batches(batches: Sequence["RolloutBatch"], pad_id: int) -> "RolloutBa
     """One RolloutBatch from several (right-padded to the longest row; group ids
     offset so groups of different chunks never merge)."""
     import torch
-
-    from calibrl.trainer.rollout import RolloutBatch
 
     if len(batches) == 1:
         return batches[0]

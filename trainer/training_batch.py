@@ -25,6 +25,7 @@ if TYPE_CHECKING:  # pragma: no cover
 def to_training_batch(scored: ScoredBatch, advantage: "GrpoAdvantage | CalibAdvAdvantage") -> TrainingBatch:
     """Per-token advantages of ``scored`` from the registered estimator ``advantage.type``
     with ``advantage.params()``."""
+    # lazy: advantages imports torch, which this module does not
     from calibrl.trainer.advantages import AdvantageInputs, batch_inputs_for, compute_advantages
 
     batch = scored.batch

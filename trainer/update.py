@@ -25,6 +25,7 @@ import logging
 import math
 from typing import TYPE_CHECKING, ContextManager
 
+from calibrl.kernels import math_attention
 from calibrl.trainer import distributed as dist_util
 from calibrl.trainer.handoff import EarlyForward, MicroBatch, RolloutBatch, TrainingBatch, UpdateResult
 from calibrl.trainer.policy import completion_logprobs
@@ -263,8 +264,6 @@ class CpuBf16Autocast:
 
     def __enter__(self) -> None:
         import torch
-
-        from calibrl.kernels import math_attention
 
         stack = contextlib.ExitStack()
         stack.enter_context(math_attention())
