@@ -47,12 +47,13 @@ from calibrl.api import retrieval_wire
 from calibrl.api.retrieval import Hit, RetrievalScore, ScoreItem, SearchMode
 from calibrl.trainer.aio import gather_all
 from calibrl.trainer.clients import IndexInfo, RubricInfo
-from calibrl.v1 import judge_pb2 as pb, judge_pb2_grpc, retrieval_pb2 as pb, retrieval_pb2_grpc
+from calibrl.v1 import judge_pb2, judge_pb2_grpc, retrieval_pb2, retrieval_pb2_grpc
 
 if TYPE_CHECKING:  # pragma: no cover
     import grpc
     import grpc.aio
     from google.protobuf.message import Message
+    from tenacity import RetryCallState
 
     from calibrl.v1 import judge_pb2_grpc, retrieval_pb2_grpc
 
@@ -92,10 +93,10 @@ def _is_transient(error: BaseException) -> bool:
 class _WaitHonouringPushback:
     """tenacity wait: exponential backoff with jitter, and at least the server's pushback."""
 
-    def __init__(self, backoff: Any) -> None:
+    def __init__(self, backoff: "Callable[[RetryCallState], float]") -> None:
         self.backoff = backoff
 
-    def __call__(self, state: Any) -> float:
+    def __call__(self, state: "RetryCallState") -> float:
         wait = self.backoff(state)
         error = state.outcome.exception() if state.outcome is not None else None
         pushback_ms = _trailer(error, PUSHBACK_KEY) if error is not None else None
@@ -241,7 +242,7 @@ class _GrpcClient:
             self.stats["shed"] += 1
             telemetry.record("client_retries", 1, service=self._service, method=method, code="SHED")
 
-    def _count_retry(self, method: str, state: Any) -> None:
+    def _count_retry(self, method: str, state: "RetryCallState") -> None:
         error = state.outcome.exception() if state.outcome is not None else None
         code = error.code().name if error is not None else "?"
         self.stats["retries"] += 1
@@ -290,8 +291,9 @@ class GrpcRetrievalClient(_GrpcClient):
 
     async def index_info(self) -> IndexInfo:
         """The served index and the server's limits (GetIndexInfo), as a plain dict."""
-        message = await self._call("GetIndexInfo", pb.GetIndexInfoRequest())
-        modes = {pb.SEARCH_MODE_DENSE: "dense", pb.SEARCH_MODE_BM25: "bm25", pb.SEARCH_MODE_HYBRID: "hybrid"}
+        message = await self._call("GetIndexInfo", retrieval_pb2.GetIndexInfoRequest())
+        modes = {retrieval_pb2.SEARCH_MODE_DENSE: "dense", retrieval_pb2.SEARCH_MODE_BM25: "bm25",
+                 retrieval_pb2.SEARCH_MODE_HYBRID: "hybrid"}
         info: IndexInfo = {
             "doc_count": int(message.doc_count),
             "embedder": message.embedder,
@@ -339,8 +341,8 @@ class GrpcRetrievalClient(_GrpcClient):
     ) -> list[list[Hit]]:
         """Ranked hits per query, in order."""
         async def run(part: Sequence[str]) -> list[list[Hit]]:
-            request = pb.SearchRequest(queries=list(part), top_k=top_k, mode=retrieval_wire.mode_to_proto(mode),
-                                       include_text=include_text)
+            request = retrieval_pb2.SearchRequest(queries=list(part), top_k=top_k,
+                                                  mode=retrieval_wire.mode_to_proto(mode), include_text=include_text)
             response = await self._call("Search", request)
             _check_count(len(response.results), len(part), "Search results")
             return [[retrieval_wire.hit_from_proto(h) for h in hits.hits] for hits in response.results]
@@ -354,7 +356,7 @@ class GrpcRetrievalClient(_GrpcClient):
     ) -> list[RetrievalScore]:
         """Reward signals per item, in order."""
         async def run(part: Sequence[ScoreItem]) -> list[RetrievalScore]:
-            request = pb.ScoreRetrievalRequest(
+            request = retrieval_pb2.ScoreRetrievalRequest(
                 items=[retrieval_wire.score_item_to_proto(item) for item in part], top_k=top_k,
                 mode=retrieval_wire.mode_to_proto(mode), include_text=include_text,
             )
@@ -383,7 +385,7 @@ class GrpcJudgeClient(_GrpcClient):
     async def score(self, rubric_id: str, items: Sequence[JudgeItem], rubric_hash: str = "") -> list[ItemScore]:
         """Rubric scores per item, in order. ``rubric_hash`` pins the rubric's content (optional)."""
         async def run(part: Sequence[JudgeItem]) -> list[ItemScore]:
-            request = pb.ScoreRequest(rubric_id=rubric_id, rubric_hash=rubric_hash,
+            request = judge_pb2.ScoreRequest(rubric_id=rubric_id, rubric_hash=rubric_hash,
                                       items=[judge_wire.item_to_proto(item) for item in part])
             response = await self._call("Score", request)
             _check_count(len(response.scores), len(part), "judge scores")
@@ -399,11 +401,11 @@ class GrpcJudgeClient(_GrpcClient):
 
     async def rubric_source(self, rubric_ref: str) -> str:
         """The rubric file (YAML) of ``rubric_ref`` (``id`` or ``id@version``) as the judge loaded it."""
-        return (await self._call("GetRubric", pb.GetRubricRequest(rubric_id=rubric_ref))).source_yaml
+        return (await self._call("GetRubric", judge_pb2.GetRubricRequest(rubric_id=rubric_ref))).source_yaml
 
     async def list_rubrics(self) -> list[RubricInfo]:
         """The rubrics this caller may use: id, version, hash, description, num_criteria, validated."""
-        response = await self._call("ListRubrics", pb.ListRubricsRequest())
+        response = await self._call("ListRubrics", judge_pb2.ListRubricsRequest())
         return [
             {"id": r.id, "version": r.version, "hash": r.hash, "description": r.description,
              "num_criteria": int(r.num_criteria), "validated": bool(r.validated)}

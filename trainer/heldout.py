@@ -35,7 +35,7 @@ import logging
 import math
 import pathlib
 import time
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any
 
 from calibrl.errors import CalibrlError, ConfigError
 from calibrl.tracking import log_heldout_table
@@ -44,6 +44,7 @@ from calibrl.trainer.eval import EvalSettings, evaluate_policy, PromptChoice
 from calibrl.trainer.tasks import load_tasks, split_tasks
 
 if TYPE_CHECKING:  # pragma: no cover
+    from calibrl.trainer.task_kinds import RunAsync
     from calibrl import tracking
     from calibrl.trainer.clients import RetrievalClient
     from calibrl.trainer.config import TrainConfig
@@ -113,7 +114,7 @@ class HeldoutEvaluator:
     """Evaluates one run's policy on its held-out tasks and records the results."""
 
     def __init__(self, config: "TrainConfig", tasks: list["Task"], source: str, retrieval: "RetrievalClient",
-                 run_async: Callable[[Any], Any], tracker: "tracking.Tracker | None", *, is_main: bool,
+                 run_async: "RunAsync", tracker: "tracking.Tracker | None", *, is_main: bool,
                  resume_step: int) -> None:
         self.config, self.tasks, self.source = config, tasks, source
         self.retrieval, self.run_async, self.tracker, self.is_main = retrieval, run_async, tracker, is_main

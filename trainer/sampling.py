@@ -60,7 +60,8 @@ class RolloutSampler:
         started = time.perf_counter()
         chunks, futures = self._generate_round(for_step, first_chunk=0)
         batch = concat_batches(chunks, pad_token_id(self.tokenizer)).to(self.device)
-        return PendingBatch(for_step, batch, tuple(futures), self.order.state(), generation_s=time.perf_counter() - started)
+        return PendingBatch(for_step, batch, tuple(futures), self.order.state(),
+                            generation_s=time.perf_counter() - started)
 
     def sample_dynamic(self, for_step: int) -> PendingBatch:
         """DAPO dynamic sampling (``calibrl.trainer.dynamic_sampling`` states the rule):

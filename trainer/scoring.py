@@ -3,9 +3,10 @@
 :class:`PendingBatch` is one step's rollouts from generation to update: the
 :class:`~calibrl.trainer.rollout.RolloutBatch` and its reward futures (one per generation
 chunk, running on the background event loop). :meth:`PendingBatch.scored` waits
-for them and hands on a :class:`ScoredBatch`. (The types live in :mod:`calibrl.trainer.handoff`.) A pending batch can be written into
-a checkpoint (with its scores when they are in) and restored from one, so a run
-that stops between sampling and training resumes on exactly those rollouts.
+for them and hands on a :class:`ScoredBatch` (both types live in
+:mod:`calibrl.trainer.handoff`). A pending batch can be written into a checkpoint
+(with its scores when they are in) and restored from one, so a run that stops
+between sampling and training resumes on exactly those rollouts.
 
 A reward that could not be computed raises: it is never turned into a 0.
 """
