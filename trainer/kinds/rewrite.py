@@ -225,7 +225,6 @@ def rewrite_items(engine: "GenerationEngine", tokenizer: "PreTrainedTokenizerBas
     """The ``rewrite`` kind's items (its ``TaskKind.sample_items``) and the empty rewrites left out."""
     # calibrl.sme.items reads the judge's feedback format: imported only when SME items are written,
     # so the trainer's kinds import no judge code.
-    # lazy: items imports the judge server, which this module does not
     from calibrl.sme.items import SampleItem
 
     rewrites: list[str] = []

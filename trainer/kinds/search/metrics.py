@@ -62,7 +62,6 @@ def search_items(engine: "GenerationEngine", tokenizer: "PreTrainedTokenizerBase
     """The ``search`` kind's items (its ``TaskKind.sample_items``); none is left out."""
     # calibrl.sme.items reads the judge's feedback format: imported only when SME items are written,
     # so the trainer's kinds import no judge code.
-    # lazy: items imports the judge server, which this module does not
     from calibrl.sme.items import SampleItem
 
     items = []
