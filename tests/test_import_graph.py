@@ -153,3 +153,74 @@ def test_the_checks_see_a_cycle_and_a_reach_into_a_server(tmp_path):
     assert cycles(planted, "calibrl.trainer") == [["calibrl.trainer.a", "calibrl.trainer.b"]]
     assert planted["calibrl.trainer.b"] == {"calibrl.trainer.a"}  # the TYPE_CHECKING import is not counted
     assert planted["calibrl.trainer.c"] == {"calibrl.judge_server.judge"}
+
+
+# ----------------------------------------------------------------------------- function-level imports
+
+# Where a function-level import is checked: the trainer and the core's wire types.
+LAZY_CHECKED = ("trainer", "calibrl/api")
+# Third-party modules a function may import without a comment, and why they are never imported at load.
+LAZY_THIRD_PARTY = {
+    "torch": "heavy (seconds): `--help`, config loading and the CPU-light paths never import it",
+    "numpy": "comes with torch; imported where tensors become arrays",
+    "transformers": "heavy; only the policy, the tokenizer and the engines need it",
+    "peft": "optional (LoRA runs only)",
+    "vllm": "optional GPU-only engine; the CPU install never has it",
+    "safetensors": "only checkpoint saving and loading needs it",
+    "datasets": "optional (the TRL adapter only)",
+    "tqdm": "only a progress bar on a terminal needs it",
+}
+
+
+def function_level_imports(root: pathlib.Path = ROOT, folders: tuple[str, ...] = LAZY_CHECKED) -> list[str]:
+    """``path:line module`` of every import inside a function (``if TYPE_CHECKING:`` blocks aside) that
+    neither names a module of :data:`LAZY_THIRD_PARTY` nor carries its reason: a comment on its line,
+    or on the line above it or above the block of imports it starts or belongs to."""
+    unexplained = []
+    for folder in folders:
+        for path in sorted((root / folder).rglob("*.py")):
+            lines = path.read_text(encoding="utf-8").splitlines()
+
+            def has_reason(node: ast.stmt, block_start: int) -> bool:
+                own = lines[node.lineno - 1 : node.end_lineno]
+                above = lines[block_start - 2].strip() if block_start >= 2 else ""
+                return any("#" in line for line in own) or above.startswith("#")
+
+            def visit(node: ast.AST, in_function: bool) -> None:
+                block_start, previous_end = 0, -1
+                for child in ast.iter_child_nodes(node):
+                    if isinstance(child, ast.If) and _is_type_checking(child.test):
+                        continue
+                    if in_function and isinstance(child, (ast.Import, ast.ImportFrom)):
+                        block_start = block_start if child.lineno == previous_end + 1 else child.lineno
+                        previous_end = child.end_lineno or child.lineno
+                        names = [child.module or ""] if isinstance(child, ast.ImportFrom) else [
+                            alias.name for alias in child.names]
+                        third_party = child.level == 0 if isinstance(child, ast.ImportFrom) else True
+                        if third_party and all(name.split(".")[0] in LAZY_THIRD_PARTY for name in names):
+                            continue
+                        if not has_reason(child, block_start):
+                            unexplained.append(f"{path.relative_to(root)}:{child.lineno} {', '.join(names)}")
+                    visit(child, in_function or isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)))
+
+            visit(ast.parse("\n".join(lines)), False)
+    return unexplained
+
+
+def test_every_function_level_import_says_why_it_is_not_at_module_level():
+    unexplained = function_level_imports()
+    assert unexplained == [], (
+        "function-level imports without a reason: move them to the module's imports, or say on the line above "
+        "why not (an import cycle, a heavy or optional dependency, CLI start-up): " + "; ".join(unexplained))
+
+
+def test_the_function_level_import_check_sees_an_unexplained_one(tmp_path):
+    (tmp_path / "trainer").mkdir()
+    (tmp_path / "trainer" / "m.py").write_text(
+        "def f():\n    import torch\n    import json\n\n"
+        "def g():\n    # lazy: policy imports transformers\n    from calibrl.trainer.policy import a\n"
+        "    from calibrl.trainer.policy import b\n\n"
+        "def h():\n    x = 1\n    from calibrl.trainer.losses import c  # lazy: losses imports torch\n"
+        "    from calibrl.trainer import tasks\n")
+    found = function_level_imports(tmp_path, ("trainer",))
+    assert found == ["trainer/m.py:3 json", "trainer/m.py:13 calibrl.trainer"]

@@ -62,6 +62,7 @@ import torch
 from torch import Tensor
 
 from calibrl.errors import InvalidArgument
+from calibrl.trainer.calibadv import search_step_found_gold, search_step_scores
 
 if TYPE_CHECKING:  # pragma: no cover
     from calibrl.trainer.config import CalibAdvAdvantage
@@ -418,8 +419,6 @@ def _calibadv_batch_inputs(batch: "RolloutBatch",
                            settings: "CalibAdvAdvantage") -> tuple[dict[str, Tensor], dict[str, float]]:
     """CalibAdv's step scores ``(B, S)`` of a batch of search rollouts (settings:
     ``f1_threshold``, ``use_gold``, ``similarity_threshold``) and their mean."""
-    from calibrl.trainer.calibadv import search_step_found_gold, search_step_scores
-
     device = batch.input_ids.device
     step_scores = search_step_scores(batch.rollouts, batch.group_index, batch.segment_index, settings).to(device)
     found_gold = search_step_found_gold(batch.rollouts, step_scores.shape[1]).to(device)

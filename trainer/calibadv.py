@@ -41,6 +41,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Sequence
 
 from calibrl.errors import InvalidArgument
+from calibrl.text import token_f1
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
@@ -188,8 +189,6 @@ def search_step_scores(rollouts: Sequence["SearchRollout"], group_index: "torch.
     without a search step (the answer segment, unused turns) are NaN: the
     estimator reads only intermediate segments."""
     import torch
-
-    from calibrl.text import token_f1
 
     slots = max(1, int(segment_index.max()) + 1)
     scores = torch.full((len(rollouts), slots), float("nan"), dtype=torch.float32)

@@ -89,7 +89,7 @@ class RngState(TypedDict, total=False):
 
 class SavedPending(TypedDict):
     """Rollouts already taken for the next step (``pending_rank{N}.pt``; see
-    :meth:`calibrl.trainer.scoring.PendingBatch.to_saved`)."""
+    :meth:`calibrl.trainer.handoff.PendingBatch.to_saved`)."""
 
     step: int
     batch: "RolloutBatch"  # tensors on the CPU

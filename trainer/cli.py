@@ -16,8 +16,11 @@ folder); heavy imports happen after parsing, so `--help` is instant.
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import json
 import logging
 import os
+import pathlib
 import sys
 import typing
 from typing import TYPE_CHECKING, Awaitable, Callable, Sequence
@@ -44,6 +47,7 @@ def make_clients(services: "ServicesConfig", background: "BackgroundLoop | None"
     API key, TLS); ``inprocess`` loads the index / rubric folder into this process.
     ``judge`` is None for ``services.judge=none``. ``close()`` is a coroutine
     function that closes the channels (run it on the loop that used them)."""
+    # lazy: config imports the judge server; the CLI starts without it
     from calibrl.trainer.config import INPROCESS, NO_JUDGE
 
     knobs: dict[str, object] = {"timeout_s": services.timeout_s, "max_attempts": services.max_attempts}
@@ -51,17 +55,20 @@ def make_clients(services: "ServicesConfig", background: "BackgroundLoop | None"
     if api_key:
         knobs["metadata"] = (("authorization", f"Bearer {api_key}"),)
     if services.tls_ca_file:
+        # lazy: security imports grpc; the CLI starts without it
         from calibrl.security import channel_credentials
 
         knobs["channel_credentials"] = channel_credentials(services.tls_ca_file)
 
     closers = []
     if services.retrieval == INPROCESS:
+        # lazy: retriever imports the retrieval server; the CLI starts without them
         from calibrl.retrieval_server.retriever import Retriever
         from calibrl.trainer.inprocess import InProcessRetrievalClient
 
         retrieval = InProcessRetrievalClient(Retriever.load(services.index_dir, device=services.inprocess_device))
     else:
+        # lazy: grpc_clients imports grpc; the CLI starts without it
         from calibrl.trainer.grpc_clients import GrpcRetrievalClient
 
         retrieval = GrpcRetrievalClient(services.retrieval, **knobs)
@@ -69,11 +76,13 @@ def make_clients(services: "ServicesConfig", background: "BackgroundLoop | None"
 
     judge = None
     if services.judge == INPROCESS:
+        # lazy: judge imports grpc and the judge server; the CLI starts without them
         from calibrl.judge_server.judge import Judge
         from calibrl.trainer.inprocess import InProcessJudgeClient
 
         judge = InProcessJudgeClient(Judge.from_config(services.inprocess_judge, services.rubric_dir))
     elif services.judge != NO_JUDGE:
+        # lazy: grpc_clients imports grpc; the CLI starts without it
         from calibrl.trainer.grpc_clients import GrpcJudgeClient
 
         judge = GrpcJudgeClient(services.judge, **knobs)
@@ -91,8 +100,7 @@ def make_clients(services: "ServicesConfig", background: "BackgroundLoop | None"
 
 def describe_config() -> str:
     """Every field of TrainConfig, ``key = default  # doc``, both advantage variants included."""
-    import dataclasses
-
+    # lazy: config imports the judge server; the CLI starts without them
     from calibrl.config import describe
     from calibrl.trainer.config import TrainConfig
 
@@ -134,6 +142,7 @@ def train(argv: Sequence[str]) -> int:
         print(describe_config())
         return 0
     _setup_logging(args.log_level)
+    # lazy: config imports the judge server; the CLI starts without it
     from calibrl.trainer.config import load_train_config
 
     try:
@@ -145,6 +154,7 @@ def train(argv: Sequence[str]) -> int:
         print(config.to_yaml(), end="")
         return 0
 
+    # lazy: loop imports the judge server; the CLI starts without them
     from calibrl.trainer.aio import BackgroundLoop
     from calibrl.trainer.loop import train as run_training
 
@@ -166,6 +176,7 @@ def train(argv: Sequence[str]) -> int:
             background.run(close())
     print(f"{result.stopped}: {result.steps_done} steps; checkpoint {result.last_checkpoint}", file=sys.stderr)
     if result.heldout:
+        # lazy: CLI start-up (`--help` imports only what it needs)
         from calibrl.trainer.heldout import HELDOUT_FILE, format_heldout
 
         print(f"held-out ({config.run_dir / HELDOUT_FILE}):\n{format_heldout(result.heldout)}", file=sys.stderr)
@@ -232,9 +243,7 @@ def evaluate(argv: Sequence[str]) -> int:
     args = _eval_parser().parse_args(argv)
     _setup_logging(args.log_level)
 
-    import json
-    import pathlib
-
+    # lazy: config imports the judge server; the CLI starts without them
     from calibrl.trainer.aio import BackgroundLoop
     from calibrl.trainer.config import ServicesConfig, resolve_prompt_template
     from calibrl.trainer.eval import EvalSettings, evaluate_models, format_table, load_eval_tasks
@@ -275,6 +284,7 @@ def evaluate(argv: Sequence[str]) -> int:
                                    names=args.name or None, raw_query_baseline=args.raw_query_baseline,
                                    prompt_template=prompt_template, chat_template=args.chat_template)
             if args.run_dir:
+                # lazy: CLI start-up (`--help` imports only what it needs)
                 from calibrl.trainer.eval_report import log_to_run
 
                 model_rows = rows[len(rows) - len(args.model):]  # the raw-query row has no step
@@ -283,6 +293,7 @@ def evaluate(argv: Sequence[str]) -> int:
                 print(f"table {args.table!r} ({len(steps)} rows) added to the run's trackers: "
                       f"{', '.join(trackers) or 'none'}", file=sys.stderr)
             if args.sme_items:  # SME review: the outputs as sample-input items (calibrl/sme/eval_items.py)
+                # lazy: eval_items imports the judge server; the CLI starts without it
                 from calibrl.sme.eval_items import write_eval_items
 
                 print(write_eval_items(args.sme_items, args.model, tasks, retrieval, settings, run_async=background.run,
@@ -310,6 +321,7 @@ def _run_dir_target(args: argparse.Namespace) -> tuple[list[int], list[str], str
         if args.report_to is not None:
             raise ConfigError("--report-to needs --run-dir (the training run whose tracker runs get the table)")
         return [], [], ""
+    # lazy: CLI start-up (`--help` imports only what it needs)
     from calibrl.trainer.eval_report import checkpoint_step, run_checkpoints, run_trackers
 
     args.model = args.model or [str(p) for p in run_checkpoints(args.run_dir)]

@@ -18,12 +18,16 @@ import string
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar, Literal
 
+import yaml
+
 from calibrl.config import load_config, option, to_dict
 from calibrl.errors import ConfigError
 from calibrl.api.judge_config import JudgeConfig
 from calibrl.sme.queue import ReviewConfig
+from calibrl.tracking import check_report_to
 from calibrl.trainer.task_kinds import TASK_KINDS, record_formats, task_kind
 from calibrl.trainer.diagnostics import HealthConfig
+from calibrl.trainer.policy import LoraSettings
 from calibrl.trainer.rewards import RewardConfig
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -61,7 +65,6 @@ class LoraConfig:
         """The ``calibrl.trainer.policy.LoraSettings`` of this config, or None when disabled."""
         if not self.enabled:
             return None
-        from calibrl.trainer.policy import LoraSettings
 
         targets: str | tuple[str, ...] = self.target_modules[0] if self.target_modules == ["all-linear"] else tuple(self.target_modules)
         return LoraSettings(r=self.r, alpha=self.alpha, dropout=self.dropout, target_modules=targets)
@@ -581,8 +584,6 @@ class TrainConfig:
     def trackers(self) -> list[str]:
         """The trackers to open: ``report_to``, checked (known, installed), less
         TensorBoard when ``tensorboard=false``."""
-        from calibrl.tracking import check_report_to
-
         names = check_report_to(self.report_to)
         return [n for n in names if self.tensorboard or n != "tensorboard"]
 
@@ -591,8 +592,6 @@ class TrainConfig:
         return pathlib.Path(self.output_dir)
 
     def to_yaml(self) -> str:
-        import yaml
-
         return yaml.safe_dump(to_dict(self), sort_keys=False)
 
 

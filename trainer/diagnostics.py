@@ -28,6 +28,7 @@ import pathlib
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Iterable, Mapping, Sequence
 
+from calibrl import tracking
 from calibrl.config import option
 from calibrl.errors import ConfigError
 
@@ -186,8 +187,6 @@ class RunLog:
 
     def __init__(self, output_dir: str | pathlib.Path, tensorboard: bool = True, resume_step: int = 0,
                  tracker: "Tracker | None" = None, close_tracker: bool = False) -> None:
-        from calibrl import tracking
-
         self.output_dir = pathlib.Path(output_dir)
         self.output_dir.mkdir(parents=True, exist_ok=True)
         self.jsonl_path = self.output_dir / "metrics.jsonl"

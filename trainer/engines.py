@@ -22,6 +22,7 @@ strings (that token included), or ``max_new_tokens`` tokens.
 from __future__ import annotations
 
 import inspect
+import os
 from typing import TYPE_CHECKING, Any, Iterator, Protocol, Sequence
 
 from calibrl.errors import ConfigError, FailedPrecondition, InvalidArgument
@@ -351,8 +352,6 @@ class VLLMEngine:
     """
 
     def __init__(self, model_path: str, *, tokenizer: "PreTrainedTokenizerBase" = None, **engine_kwargs: Any) -> None:
-        import os
-
         try:
             import vllm  # noqa: F401
         except ImportError as exc:

@@ -29,8 +29,15 @@ import pathlib
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Sequence, TypedDict
 
+import yaml
+
+from calibrl.config import from_dict
 from calibrl.errors import ConfigError, InvalidArgument
+from calibrl.trainer.checkpoint import MODEL_DIR, STATE_FILE, find_checkpoint
+from calibrl.trainer import engines  # engines.make_engine is looked up per call (tests swap it)
+from calibrl.trainer.policy import load_policy
 from calibrl.trainer.task_kinds import TASK_KINDS, RunAsync, task_kind
+from calibrl.trainer.tasks import load_tasks, split_tasks
 
 if TYPE_CHECKING:  # pragma: no cover
     from transformers import PreTrainedTokenizerBase
@@ -111,6 +118,7 @@ class PromptChoice:
     def rollout_config(self) -> "RolloutConfig":
         """A :class:`~calibrl.trainer.config.RolloutConfig` holding this choice, so eval picks the
         effective template exactly as training does."""
+        # lazy: config imports the judge server, which this module does not
         from calibrl.trainer.config import RolloutConfig
 
         return RolloutConfig(prompt_template=self.template, chat_template=self.chat_template)  # type: ignore[arg-type]
@@ -136,8 +144,6 @@ class PromptChoice:
 def resolve_model_path(path: str | pathlib.Path) -> pathlib.Path:
     """A loadable model folder for ``path``: a checkpoint's ``model/``, a run dir's
     latest checkpoint's ``model/``, or ``path`` itself (a model or adapter folder)."""
-    from calibrl.trainer.checkpoint import MODEL_DIR, STATE_FILE, find_checkpoint
-
     path = pathlib.Path(path)
     if (path / "config.json").exists() or (path / "adapter_config.json").exists():
         return path
@@ -151,8 +157,6 @@ def resolve_model_path(path: str | pathlib.Path) -> pathlib.Path:
 def checkpoint_config_path(path: str | pathlib.Path) -> pathlib.Path | None:
     """The ``config.yaml`` of the checkpoint ``path`` is, holds (a run dir: its latest
     checkpoint) or is the ``model/`` folder of; None for a base model or adapter folder."""
-    from calibrl.trainer.checkpoint import MODEL_DIR, STATE_FILE, find_checkpoint
-
     path = pathlib.Path(path)
     if (path / "config.json").exists() or (path / "adapter_config.json").exists():
         checkpoint = path.parent if path.name == MODEL_DIR and (path.parent / STATE_FILE).exists() else None
@@ -168,9 +172,7 @@ def choose_prompt(model: str | pathlib.Path, kind: str, *, prompt_template: str 
     """The prompt ``model`` is evaluated with on ``kind`` tasks: the given
     ``prompt_template`` (text, "" = built-in) and ``chat_template`` (auto|on|off) where
     not None, else what its checkpoint was trained with, else built-in and auto."""
-    import yaml
-
-    from calibrl.config import from_dict
+    # lazy: config imports the judge server, which this module does not
     from calibrl.trainer.config import RolloutConfig
 
     trained = RolloutConfig()
@@ -211,8 +213,6 @@ def load_eval_tasks(path: str, *, fmt: str = "auto", kind: str = "auto", heldout
                     seed: int = 0, limit: int = 0) -> list["Task"]:
     """Tasks to evaluate: the file's tasks, or the held-out part of the split
     training made with the same ``heldout_fraction`` and ``seed``."""
-    from calibrl.trainer.tasks import load_tasks, split_tasks
-
     tasks = load_tasks(path, kind=None if kind == "auto" else kind, fmt=fmt)
     if heldout_fraction > 0:
         _, tasks = split_tasks(tasks, heldout_fraction, seed)
@@ -244,8 +244,8 @@ def evaluate_models(
     ``prompt_template`` (text or ``@file``; "" = the built-in one) and ``chat_template``
     (auto, on, off) override every model's prompt; None (default) prompts each model as
     it was trained (:func:`choose_prompt`)."""
+    # lazy: config imports the judge server, which this module does not
     from calibrl.trainer.config import CHAT_TEMPLATE_CHOICES, resolve_prompt_template
-    from calibrl.trainer.policy import load_policy
 
     if prompt_template is not None:
         prompt_template = resolve_prompt_template(prompt_template, "prompt_template")
@@ -293,12 +293,10 @@ def evaluate_policy(policy: "Policy", tasks: Sequence["Task"], retrieval: "Retri
                     run_async: RunAsync, prompt: PromptChoice | None = None) -> dict[str, float]:
     """Greedy metrics of one loaded :class:`~calibrl.trainer.policy.Policy` on ``tasks``,
     prompted with ``prompt`` (default: the built-in template, chat template auto)."""
-    from calibrl.trainer.engines import make_engine
-
     rollout = (prompt or PromptChoice()).rollout_config()
     kind = tasks[0].kind
     template, chat_template = rollout.template_for(kind), rollout.chat_template_flag()
-    engine = make_engine("transformers", policy)
+    engine = engines.make_engine("transformers", policy)
     return task_kind(kind).evaluate(engine, policy.tokenizer, tasks, retrieval, settings, run_async, template,
                                     chat_template)
 

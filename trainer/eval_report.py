@@ -16,14 +16,15 @@ import pathlib
 from typing import Any, Sequence
 
 from calibrl.errors import CalibrlError, ConfigError
+from calibrl.tracking import check_report_to, log_heldout_table, open_trackers, recorded_trackers
+from calibrl.trainer.checkpoint import load_train_state, MODEL_DIR, STATE_FILE
+from calibrl.trainer.eval import CHECKPOINT_CONFIG
 
 log = logging.getLogger(__name__)
 
 
 def run_checkpoints(run_dir: str | pathlib.Path) -> list[pathlib.Path]:
     """The complete checkpoints of the run in ``run_dir``, oldest first."""
-    from calibrl.trainer.checkpoint import STATE_FILE
-
     folder = pathlib.Path(run_dir) / "checkpoints"
     found = sorted(p for p in folder.glob("step_*") if (p / STATE_FILE).exists() and not p.name.endswith(".tmp"))
     if not found:
@@ -34,8 +35,6 @@ def run_checkpoints(run_dir: str | pathlib.Path) -> list[pathlib.Path]:
 def checkpoint_step(model: str | pathlib.Path, run_dir: str | pathlib.Path) -> int:
     """The step of ``model`` (a checkpoint of the run in ``run_dir``, its ``model/``
     folder, or the run dir itself: its latest checkpoint); ConfigError for anything else."""
-    from calibrl.trainer.checkpoint import MODEL_DIR, STATE_FILE, load_train_state
-
     path, run = pathlib.Path(model).resolve(), pathlib.Path(run_dir).resolve()
     if path == run:
         checkpoint = run_checkpoints(run)[-1]
@@ -55,9 +54,8 @@ def run_trackers(run_dir: str | pathlib.Path, report_to: Sequence[str] | None = 
     """The trackers that get the table, and the run's ``tracking_project`` (from its latest
     checkpoint's config.yaml): ``report_to``, or by default every tracker the run logged
     to; each must hold a run of ``run_dir`` (ConfigError naming what it has)."""
-    from calibrl.tracking import check_report_to, recorded_trackers
+    # lazy: config imports the judge server, which this module does not
     from calibrl.trainer.config import load_train_config
-    from calibrl.trainer.eval import CHECKPOINT_CONFIG
 
     path = run_checkpoints(run_dir)[-1] / CHECKPOINT_CONFIG
     try:
@@ -78,8 +76,6 @@ def log_to_run(run_dir: str | pathlib.Path, curve: Sequence[tuple[int, dict[str,
     """Add ``curve`` ((step, metrics) rows) as the table ``table`` to the run's tracker runs
     ``names`` (filed under ``project``; :func:`run_trackers` gives both). A tracker that
     fails to take it is an error, not a skip."""
-    from calibrl.tracking import log_heldout_table, open_trackers
-
     if not names:
         return
     trackers = open_trackers(names, run_dir, project=project, append=True)

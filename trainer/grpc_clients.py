@@ -36,19 +36,24 @@ import asyncio
 import logging
 from typing import TYPE_CHECKING, Any, Awaitable, Callable, Iterable, Sequence, TypeVar
 
+import grpc
+from tenacity import AsyncRetrying, retry_if_exception, stop_after_attempt, wait_exponential_jitter
+
 from calibrl import telemetry
-from calibrl.errors import ConfigError, InvalidArgument, error_from_status
+from calibrl.errors import ConfigError, error_from_status, InvalidArgument, ResourceExhausted, Unavailable
 from calibrl.api import judge_wire
 from calibrl.api.judge import ItemScore, JudgeItem
 from calibrl.api import retrieval_wire
 from calibrl.api.retrieval import Hit, RetrievalScore, ScoreItem, SearchMode
 from calibrl.trainer.aio import gather_all
 from calibrl.trainer.clients import IndexInfo, RubricInfo
+from calibrl.v1 import judge_pb2, judge_pb2_grpc, retrieval_pb2, retrieval_pb2_grpc
 
 if TYPE_CHECKING:  # pragma: no cover
     import grpc
     import grpc.aio
     from google.protobuf.message import Message
+    from tenacity import RetryCallState
 
     from calibrl.v1 import judge_pb2_grpc, retrieval_pb2_grpc
 
@@ -80,8 +85,6 @@ def _trailer(error: BaseException, key: str) -> int | None:
 def _is_transient(error: BaseException) -> bool:
     """UNAVAILABLE and DEADLINE_EXCEEDED; RESOURCE_EXHAUSTED only when the server pushed back
     (a shed call): without pushback it is a limit that the same request will hit again."""
-    import grpc
-
     if not isinstance(error, grpc.aio.AioRpcError) or error.code().name not in TRANSIENT_CODES:
         return False
     return error.code().name != "RESOURCE_EXHAUSTED" or _trailer(error, PUSHBACK_KEY) is not None
@@ -90,10 +93,10 @@ def _is_transient(error: BaseException) -> bool:
 class _WaitHonouringPushback:
     """tenacity wait: exponential backoff with jitter, and at least the server's pushback."""
 
-    def __init__(self, backoff: Any) -> None:
+    def __init__(self, backoff: "Callable[[RetryCallState], float]") -> None:
         self.backoff = backoff
 
-    def __call__(self, state: Any) -> float:
+    def __call__(self, state: "RetryCallState") -> float:
         wait = self.backoff(state)
         error = state.outcome.exception() if state.outcome is not None else None
         pushback_ms = _trailer(error, PUSHBACK_KEY) if error is not None else None
@@ -175,8 +178,6 @@ class _GrpcClient:
 
     def _ensure_channel(self) -> "Stub":
         if self._stub is None:
-            import grpc
-
             options = self._channel_options()
             interceptors = self._interceptors or None
             if self._credentials is not None:
@@ -205,9 +206,6 @@ class _GrpcClient:
 
     async def _call(self, method: str, request: "Message") -> Any:
         """The response message of ``method`` (its type depends on the method): one unary RPC with a deadline per attempt, retries on transient codes, bounded concurrency."""
-        import grpc
-        from tenacity import AsyncRetrying, retry_if_exception, stop_after_attempt, wait_exponential_jitter
-
         stub = self._ensure_channel()
         assert self._semaphore is not None
         rpc = getattr(stub, method)
@@ -244,7 +242,7 @@ class _GrpcClient:
             self.stats["shed"] += 1
             telemetry.record("client_retries", 1, service=self._service, method=method, code="SHED")
 
-    def _count_retry(self, method: str, state: Any) -> None:
+    def _count_retry(self, method: str, state: "RetryCallState") -> None:
         error = state.outcome.exception() if state.outcome is not None else None
         code = error.code().name if error is not None else "?"
         self.stats["retries"] += 1
@@ -267,8 +265,6 @@ class _GrpcClient:
     async def _within_budget(self, part: Sequence[T], run: Callable[[Sequence[T]], Awaitable[list[R]]]) -> list[R]:
         """``run(part)``; when the server refuses it as above its cost budget, the part again in
         chunks of the items that fit (the server's ``calibrl-max-items``)."""
-        from calibrl.errors import ResourceExhausted
-
         try:
             return await run(part)
         except ResourceExhausted as exc:
@@ -291,16 +287,13 @@ class GrpcRetrievalClient(_GrpcClient):
         self._info_lock: asyncio.Lock | None = None
 
     def _make_stub(self, channel: "grpc.aio.Channel") -> "retrieval_pb2_grpc.RetrievalServiceStub":
-        from calibrl.v1 import retrieval_pb2_grpc
-
         return retrieval_pb2_grpc.RetrievalServiceStub(channel)
 
     async def index_info(self) -> IndexInfo:
         """The served index and the server's limits (GetIndexInfo), as a plain dict."""
-        from calibrl.v1 import retrieval_pb2 as pb
-
-        message = await self._call("GetIndexInfo", pb.GetIndexInfoRequest())
-        modes = {pb.SEARCH_MODE_DENSE: "dense", pb.SEARCH_MODE_BM25: "bm25", pb.SEARCH_MODE_HYBRID: "hybrid"}
+        message = await self._call("GetIndexInfo", retrieval_pb2.GetIndexInfoRequest())
+        modes = {retrieval_pb2.SEARCH_MODE_DENSE: "dense", retrieval_pb2.SEARCH_MODE_BM25: "bm25",
+                 retrieval_pb2.SEARCH_MODE_HYBRID: "hybrid"}
         info: IndexInfo = {
             "doc_count": int(message.doc_count),
             "embedder": message.embedder,
@@ -347,11 +340,9 @@ class GrpcRetrievalClient(_GrpcClient):
         self, queries: Sequence[str], top_k: int, mode: SearchMode | None = None, include_text: bool = False
     ) -> list[list[Hit]]:
         """Ranked hits per query, in order."""
-        from calibrl.v1 import retrieval_pb2 as pb
-
         async def run(part: Sequence[str]) -> list[list[Hit]]:
-            request = pb.SearchRequest(queries=list(part), top_k=top_k, mode=retrieval_wire.mode_to_proto(mode),
-                                       include_text=include_text)
+            request = retrieval_pb2.SearchRequest(queries=list(part), top_k=top_k,
+                                                  mode=retrieval_wire.mode_to_proto(mode), include_text=include_text)
             response = await self._call("Search", request)
             _check_count(len(response.results), len(part), "Search results")
             return [[retrieval_wire.hit_from_proto(h) for h in hits.hits] for hits in response.results]
@@ -364,10 +355,8 @@ class GrpcRetrievalClient(_GrpcClient):
         self, items: Sequence[ScoreItem], top_k: int, mode: SearchMode | None = None, include_text: bool = False
     ) -> list[RetrievalScore]:
         """Reward signals per item, in order."""
-        from calibrl.v1 import retrieval_pb2 as pb
-
         async def run(part: Sequence[ScoreItem]) -> list[RetrievalScore]:
-            request = pb.ScoreRetrievalRequest(
+            request = retrieval_pb2.ScoreRetrievalRequest(
                 items=[retrieval_wire.score_item_to_proto(item) for item in part], top_k=top_k,
                 mode=retrieval_wire.mode_to_proto(mode), include_text=include_text,
             )
@@ -391,16 +380,12 @@ class GrpcJudgeClient(_GrpcClient):
         super().__init__(target, **knobs)
 
     def _make_stub(self, channel: "grpc.aio.Channel") -> "judge_pb2_grpc.JudgeServiceStub":
-        from calibrl.v1 import judge_pb2_grpc
-
         return judge_pb2_grpc.JudgeServiceStub(channel)
 
     async def score(self, rubric_id: str, items: Sequence[JudgeItem], rubric_hash: str = "") -> list[ItemScore]:
         """Rubric scores per item, in order. ``rubric_hash`` pins the rubric's content (optional)."""
-        from calibrl.v1 import judge_pb2 as pb
-
         async def run(part: Sequence[JudgeItem]) -> list[ItemScore]:
-            request = pb.ScoreRequest(rubric_id=rubric_id, rubric_hash=rubric_hash,
+            request = judge_pb2.ScoreRequest(rubric_id=rubric_id, rubric_hash=rubric_hash,
                                       items=[judge_wire.item_to_proto(item) for item in part])
             response = await self._call("Score", request)
             _check_count(len(response.scores), len(part), "judge scores")
@@ -416,15 +401,11 @@ class GrpcJudgeClient(_GrpcClient):
 
     async def rubric_source(self, rubric_ref: str) -> str:
         """The rubric file (YAML) of ``rubric_ref`` (``id`` or ``id@version``) as the judge loaded it."""
-        from calibrl.v1 import judge_pb2 as pb
-
-        return (await self._call("GetRubric", pb.GetRubricRequest(rubric_id=rubric_ref))).source_yaml
+        return (await self._call("GetRubric", judge_pb2.GetRubricRequest(rubric_id=rubric_ref))).source_yaml
 
     async def list_rubrics(self) -> list[RubricInfo]:
         """The rubrics this caller may use: id, version, hash, description, num_criteria, validated."""
-        from calibrl.v1 import judge_pb2 as pb
-
-        response = await self._call("ListRubrics", pb.ListRubricsRequest())
+        response = await self._call("ListRubrics", judge_pb2.ListRubricsRequest())
         return [
             {"id": r.id, "version": r.version, "hash": r.hash, "description": r.description,
              "num_criteria": int(r.num_criteria), "validated": bool(r.validated)}
@@ -434,8 +415,6 @@ class GrpcJudgeClient(_GrpcClient):
 
 def _check_count(got: int, expected: int, what: str) -> None:
     if got != expected:
-        from calibrl.errors import Unavailable
-
         # A reply that does not match the request cannot be trusted; surface it like a broken service.
         raise Unavailable(f"{what}: the server answered {got} results for {expected} requests")
 

@@ -35,11 +35,16 @@ import logging
 import math
 import pathlib
 import time
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any
 
 from calibrl.errors import CalibrlError, ConfigError
+from calibrl.tracking import log_heldout_table
+from calibrl.trainer import checkpoint as ckpt
+from calibrl.trainer.eval import EvalSettings, evaluate_policy, PromptChoice
+from calibrl.trainer.tasks import load_tasks, split_tasks
 
 if TYPE_CHECKING:  # pragma: no cover
+    from calibrl.trainer.task_kinds import RunAsync
     from calibrl import tracking
     from calibrl.trainer.clients import RetrievalClient
     from calibrl.trainer.config import TrainConfig
@@ -58,8 +63,6 @@ Curve = list[tuple[int, dict[str, Any]]]  # (step, held-out metrics), in step or
 def load_heldout_tasks(config: "TrainConfig", training_kind: str) -> tuple[list["Task"], str]:
     """The held-out tasks of ``config.eval`` and a description of where they came from.
     They must be of the kind the run trains (``training_kind``)."""
-    from calibrl.trainer.tasks import load_tasks, split_tasks
-
     forced = None if config.tasks.kind == "auto" else config.tasks.kind
     if config.eval.heldout_split:
         # exactly the split training made (calibrl.trainer.run_setup.load_training_tasks): limit, then split
@@ -111,10 +114,8 @@ class HeldoutEvaluator:
     """Evaluates one run's policy on its held-out tasks and records the results."""
 
     def __init__(self, config: "TrainConfig", tasks: list["Task"], source: str, retrieval: "RetrievalClient",
-                 run_async: Callable[[Any], Any], tracker: "tracking.Tracker | None", *, is_main: bool,
+                 run_async: "RunAsync", tracker: "tracking.Tracker | None", *, is_main: bool,
                  resume_step: int) -> None:
-        from calibrl.trainer.eval import EvalSettings, PromptChoice
-
         self.config, self.tasks, self.source = config, tasks, source
         self.retrieval, self.run_async, self.tracker, self.is_main = retrieval, run_async, tracker, is_main
         rollout = config.rollout
@@ -146,9 +147,6 @@ class HeldoutEvaluator:
 
     def evaluate(self, step: int, policy: "Policy") -> dict[str, float] | None:
         """Evaluate now; the metrics, or None when the evaluation failed (recorded, logged)."""
-        from calibrl.trainer import checkpoint as ckpt
-        from calibrl.trainer.eval import evaluate_policy
-
         started = time.perf_counter()
         rng = ckpt.rng_state()  # greedy decoding draws nothing, but the run's numbers must not depend on that
         try:
@@ -184,8 +182,6 @@ class HeldoutEvaluator:
     def finish(self, stopped: str) -> Curve:
         """At the end of this process's part of the run: the held-out curve so far; when the
         run is complete, also the trackers' ``heldout`` table."""
-        from calibrl.tracking import log_heldout_table
-
         curve = self.curve()
         if self.is_main and stopped == "completed" and self.tracker is not None and curve:
             log_heldout_table(self.tracker, curve)

@@ -77,7 +77,17 @@ from calibrl.trainer import distributed as dist_util
 from calibrl.trainer.aio import BackgroundLoop
 from calibrl.trainer.clients import JudgeClient, RetrievalClient
 from calibrl.trainer.config import TrainConfig
-from calibrl.trainer.scoring import PendingBatch, settled
+from calibrl.trainer.heldout import HeldoutEvaluator, load_heldout_tasks
+from calibrl.trainer.pipeline import RolloutPipeline
+from calibrl.trainer.rewards import RewardModel
+from calibrl.trainer.run_checkpoints import Checkpointer
+from calibrl.trainer.run_setup import build_run
+from calibrl.trainer.sampling import RolloutSampler
+from calibrl.trainer.scoring import PendingBatch, restore_pending, settled
+from calibrl.trainer.step_log import rank_step_metrics, StepLog, StepTimes
+from calibrl.trainer.stop_signal import StopSignal
+from calibrl.trainer.training_batch import to_training_batch
+from calibrl.trainer.update import PolicyUpdate, autocast_for
 
 if TYPE_CHECKING:  # pragma: no cover
     from calibrl import tracking
@@ -129,17 +139,6 @@ def train(
     are opened and closed here.
     Raises RewardError (after writing a checkpoint) when a reward cannot be computed.
     """
-    from calibrl.trainer.heldout import HeldoutEvaluator, load_heldout_tasks
-    from calibrl.trainer.pipeline import RolloutPipeline
-    from calibrl.trainer.rewards import RewardModel
-    from calibrl.trainer.run_checkpoints import Checkpointer
-    from calibrl.trainer.run_setup import build_run
-    from calibrl.trainer.sampling import RolloutSampler
-    from calibrl.trainer.scoring import restore_pending
-    from calibrl.trainer.step_log import StepLog
-    from calibrl.trainer.stop_signal import StopSignal
-    from calibrl.trainer.update import PolicyUpdate, autocast_for
-
     run = build_run(config, resume)
     ctx, model, tokenizer = run.ctx, run.policy.model, run.policy.tokenizer
     reward_model = RewardModel(config.reward, retrieval, judge)
@@ -224,9 +223,6 @@ class _Loop:
 
     def step(self, step: int) -> None:
         """One step: rollout -> reference forward -> rewards -> advantages -> update -> log."""
-        from calibrl.trainer.step_log import StepTimes, rank_step_metrics
-        from calibrl.trainer.training_batch import to_training_batch
-
         run, state, ctx, times = self.run, self.run.state, self.run.ctx, StepTimes()
         step_start = time.perf_counter()
         rng_at_start, position_at_start = ckpt.rng_state(), run.order.state()
@@ -242,8 +238,7 @@ class _Loop:
         # upcoming batch's behaviour log-probs (under the weights that sampled it,
         # before this step's update), the reference's, the first micro-batch's.
         overlap_start = time.perf_counter()
-        if rollouts.upcoming is not None:
-            rollouts.upcoming.behaviour_logp = self.updater.behaviour_logprobs(rollouts.upcoming.batch)
+        rollouts = rollouts.with_upcoming_behaviour(self.updater.behaviour_logprobs)
         early = self.updater.forward_without_rewards(rollouts.current.batch)
         times.overlap_forward = time.perf_counter() - overlap_start
 
@@ -288,7 +283,7 @@ class _Loop:
         # the data position, and a rank whose generation failed has nothing to keep.
         keep = not dist_util.any_rank(current is None, self.run.ctx)
         if keep:
-            current.forget_scores()
+            current = current.without_scores()
             position = current.data_position
         path = self.checkpointer.save(self.run.state, "reward_error", rng=rng, position=position,
                                       pending=current if keep else None)

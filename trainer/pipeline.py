@@ -10,20 +10,9 @@ that one batch in between.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 from calibrl.errors import CalibrlError
 from calibrl.trainer.sampling import RolloutSampler
-from calibrl.trainer.scoring import PendingBatch
-
-
-@dataclass
-class StepRollouts:
-    """What :meth:`RolloutPipeline.take` hands a step."""
-
-    current: PendingBatch | None  # this step's rollouts (None only when sampling failed)
-    upcoming: PendingBatch | None  # the next step's, sampled ahead (off-policy), else None
-    failure: CalibrlError | None  # why sampling failed, else None
+from calibrl.trainer.handoff import PendingBatch, StepRollouts
 
 
 class RolloutPipeline:

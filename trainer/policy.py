@@ -16,11 +16,13 @@ from __future__ import annotations
 
 import copy
 import functools
+import inspect
 import json
 import pathlib
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from calibrl.devices import resolve_device as device_name
 from calibrl.errors import ConfigError, InvalidArgument, NotFound
 from calibrl.kernels import cpu_half_precision
 
@@ -76,8 +78,6 @@ class Policy:
 def resolve_device(device: str = "auto") -> "torch.device":
     """``calibrl.devices.resolve_device`` as a ``torch.device``."""
     import torch
-
-    from calibrl.devices import resolve_device as device_name
 
     return torch.device(device_name(device))
 
@@ -277,6 +277,7 @@ def completion_logprobs(
     ``L - start + 1`` positions to the vocabulary (``logits_to_keep``, as TRL does):
     the prompt's hidden states are computed, its logits are not. Gradients flow
     into ``logp`` unless the caller disables them."""
+    # lazy: losses imports torch, which this module does not
     from calibrl.trainer.losses import masked_entropy_from_logits, token_logprobs as logprobs_from_logits
 
     if input_ids.dim() != 2 or input_ids.shape != attention_mask.shape:
@@ -300,8 +301,6 @@ def completion_logprobs(
 
 
 def _accepts_logits_to_keep(model: "torch.nn.Module") -> bool:
-    import inspect
-
     target = getattr(model, "_peft_model", model)  # the LoRA reference wraps the peft policy
     if hasattr(target, "get_base_model"):
         target = target.get_base_model()

@@ -27,10 +27,10 @@ object with the :class:`Rollout` protocol's ``task``.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Protocol, Sequence
+from typing import TYPE_CHECKING, Sequence
 
 from calibrl.errors import InvalidArgument
+from calibrl.trainer.handoff import Rollout, RolloutBatch
 from calibrl.trainer.search_format import TAGS
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -38,44 +38,6 @@ if TYPE_CHECKING:  # pragma: no cover
     from transformers import PreTrainedTokenizerBase
 
     from calibrl.trainer.tasks import Task
-
-
-class Rollout(Protocol):
-    """One row's record, of its task kind's own type (a rewrite, a search trajectory, ...): what the
-    kind's reward, metrics and estimators read. Every kind's record names the task it answers."""
-
-    @property
-    def task(self) -> "Task": ...
-
-
-@dataclass
-class RolloutBatch:
-    """G rollouts per task as one token batch (shapes: B rows, L tokens)."""
-
-    input_ids: "torch.Tensor"  # (B, L) prompt + completion (+ observations), right-padded
-    attention_mask: "torch.Tensor"  # (B, L)
-    completion_mask: "torch.Tensor"  # (B, L) bool: sampled tokens (prompt, observations, padding False)
-    segment_index: "torch.Tensor"  # (B, L) long: sampled segment 0..S-1 of each trained token, -1 elsewhere
-    answer_mask: "torch.Tensor"  # (B, L) bool: tokens of each row's last sampled segment
-    group_index: "torch.Tensor"  # (B,) long: task index; group_size consecutive rows per task
-    completion_texts: list[str]  # what followed the prompt (search: from the prompt's <think>, observations included)
-    rollouts: Sequence[Rollout]  # the kind's record of each row, same order
-    prompt_lengths: list[int] = field(default_factory=list)  # prompt tokens of each row
-
-    def __len__(self) -> int:
-        return int(self.input_ids.shape[0])
-
-    def to(self, device: "torch.device | str") -> "RolloutBatch":
-        """A copy with every tensor on ``device``."""
-        return replace(
-            self,
-            input_ids=self.input_ids.to(device),
-            attention_mask=self.attention_mask.to(device),
-            completion_mask=self.completion_mask.to(device),
-            segment_index=self.segment_index.to(device),
-            answer_mask=self.answer_mask.to(device),
-            group_index=self.group_index.to(device),
-        )
 
 
 # --------------------------------------------------------------------------- token assembly

@@ -19,7 +19,7 @@ if TYPE_CHECKING:  # pragma: no cover
     import torch
 
     from calibrl.trainer.config import TrainConfig
-    from calibrl.trainer.scoring import PendingBatch
+    from calibrl.trainer.handoff import PendingBatch
 
 
 class Checkpointer:

@@ -12,13 +12,18 @@ from __future__ import annotations
 import logging
 import math
 import pathlib
+import random
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable
 
 from calibrl.errors import ConfigError
 from calibrl.trainer import checkpoint as ckpt
 from calibrl.trainer import distributed as dist_util
+from calibrl.trainer import engines  # engines.make_engine is looked up per call (tests swap it)
+from calibrl.trainer.policy import load_policy, make_reference, resolve_device
 from calibrl.trainer.task_kinds import TaskKind, task_kind
+from calibrl.trainer.tasks import load_tasks, split_tasks
+from calibrl.trainer.update import use_bf16
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
@@ -51,10 +56,6 @@ class TrainingRun:
 
 def build_run(config: "TrainConfig", resume: str | pathlib.Path | None) -> TrainingRun:
     """Load and (when ``resume`` is given) restore every part of the run."""
-    from calibrl.trainer.engines import make_engine
-    from calibrl.trainer.policy import load_policy, make_reference, resolve_device
-    from calibrl.trainer.update import use_bf16
-
     ctx = dist_util.init_distributed(config.policy.device)
     device = str(resolve_device(dist_util.rank_device(config.policy.device, ctx)))
     seed_everything(config.seed)  # identical on every rank: LoRA init must match
@@ -69,7 +70,7 @@ def build_run(config: "TrainConfig", resume: str | pathlib.Path | None) -> Train
         _broadcast_parameters(policy.model)
     if ctx.distributed and config.distributed.strategy == "fsdp":
         dist_util.apply_fsdp(policy.model, ctx, mixed_precision=use_bf16(config, device))
-    engine = make_engine(config.rollout.engine, policy, **_engine_kwargs(config))
+    engine = engines.make_engine(config.rollout.engine, policy, **_engine_kwargs(config))
     optimizer, scheduler = _optimizer_and_schedule(config, policy.model)
     tasks, kind = load_training_tasks(config)
     if config.rollout.prompts_per_step % ctx.world_size:
@@ -124,8 +125,6 @@ def _optimizer_and_schedule(config: "TrainConfig",
 
 def load_training_tasks(config: "TrainConfig") -> tuple[list["Task"], TaskKind]:
     """The training tasks (held-out part removed) and their registered kind; one kind per run."""
-    from calibrl.trainer.tasks import load_tasks, split_tasks
-
     kind = None if config.tasks.kind == "auto" else config.tasks.kind
     tasks = load_tasks(config.tasks.path, kind=kind, fmt=config.tasks.format)
     if config.tasks.limit:
@@ -168,8 +167,6 @@ def lr_lambda(config: "TrainConfig") -> Callable[[int], float]:
 
 def seed_everything(seed: int) -> None:
     """Seed Python's, NumPy's and torch's global generators."""
-    import random
-
     import numpy as np
     import torch
 

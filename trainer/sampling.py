@@ -14,11 +14,15 @@ their scores itself, keeping the groups whose rewards differ
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 from typing import TYPE_CHECKING, Sequence
 
 from calibrl.trainer import distributed as dist_util
+from calibrl.trainer.dynamic_sampling import enough_kept, select_groups, select_rows
 from calibrl.trainer.policy import pad_token_id
-from calibrl.trainer.scoring import PendingBatch, ScoreFn
+from calibrl.trainer.handoff import PendingBatch
+from calibrl.trainer.rollout import RolloutBatch
+from calibrl.trainer.scoring import ScoreFn
 from calibrl.trainer.task_kinds import RolloutSettings, TaskKind
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -56,7 +60,8 @@ class RolloutSampler:
         started = time.perf_counter()
         chunks, futures = self._generate_round(for_step, first_chunk=0)
         batch = concat_batches(chunks, pad_token_id(self.tokenizer)).to(self.device)
-        return PendingBatch(for_step, batch, futures, self.order.state(), generation_s=time.perf_counter() - started)
+        return PendingBatch(for_step, batch, tuple(futures), self.order.state(),
+                            generation_s=time.perf_counter() - started)
 
     def sample_dynamic(self, for_step: int) -> PendingBatch:
         """DAPO dynamic sampling (``calibrl.trainer.dynamic_sampling`` states the rule):
@@ -65,8 +70,6 @@ class RolloutSampler:
         batch (on every rank) or ``rollout.max_sampling_rounds`` rounds were sampled.
         Raises the first reward failure (nothing half-scored is kept)."""
         import torch
-
-        from calibrl.trainer.dynamic_sampling import enough_kept, select_groups, select_rows
 
         started = time.perf_counter()
         parts: list[RolloutBatch] = []
@@ -89,15 +92,15 @@ class RolloutSampler:
                 break
         selection = select_groups(group_rewards, wanted)
         rows = [r for g in selection.groups for r in group_rows[g]]
-        batch = select_rows(merged, rows)
-        batch.group_index = torch.unique(batch.group_index, return_inverse=True)[1]
+        selected = select_rows(merged, rows)
+        batch = replace(selected, group_index=torch.unique(selected.group_index, return_inverse=True)[1])
         metrics = {
             "sampling/rounds": float(rounds),
             "sampling/kept_groups": float(len(selection.kept)),
             "sampling/filled_groups": float(len(selection.filled)),
             "sampling/extra_rollouts": float(len(merged) - len(batch)),
         }
-        return PendingBatch(for_step, batch.to(self.device), [], self.order.state(),
+        return PendingBatch(for_step, batch.to(self.device), (), self.order.state(),
                             breakdowns=[breakdowns[r] for r in rows], generation_s=time.perf_counter() - started,
                             sampling_metrics=metrics)
 
@@ -151,8 +154,6 @@ def concat_batches(batches: Sequence["RolloutBatch"], pad_id: int) -> "RolloutBa
     """One RolloutBatch from several (right-padded to the longest row; group ids
     offset so groups of different chunks never merge)."""
     import torch
-
-    from calibrl.trainer.rollout import RolloutBatch
 
     if len(batches) == 1:
         return batches[0]

@@ -21,6 +21,8 @@ import re
 from dataclasses import dataclass
 from typing import Iterable, Protocol
 
+from calibrl.errors import InvalidArgument
+
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 SEARCH_OPEN, SEARCH_CLOSE = "<search>", "</search>"
 ANSWER_OPEN, ANSWER_CLOSE = "<answer>", "</answer>"
@@ -81,8 +83,6 @@ def format_context(context: Iterable[tuple[str, str]]) -> str:
 
 def fill_template(template: str, query: str, context: Iterable[tuple[str, str]] = ()) -> str:
     """``template`` with ``{query}`` (required) and ``{context}`` (optional) filled in."""
-    from calibrl.errors import InvalidArgument
-
     if "{query}" not in template:
         raise InvalidArgument("prompt_template", "must contain the placeholder {query}")
     try:

@@ -39,6 +39,7 @@ from typing import TYPE_CHECKING, Any, Callable, Coroutine, Mapping, Protocol, S
 from calibrl.errors import ConfigError
 
 if TYPE_CHECKING:  # pragma: no cover
+    from calibrl.trainer.handoff import Rollout
     from transformers import PreTrainedTokenizerBase
 
     from calibrl.sme.items import SampleItem
@@ -81,13 +82,13 @@ class RewardFn(Protocol):
     """The rewards of a batch of the kind's rollouts, one per rollout (the services through ``rewards``)."""
 
     def __call__(self, rewards: "RewardModel",
-                 rollouts: Sequence[Any]) -> Coroutine[Any, Any, "list[RewardBreakdown]"]: ...
+                 rollouts: Sequence["Rollout"]) -> Coroutine[Any, Any, "list[RewardBreakdown]"]: ...
 
 
 class StepMetricsFn(Protocol):
     """The kind's metrics of one training step (name -> value), from its rollouts and their rewards."""
 
-    def __call__(self, rollouts: Sequence[Any], breakdowns: Sequence["RewardBreakdown"]) -> dict[str, float]: ...
+    def __call__(self, rollouts: Sequence["Rollout"], breakdowns: Sequence["RewardBreakdown"]) -> dict[str, float]: ...
 
 
 class EvaluateFn(Protocol):

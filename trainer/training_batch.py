@@ -11,34 +11,21 @@ rewards (search agents, ``calibrl.trainer.kinds.search.step_rewards``) they go i
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
+
+from calibrl.trainer.handoff import ScoredBatch, TrainingBatch
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
 
     from calibrl.trainer.config import CalibAdvAdvantage, GrpoAdvantage
     from calibrl.trainer.rewards import RewardBreakdown
-    from calibrl.trainer.rollout import RolloutBatch
-    from calibrl.trainer.scoring import ScoredBatch
 
 
-@dataclass
-class TrainingBatch:
-    """What the update consumes: the rollouts' tokens and masks, their behaviour
-    log-probs (None on-policy) and per-token advantages."""
-
-    step: int
-    batch: "RolloutBatch"  # input_ids, attention_mask, completion_mask (B, L)
-    token_adv: "torch.Tensor"  # (B, L) float, 0 wherever completion_mask is False
-    breakdowns: list["RewardBreakdown"]  # one per row (for the per-component reward metrics)
-    metrics: dict[str, float]  # the estimator's: reward, reward_std, frac_reward_zero_std, ...
-    behaviour_logp: "torch.Tensor | None" = None  # (B, L) when the batch was sampled before the last update
-
-
-def to_training_batch(scored: "ScoredBatch", advantage: "GrpoAdvantage | CalibAdvAdvantage") -> TrainingBatch:
+def to_training_batch(scored: ScoredBatch, advantage: "GrpoAdvantage | CalibAdvAdvantage") -> TrainingBatch:
     """Per-token advantages of ``scored`` from the registered estimator ``advantage.type``
     with ``advantage.params()``."""
+    # lazy: advantages imports torch, which this module does not
     from calibrl.trainer.advantages import AdvantageInputs, batch_inputs_for, compute_advantages
 
     batch = scored.batch

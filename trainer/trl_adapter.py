@@ -48,6 +48,7 @@ from calibrl.trainer.rewards import RewardBreakdown, RewardConfig, RewardModel
 from calibrl.trainer.kinds.rewrite import RewriteRollout
 from calibrl.trainer.tasks import Task
 from calibrl.trainer.kinds.rewrite import score_rewrites
+from calibrl.trainer.search_format import fill_template
 
 if TYPE_CHECKING:  # pragma: no cover
     from datasets import Dataset
@@ -105,8 +106,6 @@ def tasks_to_dataset(tasks: Iterable[Task], prompt_template: str | None = None,
     rewriter prompt of :mod:`calibrl.trainer.search_format`. Returns a ``datasets.Dataset`` (or the
     list of row dicts with ``as_hf_dataset=False``).
     """
-    from calibrl.trainer.search_format import fill_template
-
     template = prompt_template or REWRITE.builtin_template
     rows: list[TrlRow] = []
     for task in tasks:
@@ -268,6 +267,7 @@ def make_reward_funcs(
     call, ``max_attempts``, ``metadata`` such as ``[("authorization", "Bearer KEY")]``,
     ``channel_credentials``, ...). ``timeout_s`` here bounds a whole batch's scoring.
     """
+    # lazy: grpc_clients imports grpc, which this module does not
     from calibrl.trainer.grpc_clients import GrpcJudgeClient, GrpcRetrievalClient
 
     config.validate()

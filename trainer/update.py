@@ -23,36 +23,22 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, ContextManager
 
+from calibrl.kernels import math_attention
 from calibrl.trainer import distributed as dist_util
+from calibrl.trainer.handoff import EarlyForward, MicroBatch, RolloutBatch, TrainingBatch, UpdateResult
 from calibrl.trainer.policy import completion_logprobs
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
 
     from calibrl.trainer.config import LossConfig, TrainConfig
-    from calibrl.trainer.rollout import RolloutBatch
-    from calibrl.trainer.training_batch import TrainingBatch
 
 log = logging.getLogger(__name__)
 
 
 # --------------------------------------------------------------------------- micro-batches
-
-
-@dataclass
-class MicroBatch:
-    """Rows of the step's batch, cut to their longest row; the loss-side tensors
-    start at ``start``, the first column holding a generated token of any row."""
-
-    input_ids: "torch.Tensor"  # (b, L)
-    attention_mask: "torch.Tensor"  # (b, L)
-    start: int
-    mask: "torch.Tensor"  # (b, L - start) completion_mask
-    token_adv: "torch.Tensor | None"  # (b, L - start), or None before advantages exist
-    old_logp: "torch.Tensor | None" = None  # (b, L - start) behaviour log-probs of a stale batch, else None
 
 
 def micro_batches(rows: int, parts: int) -> list[list[int]]:
@@ -160,24 +146,6 @@ def apply_update(optimizer: "torch.optim.Optimizer", grad_norm: float) -> bool:
 # --------------------------------------------------------------------------- the update
 
 
-@dataclass
-class EarlyForward:
-    """Forward passes of a batch done before its rewards are in."""
-
-    parts: list[list[int]]  # the micro-batches' rows
-    ref_logps: "list[torch.Tensor | None]"  # per micro-batch, None without a KL term
-    first: "tuple[torch.Tensor, float | None] | None"  # the policy's (logp, entropy) of micro-batch 0
-    reference_metrics: dict[str, float] = field(default_factory=dict)  # reference_perplexity's, {} without a reference
-
-
-@dataclass
-class UpdateResult:
-    """What one update reports."""
-
-    metrics: dict[str, float]  # loss, grad_norm, learning_rate, and the loss's own metrics
-    stepped: bool  # False when a non-finite gradient norm skipped the optimizer step
-
-
 class PolicyUpdate:
     """The clipped GRPO update of the policy (one job: turn training batches into weights)."""
 
@@ -246,8 +214,9 @@ class PolicyUpdate:
         for n, (rows, ref_logp) in enumerate(zip(early.parts, early.ref_logps)):
             micro = micro_batch(batch, training.token_adv, rows, training.behaviour_logp)
             if n == 0:
+                # EarlyForward is frozen: it keeps this logp until the step ends, but the backward
+                # below frees the graph's saved tensors (retain_graph=False), so only (b, L) floats stay
                 logp, entropy = early.first
-                early.first = None  # the graph is freed by this micro-batch's backward
             else:
                 with self.autocast:
                     logp, entropy = micro_logprobs(self.model, micro, config.rollout.temperature, with_entropy=True)
@@ -295,8 +264,6 @@ class CpuBf16Autocast:
 
     def __enter__(self) -> None:
         import torch
-
-        from calibrl.kernels import math_attention
 
         stack = contextlib.ExitStack()
         stack.enter_context(math_attention())

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from calibrl.config import option
+from calibrl.embedding import check_onnx_installed
 from calibrl.errors import ConfigError
 
 
@@ -61,6 +62,7 @@ class JudgeConfig:
              "when a request is checked against max_request_cost_s); 0 counts LLM criteria as free.")
 
     def validate(self) -> None:
+        # lazy: import cycle (judge_server.backends imports calibrl.api); the core imports no server at load
         from calibrl.judge_server.backends import parse_spec
 
         parse_spec(self.backend)
@@ -73,8 +75,6 @@ class JudgeConfig:
                 raise ConfigError(f"judge.{name}={getattr(self, name)}: must be > 0")
         if self.embedder == "minilm" and (self.embedder_backend == "onnx" or (
                 self.embedder_backend == "auto" and self.embedder_device.startswith("cpu"))):
-            from calibrl.embedding import check_onnx_installed
-
             check_onnx_installed("judge.embedder_backend")
         if self.embedder_cache_size < 0:
             raise ConfigError(f"judge.embedder_cache_size={self.embedder_cache_size}: must be >= 0 (0 disables it)")
