@@ -40,6 +40,8 @@ def main() -> None:
     parser.add_argument("--careless-first", type=float, default=None,
                         help="the teacher's share of first queries without the industry word (default: the design's)")
     parser.add_argument("--out", default="", help="working folder (default: a temporary one)")
+    parser.add_argument("--hidden", type=int, default=0, help="policy hidden size (default: the demo's)")
+    parser.add_argument("--layers", type=int, default=0, help="policy layers (default: the demo's)")
     parser.add_argument("--dump", type=int, default=0,
                         help="also write the first N greedy records of each split to <out>/records_<steps>_<split>.jsonl")
     args = parser.parse_args()
@@ -59,6 +61,12 @@ def main() -> None:
 
     torch.set_num_threads(1)
     steps = [int(s) for s in args.steps.split(",") if s.strip()]
+    from calibrl.demo.policy import PolicySpec
+
+    spec = PolicySpec()
+    if args.hidden or args.layers:
+        spec = replace(spec, hidden_size=args.hidden or spec.hidden_size, num_layers=args.layers or spec.num_layers,
+                       intermediate_size=(args.hidden or spec.hidden_size) * 8 // 3)
     with tempfile.TemporaryDirectory() as scratch:
         out = pathlib.Path(args.out or scratch)
         domain = generate_domain(args.seed)
@@ -77,8 +85,9 @@ def main() -> None:
                     design = FULL.search.with_overrides(**changes)
                     started = time.perf_counter()
                     agent = study.build_base_agent(replace(FULL, search=design), domain, out / f"warm_{warm_steps}",
-                                                   clients, args.seed, False)
-                    row: dict = {"seed": args.seed, "warm_steps": warm_steps, "careless_first": design.careless_first,
+                                                   clients, args.seed, False, spec)
+                    row: dict = {"seed": args.seed, "warm_steps": warm_steps, "hidden": spec.hidden_size,
+                                 "layers": spec.num_layers, "careless_first": design.careless_first,
                                  "careless_second": design.careless_second,
                                  "warm_s": round(time.perf_counter() - started, 1)}
                     for name, tasks in splits.items():

@@ -255,11 +255,12 @@ def _train_and_score(plan: StudyPlan, seed: int, out: pathlib.Path, domain: Any,
 
 
 def build_base_agent(demo: Any, domain: Any, out: pathlib.Path, clients: Any, seed: int,
-                     progress: bool) -> pathlib.Path:
+                     progress: bool, spec: Any = None) -> pathlib.Path:
     """The demo's base search agent of this seed, without the demo's rewriter: the same
     tokenizer (trained on the rewrite and search examples, as ``build_base_policies``
     trains it), the same seeded model and the same warm start; the rewriter's own
-    warm start (which the agent does not depend on) is skipped."""
+    warm start (which the agent does not depend on) is skipped. ``spec``: another policy
+    size (a probe's; default the demo's :class:`~calibrl.demo.policy.PolicySpec`)."""
     from calibrl.demo.policy import (
         PolicySpec,
         RewriteMix,
@@ -270,7 +271,7 @@ def build_base_agent(demo: Any, domain: Any, out: pathlib.Path, clients: Any, se
     )
     from calibrl.demo.policy import build_base_agent as warm_start_agent
 
-    design, spec = demo.search, PolicySpec()
+    design, spec = demo.search, spec or PolicySpec()
 
     def search_many(queries: Sequence[str]) -> list[list[Any]]:
         return clients.search_many(queries, design.top_k)
