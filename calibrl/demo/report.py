@@ -17,7 +17,7 @@ from typing import Any, Mapping, Sequence
 # Per-step curves drawn for every training run: (metric key in metrics.jsonl, title, file stem).
 STEP_PLOTS = (
     ("reward", "Mean reward per step", "reward"),
-    ("frac_reward_zero_std", "Rollouts in zero-variance groups (frac_reward_zero_std)", "frac_reward_zero_std"),
+    ("frac_reward_zero_std", "Groups whose rewards are all equal (frac_reward_zero_std)", "frac_reward_zero_std"),
     ("kl", "KL to the reference policy", "kl"),
     ("grad_norm", "Gradient norm (before clipping)", "grad_norm"),
 )
