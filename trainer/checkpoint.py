@@ -56,6 +56,8 @@ class TrainState:
     skipped_updates: int = 0  # steps whose gradient norm was not finite
     world_size: int = 1
     reason: str = ""  # why it was written: interval, sigterm, reward_error, final
+    rubric_weight_scale: float = 1.0  # review.on_alarm=downweight: the factor in force (calibrl.trainer.rubric_weight)
+    downweighted_versions: list[str] = field(default_factory=list)  # the rubric versions it was lowered for
 
 
 def checkpoint_dir(output_dir: str | pathlib.Path, step: int) -> pathlib.Path:

@@ -577,6 +577,19 @@ class TrainConfig:
                 "<output_dir> --tasks <held-out tasks> ...` (it adds the table to the run's trackers), or use "
                 "distributed.strategy=ddp"
             )
+        if self.review.on_alarm == "downweight" and not (self.review.every_steps > 0 and self.review.drift):
+            raise ConfigError(
+                f"review.on_alarm=downweight with review.every_steps={self.review.every_steps}, review.drift="
+                f"{str(self.review.drift).lower()}: the alarm comes from the drift check of a review step; set "
+                "review.every_steps > 0 and review.drift=true"
+            )
+        if self.review.on_alarm == "downweight" and not (self.reward.uses_rubric_for_rewrites
+                                                         or self.reward.uses_rubric_for_search):
+            raise ConfigError(
+                f"review.on_alarm=downweight with reward.w_rubric={self.reward.w_rubric}, search_w_rubric="
+                f"{self.reward.search_w_rubric}: the reward has no rubric weight to lower; set one > 0 or use "
+                "review.on_alarm=warn"
+            )
         if not self.tracking_project.strip():
             raise ConfigError("tracking_project is empty: name the project the runs are filed under, e.g. calibrl")
         self.trackers()

@@ -62,6 +62,10 @@ SECTIONS: tuple[Section, ...] = (
         _m("rubric/changed",
            "1 on a step scored by another rubric version than the step before (a `rubric_changed` record in "
            f"`rubric_versions.jsonl`, [Rubric life cycle]({_RUBRIC_LIFECYCLE})), else 0"),
+        _m("rubric/weight_scale, rubric/weight",
+           "with `review.on_alarm=downweight`: the factor the rubric's blend weight is multiplied by on this step "
+           "(1, or `review.downweight_factor` after a drift alarm until a new rubric version scores a step) and "
+           f"the weight it gave ([Experts back in the loop]({_EXPERTS_LOOP}))"),
         _m("review/queued, review/queue_size",
            "with `review.every_steps`: on a review step, the rollouts added to the review queue and the queue's "
            f"size ([Experts back in the loop]({_EXPERTS_LOOP}))"),

@@ -9,7 +9,8 @@ is scored by that version only, so its rewards are reproducible exactly.
 :class:`RubricVersionLog` writes ``rubric_versions.jsonl`` in the run folder (rank 0): one
 ``rubric_version`` record for the first step of each (rubric id, version), and a
 ``rubric_changed`` record, logged as a warning, whenever a step was scored by another
-version than the step before. Its step metrics: ``rubric/versions`` (distinct versions
+version than the step before (``review.on_alarm=downweight`` adds its ``rubric_downweighted`` and
+``rubric_weight_restored`` records, :mod:`calibrl.trainer.rubric_weight`). Its step metrics: ``rubric/versions`` (distinct versions
 that scored the step; more than 1 means the swap happened within the step, between two
 calls) and ``rubric/changed`` (1 on a step whose version differs from the previous one).
 """
@@ -24,6 +25,7 @@ from typing import Iterable
 log = logging.getLogger(__name__)
 
 FILE_NAME = "rubric_versions.jsonl"
+VERSION_EVENTS = ("rubric_version", "rubric_changed")  # the others: calibrl.trainer.rubric_weight's
 
 
 class RubricVersionLog:
@@ -39,7 +41,8 @@ class RubricVersionLog:
                     record = json.loads(line)
                     if record["step"] <= resume_step:
                         kept.append(line + "\n")
-                        self.last[record["rubric_id"]] = tuple(record["versions"])
+                        if record["event"] in VERSION_EVENTS:
+                            self.last[record["rubric_id"]] = tuple(record["versions"])
             self.path.write_text("".join(kept), encoding="utf-8")
 
     def observe(self, step: int, scores: Iterable[object]) -> dict[str, float]:
@@ -67,6 +70,10 @@ class RubricVersionLog:
         if not seen:
             return {}  # no rubric scored this step: the metrics are undefined, so absent
         return {"rubric/versions": float(sum(len(v) for v in seen.values())), "rubric/changed": changed}
+
+    def event(self, record: dict) -> None:
+        """Append another event of the run's rubric (a record with ``step``, ``event``, ``rubric_id``)."""
+        self._write(record)
 
     def _write(self, record: dict) -> None:
         if self.path is None:

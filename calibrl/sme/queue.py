@@ -15,8 +15,9 @@ rubric version is distilled from the old feedback plus these, validated, and pic
 judge server. On every review step the queue's items graded so far are scored by the run's
 judge and compared with the experts (:mod:`calibrl.sme.drift`; ``drift/*`` metrics,
 ``review/drift.jsonl``): below the gate a warning names the criteria that disagree, and with
-``review.on_alarm=stop`` the run stops after the step with a checkpoint (``calibrl sme drift``
-does the same check outside a run). An item's id is ``s<step>-<task id>-<rollout index>``, unique in
+``review.on_alarm=stop`` the run stops after the step with a checkpoint, with
+``review.on_alarm=downweight`` the rubric's weight in the reward is lowered from the next step on
+(:mod:`calibrl.trainer.rubric_weight`); ``calibrl sme drift`` does the same check outside a run. An item's id is ``s<step>-<task id>-<rollout index>``, unique in
 the run; a queue file that already holds an id (a resumed run) keeps its record and skips the
 new one, so nothing an expert may already have graded is replaced.
 """
@@ -25,6 +26,7 @@ from __future__ import annotations
 
 import collections
 import logging
+import math
 import pathlib
 from dataclasses import dataclass
 from typing import Any, Literal, Sequence
@@ -62,9 +64,14 @@ class ReviewConfig:
               "log the judge's agreement with them (drift/* metrics; calibrl.sme.drift).")
     drift_min_items: int = option(10, "Fewest graded items for a drift verdict.")
     min_kappa: float = option(0.6, "The drift gate: least Cohen's kappa of judge vs experts on the graded items.")
-    on_alarm: Literal["warn", "stop"] = option(
-        "warn", "Below the drift gate: warn (naming the criteria that disagree), or also stop the run after the "
-                "step with a checkpoint, as SIGTERM does (resume it once the next rubric version is served).")
+    on_alarm: Literal["warn", "stop", "downweight"] = option(
+        "warn", "Below the drift gate: warn (naming the criteria that disagree); stop: also stop the run after the "
+                "step with a checkpoint, as SIGTERM does (resume it once the next rubric version is served); "
+                "downweight: also multiply the rubric's weight in the blended reward by downweight_factor from the "
+                "next step on, until a step is scored by another rubric version (calibrl.trainer.rubric_weight).")
+    downweight_factor: float = option(
+        0.25, "With on_alarm=downweight: what the rubric's weight (reward.w_rubric, reward.search_w_rubric) is "
+              "multiplied by after an alarm, in [0, 1) (0 drops the rubric from the reward).")
 
     def validate(self) -> None:
         for name in ("every_steps", "window_steps"):
@@ -74,6 +81,9 @@ class ReviewConfig:
             raise ConfigError(f"review.drift_min_items={self.drift_min_items}: must be >= 2")
         if not -1.0 <= self.min_kappa <= 1.0:
             raise ConfigError(f"review.min_kappa={self.min_kappa}: must be in [-1, 1]")
+        if not (math.isfinite(self.downweight_factor) and 0.0 <= self.downweight_factor < 1.0):
+            raise ConfigError(f"review.downweight_factor={self.downweight_factor}: must be in [0, 1) (the rubric's "
+                              "weight is multiplied by it after a drift alarm; 1 would change nothing)")
         if self.n < 1 or self.max_pool < 1:
             raise ConfigError(f"review.n={self.n}, review.max_pool={self.max_pool}: must be >= 1")
         try:
@@ -153,6 +163,8 @@ class ReviewQueue:
         self._run_async: Any = None
         self._stop_signal: Any = None
         self.last_drift: Any = None  # the latest DriftReport
+        self.alarm_step = 0  # the last step whose drift check raised the alarm (0: none)
+        self.alarm_hash = ""  # the rubric version that drift check scored with
 
     def attach(self, judge: Any, rubric_id: str, run_async: Any, stop_signal: Any = None) -> None:
         """The run's judge client and rubric (``reward.rubric_id``), how to run a coroutine, and the
@@ -214,6 +226,7 @@ class ReviewQueue:
             out.write(json.dumps({"step": step, **report.to_json()}, sort_keys=True) + "\n")
         if report.alarm:
             log.warning("step %d: %s", step, report.reason)
+            self.alarm_step, self.alarm_hash = step, scores[0].rubric_hash
             if self.config.on_alarm == "stop" and self._stop_signal is not None:
                 log.warning("step %d: review.on_alarm=stop: the run stops after this step (checkpoint written)", step)
                 self._stop_signal.raised = True
