@@ -43,6 +43,10 @@ class JudgeServerConfig:
     rubric_retention_s: float = option(
         600.0, "Seconds a superseded rubric version stays servable to callers that pin it (id@version); "
                "then it is retired (NOT_FOUND saying so). 0 retires it at once.")
+    rubric_state_dir: str = option(
+        "", "Folder where the served rubric versions (current, retained with their retention clock, retired) are "
+            "kept so they survive a restart; default <rubrics>/.rubric-versions; 'none' keeps them in memory only "
+            "(a read-only rubrics folder). See docs/concepts/rubric-lifecycle.md.")
     rubric_admin_tenants: list[str] = option(
         factory=list, doc="Tenants (of serving.api_keys_file) that may call ReloadRubrics; without API keys "
         "the call is refused.")

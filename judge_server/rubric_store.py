@@ -149,6 +149,8 @@ class RubricVersions:
         self._retired: dict[str, dict[str, Version]] = {}
         self._refused: dict[str, dict[str, Version]] = {}
         self._removed: dict[str, float] = {}  # rubric id -> when its file was removed
+        # called (outside the lock) after every change of the served versions: the server persists them
+        self.on_change: Callable[["RubricVersions"], None] | None = None
         for status in statuses:
             self._current[status.rubric.id] = Version(status, "current", now)
 
@@ -264,6 +266,7 @@ class RubricVersions:
                 self._retain(previous, now, rubric.hash)
             self._current[rubric.id] = Version(status, "current", now)
             self._expire(now)
+        self._persist()
         was = f"replacing {short(previous.hash)}" if previous is not None and previous.hash != rubric.hash else "new"
         return self._changed(Change(rubric.id, rubric.hash, rubric.version, "loaded",
                                     f"current version ({was}); {status.reason}", source))
@@ -296,6 +299,7 @@ class RubricVersions:
                 return None
             self._removed[rubric_id] = now
             self._retain(current, now, "")
+        self._persist()
         return self._changed(Change(rubric_id, current.hash, current.rubric.version, "removed",
                                     f"the file was removed; version {short(current.hash)} stays servable to pinned "
                                     f"callers for {self.retention_s:g} s", source))
@@ -303,7 +307,79 @@ class RubricVersions:
     def expire(self) -> list[Change]:
         """Retire every retained version whose retention has passed."""
         with self._lock:
-            return self._expire()
+            changes = self._expire()
+        if changes:
+            self._persist()
+        return changes
+
+    def _persist(self) -> None:
+        if self.on_change is not None:
+            self.on_change(self)
+
+    # ------------------------------------------------------------------ persisted across restarts
+
+    def snapshot(self) -> dict:
+        """What a restart needs (calibrl.judge_server.version_store): per rubric id, its current
+        version (when usable), its retained versions with their retention clock, its retired ones."""
+        with self._lock:
+            out: dict[str, dict] = {}
+            for rubric_id in sorted(set(self._current) | set(self._retained) | set(self._retired)):
+                current = self._current.get(rubric_id)
+                out[rubric_id] = {
+                    "current": _version_json(current) if current is not None and current.status.usable else None,
+                    "removed_at": self._removed.get(rubric_id),
+                    "retained": [_version_json(v) for v in self._retained.get(rubric_id, {}).values()],
+                    "retired": [_version_json(v) for v in self._retired.get(rubric_id, {}).values()],
+                }
+            return out
+
+    def restore(self, rubric_id: str, current: Version | None, retained: Iterable[Version],
+                retired: Iterable[Version], removed_at: float | None = None) -> list[Change]:
+        """Put back what a snapshot held for ``rubric_id`` (rebuilt by the caller), reconciled with
+        the version the folder's file gives now (this table's current one, loaded at start):
+
+        - the file gives the persisted current version: it keeps its load time;
+        - the file gives another version this judge may serve: that one is current and the
+          persisted one is retained from now on (as a reload would have done);
+        - the file gives a version this judge may not serve (not validated...), or the file is gone
+          while the persisted version was current: the persisted version stays current (a refused
+          candidate never replaces a served version) or, with the file gone, is retained;
+        - retained versions keep their retention clock: those past it are retired now."""
+        changes: list[Change] = []
+        with self._lock:
+            now = self.clock()
+            from_file = self._current.get(rubric_id)
+            if current is not None:
+                if from_file is not None and from_file.hash == current.hash:
+                    self._current[rubric_id] = replace(from_file, loaded_at=current.loaded_at)
+                elif from_file is not None and from_file.status.usable:
+                    self._retain(current, now, from_file.hash)
+                    changes.append(Change(rubric_id, from_file.hash, from_file.rubric.version, "loaded",
+                                          f"current version (its file changed while the server was down, "
+                                          f"replacing {short(current.hash)})"))
+                elif from_file is not None:
+                    self._current[rubric_id] = current
+                    table = self._refused.setdefault(rubric_id, {})
+                    table[from_file.hash] = replace(from_file, state="refused", reason=from_file.status.reason)
+                    changes.append(Change(rubric_id, from_file.hash, from_file.rubric.version, "refused",
+                                          from_file.status.reason))
+                else:
+                    self._removed[rubric_id] = removed_at or now
+                    self._retain(current, now, "")
+            elif removed_at is not None and from_file is None:
+                self._removed[rubric_id] = removed_at
+            served = self._current.get(rubric_id)
+            for version in retained:
+                if served is None or version.hash != served.hash:
+                    self._retained.setdefault(rubric_id, {}).setdefault(version.hash, version)
+            for version in retired:
+                if served is None or version.hash != served.hash:
+                    self._retired.setdefault(rubric_id, {})[version.hash] = version
+            changes.extend(self._expire(now))
+        for change in changes:
+            if change.action != "retired":  # _expire logged those
+                self._changed(change)
+        return changes
 
     def _retain(self, version: Version, now: float, by: str) -> None:
         if not version.status.usable:
@@ -343,6 +419,14 @@ class RubricVersions:
         else:
             log.info(line, *args)
         return change
+
+
+def _version_json(version: Version) -> dict:
+    record = version.status.validation
+    return {"hash": version.hash, "rubric_version": version.rubric.version, "source_path": version.rubric.source_path,
+            "tenants": list(version.rubric.tenants), "loaded_at": version.loaded_at, "superseded_at": version.superseded_at,
+            "superseded_by": version.superseded_by, "retires_at": version.retires_at, "reason": version.reason,
+            "validation": record.to_json() if record is not None else None}
 
 
 def _trim(table: dict[str, Version]) -> None:

@@ -34,6 +34,7 @@ from calibrl.api import judge_wire as wire
 from calibrl.judge_server.config import JudgeServerConfig
 from calibrl.judge_server.judge import Judge, RubricStatus
 from calibrl.judge_server.rubric import Rubric
+from calibrl.judge_server.version_store import VersionStore
 from calibrl.api.judge import ItemScore, JudgeItem
 
 log = logging.getLogger(__name__)
@@ -239,6 +240,11 @@ async def start(config: JudgeServerConfig, judge: Judge | None = None,
     servicer = JudgeServicer(judge, batcher, tenant_of, config.serving.max_request_cost_s)
     # rubric versions without a restart (calibrl.judge_server.rubric_store)
     judge.versions.retention_s = config.rubric_retention_s
+    if config.rubric_state_dir != "none":  # versions survive a restart (calibrl.judge_server.version_store)
+        store = VersionStore(config.rubrics, config.rubric_state_dir)
+        store.restore(judge)
+        judge.versions.on_change = store.save
+        store.save(judge.versions)
     servicer.rubric_folder = rubric_store.RubricFolder(
         judge, config.rubrics, probe=lambda j, rubric: j.compute(rubric, [PROBE_ITEM], record=False))
     servicer.rubric_admin_tenants = tuple(config.rubric_admin_tenants)
