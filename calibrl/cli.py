@@ -19,6 +19,7 @@ COMMANDS: dict[tuple[str, ...], tuple[str, str]] = {
     ("serve", "judge"): ("calibrl.judge_server.cli:serve", "Serve rubric judges over gRPC (JudgeService)."),
     ("rubric", "distill"): ("calibrl.judge_server.cli:distill", "Distil SME feedback (JSONL) into a rubric and a golden set."),
     ("rubric", "validate"): ("calibrl.judge_server.cli:validate", "Check a rubric + judge against the SME golden set."),
+    ("rubric", "reload"): ("calibrl.judge_server.admin_cli:reload", "Ask a judge server to reread its rubric folder now (ReloadRubrics)."),
     ("rubric", "train-judge"): ("calibrl.judge_server.cli:train_judge", "Fine-tune a causal LM judge on SME feedback."),
     ("train",): ("calibrl.trainer.cli:train", "Run GRPO / CalibAdv training against the two services."),
     ("eval",): ("calibrl.trainer.cli:evaluate", "Evaluate a policy (or its base) on held-out tasks."),
