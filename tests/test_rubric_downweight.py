@@ -120,3 +120,45 @@ def test_an_alarm_lowers_the_rubric_weight_until_a_new_version_is_served(trainer
     downweighted = next(r for r in read_versions(out) if r["event"] == "rubric_downweighted")
     assert downweighted["factor"] == FACTOR and downweighted["from_step"] == 5
     assert downweighted["weight"] == pytest.approx(0.3 * FACTOR)
+
+
+def _grade_against_the_judge(out):
+    from calibrl.judge_server.authoring.feedback import FeedbackRecord, write_feedback
+    from calibrl.sme.items import read_items
+
+    items = read_items(out / "review" / "queue.jsonl")
+    write_feedback(out / "review" / "feedback.jsonl", [
+        FeedbackRecord(item.query, item.output, grade=2 if item.judge_total >= 0.6 else 5, id=f"{item.id}@alice")
+        for item in items])
+
+
+def test_a_resumed_run_keeps_the_lowered_weight(trainer_world, tmp_path):
+    """The alarm of step 4 lowers the weight; the run is preempted after step 4 and resumed: steps
+    5 and 6 (no new rubric version) are still blended with the lowered weight."""
+    from calibrl.trainer.checkpoint import load_train_state
+    from calibrl.trainer.loop import train
+
+    out = tmp_path / "run"
+    config = load_train_config(None, trainer_world.overrides(
+        out, "steps=6", "review.every_steps=2", "review.n=6", "review.embedder=hashed-ngrams",
+        "review.drift_min_items=4", "review.on_alarm=downweight", f"review.downweight_factor={FACTOR}",
+        "checkpoint_every=0", "reward.w_retrieval=0.7", "reward.w_rubric=0.3"))
+    retrieval, judge = trainer_world.clients()
+
+    def on_step(step, metrics):
+        if step == 2:
+            _grade_against_the_judge(out)
+
+    first = train(config, retrieval=retrieval, judge=judge, on_step=on_step, stop_after=4)
+    assert first.steps_done == 4 and first.stopped == "stop_after"
+    state = load_train_state(first.last_checkpoint)
+    assert state.rubric_weight_scale == FACTOR and state.downweighted_versions == [parse_rubric(RUBRIC_YAML).hash]
+    second = train(config, retrieval=retrieval, judge=judge, resume=out)
+    assert second.steps_done == 6
+    metrics = read_log(out / "metrics.jsonl")
+    assert [m["rubric/weight_scale"] for m in metrics] == [1.0, 1.0, 1.0, 1.0, FACTOR, FACTOR]
+    for m in metrics[4:]:
+        assert m["reward"] == pytest.approx(0.7 * m["rewards/retrieval/mean"] + 0.3 * FACTOR *
+                                            m["rewards/rubric/mean"], abs=1e-5)
+    events = [(r["step"], r["event"]) for r in read_versions(out)]
+    assert events == [(1, "rubric_version"), (4, "rubric_downweighted")]  # a second alarm does not repeat it
