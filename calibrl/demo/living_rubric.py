@@ -1,0 +1,476 @@
+"""`calibrl demo living-rubric`: a rubric the policy games, caught by fresh expert grades and
+fixed while the run goes on. Opt-in, separate from `calibrl demo`; a few minutes on two CPU cores.
+
+    calibrl demo living-rubric                 # default sizes
+    calibrl demo living-rubric --out DIR       # where everything goes (default calibrl_living_rubric_out/)
+
+The story, on the built-in domain (:mod:`calibrl.demo.domain`, nothing downloaded):
+
+1. **A weak rubric.** Version 1 of the rewriter's rubric pays mostly for content words
+   (``specificity`` with a high ``min_terms``): piling up names and terms raises it whether or
+   not the rewrite still finds what the user asked for.
+2. **Two runs from one base policy, same seed.** The *uncorrected* run trains on that rubric to
+   its end (``review.on_alarm=warn``); the *corrected* run trains on a second id served by the
+   same judge server, with ``review.on_alarm=downweight``.
+3. **Fresh expert grades.** Every ``review_every`` steps each run queues rollouts for review
+   (:mod:`calibrl.sme.queue`) and the simulated experts of :mod:`calibrl.demo.fresh_grades`
+   grade them at once: they search the catalogue with the rewrite and grade the gold passage's
+   rank, a rule that shares no word list, count or threshold with the judge.
+4. **The drift alarm.** On the next review step the trainer's drift check scores the graded items
+   with the run's rubric and compares with the experts; below the gate it names the criteria that
+   disagree. In the corrected run the alarm lowers the rubric's weight, and the demo considers the
+   next version: the rubric without the criteria the alarm named (:func:`candidate_fixes`). Each
+   candidate is scored on every fresh grade so far with the trainer's own check
+   (:func:`calibrl.sme.drift.drift_report`); the best one is published, by a rename into the judge's
+   folder, only when its kappa beats the current version's (chosen and checked on the same grades:
+   there are too few for a hold-out). The judge server's poller loads it and the run continues on
+   it, without a restart; the weight is restored on the first step it scores. Without a better
+   candidate the run goes on with the lowered weight and the next alarm tries again.
+5. **Held-out retrieval.** The base, uncorrected and corrected policies' greedy rewrites of the
+   held-out tasks are searched (BM25, hit@1); the corrected-minus-uncorrected difference gets a
+   paired bootstrap interval that resamples whole (product, topic) clusters
+   (:func:`calibrl.stats.paired_difference`).
+
+Everything the report and figures show is read from the run records (``metrics.jsonl``,
+``review/drift.jsonl``, ``rubric_versions.jsonl``) and ``results.json``, never typed in. The judge
+is served with ``judge.allow_unvalidated=true``: the demo's gate is the drift check on fresh grades,
+not the validation record of a golden set (docs/concepts/rubric-lifecycle.md has the full cycle).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import pathlib
+import sys
+import time
+from dataclasses import asdict, dataclass
+from typing import Any, Sequence
+
+RUBRIC_IDS = {"uncorrected": "rewriter-frozen", "corrected": "rewriter-living"}
+RETRIEVAL_MODE = "bm25"
+WEAK_RUBRIC = """\
+id: {id}
+version: "1"
+description: The demo's weak rewriter rubric; it pays for piling content words.
+criteria:
+  - name: stuffing_pays
+    kind: programmatic
+    scorer: specificity
+    params: {{min_terms: 14}}
+    weight: 0.7
+  - name: keeps_entities
+    kind: programmatic
+    scorer: entity_coverage
+    weight: 0.3
+"""
+
+
+@dataclass(frozen=True)
+class LivingSettings:
+    """Sizes of one living-rubric demo run."""
+
+    steps: int = 40
+    review_every: int = 5
+    review_n: int = 12
+    drift_min_items: int = 10
+    min_kappa: float = 0.6
+    downweight_factor: float = 0.25
+    group_size: int = 4
+    prompts_per_step: int = 8
+    warm_steps: int = 120
+    rewrite_examples: int = 1500
+    lr: float = 2e-4
+    kl_beta: float = 0.08
+    max_new_tokens: int = 24
+    w_rubric: float = 0.5
+    heldout_limit: int = 0  # 0: every held-out task
+    resamples: int = 10_000
+
+
+QUICK = LivingSettings(steps=6, review_every=2, review_n=8, drift_min_items=6, warm_steps=20, rewrite_examples=300,
+                       prompts_per_step=4, heldout_limit=24, resamples=2000)
+
+
+def weak_rubric(rubric_id: str) -> str:
+    return WEAK_RUBRIC.format(id=rubric_id)
+
+
+def without_criteria(text: str, dropped: Sequence[str]) -> str | None:
+    """The next version of the rubric ``text``: the same without the criteria ``dropped`` (None when
+    that removes none, or leaves no weighted criterion)."""
+    import yaml
+
+    data = yaml.safe_load(text)
+    kept = [c for c in data["criteria"] if c["name"] not in set(dropped)]
+    if len(kept) == len(data["criteria"]) or not any(c.get("weight", 0) > 0 for c in kept):
+        return None
+    data["criteria"] = kept
+    data["version"] = str(int(data["version"]) + 1)
+    data["description"] = f"{data['description']} Version {data['version']}: without {', '.join(dropped)}."
+    return yaml.safe_dump(data, sort_keys=False)
+
+
+def candidate_fixes(text: str, disagreeing: Sequence[str]) -> list[tuple[tuple[str, ...], str]]:
+    """(dropped criteria, next version) to consider after an alarm: without the criteria the alarm
+    named; when that leaves nothing to score with, without each named criterion in turn; when it
+    named none ("the criteria together order the items unlike the experts"), without each criterion
+    in turn."""
+    import yaml
+
+    names = [c["name"] for c in yaml.safe_load(text)["criteria"]]
+    choices = [tuple(disagreeing)] if disagreeing else []
+    if not any(without_criteria(text, dropped) for dropped in choices):  # none named, or all of them
+        choices = [(name,) for name in (disagreeing or names)]
+    return [(dropped, fixed) for dropped in choices if (fixed := without_criteria(text, dropped)) is not None]
+
+
+# --------------------------------------------------------------------------- the run
+
+
+def run_living_rubric(out: pathlib.Path, settings: LivingSettings = LivingSettings(), seed: int = 6,
+                      progress: bool = False) -> dict[str, Any]:
+    """Every stage (module doc); writes ``out/results.json``, the figures and ``out/report.md``."""
+    import torch
+
+    from calibrl.demo.domain import generate_domain, write_domain
+    from calibrl.demo.policy import PolicySpec, _warm_start_and_save, rewrite_examples, tokenizer_corpus, train_tokenizer
+    from calibrl.demo.services import IndexBuild
+
+    torch.set_num_threads(1)
+    out.mkdir(parents=True, exist_ok=True)
+    started = time.perf_counter()
+    timings: dict[str, float] = {}
+
+    def stage(name: str) -> None:
+        timings[name] = round(time.perf_counter() - started - sum(timings.values()), 1)
+        print(f"    {name}: {timings[name]:.1f}s", flush=True)
+
+    domain = generate_domain(seed)
+    files = write_domain(domain, out / "data")
+    index_dir = out / "index"
+    build = IndexBuild(files.corpus, index_dir, out / "logs" / "index_build.log")  # beside the warm start
+    try:
+        examples = rewrite_examples(domain, settings.rewrite_examples, seed=seed)
+        tokenizer = train_tokenizer(tokenizer_corpus(domain, examples))
+        base = out / "base_rewriter"
+        _warm_start_and_save(base, tokenizer, PolicySpec(), examples, settings.warm_steps, 32, seed, progress=progress)
+        stage("warm start")
+        build.wait()
+    finally:
+        build.stop()
+    stage("index")
+
+    rubrics = out / "rubrics"
+    rubrics.mkdir(exist_ok=True)
+    for rubric_id in RUBRIC_IDS.values():
+        (rubrics / f"{rubric_id}.yaml").write_text(weak_rubric(rubric_id), encoding="utf-8")
+    with _Services(rubrics, index_dir) as services:
+        runs = {}
+        for name in ("uncorrected", "corrected"):
+            runs[name] = _train(name, base, files, domain, services, out, settings, seed, progress)
+            stage(f"train {name}")
+        heldout = _heldout(domain, files, out, base, runs, services, settings)
+        stage("held-out evaluation")
+    results = {"settings": asdict(settings), "seed": seed, "runs": runs, "heldout": heldout, "timings": timings}
+    (out / "results.json").write_text(json.dumps(results, indent=1, sort_keys=True) + "\n", encoding="utf-8")
+    figures = write_figures(out)
+    (out / "report.md").write_text(report_markdown(out, figures), encoding="utf-8")
+    return results
+
+
+class _Services:
+    """A real judge server (gRPC on loopback, its folder polled) and the in-process retrieval, on one
+    background event loop."""
+
+    def __init__(self, rubrics: pathlib.Path, index_dir: pathlib.Path) -> None:
+        self.rubrics, self.index_dir = rubrics, index_dir
+
+    def __enter__(self) -> "_Services":
+        from calibrl.config import load_config
+        from calibrl.judge_server.config import JudgeServerConfig
+        from calibrl.judge_server.server import start
+        from calibrl.retrieval_server.retriever import Retriever
+        from calibrl.trainer.aio import BackgroundLoop
+        from calibrl.trainer.grpc_clients import GrpcJudgeClient
+        from calibrl.trainer.inprocess import InProcessRetrievalClient
+
+        self.background = BackgroundLoop(name="living-rubric")
+        config = load_config(JudgeServerConfig, None, [
+            f"rubrics={self.rubrics}", "serving.port=0", "serving.host=127.0.0.1", "serving.grace_seconds=1",
+            "judge.allow_unvalidated=true", "judge.embedder=hashed-ngrams", "rubric_poll_s=0.2"])
+        self.judge_server = self.background.run(start(config))
+        self.judge = GrpcJudgeClient(f"127.0.0.1:{self.judge_server.port}", timeout_s=60)
+        self.retrieval = InProcessRetrievalClient(Retriever.load(self.index_dir, device="cpu"))
+        return self
+
+    def served_hash(self, rubric_id: str) -> str:
+        rubrics = self.background.run(self.judge.list_rubrics())
+        return next(r["hash"] for r in rubrics if r["id"] == rubric_id)
+
+    def __exit__(self, *exc: object) -> None:
+        self.background.run(self.judge.close())
+        self.background.run(self.judge_server.stop(grace=1.0))
+        self.background.close()
+
+
+def _train(name: str, base: pathlib.Path, files: Any, domain: Any, services: _Services, out: pathlib.Path,
+           settings: LivingSettings, seed: int, progress: bool) -> dict[str, Any]:
+    from calibrl.demo.fresh_grades import FreshGrader
+    from calibrl.judge_server.authoring.feedback import read_feedback, write_feedback
+    from calibrl.sme.items import read_items
+    from calibrl.trainer.config import load_train_config
+    from calibrl.trainer.loop import train
+
+    rubric_id = RUBRIC_IDS[name]
+    run_dir = out / "runs" / name
+    config = load_train_config(None, [
+        f"policy.path={base}", "policy.device=cpu", f"tasks.path={files.train_tasks}", f"seed={seed}",
+        f"services.index_dir={services.index_dir}",
+        f"steps={settings.steps}", f"output_dir={run_dir}", "checkpoint_every=0", "keep_checkpoints=1",
+        f"loss.beta={settings.kl_beta}", f"optimizer.lr={settings.lr}", "max_grad_norm=0.5",
+        f"rollout.group_size={settings.group_size}", f"rollout.prompts_per_step={settings.prompts_per_step}",
+        f"rollout.max_new_tokens={settings.max_new_tokens}", f"reward.mode={RETRIEVAL_MODE}",
+        "reward.retrieval_signal=mrr", "reward.top_k=10", f"reward.w_retrieval={1 - settings.w_rubric}",
+        f"reward.w_rubric={settings.w_rubric}", f"reward.rubric_id={rubric_id}", f"services.judge=127.0.0.1:{services.judge_server.port}",
+        f"review.every_steps={settings.review_every}", f"review.n={settings.review_n}",
+        "review.embedder=hashed-ngrams", f"review.drift_min_items={settings.drift_min_items}",
+        f"review.min_kappa={settings.min_kappa}", f"review.seed={seed}",
+        f"review.on_alarm={'downweight' if name == 'corrected' else 'warn'}",
+        f"review.downweight_factor={settings.downweight_factor}", "report_to=none",
+        f"progress_bar={str(progress).lower()}"])
+    grader = FreshGrader(domain.passages)
+    feedback = run_dir / "review" / "feedback.jsonl"
+    published: list[dict[str, Any]] = []
+
+    def on_step(step: int, metrics: dict[str, float]) -> None:
+        if step % settings.review_every:
+            return
+        queue = read_items(run_dir / "review" / "queue.jsonl") if (run_dir / "review" / "queue.jsonl").exists() else []
+        graded = {r.id for r in read_feedback(feedback)} if feedback.exists() else set()
+        fresh = [item for item in queue if f"{item.id}@{grader.reviewer}" not in graded]
+        if fresh:  # graded at once: the next review step's drift check reads them
+            old = read_feedback(feedback) if feedback.exists() else []
+            write_feedback(feedback, [*old, *grader.feedback(fresh)])
+        if name == "corrected" and metrics.get("drift/alarm") == 1.0 and not any(p["published"] for p in published):
+            published.append(_publish_fix(rubric_id, run_dir, step, services, settings))
+
+    train(config, retrieval=services.retrieval, judge=services.judge, on_step=on_step,
+          background=services.background)
+    return {"rubric_id": rubric_id, "run_dir": str(run_dir.relative_to(out)), "published": published,
+            "final_policy": str((run_dir / "checkpoints").relative_to(out))}
+
+
+def _publish_fix(rubric_id: str, run_dir: pathlib.Path, step: int, services: _Services,
+                 settings: LivingSettings) -> dict[str, Any]:
+    """The next version from the alarm's report, checked on the same fresh grades, published by a
+    rename into the judge's folder; returns once the judge serves it (the next step scores with it)."""
+    from calibrl.judge_server.authoring.feedback import read_feedback
+    from calibrl.judge_server.judge import Judge
+    from calibrl.judge_server.config import JudgeConfig
+    from calibrl.judge_server.rubric import parse_rubric
+    from calibrl.sme.drift import DriftOptions, drift_report
+
+    drift = [json.loads(line) for line in (run_dir / "review" / "drift.jsonl").read_text().splitlines() if line]
+    alarm = drift[-1]
+    path = services.rubrics / f"{rubric_id}.yaml"
+    current = path.read_text(encoding="utf-8")
+    record: dict[str, Any] = {"step": step, "disagreeing": alarm["disagreeing"], "published": False}
+    # the trainer's check (review.pass_threshold's default) of each candidate on the same fresh grades
+    feedback = read_feedback(run_dir / "review" / "feedback.jsonl")
+    options = DriftOptions(min_kappa=settings.min_kappa, pass_threshold=0.6, min_items=settings.drift_min_items)
+
+    def kappa(rubric_text: str) -> float:
+        rubric = parse_rubric(rubric_text)
+        judge = Judge([rubric], JudgeConfig(embedder="hashed-ngrams", allow_unvalidated=True))
+        scores = judge.compute(rubric, [r.to_item() for r in feedback], record=False)
+        value = drift_report(rubric, feedback, scores, options, judge.scorer_id(rubric)).kappa
+        return -1.0 if value is None or math.isnan(value) else float(value)
+
+    record["kappa_before"] = kappa(current)
+    record["candidates"] = [{"dropped": list(dropped), "kappa": kappa(fixed), "text": fixed}
+                            for dropped, fixed in candidate_fixes(current, alarm["disagreeing"])]
+    best = max(record["candidates"], key=lambda c: c["kappa"], default=None)
+    if best is None or best["kappa"] <= record["kappa_before"]:
+        record["why_not"] = (f"no candidate agrees with the fresh grades better than kappa "
+                             f"{record['kappa_before']:.2f} (the run goes on with the lowered weight)")
+        return record
+    text = best["text"]
+    record.update(dropped=best["dropped"], kappa_after=best["kappa"])
+    staged = path.with_name(path.name + ".next")
+    staged.write_text(text, encoding="utf-8")
+    staged.replace(path)
+    new_hash = parse_rubric(text).hash
+    deadline = time.monotonic() + 30
+    while services.served_hash(rubric_id) != new_hash:
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"the judge did not load {rubric_id} version {new_hash[:12]} within 30 s")
+        time.sleep(0.1)
+    record.update(published=True, hash=new_hash, version=parse_rubric(text).version)
+    return record
+
+
+def _heldout(domain: Any, files: Any, out: pathlib.Path, base: pathlib.Path, runs: dict[str, Any],
+             services: _Services, settings: LivingSettings) -> dict[str, Any]:
+    from calibrl.demo.cli import rewrite_clusters
+    from calibrl.demo.rewrite_analysis import greedy_rewrite_hits
+    from calibrl.stats import paired_difference
+    from calibrl.trainer.eval import EvalSettings
+    from calibrl.trainer.tasks import load_tasks
+
+    tasks = load_tasks(files.heldout_tasks)[: settings.heldout_limit or None]
+    eval_settings = EvalSettings(top_k=1, mode=RETRIEVAL_MODE, max_new_tokens=settings.max_new_tokens, device="cpu")
+    models = {"base": str(base)}
+    for name, run in runs.items():
+        models[name] = str(_latest_checkpoint(out / run["run_dir"]))
+    hits = {name: greedy_rewrite_hits(model, tasks, services.retrieval, eval_settings, services.background.run)
+            for name, model in models.items()}
+    clusters = [list(c) for c in rewrite_clusters(domain, tasks)]
+    diff = paired_difference(hits["corrected"], hits["uncorrected"], clusters=[tuple(c) for c in clusters],
+                             resamples=settings.resamples, seed=0)
+    return {"tasks": [t.task_id for t in tasks], "clusters": clusters, "hits": hits, "top_k": 1,
+            "difference": {"a": "corrected", "b": "uncorrected", **diff.as_dict()}}
+
+
+def _latest_checkpoint(run_dir: pathlib.Path) -> pathlib.Path:
+    from calibrl.trainer.checkpoint import find_checkpoint
+
+    return find_checkpoint(run_dir)
+
+
+# --------------------------------------------------------------------------- figures and report, from the records
+
+
+def _records(path: pathlib.Path) -> list[dict[str, Any]]:
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+
+
+def run_records(out: pathlib.Path, name: str) -> dict[str, list[dict[str, Any]]]:
+    run_dir = out / "runs" / name
+    return {"metrics": _records(run_dir / "metrics.jsonl"), "drift": _records(run_dir / "review" / "drift.jsonl"),
+            "events": _records(run_dir / "rubric_versions.jsonl")}
+
+
+def write_figures(out: pathlib.Path) -> list[str]:
+    """Two PNGs drawn from the records: the runs' rubric share of the reward and drift kappa by
+    step, and the held-out hit@1 of each policy. Returns their file names."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    results = json.loads((out / "results.json").read_text(encoding="utf-8"))
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(7, 6), sharex=True)
+    for name, colour in (("uncorrected", "tab:red"), ("corrected", "tab:blue")):
+        records = run_records(out, name)
+        steps = [m["step"] for m in records["metrics"]]
+        top.plot(steps, [m["rewards/rubric/mean"] for m in records["metrics"]], color=colour, label=f"{name}: rubric total")
+        top.plot(steps, [m["rewards/retrieval/mean"] for m in records["metrics"]], color=colour, linestyle="--",
+                 label=f"{name}: retrieval MRR@10")
+        kappa = [(d["step"], d["kappa"]) for d in records["drift"] if d.get("kappa") is not None]
+        if kappa:
+            bottom.plot(*zip(*kappa), marker="o", color=colour, label=f"{name}: drift kappa")
+        for event in records["events"]:
+            if event["event"] in ("rubric_changed", "rubric_downweighted"):
+                for axis in (top, bottom):
+                    axis.axvline(event["step"], color=colour, alpha=0.4,
+                                 linestyle=":" if event["event"] == "rubric_downweighted" else "-")
+    bottom.axhline(results["settings"]["min_kappa"], color="grey", linestyle="--", label="drift gate")
+    top.set_ylabel("mean over the step")
+    bottom.set_ylabel("Cohen's kappa")
+    bottom.set_xlabel("step (dotted: alarm, solid: new rubric version)")
+    top.legend(fontsize=7)
+    bottom.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(out / "training.png", dpi=110)
+    plt.close(fig)
+
+    heldout = results["heldout"]
+    names = list(heldout["hits"])
+    fig, axis = plt.subplots(figsize=(5, 3))
+    axis.bar(names, [sum(h) / len(h) for h in heldout["hits"].values()], color=["grey", "tab:red", "tab:blue"][:len(names)])
+    axis.set_ylabel(f"held-out hit@{heldout['top_k']}")
+    fig.tight_layout()
+    fig.savefig(out / "heldout.png", dpi=110)
+    plt.close(fig)
+    return ["training.png", "heldout.png"]
+
+
+def report_markdown(out: pathlib.Path, figures: Sequence[str]) -> str:
+    """The report, every number read from ``results.json`` and the run records."""
+    from calibrl.stats import describe_difference
+
+    results = json.loads((out / "results.json").read_text(encoding="utf-8"))
+    heldout, settings = results["heldout"], results["settings"]
+    lines = ["# The living rubric", "",
+             f"Seed {results['seed']}; {settings['steps']} steps per run, review every {settings['review_every']} "
+             f"steps ({settings['review_n']} rollouts), drift gate kappa >= {settings['min_kappa']}, rubric weight "
+             f"{settings['w_rubric']} (x {settings['downweight_factor']} after an alarm).", "", "## The runs", ""]
+    for name, run in results["runs"].items():
+        records = run_records(out, name)
+        alarms = [d["step"] for d in records["drift"] if d.get("alarm")]
+        kappas = ", ".join(f"step {d['step']}: {d['kappa']:.2f}" for d in records["drift"] if d.get("kappa") is not None)
+        lines.append(f"- **{name}** (`{run['rubric_id']}`): drift kappa {kappas or 'no verdict (too few grades)'}; "
+                     f"alarm at step(s) {', '.join(map(str, alarms)) or 'none'}.")
+        for fix in run["published"]:
+            if fix["published"]:
+                named = ", ".join(fix["disagreeing"]) or "no criterion"
+                lines.append(f"  The alarm of step {fix['step']} named {named}; the next version drops "
+                             f"{', '.join(fix['dropped'])} (the candidate that agrees best with the fresh grades, "
+                             f"chosen and checked on those same grades): kappa {_num(fix['kappa_before'])} -> "
+                             f"{_num(fix['kappa_after'])}; version {fix['version']} ({fix['hash'][:12]}) was published "
+                             "and loaded without a restart.")
+            else:
+                lines.append(f"  The alarm of step {fix['step']} was not followed by a new version: {fix['why_not']}.")
+        changes = [e["step"] for e in records["events"] if e["event"] == "rubric_changed"]
+        if changes:
+            scales = {m["step"]: m.get("rubric/weight_scale") for m in records["metrics"]}
+            lines.append(f"  First step scored by the new version: {changes[0]} (rubric weight scale there: "
+                         f"{scales.get(changes[0])}).")
+    lines += ["", "## Held-out retrieval", "",
+              f"{len(heldout['tasks'])} held-out tasks, greedy rewrites searched with BM25, hit@{heldout['top_k']}:", ""]
+    for name, hits in heldout["hits"].items():
+        lines.append(f"- {name}: {sum(hits) / len(hits):.3f}")
+    diff = heldout["difference"]
+    lines += ["", describe_difference(diff["a"], diff["b"], diff, f"points of hit@{heldout['top_k']}") +
+              f" (paired bootstrap over {len(set(map(tuple, heldout['clusters'])))} (product, topic) clusters).", ""]
+    lines += [f"![{name}]({name})" for name in figures]
+    return "\n".join(lines) + "\n"
+
+
+def _num(value: Any) -> str:
+    return "n/a" if value is None or (isinstance(value, float) and math.isnan(value)) else f"{value:.2f}"
+
+
+# --------------------------------------------------------------------------- the command
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="calibrl demo living-rubric", description=__doc__.splitlines()[0])
+    parser.add_argument("--out", default="calibrl_living_rubric_out", help="output folder (made if missing)")
+    parser.add_argument("--seed", type=int, default=6, help="seed of the domain, the policies and the runs (6)")
+    parser.add_argument("--quick", action="store_true", help="a smoke run with few steps (about a minute)")
+    parser.add_argument("--progress", action="store_true", help="progress bars")
+    args = parser.parse_args(list(argv) if argv is not None else None)
+    out = pathlib.Path(args.out)
+    if out.exists() and any(out.iterdir()):
+        print(f"error: --out {out} is not empty; give a new folder", file=sys.stderr)
+        return 2
+    from calibrl.errors import CalibrlError
+
+    try:
+        results = run_living_rubric(out, QUICK if args.quick else LivingSettings(), seed=args.seed,
+                                    progress=args.progress)
+    except CalibrlError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    diff = results["heldout"]["difference"]
+    print(f"report: {out / 'report.md'}; held-out hit@1 corrected - uncorrected {diff['estimate']:+.3f} [{diff['low']:+.3f}, {diff['high']:+.3f}]")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
