@@ -134,11 +134,11 @@ class VersionStore:
             rubric = parse_rubric(copy.read_text(encoding="utf-8"), record.get("source_path") or str(copy),
                                   self.folder)
         except (OSError, ConfigError) as exc:
-            log.warning("rubric %s version %s: not restored, its copy %s cannot be read: %s", rubric_id,
+            log.warning("rubric %s version %s: not restored, its saved text %s cannot be read: %s", rubric_id,
                         rubric_hash[:12], copy, exc)
             return None
         if rubric.hash != rubric_hash or rubric.id != rubric_id:
-            log.warning("rubric %s version %s: not restored, its copy %s now gives %s@%s (a file it reads changed)",
+            log.warning("rubric %s version %s: not restored, its saved text %s now gives %s@%s (a file it reads changed)",
                         rubric_id, rubric_hash[:12], copy, rubric.id, rubric.hash[:12])
             return None
         validation = ValidationRecord.from_json(record["validation"]) if record.get("validation") else None

@@ -577,6 +577,13 @@ class TrainConfig:
                 "<output_dir> --tasks <held-out tasks> ...` (it adds the table to the run's trackers), or use "
                 "distributed.strategy=ddp"
             )
+        self._check_downweight()
+        if not self.tracking_project.strip():
+            raise ConfigError("tracking_project is empty: name the project the runs are filed under, e.g. calibrl")
+        self.trackers()
+
+    def _check_downweight(self) -> None:
+        """review.on_alarm=downweight needs the drift check of review steps, and a rubric weight to lower."""
         if self.review.on_alarm == "downweight" and not (self.review.every_steps > 0 and self.review.drift):
             raise ConfigError(
                 f"review.on_alarm=downweight with review.every_steps={self.review.every_steps}, review.drift="
@@ -590,9 +597,6 @@ class TrainConfig:
                 f"{self.reward.search_w_rubric}: the reward has no rubric weight to lower; set one > 0 or use "
                 "review.on_alarm=warn"
             )
-        if not self.tracking_project.strip():
-            raise ConfigError("tracking_project is empty: name the project the runs are filed under, e.g. calibrl")
-        self.trackers()
 
     def trackers(self) -> list[str]:
         """The trackers to open: ``report_to``, checked (known, installed), less

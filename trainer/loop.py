@@ -15,9 +15,7 @@
                 forward pass and (off-policy) the next batch's behaviour
                 log-probs: they need no reward, so they hide scoring latency
     rewards     wait for the scores; a reward that could not be computed stops
-                the run (checkpoint first) and is never trained on as 0. After
-                a drift alarm with ``review.on_alarm=downweight`` the rubric's
-                weight is lowered here (``calibrl.trainer.rubric_weight``)
+                the run (checkpoint first) and is never trained on as 0
     advantages  per-token advantages from the registered estimator named by
                 ``advantage.type`` (the loop is algorithm-blind)
     loss        clipped surrogate + k3 KL to the frozen reference, over
@@ -173,9 +171,8 @@ def train(
             tasks, source = load_heldout_tasks(config, run.kind.name)
             heldout = HeldoutEvaluator(config, tasks, source, retrieval, background.run, step_log.tracker,
                                        is_main=ctx.is_main, resume_step=run.state.step)
-        # review.on_alarm=downweight: the rubric's weight in the reward, lowered after a drift alarm
         rubric_weight = RubricWeight(config, run.kind.name, run.state, ctx, step_log.rubric_versions)
-        loop = _Loop(config, run, pipeline, updater, checkpointer, step_log, stop_signal, heldout, rubric_weight)
+        loop = _Loop(config, run, pipeline, updater, checkpointer, step_log, stop_signal, rubric_weight, heldout)
         stopped, last_checkpoint = loop.run_steps(stop_after)
         heldout_curve = heldout.finish(stopped) if heldout is not None else []
     if stopped == "sigterm":
@@ -195,8 +192,8 @@ class _Loop:
     checkpointer: "Checkpointer"
     step_log: "StepLog"
     stop_signal: "StopSignal"
+    rubric_weight: "RubricWeight"  # review.on_alarm=downweight: the rubric's weight, lowered after a drift alarm
     heldout: "HeldoutEvaluator | None" = None
-    rubric_weight: "RubricWeight | None" = None
 
     def run_steps(self, stop_after: int | None) -> tuple[str, pathlib.Path | None]:
         """Steps until ``config.steps``, a SIGTERM or ``stop_after``; returns (why it
@@ -257,9 +254,7 @@ class _Loop:
         times.reward_wait = time.perf_counter() - wait_start
         if dist_util.any_rank(failure is not None, ctx):
             self.stop_for_failure(step, failure, rng_at_start, position_at_start, rollouts.current)
-        weight_metrics: dict[str, float] = {}
-        if self.rubric_weight is not None:  # lowered after a drift alarm (review.on_alarm=downweight)
-            scored, weight_metrics = self.rubric_weight.blend(scored)
+        scored, weight_metrics = self.rubric_weight.blend(scored)  # lowered after a drift alarm
 
         # -------------------------------------------------------------- advantages
         training = to_training_batch(scored, self.config.advantage)
@@ -279,10 +274,8 @@ class _Loop:
         # -------------------------------------------------------------- log
         times.step = time.perf_counter() - step_start
         metrics = rank_step_metrics(training, result, times, self.config.health, rollouts.current.sampling_metrics)
-        metrics.update(weight_metrics)
-        metrics.update(self.step_log.observe_rollouts(step, training))  # rubric versions, review queue
-        if self.rubric_weight is not None:
-            self.rubric_weight.after_step(step, self.step_log.review, scored)  # a drift alarm: lower it
+        metrics.update(weight_metrics | self.step_log.observe_rollouts(step, training))  # rubric versions, review
+        self.rubric_weight.after_step(step, self.step_log.review, scored)  # a drift alarm: lower the weight
         self.step_log.record(step, metrics, state)
 
     def stop_for_failure(self, step: int, failure: CalibrlError | None, rng: ckpt.RngState,

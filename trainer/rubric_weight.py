@@ -43,13 +43,15 @@ log = logging.getLogger(__name__)
 
 
 def blend_weights(reward: RewardConfig, kind: str) -> dict[str, float]:
-    """Component -> weight of the reward of a task kind whose weights the reward config holds."""
-    if kind == "rewrite":
-        return reward.rewrite_weights()
-    if kind == "search":
-        return reward.search_weights()
-    raise ConfigError(f"review.on_alarm=downweight with tasks of kind {kind!r}: only the rewrite and search "
-                      "rewards have a rubric weight the trainer can lower; use review.on_alarm=warn or stop")
+    """Component -> weight of the reward of task kind ``kind`` (its ``TaskKind.reward_weights``)."""
+    from calibrl.trainer.task_kinds import task_kind
+
+    weights_of = task_kind(kind).reward_weights
+    if weights_of is None:
+        raise ConfigError(f"review.on_alarm=downweight with tasks of kind {kind!r}: the kind does not say how its "
+                          "reward is blended (TaskKind.reward_weights), so its rubric weight cannot be lowered; use "
+                          "review.on_alarm=warn or stop")
+    return weights_of(reward)
 
 
 def reblend(breakdowns: Iterable[RewardBreakdown], weights: dict[str, float],

@@ -23,7 +23,9 @@ A :class:`TaskKind` bundles everything that differs between agents:
 - ``sample_items``: each task's greedy output as a ``calibrl sme sample`` item
   (``calibrl eval --sme-items``), or None;
 - ``step_metrics``: the kind's own metrics of a training step, from its rollouts and
-  their rewards (the search agent's ``search/*`` and ``steps/*``), or None.
+  their rewards (the search agent's ``search/*`` and ``steps/*``), or None;
+- ``reward_weights``: the weight of each reward component under a ``RewardConfig`` (the
+  reward is their weighted sum), or None; ``review.on_alarm=downweight`` re-blends with it.
 
 Two kinds are built in, one package each (:mod:`calibrl.trainer.kinds`): ``rewrite`` (a
 one-step query rewriter) and ``search`` (a multi-step Search-R1 agent); importing
@@ -47,7 +49,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from calibrl.trainer.config import RolloutConfig
     from calibrl.trainer.engines import GenerationEngine
     from calibrl.trainer.eval import EvalSettings
-    from calibrl.trainer.rewards import RewardBreakdown, RewardModel
+    from calibrl.trainer.rewards import RewardBreakdown, RewardConfig, RewardModel
     from calibrl.trainer.rollout import RolloutBatch
     from calibrl.trainer.tasks import Task
 
@@ -137,6 +139,7 @@ class TaskKind:
     query_baseline: BaselineFn | None = None
     sample_items: SampleItemsFn | None = None
     step_metrics: StepMetricsFn | None = None
+    reward_weights: Callable[["RewardConfig"], dict[str, float]] | None = None
 
 
 TASK_KINDS: dict[str, TaskKind] = {}

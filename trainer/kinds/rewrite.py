@@ -294,6 +294,7 @@ REWRITE = register_task_kind(TaskKind(
     write_record=_rewrite_record,
     query_baseline=raw_query_metrics,
     sample_items=rewrite_items,
+    reward_weights=lambda reward: reward.rewrite_weights(),
 ))
 
 __all__ = ["REWRITE", "RewriteRollout", "evaluate_rewrites", "parse_rewrite", "query_scores", "raw_query_metrics",

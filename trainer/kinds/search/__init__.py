@@ -96,6 +96,7 @@ SEARCH = register_task_kind(TaskKind(
     multi_step=True,
     sample_items=search_items,
     step_metrics=search_step_metrics,
+    reward_weights=lambda reward: reward.search_weights(),
 ))
 
 __all__ = ["SEARCH", "SearchRollout", "SearchStepRecord", "rollout_search", "score_search"]
