@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Iterable
 from calibrl.errors import ConfigError
 from calibrl.trainer import distributed as dist_util
 from calibrl.trainer.rewards import RewardBreakdown, RewardConfig, weighted_total
+from calibrl.trainer.task_kinds import task_kind
 
 if TYPE_CHECKING:  # pragma: no cover
     from calibrl.sme.queue import ReviewQueue
@@ -44,8 +45,6 @@ log = logging.getLogger(__name__)
 
 def blend_weights(reward: RewardConfig, kind: str) -> dict[str, float]:
     """Component -> weight of the reward of task kind ``kind`` (its ``TaskKind.reward_weights``)."""
-    from calibrl.trainer.task_kinds import task_kind
-
     weights_of = task_kind(kind).reward_weights
     if weights_of is None:
         raise ConfigError(f"review.on_alarm=downweight with tasks of kind {kind!r}: the kind does not say how its "
