@@ -287,6 +287,15 @@ def test_mkdocs_build_strict(built_site):
     # a skipped snippet's reason is shown on the built page
     html = (built_site / "guides" / "vllm-judge" / "index.html").read_text(encoding="utf-8")
     assert "Not run by the documentation tests" in html and "needs a GPU, vLLM and a judge model folder" in html
+    # the demo page's figures are drawn at build time, and every image it shows is there
+    demo = built_site / "results" / "demo" / "index.html"
+    images = re.findall(r'<img[^>]* src="([^"]+)"', demo.read_text(encoding="utf-8"))
+    assert len(images) >= 2, images
+    for image in images:
+        assert (demo.parent / image).resolve().is_file(), image
+    # the alarms table is filled from calibrl.trainer.alarms
+    signals = (built_site / "concepts" / "training-signals" / "index.html").read_text(encoding="utf-8")
+    assert "<code>update_skipped</code>" in signals and "generated: trainer-alarms" not in signals
 
 
 def test_every_page_is_in_the_nav():
