@@ -561,3 +561,17 @@ def test_prose_names_config_keys_and_metrics_that_exist():
                     and not FILE_NAME.fullmatch(token) and not metrics_catalog.documented(token)):
                 problems.append(f"{page_name(path)}: `{token}` is no trainer metric")
     assert not problems, "\n".join(problems)
+
+
+def test_every_benchmark_table_of_a_shown_section_is_on_the_site():
+    """No table of benchmarks/README.md is kept off the site by a caption that tells history:
+    measurement history lives in benchmarks/HISTORY.md."""
+    hook = _hook()
+    source = (ROOT / "benchmarks" / "README.md").read_text(encoding="utf-8")
+    every = [b for name, blocks in hook.benchmark_sections(source) if name not in hook.BENCHMARKS_NOT_SHOWN
+             for b in blocks if b[0].startswith("|")]
+    assert len(hook.benchmark_tables(source)) == len(every)
+    page = hook.benchmarks_page()
+    assert "bench_encoders.py --parts bm25 --repeats 5 --record benchmarks/records/encoders-bm25.json" in page
+    assert "| stage | seconds |" in page  # the demo's stage times, from results/demo/results.json
+    assert (ROOT / "benchmarks" / "HISTORY.md").is_file()

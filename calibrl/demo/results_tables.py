@@ -21,10 +21,13 @@ differs from what the records give. Blocks:
 - ``demo-judge``: the judges' agreement with the SME golden set and the gate's decision;
 - ``demo-machine``: the command, the seed and the machine line (CPU, cores, kernels, load) the
   demo recorded;
+- ``demo-stages``: the demo's wall time per stage, with its machine line;
 - ``demo-plots``: the demo's figures, drawn from the records by :func:`demo_plots` (the held-out
   curves of every arm, and the per-step curves where the record holds them); the docs build
   (docs/hooks/reference.py) writes the PNG files beside the page, so no figure is committed;
-- ``study``: the study's arms over seeds (or a line saying no study records are committed).
+- ``study``: the study's arms over seeds (or a line saying no study records are committed);
+- ``bench-NAME``: the tables of the benchmark record ``benchmarks/records/NAME.json`` (written by a
+  benchmark script's ``--record``; benchmarks/bench_record.py), with its command, date and machine.
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 RESULTS = ROOT / "results"
 DEMO_RESULTS = RESULTS / "demo" / "results.json"
 STUDY_RESULTS = RESULTS / "study" / "results.json"
+BENCH_RECORDS = ROOT / "benchmarks" / "records"
 BLOCK = re.compile(r"(<!-- BEGIN generated: (?P<name>[a-z0-9-]+) -->\n)(?P<body>.*?)(<!-- END generated: (?P=name) -->)",
                    re.DOTALL)
 
@@ -182,6 +186,16 @@ def demo_machine(demo: Mapping[str, Any]) -> list[str]:
     return [f"Measured by `{demo['command']}` (seed {demo['settings'].get('seed', '?')}) on: {demo['machine']}."]
 
 
+def demo_stages(demo: Mapping[str, Any]) -> list[str]:
+    """The demo's wall time per stage, as its record holds it."""
+    stages = demo.get("stages", [])
+    if not stages:
+        return [_source(demo), "", "The demo's records hold no stage times."]
+    total = sum(seconds for _, seconds in stages)
+    rows = [[stage, f"{seconds:.1f}"] for stage, seconds in stages] + [["sum of the stages", f"**{total:.1f}**"]]
+    return ["", *demo_machine(demo), "", *_table(["stage", "seconds"], rows), ""]
+
+
 # where the docs build writes the demo's figures, relative to docs/ (the page is docs/results/demo.md)
 DEMO_PLOTS_DIR = "results/demo-plots"
 
@@ -255,6 +269,18 @@ def study(records: Mapping[str, Any] | None) -> list[str]:
     return lines
 
 
+def bench_record(record: Mapping[str, Any], name: str) -> list[str]:
+    """A benchmark record's tables, each under its title, after the command, date and machine."""
+    wall = f"; the run took {record['wall_s']:g} s wall" if record.get("wall_s") is not None else ""
+    libraries = ", ".join(f"{k} {v}" for k, v in record.get("versions", {}).items())
+    lines = ["", f"Generated from `benchmarks/records/{name}.json`: measured {record['measured']} by", "",
+             "```console", record["command"], "```", "",
+             f"Machine: {record['machine']}" + (f"; {libraries}" if libraries else "") + f"{wall}."]
+    for item in record["tables"]:
+        lines += ["", item["title"] + ":", "", *_table(item["header"], item["rows"])]
+    return lines + [""]
+
+
 def _load(path: pathlib.Path) -> dict[str, Any] | None:
     return json.loads(path.read_text(encoding="utf-8")) if path.exists() else None
 
@@ -273,8 +299,11 @@ def renderers(results: pathlib.Path = RESULTS) -> dict[str, Callable[[], list[st
         "demo-judge": lambda: demo_judge(demo()),
         "demo-search-analysis": lambda: demo_search_analysis(demo()),
         "demo-machine": lambda: demo_machine(demo()),
+        "demo-stages": lambda: demo_stages(demo()),
         "demo-plots": lambda: demo_plot_lines(demo()),
         "study": lambda: study(_load(results / "study" / "results.json")),
+        **{f"bench-{path.stem}": (lambda path=path: bench_record(_load(path), path.stem))
+           for path in sorted(BENCH_RECORDS.glob("*.json"))},
     }
 
 
@@ -292,10 +321,11 @@ def render_text(text: str, results: pathlib.Path = RESULTS) -> str:
 
 
 def pages(root: pathlib.Path = ROOT) -> list[pathlib.Path]:
-    """Every page that may hold generated blocks: README.md and the Markdown under docs/."""
-    return [root / "README.md", *sorted((root / "docs").rglob("*.md"))]
+    """Every page that may hold generated blocks: README.md, benchmarks/README.md and the Markdown
+    under docs/."""
+    return [root / "README.md", root / "benchmarks" / "README.md", *sorted((root / "docs").rglob("*.md"))]
 
 
-__all__ = ["BLOCK", "DEMO_PLOTS_DIR", "DEMO_RESULTS", "RESULTS", "STUDY_RESULTS", "demo_judge", "demo_machine",
-           "demo_plot_lines", "demo_plots", "demo_rewrite", "demo_search", "demo_search_analysis", "pages",
+__all__ = ["BENCH_RECORDS", "BLOCK", "bench_record", "DEMO_PLOTS_DIR", "DEMO_RESULTS", "RESULTS", "STUDY_RESULTS", "demo_judge", "demo_machine",
+           "demo_plot_lines", "demo_plots", "demo_rewrite", "demo_search", "demo_search_analysis", "demo_stages", "pages",
            "render_text", "renderers", "study"]
