@@ -89,7 +89,8 @@ BAND_ALARMS: tuple[Alarm, ...] = (
           message="reward_std={value:.4f} < {threshold}: rewards have (nearly) collapsed"),
     Alarm("reward_std_high", "reward_std", field="max_reward_std",
           meaning="the reward's scale is outside the band you set (off by default: the band is 1e9)",
-          action="check the reward weights (`reward.w_*`) and that every component stays in [0, 1]",
+          action="check the reward weights (`reward.w_retrieval`, `reward.w_rubric`, `reward.w_answer`) and that "
+                 "every component stays in [0, 1]",
           message="reward_std={value:.4f} > {threshold}: reward scale outside its band"),
     Alarm("kl_high", "kl", field="kl_target",
           meaning="the policy is drifting from the reference",
