@@ -129,3 +129,54 @@ def test_the_audit_catches_a_renamed_key_metric_and_flag(names):
     assert len(problems) == 3, problems
     assert "`retrieval.kind`" in problems[0]  # no config section is named `retrieval`: an override all the same
     assert "`rewards/judge_disagreement`" in problems[1] and "`--resume-from`" in problems[2]
+
+
+def _config_sections() -> dict[type, str]:
+    """Every config dataclass of the three processes that sits in a section, with its key prefix."""
+    import dataclasses
+    import typing
+
+    from calibrl.judge_server.config import JudgeServerConfig
+    from calibrl.retrieval_server.config import RetrievalServerConfig
+    from calibrl.trainer.config import TrainConfig
+
+    found: dict[type, str] = {}
+
+    def walk(cls: type, prefix: str) -> None:
+        if cls in found:
+            return
+        found[cls] = prefix
+        hints = typing.get_type_hints(cls)
+        for f in dataclasses.fields(cls):
+            for hint in (hints[f.name], *typing.get_args(hints[f.name])):
+                if dataclasses.is_dataclass(hint):
+                    walk(hint, f"{prefix}{f.name}.")
+
+    for root in (TrainConfig, RetrievalServerConfig, JudgeServerConfig):
+        walk(root, "")
+    return {cls: prefix for cls, prefix in found.items() if prefix}
+
+
+def bare_fields(cls: type) -> list[str]:
+    """`field=` of the class's own fields, without their section, in the class's refusals."""
+    import dataclasses
+    import inspect
+    import textwrap
+
+    fields = {f.name for f in dataclasses.fields(cls)}
+    found = []
+    for node in ast.walk(ast.parse(textwrap.dedent(inspect.getsource(cls)))):
+        if isinstance(node, ast.Raise) and node.exc is not None:
+            for c in ast.walk(node.exc):
+                if isinstance(c, ast.Constant) and isinstance(c.value, str):
+                    found += [m for m in re.findall(r"(?<![\w.])([a-z_][a-z_0-9]*)(?==)", c.value) if m in fields]
+    return found
+
+
+def test_a_section_s_refusals_name_its_keys_with_the_section():
+    """`reward.w_rubric=0.3`, the key a user writes, not `w_rubric=0.3`."""
+    sections = _config_sections()
+    assert len(sections) >= 10
+    problems = [f"{cls.__module__}.{cls.__name__}: `{name}=` should read `{prefix}{name}=`"
+                for cls, prefix in sections.items() for name in bare_fields(cls)]
+    assert not problems, "\n".join(problems)
