@@ -273,9 +273,9 @@ def bench_record(record: Mapping[str, Any], name: str) -> list[str]:
     """A benchmark record's tables, each under its title, after the command, date and machine."""
     wall = f"; the run took {record['wall_s']:g} s wall" if record.get("wall_s") is not None else ""
     libraries = ", ".join(f"{k} {v}" for k, v in record.get("versions", {}).items())
-    lines = ["", f"Generated from `benchmarks/records/{name}.json`: measured {record['measured']} by", "",
-             "```console", record["command"], "```", "",
-             f"Machine: {record['machine']}" + (f"; {libraries}" if libraries else "") + f"{wall}."]
+    lines = ["", "```console", record["command"], "```", "",
+             f"Machine: {record['machine']}" + (f"; {libraries}" if libraries else "") + f"{wall}. Generated from "
+             f"the record `benchmarks/records/{name}.json`, measured {record['measured']}."]
     for item in record["tables"]:
         lines += ["", item["title"] + ":", "", *_table(item["header"], item["rows"])]
     return lines + [""]

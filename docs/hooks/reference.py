@@ -460,8 +460,8 @@ def trainer_alarms_table() -> str:
 BENCHMARKS = ROOT / "benchmarks" / "README.md"
 # sections measured on the replaced search domain (dated so in benchmarks/README.md): not on the site
 BENCHMARKS_NOT_SHOWN = ("warm-start", "rl-budget", "study")
-# a block that tells measurement history (which run, which code, which working session) stays in
-# benchmarks/README.md: user docs speak about the product as it is
+# a block that tells measurement history (which run, which code, which working session) stays off the
+# site: user docs speak about the product as it is (history belongs in benchmarks/HISTORY.md)
 HISTORY = re.compile(r"\bsessions?\b|\bearlier\b|\bfirst run\b|\bcode before\b|\bbefore (?:the|this)\b"
                      r"|\(default before|\bold held-out\b|\bpreviously\b|\bissues? \d+"
                      r"|\b(?:commit|code at) [0-9a-f]{7}", re.I)
@@ -578,9 +578,10 @@ def benchmarks_page() -> str:
              "Speed and behaviour of the services and the trainer, measured by the scripts under `benchmarks/` "
              "of the repository on CPU machines shared with other jobs: compare figures as ratios within one "
              "table (its rows ran back to back), not across tables. Each table comes with the commands that "
-             "measured it (not run by the documentation tests: each takes minutes to hours) and the machine. "
-             "`benchmarks/README.md` discusses every figure and holds the tables not shown here (dated "
-             "measurements, and those of the replaced search domain). The demo and the search-agent study have "
+             "measured it (not run by the documentation tests: each takes minutes to hours) and the machine; "
+             "a table whose machine line names a record is rendered from the JSON record the script wrote "
+             "(`--record`, under `benchmarks/records/`). `benchmarks/README.md` discusses every figure and holds the tables of the "
+             "replaced search domain, not shown here. The demo and the search-agent study have "
              "their own pages: [Demo](demo.md), [Search-agent study](study.md)."]
     for _, blocks in benchmark_units(text):
         lines += [_site_text(b) for b in blocks]
