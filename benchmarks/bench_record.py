@@ -102,8 +102,9 @@ def tables_from_markdown(lines: Sequence[str]) -> list[dict[str, Any]]:
 
 
 def write_record(path: str | pathlib.Path, tables: Sequence[dict[str, Any]], *, libraries: Sequence[str] = (),
-                 argv: Sequence[str] | None = None) -> pathlib.Path:
-    """Write the record of this run to ``path`` (its command is the script's own command line)."""
+                 notes: Sequence[str] = (), argv: Sequence[str] | None = None) -> pathlib.Path:
+    """Write the record of this run to ``path`` (its command is the script's own command line);
+    ``notes``: lines the script printed with its tables (a verdict computed from them)."""
     argv = list(sys.argv if argv is None else argv)
     script = pathlib.Path(argv[0]).resolve()
     try:
@@ -118,6 +119,7 @@ def write_record(path: str | pathlib.Path, tables: Sequence[dict[str, Any]], *, 
         "wall_s": _wall_s(),
         "cpu_s": round(time.process_time(), 1),
         "tables": list(tables),
+        **({"notes": list(notes)} if notes else {}),
     }
     path = pathlib.Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -278,6 +278,8 @@ def bench_record(record: Mapping[str, Any], name: str) -> list[str]:
              f"the record `benchmarks/records/{name}.json`, measured {record['measured']}."]
     for item in record["tables"]:
         lines += ["", item["title"] + ":", "", *_table(item["header"], item["rows"])]
+    for note in record.get("notes", []):
+        lines += ["", note]
     return lines + [""]
 
 
