@@ -247,6 +247,9 @@ def main() -> int:
     parser.add_argument("--threads", default="1,2", help="CPU thread counts of the dense part")
     parser.add_argument("--repeats", type=int, default=3, help="interleaved rounds (the fastest kept)")
     parser.add_argument("--workdir", type=pathlib.Path, default=pathlib.Path("/tmp/calibrl-bench"))
+    parser.add_argument("--record", metavar="PATH",
+                        help="also write the tables as a JSON record (benchmarks/records/NAME.json: README block "
+                             "bench-NAME)")
     args = parser.parse_args()
     args.threads = [int(t) for t in args.threads.split(",")]
     parts = args.parts.split(",")
@@ -261,6 +264,11 @@ def main() -> int:
     if "rankings" in parts:
         lines += compare_rankings(args) + [""]
     print("\n".join(lines))
+    if args.record:
+        from bench_record import tables_from_markdown, write_record
+
+        write_record(args.record, tables_from_markdown(lines),
+                     libraries=("torch", "onnxruntime", "faiss-cpu", "bm25s", "sentence-transformers"))
     return 0
 
 

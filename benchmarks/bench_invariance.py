@@ -1,11 +1,11 @@
-"""What batch-invariant scoring costs, and which paths vary with the batch (issue 10).
+"""What batch-invariant scoring costs, and which paths vary with the batch.
 
 For each CPU backend, on the same inputs, in one run:
 
-- **batched (before)**: the way the services computed a batch before scores were made
+- **batched**: the way a service would compute a batch if scores were not
   batch-invariant (a padded batch through the encoder, several items per judge
   forward, one FAISS call or one torch product for every query);
-- **invariant (now)**: what the services run now (one text / one item per forward,
+- **invariant**: what the services run (one text / one item per forward,
   FAISS in chunks below its BLAS switch, torch in fixed 32-row blocks).
 
 ``--probe`` also counts, per path, how many rows of a mixed batch differ bitwise from
@@ -283,6 +283,9 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=4, help="layers of the tiny judge model")
     parser.add_argument("--repeats", type=int, default=3, help="runs per measurement (the fastest is kept)")
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads")
+    parser.add_argument("--record", metavar="PATH",
+                        help="also write the tables as a JSON record (benchmarks/records/NAME.json: README block "
+                             "bench-NAME)")
     args = parser.parse_args()
 
     import torch
@@ -295,15 +298,26 @@ def main() -> None:
     bench_transformers_judge(args, rows, probe)
     print(f"torch {torch.__version__}, {args.threads} thread(s), "
           f"ATEN_CPU_CAPABILITY={os.environ.get('ATEN_CPU_CAPABILITY', '(default)')}\n")
-    print("| backend | unit | batched (before) | invariant (now) | now / before |")
-    print("|---|---|---:|---:|---:|")
-    for name, unit, before, now in rows:
-        print(f"| {name} | {unit} | {before:,.0f} | {now:,.0f} | {now / before:.2f} |")
+    speed_header = ["backend", "unit", "batched", "invariant", "invariant / batched"]
+    speed_rows = [[name, unit, f"{batched:,.0f}", f"{invariant:,.0f}", f"{invariant / batched:.2f}"]
+                  for name, unit, batched, invariant in rows]
+    probe_header = ["path", "rows differing from alone", "of", "max abs difference"]
+    probe_rows = [[name, str(count), str(total), f"{largest:.1e}"] for name, count, largest, total in probe]
+    print("| " + " | ".join(speed_header) + " |\n|---|---|---:|---:|---:|")
+    print("\n".join("| " + " | ".join(row) + " |" for row in speed_rows))
     if probe:
-        print("\n| path | rows differing from alone | of | max abs difference |")
-        print("|---|---:|---:|---:|")
-        for name, count, largest, total in probe:
-            print(f"| {name} | {count} | {total} | {largest:.1e} |")
+        print("\n| " + " | ".join(probe_header) + " |\n|---|---:|---:|---:|")
+        print("\n".join("| " + " | ".join(row) + " |" for row in probe_rows))
+    if args.record:
+        from bench_record import table, write_record
+
+        tables = [table(f"Throughput, the fastest of {args.repeats} run(s), {args.threads} torch thread(s): each "
+                        "backend batched as one call and invariant (each input alone, FAISS in chunks, torch in "
+                        "32-row blocks)", speed_header, speed_rows)]
+        if probe:
+            tables.append(table("Rows of a batch that are not bitwise equal to the same input computed alone",
+                                probe_header, probe_rows))
+        write_record(args.record, tables, libraries=("torch", "onnxruntime", "faiss-cpu", "transformers"))
 
 
 if __name__ == "__main__":

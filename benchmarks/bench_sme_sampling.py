@@ -27,6 +27,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--budgets", default="5,8,10,15,20,30,45,60,90,120,160",
                         help="comma-separated review budgets")
     parser.add_argument("--out", default="", help="folder for study.json and the plot (default: a temp folder)")
+    parser.add_argument("--record", metavar="PATH",
+                        help="also write the table as a JSON record (benchmarks/records/NAME.json: README block "
+                             "bench-NAME)")
     args = parser.parse_args(argv)
 
     from calibrl.demo.domain import generate_domain
@@ -57,6 +60,13 @@ def main(argv: list[str] | None = None) -> int:
     print(f"outcome mix of the pool: " + ", ".join(
         f"{k} {v}" for k, v in sorted(__import__("collections").Counter(i.outcome for i in pool).items())))
     print(f"wrote {out / 'study.json'} and {out / 'sme_kappa_vs_reviews.png'} in {time.perf_counter() - started:.0f}s")
+    if args.record:
+        from bench_record import tables_from_markdown, write_record
+
+        title = ("Validation kappa on the golden set of a rubric distilled from each budget of reviews, "
+                 "representative (calibrl sme sample) vs random sampling")
+        write_record(args.record, tables_from_markdown([title, *result.table().splitlines()]), notes=[result.verdict()],
+                     argv=[__file__, *(sys.argv[1:] if argv is None else argv)])
     return 0
 
 

@@ -51,15 +51,17 @@ class TelemetryConfig:
 
     def validate(self) -> None:
         if self.export_interval_s <= 0:
-            raise ConfigError(f"telemetry.export_interval_s={self.export_interval_s}: must be > 0")
+            raise ConfigError(f"serving.telemetry.export_interval_s={self.export_interval_s}: must be > 0")
         if self.otlp_endpoint and not self.enabled:
-            raise ConfigError("telemetry.otlp_endpoint is set but telemetry.enabled=false: set enabled=true")
+            raise ConfigError("serving.telemetry.otlp_endpoint is set but serving.telemetry.enabled=false: "
+                              "set serving.telemetry.enabled=true")
         if not 0 <= self.prometheus_port <= 65535:
-            raise ConfigError(f"telemetry.prometheus_port={self.prometheus_port}: must be in 1..65535 (0: off)")
+            raise ConfigError(f"serving.telemetry.prometheus_port={self.prometheus_port}: must be in 1..65535 (0: off)")
         if self.prometheus_port and not self.enabled:
-            raise ConfigError("telemetry.prometheus_port is set but telemetry.enabled=false: set enabled=true")
+            raise ConfigError("serving.telemetry.prometheus_port is set but serving.telemetry.enabled=false: "
+                              "set serving.telemetry.enabled=true")
         if self.prometheus_port and not self.prometheus_host.strip():
-            raise ConfigError("telemetry.prometheus_host is empty: give an address, e.g. 0.0.0.0")
+            raise ConfigError("serving.telemetry.prometheus_host is empty: give an address, e.g. 0.0.0.0")
 
 
 # Latency buckets in seconds (the SDK default, 0..10000, suits milliseconds) and
@@ -255,7 +257,7 @@ def _start_prometheus(config: TelemetryConfig) -> Any:
         server, _thread = start_http_server(config.prometheus_port, addr=config.prometheus_host, registry=registry)
     except OSError as exc:
         raise ConfigError(
-            f"telemetry.prometheus_port={config.prometheus_port}: cannot listen on "
+            f"serving.telemetry.prometheus_port={config.prometheus_port}: cannot listen on "
             f"{config.prometheus_host}:{config.prometheus_port} ({exc.strerror or exc})"
         ) from None
     _state.prometheus_server = server

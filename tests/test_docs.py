@@ -287,6 +287,15 @@ def test_mkdocs_build_strict(built_site):
     # a skipped snippet's reason is shown on the built page
     html = (built_site / "guides" / "vllm-judge" / "index.html").read_text(encoding="utf-8")
     assert "Not run by the documentation tests" in html and "needs a GPU, vLLM and a judge model folder" in html
+    # the demo page's figures are drawn at build time, and every image it shows is there
+    demo = built_site / "results" / "demo" / "index.html"
+    images = re.findall(r'<img[^>]* src="([^"]+)"', demo.read_text(encoding="utf-8"))
+    assert len(images) >= 2, images
+    for image in images:
+        assert (demo.parent / image).resolve().is_file(), image
+    # the alarms table is filled from calibrl.trainer.alarms
+    signals = (built_site / "concepts" / "training-signals" / "index.html").read_text(encoding="utf-8")
+    assert "<code>update_skipped</code>" in signals and "generated: trainer-alarms" not in signals
 
 
 def test_every_page_is_in_the_nav():
@@ -552,3 +561,17 @@ def test_prose_names_config_keys_and_metrics_that_exist():
                     and not FILE_NAME.fullmatch(token) and not metrics_catalog.documented(token)):
                 problems.append(f"{page_name(path)}: `{token}` is no trainer metric")
     assert not problems, "\n".join(problems)
+
+
+def test_every_benchmark_table_of_a_shown_section_is_on_the_site():
+    """No table of benchmarks/README.md is kept off the site by a caption that tells history:
+    measurement history lives in benchmarks/HISTORY.md."""
+    hook = _hook()
+    source = (ROOT / "benchmarks" / "README.md").read_text(encoding="utf-8")
+    every = [b for name, blocks in hook.benchmark_sections(source) if name not in hook.BENCHMARKS_NOT_SHOWN
+             for b in blocks if b[0].startswith("|")]
+    assert len(hook.benchmark_tables(source)) == len(every)
+    page = hook.benchmarks_page()
+    assert "bench_encoders.py --parts bm25 --repeats 5 --record benchmarks/records/encoders-bm25.json" in page
+    assert "| stage | seconds |" in page  # the demo's stage times, from results/demo/results.json
+    assert (ROOT / "benchmarks" / "HISTORY.md").is_file()

@@ -150,7 +150,7 @@ async def test_the_listener_closes_with_telemetry_and_a_taken_port_is_a_clear_er
 @pytest.mark.parametrize(
     ("overrides", "message"),
     [
-        (["serving.telemetry.prometheus_port=9464"], "prometheus_port is set but telemetry.enabled=false"),
+        (["serving.telemetry.prometheus_port=9464"], "serving.telemetry.prometheus_port is set but serving.telemetry.enabled=false"),
         (["serving.telemetry.enabled=true", "serving.telemetry.prometheus_port=70000"],
          r"prometheus_port=70000: must be in 1..65535"),
         (["serving.telemetry.enabled=true", "serving.telemetry.prometheus_port=9464",

@@ -109,3 +109,101 @@ def test_an_unknown_block_or_missing_records_fail_loudly(tmp_path: pathlib.Path)
         rt.render_text("<!-- BEGIN generated: demo-nothing -->\n<!-- END generated: demo-nothing -->", tmp_path)
     with pytest.raises(FileNotFoundError, match="no committed demo records"):
         rt.render_text("<!-- BEGIN generated: demo-search -->\n<!-- END generated: demo-search -->", tmp_path)
+
+
+# --------------------------------------------------------------------------- the demo page's machine and plots
+
+DEMO_PAGE = ROOT / "docs" / "results" / "demo.md"
+
+
+def _docs_hook():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("docs_reference_hook", ROOT / "docs" / "hooks" / "reference.py")
+    hook = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(hook)
+    return hook
+
+
+def test_the_demo_page_names_the_machine_of_its_record() -> None:
+    record = json.loads(rt.DEMO_RESULTS.read_text(encoding="utf-8"))
+    page = DEMO_PAGE.read_text(encoding="utf-8")
+    [block] = [m.group("body") for m in rt.BLOCK.finditer(page) if m.group("name") == "demo-machine"]
+    assert record["machine"] and record["machine"] in block
+    assert "CPU cores" in record["machine"] and "load average" in record["machine"]
+
+
+def test_every_image_of_the_demo_page_is_drawn_from_the_records() -> None:
+    import posixpath
+    import re
+
+    page = DEMO_PAGE.read_text(encoding="utf-8")
+    images = re.findall(r"!\[[^\]]*\]\(([^)]+)\)", page)
+    assert len(images) >= 2, images  # the held-out curves of the rewriter and of the search agent
+    files = _docs_hook().demo_plot_files()
+    for image in images:
+        uri = posixpath.normpath(posixpath.join("results", image))
+        assert uri in files, f"{image}: the docs build draws no such figure (it draws {sorted(files)})"
+        assert files[uri].startswith(b"\x89PNG\r\n\x1a\n"), uri
+    # no figure is committed: every one comes from the record at build time
+    assert not list((ROOT / "docs").rglob("*.png"))
+
+
+def test_demo_plots_draw_the_step_series_a_record_holds(tmp_path) -> None:
+    demo = _demo_records()
+    demo["machine"] = "Linux x86_64, 2 CPU cores, no GPU, load average 1.0 at the start"
+    demo["rewrite"][2].update(heldout_curve=[[0, 0.3], [10, 0.5]],
+                              step_series={"reward": [[1, 0.1], [2, 0.4]], "kl": [[1, 0.0], [2, 0.01]]})
+    plots = rt.demo_plots(demo, tmp_path)
+    names = [path.name for _, path in plots]
+    assert names == ["rewrite_reward.png", "rewrite_kl.png", "rewrite_heldout_hit.png"]
+    assert all(path.read_bytes().startswith(b"\x89PNG") for _, path in plots)
+    assert rt.demo_machine(demo) == [f"Measured by `calibrl demo` (seed 0) on: {demo['machine']}."]
+    assert "![Rewriter: held-out hit@1 over training](demo-plots/rewrite_heldout_hit.png)" in rt.demo_plot_lines(demo)
+
+
+# --------------------------------------------------------------------------- benchmark records
+
+def _bench_record_module():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("bench_record", ROOT / "benchmarks" / "bench_record.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_every_benchmark_record_is_shown_and_holds_what_a_script_wrote() -> None:
+    records = sorted(rt.BENCH_RECORDS.glob("*.json"))
+    assert len(records) >= 2, records
+    readme = (ROOT / "benchmarks" / "README.md").read_text(encoding="utf-8")
+    shown = {m.group("name") for m in rt.BLOCK.finditer(readme)}
+    for path in records:
+        record = json.loads(path.read_text(encoding="utf-8"))
+        assert f"bench-{path.stem}" in shown, f"{path.name}: no `bench-{path.stem}` block in benchmarks/README.md"
+        assert record["command"].startswith("python benchmarks/") and f"--record benchmarks/records/{path.name}" in \
+            record["command"], record["command"]
+        assert "CPU cores" in record["machine"] and "load average" in record["machine"]
+        script = ROOT / record["command"].split()[1]
+        assert "--record" in script.read_text(encoding="utf-8"), script
+        for table in record["tables"]:
+            assert table["title"] and table["rows"]
+            assert all(len(row) == len(table["header"]) for row in table["rows"]), table["title"]
+    # the README's block is the record, cell for cell
+    encoders = json.loads((rt.BENCH_RECORDS / "encoders-bm25.json").read_text(encoding="utf-8"))
+    assert "| " + " | ".join(encoders["tables"][0]["rows"][0]) + " |" in readme
+
+
+def test_a_printed_markdown_table_becomes_a_record_table(tmp_path) -> None:
+    bench_record = _bench_record_module()
+    lines = ["BM25, top 10 (queries/s):", "", "| a | b |", "| --- | ---: |", "| 1 | 2.5x |", "",
+             "Second:", "| c |", "|---|", "| 3 |"]
+    tables = bench_record.tables_from_markdown(lines)
+    assert tables == [{"title": "BM25, top 10 (queries/s)", "header": ["a", "b"], "rows": [["1", "2.5x"]]},
+                      {"title": "Second", "header": ["c"], "rows": [["3"]]}]
+    path = bench_record.write_record(tmp_path / "x.json", tables, argv=[str(ROOT / "benchmarks" / "bench_x.py"), "--n",
+                                                                        "2"])
+    record = json.loads(path.read_text(encoding="utf-8"))
+    assert record["command"] == "python benchmarks/bench_x.py --n 2" and record["tables"] == tables
+    lines = rt.bench_record(record, "x")
+    assert "| 1 | 2.5x |" in lines and "python benchmarks/bench_x.py --n 2" in lines

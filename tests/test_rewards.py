@@ -257,7 +257,7 @@ async def test_search_reward_blend_and_binary(retriever, judge):
 
 
 def test_config_is_checked_with_actionable_messages(tmp_path):
-    with pytest.raises(ConfigError, match="rubric_id is empty but w_rubric=0.3"):
+    with pytest.raises(ConfigError, match="reward.rubric_id is empty but reward.w_rubric=0.3"):
         RewardConfig().validate()
     with pytest.raises(ConfigError, match="w_retrieval=-0.1: must be a finite number >= 0"):
         RewardConfig(rubric_id="r", w_retrieval=-0.1).validate()

@@ -416,7 +416,8 @@ class OptimizerConfig:
         if len(self.betas) != 2 or not all(0.0 <= b < 1.0 for b in self.betas):
             raise ConfigError(f"optimizer.betas={self.betas}: need two numbers in [0, 1), e.g. [0.9, 0.999]")
         if self.eps <= 0 or self.weight_decay < 0:
-            raise ConfigError(f"optimizer.eps={self.eps}, weight_decay={self.weight_decay}: need eps > 0, decay >= 0")
+            raise ConfigError(f"optimizer.eps={self.eps}, optimizer.weight_decay={self.weight_decay}: need eps > 0, "
+                              "weight_decay >= 0")
         if self.warmup_steps < 0:
             raise ConfigError(f"optimizer.warmup_steps={self.warmup_steps}: must be >= 0")
         if not 0.0 <= self.min_lr_ratio <= 1.0:
@@ -542,7 +543,7 @@ class TrainConfig:
         if self.services.judge == NO_JUDGE and (self.reward.uses_rubric_for_rewrites or self.reward.uses_rubric_for_search):
             raise ConfigError(
                 f"services.judge=none but reward.w_rubric={self.reward.w_rubric} / "
-                f"search_w_rubric={self.reward.search_w_rubric} need a judge: give a judge target, or set the "
+                f"reward.search_w_rubric={self.reward.search_w_rubric} need a judge: give a judge target, or set the "
                 "rubric weights to 0 (or reward.binary_only=true)"
             )
         if self.rollout.dynamic_sampling and self.rollout.off_policy_steps:

@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Iterable, Mapping, Sequence
 from calibrl import tracking
 from calibrl.config import option
 from calibrl.errors import ConfigError
+from calibrl.trainer.alarms import BAND_ALARMS
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
@@ -104,7 +105,8 @@ def judge_retrieval_disagreement(breakdowns: Sequence["RewardBreakdown"], rubric
 
 @dataclass
 class HealthConfig:
-    """Healthy bands of the stability signals; leaving one logs a warning."""
+    """Healthy bands of the stability signals; leaving one logs a warning (the band alarms of
+    ``calibrl.trainer.alarms``)."""
 
     max_frac_reward_zero_std: float = option(
         0.6, "Warn when more than this fraction of groups have zero reward variance (no signal)."
@@ -141,33 +143,13 @@ class HealthConfig:
 
 
 def health_warnings(metrics: Mapping[str, float], bands: HealthConfig) -> list[str]:
-    """One message per signal that left its healthy band this step."""
+    """One message per signal that left its healthy band this step: the band alarms of
+    ``calibrl.trainer.alarms.BAND_ALARMS``, in their order."""
     warnings: list[str] = []
-    frac = metrics.get("frac_reward_zero_std")
-    if frac is not None and frac > bands.max_frac_reward_zero_std:
-        warnings.append(
-            f"frac_reward_zero_std={frac:.3f} > {bands.max_frac_reward_zero_std}: most groups carry no "
-            "learning signal; use a denser reward (retrieval.kind=dense, rubric weight) or larger groups"
-        )
-    std = metrics.get("reward_std")
-    if std is not None and std < bands.min_reward_std:
-        warnings.append(f"reward_std={std:.4f} < {bands.min_reward_std}: rewards have (nearly) collapsed")
-    if std is not None and std > bands.max_reward_std:
-        warnings.append(f"reward_std={std:.4f} > {bands.max_reward_std}: reward scale outside its band")
-    kl = metrics.get("kl")
-    if kl is not None and kl > bands.kl_target:
-        warnings.append(f"kl={kl:.4f} > kl_target={bands.kl_target}: the policy is drifting from the reference")
-    grad_norm = metrics.get("grad_norm")
-    if grad_norm is not None and (not math.isfinite(grad_norm) or grad_norm > bands.max_grad_norm_warn):
-        warnings.append(f"grad_norm={grad_norm:.3g} > {bands.max_grad_norm_warn}: unstable update")
-    disagreement = metrics.get("rewards/judge_retrieval_disagreement")
-    if disagreement is not None and disagreement > bands.max_judge_retrieval_disagreement:
-        warnings.append(
-            f"rewards/judge_retrieval_disagreement={disagreement:.3f} > {bands.max_judge_retrieval_disagreement} "
-            f"(judge high, retrieval miss {metrics.get('rewards/judge_high_retrieval_miss', 0.0):.3f}; retrieval "
-            f"hit, judge low {metrics.get('rewards/judge_low_retrieval_hit', 0.0):.3f}): the rubric and retrieval "
-            "reward different rewrites; check the judge against its golden set before trusting the rubric weight"
-        )
+    for alarm in BAND_ALARMS:
+        value = metrics.get(alarm.metric)
+        if value is not None and alarm.fires(value, bands):
+            warnings.append(alarm.warning(value, bands, metrics))
     return warnings
 
 

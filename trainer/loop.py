@@ -73,6 +73,7 @@ from typing import TYPE_CHECKING, Any, Callable, Coroutine, NoReturn
 
 from calibrl.errors import CalibrlError, RewardError
 from calibrl.trainer import checkpoint as ckpt
+from calibrl.trainer.alarms import SKIPPED_UPDATE
 from calibrl.trainer import distributed as dist_util
 from calibrl.trainer.aio import BackgroundLoop
 from calibrl.trainer.clients import JudgeClient, RetrievalClient
@@ -264,8 +265,7 @@ class _Loop:
         result = self.updater.apply(training, early)
         if not result.stepped:
             state.skipped_updates += 1
-            log.warning("step %d: grad_norm=%s is not finite: update skipped, weights unchanged", step,
-                        result.metrics["grad_norm"])
+            log.warning("step %d: %s", step, SKIPPED_UPDATE.warning(result.metrics["grad_norm"], None, {}))
         run.engine.update_weights(run.policy.model)
         state.step = step
         self.pipeline.keep(rollouts.upcoming)

@@ -158,8 +158,8 @@ class RewardConfig:
             )
         if not self.binary_only and (self.w_rubric > 0 or self.search_w_rubric > 0) and not self.rubric_id.strip():
             raise ConfigError(
-                f"reward.rubric_id is empty but w_rubric={self.w_rubric}, search_w_rubric={self.search_w_rubric}: "
-                "set rubric_id to a rubric the judge serves, or set the rubric weights to 0"
+                f"reward.rubric_id is empty but reward.w_rubric={self.w_rubric}, reward.search_w_rubric="
+                f"{self.search_w_rubric}: set reward.rubric_id to a rubric the judge serves, or set the rubric weights to 0"
             )
         if self.scores_steps and self.step_w_retrieval + self.step_w_rubric <= 0:
             raise ConfigError(
@@ -168,8 +168,8 @@ class RewardConfig:
             )
         if self.uses_rubric_for_steps and not self.step_rubric_id.strip():
             raise ConfigError(
-                f"reward.step_rubric_id is empty but step_w_rubric={self.step_w_rubric}: set it to the search-step "
-                "rubric the judge serves (search-steps), or set step_w_rubric to 0"
+                f"reward.step_rubric_id is empty but reward.step_w_rubric={self.step_w_rubric}: set it to the "
+                "search-step rubric the judge serves (search-steps), or set reward.step_w_rubric to 0"
             )
         if self.top_k < 1:
             raise ConfigError(f"reward.top_k={self.top_k}: must be >= 1")

@@ -359,6 +359,9 @@ def _results_json(report: DemoReport) -> dict[str, Any]:
             "heldout": run.heldout,
             "heldout_curve": [list(p) for p in run.heldout_curve],
             "steps": len(run.steps),
+            # the per-step curves the report plots (STEP_PLOTS), so the docs can draw them from this record
+            "step_series": {key: [[r["step"], float(r[key])] for r in run.steps if _is_number(r.get(key))]
+                            for key, _, _ in STEP_PLOTS if any(_is_number(r.get(key)) for r in run.steps)},
             "mean_frac_reward_zero_std": _json_safe(run.mean_of("frac_reward_zero_std")),
             "final_reward": _json_safe(run.mean_of("reward", 10)),
             "wall_s": round(run.wall_s, 2),

@@ -19,7 +19,15 @@ differs from what the records give. Blocks:
 - ``demo-rewrite``: the query rewriters, each comparison with its (product, topic)-clustered
   interval, worded by it;
 - ``demo-judge``: the judges' agreement with the SME golden set and the gate's decision;
-- ``study``: the study's arms over seeds (or a line saying no study records are committed).
+- ``demo-machine``: the command, the seed and the machine line (CPU, cores, kernels, load) the
+  demo recorded;
+- ``demo-stages``: the demo's wall time per stage, with its machine line;
+- ``demo-plots``: the demo's figures, drawn from the records by :func:`demo_plots` (the held-out
+  curves of every arm, and the per-step curves where the record holds them); the docs build
+  (docs/hooks/reference.py) writes the PNG files beside the page, so no figure is committed;
+- ``study``: the study's arms over seeds (or a line saying no study records are committed);
+- ``bench-NAME``: the tables of the benchmark record ``benchmarks/records/NAME.json`` (written by a
+  benchmark script's ``--record``; benchmarks/bench_record.py), with its command, date and machine.
 """
 
 from __future__ import annotations
@@ -34,6 +42,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 RESULTS = ROOT / "results"
 DEMO_RESULTS = RESULTS / "demo" / "results.json"
 STUDY_RESULTS = RESULTS / "study" / "results.json"
+BENCH_RECORDS = ROOT / "benchmarks" / "records"
 BLOCK = re.compile(r"(<!-- BEGIN generated: (?P<name>[a-z0-9-]+) -->\n)(?P<body>.*?)(<!-- END generated: (?P=name) -->)",
                    re.DOTALL)
 
@@ -173,6 +182,75 @@ def demo_judge(demo: Mapping[str, Any]) -> list[str]:
     return lines
 
 
+def demo_machine(demo: Mapping[str, Any]) -> list[str]:
+    return [f"Measured by `{demo['command']}` (seed {demo['settings'].get('seed', '?')}) on: {demo['machine']}."]
+
+
+def demo_stages(demo: Mapping[str, Any]) -> list[str]:
+    """The demo's wall time per stage, as its record holds it."""
+    stages = demo.get("stages", [])
+    if not stages:
+        return [_source(demo), "", "The demo's records hold no stage times."]
+    total = sum(seconds for _, seconds in stages)
+    rows = [[stage, f"{seconds:.1f}"] for stage, seconds in stages] + [["sum of the stages", f"**{total:.1f}**"]]
+    return ["", *demo_machine(demo), "", *_table(["stage", "seconds"], rows), ""]
+
+
+# where the docs build writes the demo's figures, relative to docs/ (the page is docs/results/demo.md)
+DEMO_PLOTS_DIR = "results/demo-plots"
+
+
+def _run_results(runs: list[Mapping[str, Any]], kind: str) -> list[Any]:
+    """The report's RunResult of each run record: held-out figures and curve, and the per-step
+    series the record holds (``step_series``: metric -> [[step, value], ...])."""
+    from calibrl.demo.report import RunResult
+
+    results = []
+    for run in runs:
+        steps: dict[int, dict[str, Any]] = {}
+        for key, points in run.get("step_series", {}).items():
+            for step, value in points:
+                steps.setdefault(int(step), {"step": int(step)})[key] = value
+        results.append(RunResult(name=run["name"], label=run["label"], kind=kind, heldout=run["heldout"],
+                                 steps=[steps[s] for s in sorted(steps)],
+                                 heldout_curve=[(int(s), float(v)) for s, v in run.get("heldout_curve", [])]))
+    return results
+
+
+def demo_plots(demo: Mapping[str, Any], folder: pathlib.Path) -> list[tuple[str, pathlib.Path]]:
+    """Draw the demo's figures from its records into ``folder``: (caption, PNG path) of each,
+    with the report's own plot functions (calibrl.demo.report)."""
+    from calibrl.demo.report import STEP_PLOTS, plot_heldout, plot_step_metric
+
+    folder.mkdir(parents=True, exist_ok=True)
+    plots = []
+    for kind, title, metric, primary in (("rewrite", "Rewriter", f"hit@{demo['top_k']}", "hit"),
+                                         ("search", "Search agent", "answer F1", "f1")):
+        runs = _run_results(demo.get(kind, []), kind)
+        trained = [r for r in runs if r.trained]
+        for key, what, stem in STEP_PLOTS:
+            path = plot_step_metric(trained, key, f"{title}: {what}", folder / f"{kind}_{stem}.png")
+            if path:
+                plots.append((f"{title}: {what}", path))
+        path = plot_heldout(runs, metric, folder / f"{kind}_heldout_{primary}.png")
+        if path:
+            plots.append((f"{title}: held-out {metric} over training", path))
+    return plots
+
+
+def demo_plot_lines(demo: Mapping[str, Any]) -> list[str]:
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as scratch:
+        plots = demo_plots(demo, pathlib.Path(scratch))
+    if not plots:
+        return [_source(demo), "", "The demo's records hold no curve to draw."]
+    lines = [_source(demo) + " The figures are drawn from the same records when the site is built.", ""]
+    for caption, path in plots:
+        lines += [f"![{caption}](demo-plots/{path.name})", ""]
+    return lines[:-1]
+
+
 def study(records: Mapping[str, Any] | None) -> list[str]:
     if records is None:
         return ["No study records are committed yet: `calibrl study` writes them (`results.json`), and "
@@ -189,6 +267,20 @@ def study(records: Mapping[str, Any] | None) -> list[str]:
         lines += [f"{setting} setting, answer F1 differences (points):", "",
                   *_table(["a - b", "[95% CI over questions]", "[95% CI over seeds, then questions]"], rows), ""]
     return lines
+
+
+def bench_record(record: Mapping[str, Any], name: str) -> list[str]:
+    """A benchmark record's tables, each under its title, after the command, date and machine."""
+    wall = f"; the run took {record['wall_s']:g} s wall" if record.get("wall_s") is not None else ""
+    libraries = ", ".join(f"{k} {v}" for k, v in record.get("versions", {}).items())
+    lines = ["", "```console", record["command"], "```", "",
+             f"Machine: {record['machine']}" + (f"; {libraries}" if libraries else "") + f"{wall}. Generated from "
+             f"the record `benchmarks/records/{name}.json`, measured {record['measured']}."]
+    for item in record["tables"]:
+        lines += ["", item["title"] + ":", "", *_table(item["header"], item["rows"])]
+    for note in record.get("notes", []):
+        lines += ["", note]
+    return lines + [""]
 
 
 def _load(path: pathlib.Path) -> dict[str, Any] | None:
@@ -208,7 +300,12 @@ def renderers(results: pathlib.Path = RESULTS) -> dict[str, Callable[[], list[st
         "demo-rewrite": lambda: demo_rewrite(demo()),
         "demo-judge": lambda: demo_judge(demo()),
         "demo-search-analysis": lambda: demo_search_analysis(demo()),
+        "demo-machine": lambda: demo_machine(demo()),
+        "demo-stages": lambda: demo_stages(demo()),
+        "demo-plots": lambda: demo_plot_lines(demo()),
         "study": lambda: study(_load(results / "study" / "results.json")),
+        **{f"bench-{path.stem}": (lambda path=path: bench_record(_load(path), path.stem))
+           for path in sorted(BENCH_RECORDS.glob("*.json"))},
     }
 
 
@@ -226,10 +323,11 @@ def render_text(text: str, results: pathlib.Path = RESULTS) -> str:
 
 
 def pages(root: pathlib.Path = ROOT) -> list[pathlib.Path]:
-    """Every page that may hold generated blocks: README.md and the Markdown under docs/."""
-    return [root / "README.md", *sorted((root / "docs").rglob("*.md"))]
+    """Every page that may hold generated blocks: README.md, benchmarks/README.md and the Markdown
+    under docs/."""
+    return [root / "README.md", root / "benchmarks" / "README.md", *sorted((root / "docs").rglob("*.md"))]
 
 
-__all__ = ["BLOCK", "DEMO_RESULTS", "RESULTS", "STUDY_RESULTS", "demo_judge", "demo_rewrite", "demo_search",
-           "demo_search_analysis", "pages",
+__all__ = ["BENCH_RECORDS", "BLOCK", "bench_record", "DEMO_PLOTS_DIR", "DEMO_RESULTS", "RESULTS", "STUDY_RESULTS", "demo_judge", "demo_machine",
+           "demo_plot_lines", "demo_plots", "demo_rewrite", "demo_search", "demo_search_analysis", "demo_stages", "pages",
            "render_text", "renderers", "study"]

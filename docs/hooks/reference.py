@@ -11,6 +11,9 @@ Each page is built from the one source of truth of its facts:
 - results/benchmarks.md the benchmark tables of benchmarks/README.md, with their commands and machines
 - reference/metrics.md the trainer's step metrics (calibrl.trainer.metrics_catalog, checked against the
                        trainer's source by tests/test_metrics_catalog.py)
+- results/demo-plots/*.png the demo page's figures, drawn from results/demo/results.json
+- the alarms table of concepts/training-signals.md (the `<!-- generated: trainer-alarms -->` line):
+                       calibrl.trainer.alarms, the list the trainer raises its warnings from
 
 The functions return Markdown text; tests/test_docs.py calls them directly too.
 """
@@ -433,13 +436,32 @@ def trainer_metrics_reference() -> str:
     return "\n".join(lines)
 
 
+# ---------------------------------------------------------------- trainer alarms
+
+ALARMS_MARKER = "<!-- generated: trainer-alarms -->"
+
+
+def trainer_alarms_table() -> str:
+    """The table of every alarm of calibrl.trainer.alarms: when it fires (with the default of its
+    threshold), what it means, what to try."""
+    from calibrl.trainer.alarms import ALARMS
+    from calibrl.trainer.diagnostics import HealthConfig
+
+    defaults = HealthConfig()
+    lines = [GENERATED_NOTE.format(source="calibrl/trainer/alarms.py").rstrip(), "",
+             "| alarm | fires when | what it means | what to try |", "| --- | --- | --- | --- |"]
+    for alarm in ALARMS:
+        lines.append(f"| `{alarm.name}` | {_cell(alarm.when(defaults))} | {_cell(alarm.meaning)} | {_cell(alarm.action)} |")
+    return "\n".join(lines) + "\n"
+
+
 # ---------------------------------------------------------------- benchmarks
 
 BENCHMARKS = ROOT / "benchmarks" / "README.md"
 # sections measured on the replaced search domain (dated so in benchmarks/README.md): not on the site
 BENCHMARKS_NOT_SHOWN = ("warm-start", "rl-budget", "study")
-# a block that tells measurement history (which run, which code, which working session) stays in
-# benchmarks/README.md: user docs speak about the product as it is
+# a block that tells measurement history (which run, which code, which working session) stays off the
+# site: user docs speak about the product as it is (history belongs in benchmarks/HISTORY.md)
 HISTORY = re.compile(r"\bsessions?\b|\bearlier\b|\bfirst run\b|\bcode before\b|\bbefore (?:the|this)\b"
                      r"|\(default before|\bold held-out\b|\bpreviously\b|\bissues? \d+"
                      r"|\b(?:commit|code at) [0-9a-f]{7}", re.I)
@@ -556,9 +578,10 @@ def benchmarks_page() -> str:
              "Speed and behaviour of the services and the trainer, measured by the scripts under `benchmarks/` "
              "of the repository on CPU machines shared with other jobs: compare figures as ratios within one "
              "table (its rows ran back to back), not across tables. Each table comes with the commands that "
-             "measured it (not run by the documentation tests: each takes minutes to hours) and the machine. "
-             "`benchmarks/README.md` discusses every figure and holds the tables not shown here (dated "
-             "measurements, and those of the replaced search domain). The demo and the search-agent study have "
+             "measured it (not run by the documentation tests: each takes minutes to hours) and the machine; "
+             "a table whose machine line names a record is rendered from the JSON record the script wrote "
+             "(`--record`, under `benchmarks/records/`). `benchmarks/README.md` discusses every figure and holds the tables of the "
+             "replaced search domain, not shown here. The demo and the search-agent study have "
              "their own pages: [Demo](demo.md), [Search-agent study](study.md)."]
     for _, blocks in benchmark_units(text):
         lines += [_site_text(b) for b in blocks]
@@ -614,8 +637,11 @@ SKIP_MARKER = re.compile(r"^<!--\s*skip:\s*(.+?)\s*-->[ \t]*$", re.M)
 
 
 def on_page_markdown(markdown: str, page: Any, config: Any, files: Any) -> str:
-    """Show why a snippet is not run by the docs tests: the `<!-- skip: reason -->` line before
+    """Fill the alarms table (ALARMS_MARKER) from calibrl.trainer.alarms, and show why a snippet
+    is not run by the docs tests: the `<!-- skip: reason -->` line before
     its fence (which tests/test_docs.py reads) gets a visible note above it."""
+    if ALARMS_MARKER in markdown:
+        markdown = markdown.replace(ALARMS_MARKER, trainer_alarms_table())
     return SKIP_MARKER.sub(lambda m: f'!!! note "Not run by the documentation tests"\n    {m.group(1)}\n\n{m.group(0)}',
                            markdown)
 
@@ -625,4 +651,21 @@ def on_files(files: Any, config: Any) -> Any:
 
     for uri, build in PAGES.items():
         files.append(File.generated(config, uri, content=build()))
+    for uri, content in demo_plot_files().items():
+        files.append(File.generated(config, uri, content=content))
     return files
+
+
+def demo_plot_files() -> dict[str, bytes]:
+    """The demo page's figures (the `demo-plots` block of results/demo.md), drawn from
+    results/demo/results.json with the demo report's plot code: site path -> PNG bytes."""
+    import json
+    import tempfile
+
+    from calibrl.demo.results_tables import DEMO_PLOTS_DIR, DEMO_RESULTS, demo_plots
+
+    if not DEMO_RESULTS.exists():
+        return {}
+    demo = json.loads(DEMO_RESULTS.read_text(encoding="utf-8"))
+    with tempfile.TemporaryDirectory() as scratch:
+        return {f"{DEMO_PLOTS_DIR}/{path.name}": path.read_bytes() for _, path in demo_plots(demo, pathlib.Path(scratch))}
