@@ -484,6 +484,7 @@ def build_base_policies(
     search_many: SearchManyFn,
     *,
     spec: PolicySpec = PolicySpec(),
+    agent_spec: PolicySpec | None = None,
     rewriter_steps: int = 400,
     agent_steps: int = 200,
     rewrite_count: int = 4000,
@@ -493,8 +494,8 @@ def build_base_policies(
     progress: bool = True,
     rewriter_beside: bool = False,
 ) -> BasePolicies:
-    """Train one tokenizer on the domain, then warm-start two models of the same
-    size from it, saved as Hugging Face folders ``out_dir/base_rewriter`` and
+    """Train one tokenizer on the domain, then warm-start two models from it (the agent
+    sized by ``agent_spec``, by default ``spec`` as the rewriter), saved as Hugging Face folders ``out_dir/base_rewriter`` and
     ``out_dir/base_agent``: the rewriter on (query -> rewrite) examples, the
     search agent on reference trajectories (observations from ``search``).
 
@@ -506,7 +507,8 @@ def build_base_policies(
     rewrites = rewrite_examples(domain, rewrite_count, mix, seed)
     trajectories = search_examples(domain, search_many, teacher, seed)
     tokenizer = train_tokenizer(tokenizer_corpus(domain, rewrites + trajectories), spec.vocab_size)
-    jobs = {"base_rewriter": (rewrites, rewriter_steps, 32), "base_agent": (trajectories, agent_steps, 8)}
+    jobs = {"base_rewriter": (rewrites, rewriter_steps, 32, spec),
+            "base_agent": (trajectories, agent_steps, 8, agent_spec or spec)}
     results: dict[str, Any] = {}
     beside = None
     if rewriter_beside:
@@ -516,13 +518,13 @@ def build_base_policies(
         import torch
 
         beside = concurrent.futures.ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"))
-        examples, steps, batch = jobs.pop("base_rewriter")
+        examples, steps, batch, shape = jobs.pop("base_rewriter")
         results["base_rewriter"] = beside.submit(
-            _warm_start_and_save, out / "base_rewriter", tokenizer, spec, examples, steps, batch, seed,
+            _warm_start_and_save, out / "base_rewriter", tokenizer, shape, examples, steps, batch, seed,
             torch.get_num_threads())
     try:
-        for name, (examples, steps, batch) in jobs.items():
-            results[name] = _warm_start_and_save(out / name, tokenizer, spec, examples, steps, batch, seed,
+        for name, (examples, steps, batch, shape) in jobs.items():
+            results[name] = _warm_start_and_save(out / name, tokenizer, shape, examples, steps, batch, seed,
                                                  progress=progress)
         if beside is not None:
             results["base_rewriter"] = results["base_rewriter"].result()

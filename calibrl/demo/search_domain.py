@@ -31,6 +31,7 @@ Design rules and hypotheses: experiments/LOG.md, D11.
 
 from __future__ import annotations
 
+import functools
 import random
 from dataclasses import dataclass
 
@@ -60,6 +61,36 @@ def name_word(rng: random.Random, taken: set[str]) -> str:
         if word.lower() not in taken:
             taken.add(word.lower())
             return word
+
+
+def family_words(rng: random.Random, count: int, taken: set[str]) -> list[str]:
+    """``count`` family words of :func:`name_word`, where one that indexes as a word of the
+    rewriter half's nicknames or colloquial phrasings ("DiMe" would match "nickel and dime")
+    is replaced by one drawn from a stream of its own: ``rng`` draws what it would draw."""
+    words = [name_word(rng, taken) for _ in range(count)]
+    colliding = _colliding_words()
+    for n, word in enumerate(words):
+        if word in colliding:
+            side = random.Random(f"replace-{word}")
+            while word in colliding or word.lower() in taken:
+                word = "".join(side.choice(SYLLABLES) for _ in range(NAME_SYLLABLES))
+            taken.add(word.lower())
+            words[n] = word
+    return words
+
+
+@functools.lru_cache(maxsize=1)
+def _colliding_words() -> frozenset[str]:
+    """The family words whose index token is a token of a nickname or colloquial phrasing
+    of the rewriter half (which must find no corpus word)."""
+    from calibrl.demo.domain import ACCOUNT_ASPECTS, ACCOUNTS, FUND_ASPECTS, FUNDS, MANAGERS
+    from calibrl.retrieval_server.sparse import tokenize
+
+    phrases = [alias for e in (*FUNDS, *ACCOUNTS, *MANAGERS) for alias in e.aliases]
+    phrases += [t.replace("{e}", "") for a in (*FUND_ASPECTS, *ACCOUNT_ASPECTS) for t in a.colloquial]
+    stems = {token for tokens in tokenize(phrases) for token in tokens}
+    words = name_words()
+    return frozenset(w for w, tokens in zip(words, tokenize(list(words))) if set(tokens) & stems)
 
 
 def name_words() -> tuple[str, ...]:
@@ -192,8 +223,8 @@ def search_half(seed: int) -> SearchHalf:
     """The search-only entities, their passages and facts, and every two-search task."""
     rng = random.Random(f"{seed}-search")
     words: set[str] = set()
-    fund_words = [name_word(rng, words) for _ in range(CLUSTERS)]
-    company_words = [name_word(rng, words) for _ in range(CLUSTERS)]
+    fund_words = family_words(rng, CLUSTERS, words)
+    company_words = family_words(rng, CLUSTERS, words)
     taken: set[str] = set()
     links: list[Link] = []
     for cluster, (fund_word, company_word) in enumerate(zip(fund_words, company_words)):
