@@ -46,18 +46,23 @@ class TinyLMSpec:
 
 def train_bpe_tokenizer(texts: Iterable[str], vocab_size: int, special_tokens: Sequence[str], *,
                         bos: str | None = None, min_frequency: int | None = None,
-                        added_tokens: Sequence[str] = (), individual_digits: bool = False) -> Any:
+                        added_tokens: Sequence[str] = (), individual_digits: bool = False,
+                        split_inner_capitals: bool = False) -> Any:
     """A byte-level BPE tokenizer (a ``tokenizers.Tokenizer``: any text encodes and decodes exactly)
     trained on ``texts`` with ``special_tokens`` first in its vocabulary. ``bos``: a special token
     prepended to every encoding; ``min_frequency``: the BPE trainer's (None keeps its default);
     ``added_tokens``: texts that each become one token, added after training; ``individual_digits``:
-    every digit its own pre-token (a number is then spelled digit by digit)."""
-    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    every digit its own pre-token (a number is then spelled digit by digit);
+    ``split_inner_capitals``: a word is split before each capital that follows a lower-case letter
+    ("KeLi" -> "Ke", "Li")."""
+    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
     core = Tokenizer(models.BPE())
     byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    core.pre_tokenizer = (pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
-                          if individual_digits else byte_level)
+    steps = [pre_tokenizers.Digits(individual_digits=True)] if individual_digits else []
+    if split_inner_capitals:
+        steps.append(pre_tokenizers.Split(Regex("(?<=[a-z])[A-Z][a-z]*"), behavior="isolated"))
+    core.pre_tokenizer = pre_tokenizers.Sequence([*steps, byte_level]) if steps else byte_level
     core.decoder = decoders.ByteLevel()
     options = {} if min_frequency is None else {"min_frequency": min_frequency}
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=list(special_tokens),

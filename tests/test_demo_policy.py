@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pathlib
 import random
+from dataclasses import replace
 
 import pytest
 
@@ -138,18 +139,22 @@ def test_the_teacher_reads_what_it_retrieved_and_makes_near_miss_searches(domain
                 for w in (domain.search_links[t.gold_doc_ids[0]].plan.name.split()[0],
                           domain.search_links[t.gold_doc_ids[0]].fund.name.split()[0])}
     assert held_out and not {w for w in held_out if w in corpus}
+    names = {w.lower() for e in (*domain.entities, *domain.search_entities) for w in e.name.split()}
     for plan, example in zip(plans, examples):
         answer_turn = example.pieces[-1][0]
         assert f"It says {pol._rename(plan.evidence, plan.renamed)}." in answer_turn
-        if plan.rewritten:  # the swapped value, and made-up family words in every piece
+        # every demonstration, the original as well as its value swaps, renames the family words with
+        # made-up words spelled as the domain's (never one of its names) in every piece
+        link = domain.search_links[train[plan.question].gold_doc_ids[0]]
+        assert [old for old, _ in plan.renamed] == [link.plan.name.split()[0], link.fund.name.split()[0]]
+        assert all(new in sd.name_words() and new.lower() not in names for _, new in plan.renamed)
+        whole = "".join(piece for piece, _ in example.pieces)
+        assert all(old not in whole and new in whole for old, new in plan.renamed)
+        assert f"<answer> {plan.answer} </answer>" in answer_turn
+        if plan.rewritten:  # the swapped value
             (doc_id, text), = plan.rewritten
             shown = pol._rename(text, plan.renamed)
             assert shown in example.pieces[-2][0] and passages[doc_id] not in example.pieces[-2][0]
-            link = domain.search_links[train[plan.question].gold_doc_ids[0]]
-            assert [old for old, _ in plan.renamed] == [link.plan.name.split()[0], link.fund.name.split()[0]]
-            whole = "".join(piece for piece, _ in example.pieces)
-            assert all(old not in whole and new in whole for old, new in plan.renamed)
-            assert f"<answer> {plan.answer} </answer>" in answer_turn
 
 
 def test_tokenizer_keeps_tags_and_prompt_constants_whole(tokenizer) -> None:
@@ -227,6 +232,7 @@ def test_the_rewriter_warm_started_beside_the_agent_is_the_model_trained_alone(d
     folders = {}
     for beside in (False, True):
         bases = pol.build_base_policies(domain, tmp_path / f"beside_{beside}", search_many, spec=spec,
+                                        agent_spec=replace(spec, hidden_size=48, intermediate_size=96),
                                         rewriter_steps=6, agent_steps=4, rewrite_count=120,
                                         teacher=pol.AgentTeacher(), seed=3, progress=False,
                                         rewriter_beside=beside)
@@ -238,3 +244,12 @@ def test_the_rewriter_warm_started_beside_the_agent_is_the_model_trained_alone(d
         for name in alone:
             assert torch.equal(alone[name], beside[name]), (kind, name)  # exact: same kernels, seed and data
     assert folders[True].rewriter_result.losses == folders[False].rewriter_result.losses
+    # the agent takes its own shape (a design's agent_spec), the rewriter the demo's
+    assert saved_hidden_size(folders[True].agent) == 48 and saved_hidden_size(folders[True].rewriter) == 32
+
+
+def saved_hidden_size(folder: pathlib.Path) -> int:
+    """The hidden size a saved policy folder declares."""
+    import json
+
+    return json.loads((folder / "config.json").read_text())["hidden_size"]

@@ -550,7 +550,7 @@ def _train_and_evaluate(settings: DemoSettings, out: pathlib.Path, domain: Any, 
                       "of its own)"):
         bases = build_base_policies(
             domain, out / "policies", lambda queries: clients.search_many(queries, settings.search.top_k),
-            spec=PolicySpec(),
+            spec=PolicySpec(), agent_spec=settings.search.agent_spec(),
             rewriter_steps=settings.warm_rewriter_steps, agent_steps=settings.search.warm_steps,
             rewrite_count=settings.rewrite_examples, teacher=settings.search.teacher(), mix=RewriteMix(), seed=seed,
             progress=progress, rewriter_beside=True,

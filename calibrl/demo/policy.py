@@ -29,7 +29,7 @@ import math
 import pathlib
 import random
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Sequence
 
 from calibrl.demo.domain import (
@@ -136,9 +136,10 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int = 2048) -> Any:
     from calibrl.tiny_lm import train_bpe_tokenizer
 
     # digits one by one: copying a number out of a passage is then a look-up per digit, whatever numbers
-    # the training texts hold (experiments/LOG.md, D11)
+    # the training texts hold (experiments/LOG.md, D11); a word split at each inner capital ("KeLi" -> "Ke" "Li"):
+    # a name of the search half is spelled with the same few pieces, seen or not (D14)
     core = train_bpe_tokenizer(texts, vocab_size, [PAD, EOS, *SEARCH_TAGS], added_tokens=prompt_constants(),
-                               individual_digits=True)
+                               individual_digits=True, split_inner_capitals=True)
     return PreTrainedTokenizerFast(
         tokenizer_object=core, eos_token=EOS, pad_token=PAD, additional_special_tokens=list(SEARCH_TAGS)
     )
@@ -279,7 +280,7 @@ def reference_trajectories(domain: Domain, search_many: "SearchManyFn", teacher:
     wanted = sorted({s[1] for s in seconds if s is not None})
     second_hits = dict(zip(wanted, search_many(wanted)))
     plans: list[Plan] = []
-    read: list[tuple[Plan, Fact]] = []
+    read: list[tuple[Plan, Fact, Any]] = []
     for task, step in zip(tasks, seconds):
         if step is None:
             continue
@@ -289,39 +290,35 @@ def reference_trajectories(domain: Domain, search_many: "SearchManyFn", teacher:
         if fact is None or fact.aspect.key != aspect.key:
             continue
         think1, think2 = (s.think for s in task.steps)
+        link = domain.search_links[task.gold_doc_ids[0]]
         plan = Plan(task.question, ((think1, first), (think2, query)), fact.value,
                     evidence=evidence_of(fact_text(fact.entity, fact.aspect, fact.value), fact.value))
-        plans.append(plan)
-        read.append((plan, fact))
-    taken = {w.lower() for e in (*domain.entities, *domain.search_entities) for w in e.name.split()}
-    for plan, fact in read:
+        read.append((plan, fact, link))
+    # Every demonstration renames the family words of the plan and of the fund its passages name with
+    # made-up words of the same spelling (no word of any name of the domain), in every piece: a name is
+    # copied from the question or the passage, never recalled (experiments/LOG.md, D14).
+    reserved = {w.lower() for e in (*domain.entities, *domain.search_entities) for w in e.name.split()}
+    for plan, fact, link in read:
         pool = search_values(fact.aspect.key)
-        task = next(t for t in tasks if t.question == plan.question)
-        link = domain.search_links[task.gold_doc_ids[0]]
+        words = (link.plan.name.split()[0], link.fund.name.split()[0])
+        plans.append(replace(plan, renamed=tuple((w, made_up_word(rng, reserved)) for w in words)))
         for _ in range(teacher.value_swaps):
             value = rng.choice(pool)
             while value == fact.value:
                 value = rng.choice(pool)
             text = fact_text(fact.entity, fact.aspect, value)
-            # the family words of the plan and of the funds its passages name, renamed: copied, not recalled
-            renamed = ((link.plan.name.split()[0], made_up_word(rng, taken)),
-                       (link.fund.name.split()[0], made_up_word(rng, taken)))
+            renamed = tuple((w, made_up_word(rng, reserved)) for w in words)
             plans.append(Plan(plan.question, plan.steps, value, ((fact.doc_id, text),), evidence_of(text, value),
                               renamed))
     return plans
 
 
-_SYLLABLES = ("ba", "ce", "di", "fo", "gu", "ha", "ke", "li", "mo", "nu", "pa", "re", "si", "to", "vu", "wa", "ze",
-              "bra", "cle", "dro", "fra", "gle", "pri", "sto", "tra", "vel", "mar", "lin", "dor", "ven", "sor")
+def made_up_word(rng: random.Random, reserved: set[str]) -> str:
+    """A family word spelled as the domain's (:func:`calibrl.demo.search_domain.name_word`)
+    that is no word of ``reserved`` (lower case)."""
+    from calibrl.demo.search_domain import name_word
 
-
-def made_up_word(rng: random.Random, taken: set[str]) -> str:
-    """A capitalised word of 2-4 syllables that is no word of ``taken`` (lower case); added to it."""
-    while True:
-        word = "".join(rng.choice(_SYLLABLES) for _ in range(rng.randint(2, 4))).capitalize()
-        if word.lower() not in taken:
-            taken.add(word.lower())
-            return word
+    return name_word(rng, set(reserved))
 
 
 def _rename(text: str, renamed: Sequence[tuple[str, str]]) -> str:
@@ -487,6 +484,7 @@ def build_base_policies(
     search_many: SearchManyFn,
     *,
     spec: PolicySpec = PolicySpec(),
+    agent_spec: PolicySpec | None = None,
     rewriter_steps: int = 400,
     agent_steps: int = 200,
     rewrite_count: int = 4000,
@@ -496,8 +494,8 @@ def build_base_policies(
     progress: bool = True,
     rewriter_beside: bool = False,
 ) -> BasePolicies:
-    """Train one tokenizer on the domain, then warm-start two models of the same
-    size from it, saved as Hugging Face folders ``out_dir/base_rewriter`` and
+    """Train one tokenizer on the domain, then warm-start two models from it (the agent
+    sized by ``agent_spec``, by default ``spec`` as the rewriter), saved as Hugging Face folders ``out_dir/base_rewriter`` and
     ``out_dir/base_agent``: the rewriter on (query -> rewrite) examples, the
     search agent on reference trajectories (observations from ``search``).
 
@@ -509,7 +507,8 @@ def build_base_policies(
     rewrites = rewrite_examples(domain, rewrite_count, mix, seed)
     trajectories = search_examples(domain, search_many, teacher, seed)
     tokenizer = train_tokenizer(tokenizer_corpus(domain, rewrites + trajectories), spec.vocab_size)
-    jobs = {"base_rewriter": (rewrites, rewriter_steps, 32), "base_agent": (trajectories, agent_steps, 8)}
+    jobs = {"base_rewriter": (rewrites, rewriter_steps, 32, spec),
+            "base_agent": (trajectories, agent_steps, 8, agent_spec or spec)}
     results: dict[str, Any] = {}
     beside = None
     if rewriter_beside:
@@ -519,13 +518,13 @@ def build_base_policies(
         import torch
 
         beside = concurrent.futures.ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"))
-        examples, steps, batch = jobs.pop("base_rewriter")
+        examples, steps, batch, shape = jobs.pop("base_rewriter")
         results["base_rewriter"] = beside.submit(
-            _warm_start_and_save, out / "base_rewriter", tokenizer, spec, examples, steps, batch, seed,
+            _warm_start_and_save, out / "base_rewriter", tokenizer, shape, examples, steps, batch, seed,
             torch.get_num_threads())
     try:
-        for name, (examples, steps, batch) in jobs.items():
-            results[name] = _warm_start_and_save(out / name, tokenizer, spec, examples, steps, batch, seed,
+        for name, (examples, steps, batch, shape) in jobs.items():
+            results[name] = _warm_start_and_save(out / name, tokenizer, shape, examples, steps, batch, seed,
                                                  progress=progress)
         if beside is not None:
             results["base_rewriter"] = results["base_rewriter"].result()

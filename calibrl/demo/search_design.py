@@ -15,7 +15,7 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Sequence
 
 if TYPE_CHECKING:  # pragma: no cover
-    from calibrl.demo.policy import AgentTeacher
+    from calibrl.demo.policy import AgentTeacher, PolicySpec
     from calibrl.trainer.eval import EvalSettings
 
 # The arms, each from the same base agent with the same design (docs/design.md, "Comparing arms").
@@ -50,6 +50,8 @@ class SearchDesign:
     value_swaps: int = 2  # warm start: copies of each trajectory whose answer passage states another value
     careless_first: float = 0.5  # warm start: share of first queries without the plan's industry word
     careless_second: float = 0.5  # warm start: share of second queries without the fund's style word
+    agent_hidden: int = 96  # the base agent's hidden size (the rewriter keeps the demo's policy size)
+    agent_layers: int = 3  # the base agent's decoder layers
 
     def teacher(self) -> "AgentTeacher":
         """The warm start's reference trajectories (:class:`calibrl.demo.policy.AgentTeacher`)."""
@@ -57,6 +59,17 @@ class SearchDesign:
 
         return AgentTeacher(careless_first=self.careless_first, careless_second=self.careless_second,
                             value_swaps=self.value_swaps)
+
+    def agent_spec(self) -> "PolicySpec":
+        """The base agent's shape: the demo's policy with the design's width and depth (the MLP
+        8/3 of the width, as Llama sizes it)."""
+        from calibrl.demo.policy import PolicySpec
+
+        default = PolicySpec()
+        if (self.agent_hidden, self.agent_layers) == (default.hidden_size, default.num_layers):
+            return default
+        return replace(default, hidden_size=self.agent_hidden, num_layers=self.agent_layers,
+                       intermediate_size=self.agent_hidden * 8 // 3)
 
     def with_overrides(self, **changes: object) -> "SearchDesign":
         """A copy with some fields changed (a stress setting, a pilot)."""

@@ -31,6 +31,7 @@ Design rules and hypotheses: experiments/LOG.md, D11.
 
 from __future__ import annotations
 
+import functools
 import random
 from dataclasses import dataclass
 
@@ -43,36 +44,66 @@ VALIDATION_CLUSTERS = 12  # 144 validation questions
 TRAIN_PHRASINGS = 2  # of the six phrasings of each training question
 SPLITS = ("train", "validation", "heldout")  # "heldout" is the test split
 
-_FUND_WORDS = (
-    "Alder", "Birchwood", "Cedarbrook", "Driftwood", "Elmstead", "Fernhill", "Glenmoor", "Hawthorn", "Ironwood",
-    "Juniper", "Kestrel", "Larkspur", "Maplewood", "Northgate", "Orchard", "Pinecrest", "Quarrystone", "Redwood",
-    "Saltmarsh", "Thornbury", "Upland", "Valewood", "Willowby", "Yarrow", "Zephyr", "Bramble", "Clover", "Dunmore",
-    "Eastwick", "Foxglove", "Goldcrest", "Heather", "Ivybridge", "Kingfisher", "Lindenfield", "Marigold", "Osprey",
-    "Primrose", "Starling", "Tamarack", "Verbena", "Wrenfield", "Ashgrove", "Bluestone", "Coppice", "Dovecote",
-    "Everholt", "Fallowfield", "Gorsemoor", "Hollyhock", "Inglewood", "Jasmine", "Knapweed", "Lavender",
-    "Meadowsweet", "Nettlebed", "Oakhurst", "Peregrine", "Quillwort", "Rosebay", "Sorrel", "Teasel", "Umberleigh",
-    "Vetchley", "Wychwood", "Yewdale", "Ambleside", "Bracken", "Campion", "Dogrose", "Eyebright", "Fieldfare",
-    "Gannet", "Harebell", "Ibisford", "Kittiwake", "Lapwing", "Merlin", "Nightjar", "Oxlip", "Plover", "Redstart",
-    "Sandpiper", "Whinchat", "Yellowhammer", "Avocet", "Bittern", "Curlew", "Dunlin", "Goldfinch", "Hornbeam",
-    "Linnet", "Moorhen", "Pipistrelle", "Sedgefield", "Tansy",
-)
+# Family words (a plan family's company word, a fund family's fund word) are made of NAME_SYLLABLES
+# capitalised syllables ("KeLi"), and the policies' tokenizer splits a word at each inner capital
+# (calibrl.demo.policy.train_tokenizer): every name is spelled with the same few pieces, so the agent
+# can copy a name it has never seen, as it copies a value (experiments/LOG.md, D14).
+SYLLABLES = ("Ba", "Be", "Bo", "Da", "De", "Di", "Fa", "Fe", "Fo", "Ga", "Gi", "Ka", "Ke", "Ko", "La", "Li", "Lo",
+             "Ma", "Me", "Mi", "Na", "Ni", "No", "Pa", "Pe", "Po", "Ra", "Ri", "Ro", "Sa", "Se", "Ta")
+NAME_SYLLABLES = 2
+
+
+def name_word(rng: random.Random, taken: set[str]) -> str:
+    """A family word of :data:`NAME_SYLLABLES` syllables that is no word of ``taken``
+    (lower case); added to it."""
+    while True:
+        word = "".join(rng.choice(SYLLABLES) for _ in range(NAME_SYLLABLES))
+        if word.lower() not in taken:
+            taken.add(word.lower())
+            return word
+
+
+def family_words(rng: random.Random, count: int, taken: set[str]) -> list[str]:
+    """``count`` family words of :func:`name_word`, where one that indexes as a word of the
+    rewriter half's nicknames or colloquial phrasings ("DiMe" would match "nickel and dime")
+    is replaced by one drawn from a stream of its own: ``rng`` draws what it would draw."""
+    words = [name_word(rng, taken) for _ in range(count)]
+    colliding = _colliding_words()
+    for n, word in enumerate(words):
+        if word in colliding:
+            side = random.Random(f"replace-{word}")
+            while word in colliding or word.lower() in taken:
+                word = "".join(side.choice(SYLLABLES) for _ in range(NAME_SYLLABLES))
+            taken.add(word.lower())
+            words[n] = word
+    return words
+
+
+@functools.lru_cache(maxsize=1)
+def _colliding_words() -> frozenset[str]:
+    """The family words whose index token is a token of a nickname or colloquial phrasing
+    of the rewriter half (which must find no corpus word)."""
+    from calibrl.demo.domain import ACCOUNT_ASPECTS, ACCOUNTS, FUND_ASPECTS, FUNDS, MANAGERS
+    from calibrl.retrieval_server.sparse import tokenize
+
+    phrases = [alias for e in (*FUNDS, *ACCOUNTS, *MANAGERS) for alias in e.aliases]
+    phrases += [t.replace("{e}", "") for a in (*FUND_ASPECTS, *ACCOUNT_ASPECTS) for t in a.colloquial]
+    stems = {token for tokens in tokenize(phrases) for token in tokens}
+    words = name_words()
+    return frozenset(w for w, tokens in zip(words, tokenize(list(words))) if set(tokens) & stems)
+
+
+def name_words() -> tuple[str, ...]:
+    """Every family word a name may take."""
+    words = [""]
+    for _ in range(NAME_SYLLABLES):
+        words = [w + s for w in words for s in SYLLABLES]
+    return tuple(words)
+
+
 _FUND_STYLES = ("Opportunity", "Core", "Strategic", "Allocation", "Select", "Enhanced", "Emerging", "Quality",
                 "Momentum", "Sustainable")
-# Employer plans: a company word (one per plan) and an industry (shared).
-_COMPANY_WORDS = (
-    "Abernathy", "Bellweather", "Corrigan", "Dalmore", "Everly", "Fairbanks", "Galloway", "Hollister", "Inverness",
-    "Jessop", "Kimberton", "Langford", "Mowbray", "Newcombe", "Ormond", "Prescott", "Quincy", "Rutherford",
-    "Stanwick", "Tolliver", "Underhill", "Vickery", "Whitlock", "Yardley", "Aldridge", "Blackwood", "Carrington",
-    "Dunleavy", "Ellison", "Fenwick", "Garrick", "Hartwell", "Iverson", "Kendrick", "Lockhart", "Merriweather",
-    "Northcott", "Pemberton", "Radcliffe", "Sheridan", "Thackeray", "Wexford", "Ashby", "Brockman", "Ainsworth",
-    "Barrington", "Chadwick", "Davenport", "Eastbrook", "Fairweather", "Gresham", "Holloway", "Ingram", "Jellicoe",
-    "Kensworth", "Marchbank", "Nettleton", "Oakley", "Pendleton", "Quimby", "Rowntree", "Sallowby", "Treadwell",
-    "Upshaw", "Vandermeer", "Wakefield", "Yelverton", "Atherton", "Bexley", "Colbourne", "Drummond", "Egerton",
-    "Fotheringham", "Grantham", "Haverford", "Islington", "Jarrow", "Kilbride", "Lowther", "Mansfield", "Norbury",
-    "Overton", "Pickering", "Rushworth", "Stafford", "Tenbury", "Uxbridge", "Waverley", "Wolcott", "Aylward",
-    "Brantley", "Cranston", "Dewhurst", "Elphick", "Farnsworth", "Gilchrist", "Huxtable", "Kirkwood", "Lambert",
-    "Morland", "Nesbitt", "Pargeter",
-)
+# Employer plans: a company word (one per plan family) and an industry (shared).
 _INDUSTRIES = ("Logistics", "Foods", "Robotics", "Textiles", "Shipping", "Pharmacy", "Printing", "Aerospace",
                "Ceramics", "Brewing", "Hospitality", "Furniture")
 # Managers: a first and a last name, each used once (a manager's name words are all rare).
@@ -92,7 +123,7 @@ _TICKER_LETTERS = "BCDFGHJKLMNPQRSTVWZ"
 
 def generated_fund_names() -> tuple[str, ...]:
     """Every name a generated fund may take (a fund's default-investment value)."""
-    return tuple(f"{word} {style} Fund" for word in _FUND_WORDS for style in _FUND_STYLES)
+    return tuple(f"{word} {style} Fund" for word in name_words() for style in _FUND_STYLES)
 
 
 
@@ -191,8 +222,9 @@ class SearchHalf:
 def search_half(seed: int) -> SearchHalf:
     """The search-only entities, their passages and facts, and every two-search task."""
     rng = random.Random(f"{seed}-search")
-    fund_words = rng.sample(_FUND_WORDS, CLUSTERS)
-    company_words = rng.sample(_COMPANY_WORDS, CLUSTERS)
+    words: set[str] = set()
+    fund_words = family_words(rng, CLUSTERS, words)
+    company_words = family_words(rng, CLUSTERS, words)
     taken: set[str] = set()
     links: list[Link] = []
     for cluster, (fund_word, company_word) in enumerate(zip(fund_words, company_words)):

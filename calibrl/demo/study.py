@@ -260,9 +260,8 @@ def build_base_agent(demo: Any, domain: Any, out: pathlib.Path, clients: Any, se
     tokenizer (trained on the rewrite and search examples, as ``build_base_policies``
     trains it), the same seeded model and the same warm start; the rewriter's own
     warm start (which the agent does not depend on) is skipped. ``spec``: another policy
-    size (a probe's; default the demo's :class:`~calibrl.demo.policy.PolicySpec`)."""
+    size (a probe's; default the design's ``agent_spec()``)."""
     from calibrl.demo.policy import (
-        PolicySpec,
         RewriteMix,
         rewrite_examples,
         search_examples,
@@ -271,7 +270,8 @@ def build_base_agent(demo: Any, domain: Any, out: pathlib.Path, clients: Any, se
     )
     from calibrl.demo.policy import build_base_agent as warm_start_agent
 
-    design, spec = demo.search, spec or PolicySpec()
+    design = demo.search
+    spec = spec or design.agent_spec()
 
     def search_many(queries: Sequence[str]) -> list[list[Any]]:
         return clients.search_many(queries, design.top_k)
