@@ -9,6 +9,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from calibrl.client_tls import add_client_tls_options, check_client_tls_options, client_channel
+
 
 def check(target: str, service: str = "", timeout_s: float = 3.0, ca_file: str = "", cert_file: str = "",
           key_file: str = "", server_name: str = "") -> str:
@@ -20,14 +22,7 @@ def check(target: str, service: str = "", timeout_s: float = 3.0, ca_file: str =
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-    if ca_file:
-        from calibrl.security import channel_credentials
-
-        options = [("grpc.ssl_target_name_override", server_name)] if server_name else []
-        channel = grpc.secure_channel(target, channel_credentials(ca_file, cert_file or None, key_file or None),
-                                      options=options)
-    else:
-        channel = grpc.insecure_channel(target)
+    channel = client_channel(target, ca_file, cert_file, key_file, server_name)
     with channel:
         stub = health_pb2_grpc.HealthStub(channel)
         reply = stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=timeout_s)
@@ -39,16 +34,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--target", default="127.0.0.1:50051", help="host:port of the server")
     parser.add_argument("--service", default="", help="e.g. calibrl.v1.RetrievalService; empty: the whole server")
     parser.add_argument("--timeout", type=float, default=3.0, help="seconds")
-    parser.add_argument("--tls-ca", default="", help="PEM CA bundle when the server uses TLS")
-    parser.add_argument("--tls-cert", default="", help="PEM client certificate, when the server requires mTLS")
-    parser.add_argument("--tls-key", default="", help="PEM private key of --tls-cert")
-    parser.add_argument("--tls-server-name", default="",
-                        help="name to check the server certificate against (default: the host of --target)")
+    add_client_tls_options(parser)
     args = parser.parse_args(argv)
-    if bool(args.tls_cert) != bool(args.tls_key):
-        parser.error("--tls-cert and --tls-key go together")
-    if args.tls_cert and not args.tls_ca:
-        parser.error("--tls-cert (mutual TLS) needs --tls-ca, the CA of the server certificate")
+    check_client_tls_options(parser, args)
     import grpc
 
     try:

@@ -43,6 +43,7 @@ from typing import Any
 import yaml
 
 from calibrl import telemetry
+from calibrl.client_tls import channel_credentials
 from calibrl.errors import ConfigError
 
 _current_tenant: contextvars.ContextVar[str | None] = contextvars.ContextVar("calibrl_tenant", default=None)
@@ -258,16 +259,3 @@ def server_credentials(cert_file: str, key_file: str, client_ca_file: str | None
         )
     return grpc.ssl_server_credentials(pair)
 
-
-def channel_credentials(
-    ca_file: str | None = None, cert_file: str | None = None, key_file: str | None = None
-) -> Any:
-    """TLS channel credentials (client certificate and key for mutual TLS)."""
-    import grpc
-
-    def read(path: str | None) -> bytes | None:
-        return pathlib.Path(path).read_bytes() if path else None
-
-    return grpc.ssl_channel_credentials(
-        root_certificates=read(ca_file), private_key=read(key_file), certificate_chain=read(cert_file)
-    )

@@ -18,6 +18,8 @@ import os
 import sys
 from typing import Any
 
+from calibrl.client_tls import add_client_tls_options, check_client_tls_options, client_channel
+
 _ADVICE = {
     "UNAVAILABLE": "is the judge server running there? (calibrl health --target {target})",
     "UNAUTHENTICATED": "give the API key of a tenant listed in the server's rubric_admin_tenants, with --api-key "
@@ -39,14 +41,7 @@ def reload_rubrics(target: str, api_key: str = "", timeout_s: float = 60.0, ca_f
 
     from calibrl.v1 import judge_pb2, judge_pb2_grpc
 
-    if ca_file:
-        from calibrl.security import channel_credentials
-
-        options = [("grpc.ssl_target_name_override", server_name)] if server_name else []
-        channel = grpc.secure_channel(target, channel_credentials(ca_file, cert_file or None, key_file or None),
-                                      options=options)
-    else:
-        channel = grpc.insecure_channel(target)
+    channel = client_channel(target, ca_file, cert_file, key_file, server_name)
     metadata = (("authorization", f"Bearer {api_key}"),) if api_key else ()
     with channel:
         reply = judge_pb2_grpc.JudgeServiceStub(channel).ReloadRubrics(
@@ -68,16 +63,9 @@ def reload(argv: list[str]) -> int:
                         help="API key of a tenant in the server's rubric_admin_tenants (or CALIBRL_API_KEY)")
     parser.add_argument("--timeout", type=float, default=60.0, help="seconds to wait for the reread (60)")
     parser.add_argument("--json", action="store_true", help="print the changes as one JSON list instead of lines")
-    parser.add_argument("--tls-ca", default="", help="PEM CA bundle when the server uses TLS")
-    parser.add_argument("--tls-cert", default="", help="PEM client certificate, when the server requires mTLS")
-    parser.add_argument("--tls-key", default="", help="PEM private key of --tls-cert")
-    parser.add_argument("--tls-server-name", default="",
-                        help="name to check the server certificate against (default: the host of --target)")
+    add_client_tls_options(parser)
     args = parser.parse_args(argv)
-    if bool(args.tls_cert) != bool(args.tls_key):
-        parser.error("--tls-cert and --tls-key go together")
-    if args.tls_cert and not args.tls_ca:
-        parser.error("--tls-cert (mutual TLS) needs --tls-ca, the CA of the server certificate")
+    check_client_tls_options(parser, args)
     if not args.timeout > 0:
         parser.error(f"--timeout {args.timeout}: must be > 0 seconds")
     api_key = args.api_key or os.environ.get("CALIBRL_API_KEY", "")

@@ -11,24 +11,12 @@ import socket
 import pytest
 
 from calibrl.cli import main as calibrl
-from calibrl.judge_server.config import JudgeConfig, JudgeServerConfig
 from calibrl.judge_server.rubric import parse_rubric
-from calibrl.judge_server.server import start
-from calibrl.serving import ServingConfig
-from tests.test_rubric_versions import KEYS, V1, V2, V3, _keys_file, _publish, _validate
+from tests.test_rubric_versions import KEYS, V1, V2, V3, _publish, start_judge
 
 
 async def _server(tmp_path, retention_s=600.0):
-    folder = tmp_path / "rubrics"
-    folder.mkdir()
-    (folder / "rewriter.yaml").write_text(V1)
-    _validate(folder / "rewriter.yaml")
-    config = JudgeServerConfig(rubrics=str(folder), judge=JudgeConfig(embedder="hashed-ngrams", cache_size=0),
-                               serving=ServingConfig(port=0, grace_seconds=1.0,
-                                                     api_keys_file=str(_keys_file(tmp_path))),
-                               max_wait_ms=1.0, rubric_poll_s=0, rubric_retention_s=retention_s,
-                               rubric_admin_tenants=["ops"])
-    return folder, await start(config)
+    return await start_judge(tmp_path, retention_s, poll_s=0)
 
 
 async def _run(capsys, *argv):

@@ -88,6 +88,13 @@ def _keys_file(tmp_path):
 
 
 async def _serve(tmp_path, retention_s=600.0, poll_s=0.05):
+    folder, running = await start_judge(tmp_path, retention_s, poll_s)
+    channel = grpc.aio.insecure_channel(f"127.0.0.1:{running.port}")
+    return folder, running, channel, judge_pb2_grpc.JudgeServiceStub(channel)
+
+
+async def start_judge(tmp_path, retention_s=600.0, poll_s=0.05):
+    """A judge server on a fresh rubric folder holding V1 (validated), API keys on, tenant ops an admin."""
     folder = tmp_path / "rubrics"
     folder.mkdir()
     (folder / "rewriter.yaml").write_text(V1)
@@ -97,9 +104,7 @@ async def _serve(tmp_path, retention_s=600.0, poll_s=0.05):
                                                      api_keys_file=str(_keys_file(tmp_path))),
                                max_wait_ms=1.0, rubric_poll_s=poll_s, rubric_retention_s=retention_s,
                                rubric_admin_tenants=["ops"])
-    running = await start(config)
-    channel = grpc.aio.insecure_channel(f"127.0.0.1:{running.port}")
-    return folder, running, channel, judge_pb2_grpc.JudgeServiceStub(channel)
+    return folder, await start(config)
 
 
 def _md(tenant):
