@@ -35,6 +35,10 @@ NOT_ALARMS = {
         "calibrl eval, not a training step",
     ("calibrl/sme/queue.py", "step %d: review.on_alarm=stop: the run stops after this step (checkpoint written)"):
         "the consequence of the judge_drift alarm, logged right after it",
+    ("trainer/rubric_weight.py", "step %d: rubric %s scored by a new version (%s): its weight is %g again"):
+        "the end of the rubric_downweighted alarm",
+    ("trainer/rubric_weight.py", "step %d: drift alarm again: the rubric's weight stays %g x %g"):
+        "the rubric_downweighted alarm, already raised",
 }
 # warnings whose text is an alarm's, made elsewhere: (module, format string) -> the alarm's name
 RAISED_AS = {
@@ -45,6 +49,8 @@ RAISED_AS = {
         "review_queue_empty",
     ("trainer/rubric_versions.py", "step %d: rubric_changed: rubric %s was scored by version %s, the step before by %s"):
         "rubric_changed",
+    ("trainer/rubric_weight.py", "step %d: review.on_alarm=downweight: rubric %s weight %g -> %g from step %d until a "
+     "new rubric version is served"): "rubric_downweighted",
 }
 
 

@@ -137,6 +137,14 @@ REVIEW_ALARMS: tuple[Alarm, ...] = (
           condition="the rubric version that scores the rollouts differs from the step before's",
           meaning="the reward's definition moved under the run (a new version was served)",
           action="expected after a swap you made; otherwise see [Rubric life cycle](rubric-lifecycle.md)"),
+    Alarm("rubric_downweighted", "rubric/weight_scale", raised_by="calibrl.trainer.rubric_weight",
+          starts_with="review.on_alarm=downweight:",
+          condition="`review.on_alarm=downweight` and a drift alarm (`judge_drift`): from the next step the rubric's "
+                    "blend weight is `review.downweight_factor` times its own, until a new rubric version scores a "
+                    "step (logged again when it is restored; a second alarm does not compound it)",
+          meaning="the judge's part of the reward is trusted less while the experts disagree with it",
+          action="publish the next rubric version ([Rubric life cycle](rubric-lifecycle.md)); the weight comes "
+                 "back when the judge serves it"),
 )
 
 ALARMS: tuple[Alarm, ...] = (*BAND_ALARMS, SKIPPED_UPDATE, *REVIEW_ALARMS)
