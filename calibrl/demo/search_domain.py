@@ -11,10 +11,12 @@ Everything here is search-only and drawn from its own random stream
 drawn here. The corpus, the index and the policies' tokenizer are shared.
 
 - :data:`CLUSTERS` clusters, each a *plan family* (one company word, :data:`FAMILY_SIZE`
-  plans that differ only in their industry word: "Abernathy Logistics Retirement Plan",
-  "Abernathy Foods Retirement Plan", ...) and a *fund family* (one fund word,
-  :data:`FAMILY_SIZE` funds that differ only in their style word: "Kestrel Core Fund",
-  "Kestrel Select Fund", ...); the plans default to the funds by a random bijection.
+  plans that differ only in their industry word: "KaMe Logistics Retirement Plan",
+  "KaMe Foods Retirement Plan", ...) and a *fund family* (one fund word,
+  :data:`FAMILY_SIZE` funds that differ only in their style word: "SeBa Core Fund",
+  "SeBa Select Fund", ...); the plans default to the funds by a random bijection. Family
+  words are made-up words of two syllables (:func:`name_word`), so a name is copied, not
+  known.
 - Near misses compete for both searches: a first query without the industry word ties
   the sibling plans, a second query without the style word ties the sibling funds'
   passages of the aspect (BM25 scores them alike; one document per search).
@@ -26,7 +28,7 @@ drawn here. The corpus, the index and the policies' tokenizer are shared.
   per question), :data:`VALIDATION_CLUSTERS` the validation split (one phrasing), the
   rest train in :data:`TRAIN_PHRASINGS` of 6 phrasings.
 
-Design rules and hypotheses: experiments/LOG.md, D11.
+Design rules and hypotheses: experiments/LOG.md, D11 (the task), D14-D15 (names, the agent).
 """
 
 from __future__ import annotations
