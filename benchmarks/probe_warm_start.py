@@ -40,8 +40,8 @@ def main() -> None:
     parser.add_argument("--careless-first", type=float, default=None,
                         help="the teacher's share of first queries without the industry word (default: the design's)")
     parser.add_argument("--out", default="", help="working folder (default: a temporary one)")
-    parser.add_argument("--hidden", type=int, default=0, help="policy hidden size (default: the demo's)")
-    parser.add_argument("--layers", type=int, default=0, help="policy layers (default: the demo's)")
+    parser.add_argument("--hidden", type=int, default=0, help="agent hidden size (default: the design's)")
+    parser.add_argument("--layers", type=int, default=0, help="agent layers (default: the design's)")
     parser.add_argument("--dump", type=int, default=0,
                         help="also write the first N greedy records of each split to <out>/records_<steps>_<split>.jsonl")
     args = parser.parse_args()
@@ -61,9 +61,7 @@ def main() -> None:
 
     torch.set_num_threads(1)
     steps = [int(s) for s in args.steps.split(",") if s.strip()]
-    from calibrl.demo.policy import PolicySpec
-
-    spec = PolicySpec()
+    spec = FULL.search.agent_spec()  # the design's base agent
     if args.hidden or args.layers:
         spec = replace(spec, hidden_size=args.hidden or spec.hidden_size, num_layers=args.layers or spec.num_layers,
                        intermediate_size=(args.hidden or spec.hidden_size) * 8 // 3)
