@@ -495,9 +495,10 @@ def build_base_policies(
     rewriter_beside: bool = False,
 ) -> BasePolicies:
     """Train one tokenizer on the domain, then warm-start two models from it (the agent
-    sized by ``agent_spec``, by default ``spec`` as the rewriter), saved as Hugging Face folders ``out_dir/base_rewriter`` and
-    ``out_dir/base_agent``: the rewriter on (query -> rewrite) examples, the
-    search agent on reference trajectories (observations from ``search``).
+    sized by ``agent_spec``, by default ``spec`` as the rewriter), saved as Hugging Face
+    folders ``out_dir/base_rewriter`` and ``out_dir/base_agent``: the rewriter on
+    (query -> rewrite) examples, the search agent on reference trajectories (observations
+    from ``search``).
 
     ``rewriter_beside``: the rewriter warm-starts in a process of its own (spawned,
     with this process's torch thread count) while this one warm-starts the agent, so
