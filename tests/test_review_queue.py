@@ -71,6 +71,7 @@ def test_the_review_loop_from_rollouts_to_the_next_rubric_version(trainer_world,
                     str(feedback), "--judge-option", "embedder=hashed-ngrams", "--json", str(report_path)]) == 0
     report = json.loads(report_path.read_text())
     assert report["n_items"] == 6 and report["status"] == "too_few" and report["rubric_hash"] == rubric_hash
+    assert "fewer than --min-items=10" in report["reason"]  # the option's name as the user typed it
 
     # ... and flow back: old feedback plus the new grades distil the next version, validated, published
     served = tmp_path / "served"

@@ -87,6 +87,8 @@ def test_too_few_grades_give_no_verdict_and_mismatched_inputs_are_refused():
     assert report.status == "too_few" and not report.alarm
     assert "6 graded items, fewer than min_items=10: no verdict yet" in report.reason
     assert drift_report(RUBRIC, [], []).status == "too_few"
+    named = drift_report(RUBRIC, [], [], DriftOptions(min_items=4, min_items_name="review.drift_min_items"))
+    assert named.reason == "no graded items yet; the gate needs at least review.drift_min_items=4"
     with pytest.raises(ConfigError, match="3 judge scores for 4 graded records"):
         drift_report(RUBRIC, records[:4], scores[:3])
     other = parse_rubric("id: other\nversion: '1'\ncriteria:\n  - {name: length, kind: programmatic, scorer: length, "

@@ -164,7 +164,7 @@ def drift(argv: Sequence[str]) -> int:
                        if r.rubric_hash == rubric.hash and r.model_id == judge.scorer_id(rubric)]
             threshold = records[0].pass_threshold if records else 0.6
         options = DriftOptions(min_kappa=args.min_kappa, gate=args.gate.replace("-", "_"), pass_threshold=threshold,
-                               pass_grade=args.pass_grade, min_items=args.min_items,
+                               pass_grade=args.pass_grade, min_items=args.min_items, min_items_name="--min-items",
                                min_separation=args.min_separation)
         feedback = read_feedback(args.feedback)
         scores = []

@@ -48,6 +48,7 @@ class DriftOptions:
     min_items: int = 10  # fewer fresh grades: no verdict
     min_separation: float = 0.1  # a criterion whose pass-minus-fail mean score is below this disagrees
     min_f1: float = 0.5  # a tagged criterion whose F1 against the expert tags is below this disagrees
+    min_items_name: str = "min_items"  # what the caller calls min_items, for messages ("--min-items", ...)
 
     def validate(self) -> None:
         self.validation_options().validate()
@@ -138,7 +139,7 @@ def drift_report(rubric: Rubric, records: Sequence[FeedbackRecord], scores: Sequ
                               f"{rubric.id!r} {[c.name for c in rubric.criteria]}: score with this rubric version")
     if not records:
         return DriftReport(rubric.id, rubric.hash, 0, "too_few", None, None, None, None, None, None, [],
-                           f"no graded items yet; the gate needs at least min_items={options.min_items}")
+                           f"no graded items yet; the gate needs at least {options.min_items_name}={options.min_items}")
     record = agreement(rubric, model_id, records, scores, options.validation_options())
     pass_fail = record.metrics["pass_fail"]
     tagged = record.metrics["criteria"]
@@ -173,7 +174,7 @@ def drift_report(rubric: Rubric, records: Sequence[FeedbackRecord], scores: Sequ
     kappa_text = record.kappa_text()
     if len(records) < options.min_items:
         status: Status = "too_few"
-        reason = (f"{len(records)} graded items, fewer than min_items={options.min_items}: no verdict yet "
+        reason = (f"{len(records)} graded items, fewer than {options.min_items_name}={options.min_items}: no verdict yet "
                   f"(kappa {kappa_text} so far)")
     elif record.passed:
         status = "ok"

@@ -219,7 +219,7 @@ class ReviewQueue:
         scores = self._run_async(self._judge.score(self._rubric_id, [r.to_item() for r in records]))
         rubric = self._run_async(_rubric_of(self._judge, scores[0].rubric_id, scores[0].rubric_hash))
         options = DriftOptions(min_kappa=self.config.min_kappa, pass_threshold=self.config.pass_threshold,
-                               min_items=self.config.drift_min_items)
+                               min_items=self.config.drift_min_items, min_items_name="review.drift_min_items")
         report = drift_report(rubric, records, scores, options, scores[0].model_id)
         self.last_drift = report
         with (self.folder / "drift.jsonl").open("a", encoding="utf-8") as out:
