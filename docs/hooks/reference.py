@@ -458,8 +458,9 @@ def trainer_alarms_table() -> str:
 # ---------------------------------------------------------------- benchmarks
 
 BENCHMARKS = ROOT / "benchmarks" / "README.md"
-# sections measured on the replaced search domain (dated so in benchmarks/README.md): not on the site
-BENCHMARKS_NOT_SHOWN = ("warm-start", "rl-budget", "study")
+# sections of benchmarks/README.md kept off the site (none: measurements of replaced designs live in
+# benchmarks/HISTORY.md)
+BENCHMARKS_NOT_SHOWN: tuple[str, ...] = ()
 # a block that tells measurement history (which run, which code, which working session) stays off the
 # site: user docs speak about the product as it is (history belongs in benchmarks/HISTORY.md)
 HISTORY = re.compile(r"\bsessions?\b|\bearlier\b|\bfirst run\b|\bcode before\b|\bbefore (?:the|this)\b"
@@ -580,8 +581,7 @@ def benchmarks_page() -> str:
              "table (its rows ran back to back), not across tables. Each table comes with the commands that "
              "measured it (not run by the documentation tests: each takes minutes to hours) and the machine; "
              "a table whose machine line names a record is rendered from the JSON record the script wrote "
-             "(`--record`, under `benchmarks/records/`). `benchmarks/README.md` discusses every figure and holds the tables of the "
-             "replaced search domain, not shown here. The demo and the search-agent study have "
+             "(`--record`, under `benchmarks/records/`). `benchmarks/README.md` discusses every figure. The demo and the search-agent study have "
              "their own pages: [Demo](demo.md), [Search-agent study](study.md)."]
     for _, blocks in benchmark_units(text):
         lines += [_site_text(b) for b in blocks]
