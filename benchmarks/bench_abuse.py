@@ -272,6 +272,9 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=1, help="timings of each worst-case request")
     parser.add_argument("--workdir", default="", help="folder for the index and logs (default: a temp folder)")
     parser.add_argument("--json", default="", help="write the results here")
+    parser.add_argument("--record", metavar="PATH",
+                        help="also write the tables as a JSON record (benchmarks/records/NAME.json: README block "
+                             "bench-NAME, rendered by scripts/render_results.py)")
     args = parser.parse_args()
 
     from calibrl.demo.domain import generate_domain
@@ -321,6 +324,45 @@ def main() -> None:
     if args.json:
         pathlib.Path(args.json).write_text(json.dumps(results, indent=2))
     print(json.dumps(results, indent=2))
+    if args.record:
+        from bench_record import write_record
+
+        tables, notes = record_tables(results)
+        write_record(args.record, tables, libraries=("grpcio", "torch", "onnxruntime"), notes=notes)
+
+
+MEMORY_GROWTH_TARGET = 0.10  # RSS after a flood of refused requests, settled, over before
+
+
+def record_tables(results: dict) -> tuple[list[dict], list[str]]:
+    """The record's tables (one per section that ran) and their verdict lines."""
+    from bench_record import rows_table
+
+    tables, notes = [], []
+    for name, rows in results.items():
+        if isinstance(rows, dict) and "error" in rows:
+            notes.append(f"{name}: failed: {rows['error']}")
+    memory = results.get("memory")
+    if isinstance(memory, list):
+        tables.append(rows_table("Memory under floods of refused requests (16 concurrent callers; server RSS from "
+                                 "psutil before, right after and 2 s after the flood)", memory))
+        for row in memory:
+            growth = row["rss_settled_mib"] / row["rss_before_mib"] - 1.0
+            notes.append(f"{row['flood']}: settled RSS {growth:+.1%} of before (target within "
+                         f"{MEMORY_GROWTH_TARGET:.0%}): {'met' if abs(growth) <= MEMORY_GROWTH_TARGET else 'not met'}")
+    worst = results.get("worst_case")
+    if isinstance(worst, list):
+        tables.append(rows_table("The worst requests within the size limits: refused whole by the cost budget, then "
+                                 "the largest accepted prefix (calibrl-max-items trailer) timed alone, new texts "
+                                 "each time", worst))
+    small = results.get("small_caller")
+    if isinstance(small, list):
+        tables.append(rows_table("A small caller (1-query BM25 Search, one at a time) alone, then beside a heavy "
+                                 "caller (the largest accepted ScoreRetrieval, back to back) and a cancelling caller "
+                                 "(the largest accepted hybrid Search, cancelled 50 ms later)", small))
+        notes.append(f"small caller's p99 beside the heavy and cancelling callers: {small[-1]['p99_ratio']:.2f}x "
+                     "its p99 alone")
+    return tables, notes
 
 
 if __name__ == "__main__":

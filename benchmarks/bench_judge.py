@@ -118,6 +118,9 @@ def main() -> int:
     parser.add_argument("--train-epochs", type=int, default=3)
     parser.add_argument("--train-lr", type=float, default=3e-3)
     parser.add_argument("--json", help="also write the results here")
+    parser.add_argument("--record", metavar="PATH",
+                        help="also write the table as a JSON record (benchmarks/records/NAME.json: README block "
+                             "bench-NAME, rendered by scripts/render_results.py)")
     args = parser.parse_args()
 
     import torch
@@ -211,40 +214,52 @@ def main() -> int:
     results["cache_hits_grpc"] = asyncio.run(_grpc_cache_hits(cached_judge, llm_rubric.id, items, n_scores,
                                                               args.repeats))
 
+    shown: list[str] = []
+
+    def say(text: str = "") -> None:  # printed, and kept for the record
+        print(text)
+        shown.append(text)
+
     base = results["logprob_prefix_cache"]["scores_per_s"]
     n_likert = sum(c.scale == "likert_1_5" for c in llm_rubric.llm_criteria)
-    print(f"judge benchmark: {len(items)} items x {len(llm_rubric.llm_criteria)} LLM criteria "
+    say(f"judge benchmark: {len(items)} items x {len(llm_rubric.llm_criteria)} LLM criteria "
           f"({len(llm_rubric.llm_criteria) - n_likert} yes/no, {n_likert} 1-5) = {n_scores} scores; "
           f"{args.judge_model} Llama {args.layers} layers, hidden {args.hidden} ({n_params / 1e6:.2f} M parameters); "
           f"prompts: prefix {prefix_tokens:.0f} + suffix {suffix_tokens:.0f} tokens on average; device {args.device}, "
           f"torch threads {torch.get_num_threads()}, {platform.processor() or platform.machine()}, "
           f"{os.cpu_count()} CPUs")
-    print()
+    say()
     base_cpu = results["logprob_prefix_cache"]["scores_per_cpu_s"]
-    print("| path | wall s | scores/s | vs prefix cache | CPU s | scores/CPU s | vs prefix cache | parse failures |")
-    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    say("| path | wall s | scores/s | vs prefix cache | CPU s | scores/CPU s | vs prefix cache | parse failures |")
+    say("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     for name, r in results.items():
-        print(f"| {name} | {r['seconds']:.4f} | {r['scores_per_s']:,.0f} | {r['scores_per_s'] / base:.2f}x | "
+        say(f"| {name} | {r['seconds']:.4f} | {r['scores_per_s']:,.0f} | {r['scores_per_s'] / base:.2f}x | "
               f"{r['cpu_seconds']:.4f} | {r['scores_per_cpu_s']:,.0f} | {r['scores_per_cpu_s'] / base_cpu:.2f}x | "
               f"{r['parse_failures']:.0%} |")
-    print()
-    print(f"pruned forward: {'yes' if pruned is not None else 'no (' + unsupported_reason(backend.model) + ')'}")
+    say()
+    say(f"pruned forward: {'yes' if pruned is not None else 'no (' + unsupported_reason(backend.model) + ')'}")
     for name in list(logprob_paths)[1:]:
-        print(f"{name} vs prefix-cache scores: max |diff| = {results[name]['max_abs_diff_vs_prefix_cache']:.2e}")
+        say(f"{name} vs prefix-cache scores: max |diff| = {results[name]['max_abs_diff_vs_prefix_cache']:.2e}")
     ratio = base / results["generate_and_parse"]["scores_per_s"]
     ratio_cpu = base_cpu / results["generate_and_parse"]["scores_per_cpu_s"]
-    print(f"shared-prefix logprob vs generate-and-parse: {ratio:.1f}x wall, {ratio_cpu:.1f}x CPU (target >= 5x)")
+    say(f"shared-prefix logprob vs generate-and-parse: {ratio:.1f}x wall, {ratio_cpu:.1f}x CPU (target >= 5x)")
     if training is not None:
-        print(f"trained on {training['n_train']} of {training['n_records']} synthetic SME records "
+        say(f"trained on {training['n_train']} of {training['n_records']} synthetic SME records "
               f"({training['epochs']} epochs, {training['seconds']:.0f} s); held-in agreement after training: "
               + ", ".join(f"{name} {value:.2f}" for name, value in training["held_in_agreement"].items()))
-    print("agreement of the logprob answers with the SME tags/grades of the bench items (never trained on): "
+    say("agreement of the logprob answers with the SME tags/grades of the bench items (never trained on): "
           + ", ".join(f"{name} {value:.2f}" for name, value in agreement.items()))
     if args.json:
         with open(args.json, "w") as handle:
             json.dump({"args": vars(args), "n_params": n_params, "prefix_tokens": prefix_tokens,
                        "suffix_tokens": suffix_tokens, "results": results, "training": training,
                        "agreement_with_experts": agreement}, handle, indent=2)
+    if args.record:
+        from bench_record import tables_from_markdown, write_record
+
+        table_end = max(i for i, line in enumerate(shown) if line.startswith("|")) + 1
+        write_record(args.record, tables_from_markdown(shown[:table_end]),
+                     notes=[line for line in shown[table_end:] if line], libraries=("torch", "transformers"))
     return 0
 
 

@@ -281,6 +281,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="OMP_NUM_THREADS of the server processes (torch's CPU threads); 0 = torch's default")
     parser.add_argument("--timeout", type=float, default=60.0, help="deadline of each request, seconds")
     parser.add_argument("--out", type=pathlib.Path, help="also write the results as JSON here")
+    parser.add_argument("--record", metavar="PATH",
+                        help="also write the table as a JSON record (benchmarks/records/NAME.json: README block "
+                             "bench-NAME, rendered by scripts/render_results.py)")
     args = parser.parse_args(argv)
     services = [s.strip() for s in args.services.split(",") if s.strip()]
     unknown = set(services) - {"retrieval", "judge"}
@@ -352,6 +355,15 @@ def main(argv: list[str] | None = None) -> int:
         args.out.write_text(json.dumps({"command": command, "machine": machine, "setup": setup,
                                         "server_exit_codes": exit_codes,
                                         "results": [asdict(r) for r in results]}, indent=2) + "\n")
+    if args.record:
+        from bench_record import tables_from_markdown, write_record
+
+        title = "Closed-loop load: " + "; ".join(f"{name} {value}" for name, value in setup.items())
+        notes = [f"errors: {failed} of {sum(r.requests for r in results)} requests"]
+        if bad_exit:
+            notes.append(f"servers that did not exit cleanly on SIGTERM: {bad_exit}")
+        write_record(args.record, tables_from_markdown([title, "", *markdown(results).splitlines()]), notes=notes,
+                     libraries=("grpcio", "torch", "onnxruntime", "faiss-cpu"))
     return 1 if failed or bad_exit else 0
 
 

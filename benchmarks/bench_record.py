@@ -84,6 +84,19 @@ def table(title: str, header: Sequence[str], rows: Sequence[Sequence[Any]]) -> d
     return {"title": title, "header": list(header), "rows": [[str(cell) for cell in row] for row in rows]}
 
 
+def cell(value: Any) -> str:
+    """A figure as a table shows it: a dict of counts as "KEY n, ...", None as "-"."""
+    if isinstance(value, dict):
+        return ", ".join(f"{k} {v}" for k, v in sorted(value.items())) or "-"
+    return "-" if value is None else str(value)
+
+
+def rows_table(title: str, rows: Sequence[dict[str, Any]], drop: Sequence[str] = ()) -> dict[str, Any]:
+    """A table of the rows a script printed as dicts: one column per key, in first-seen order."""
+    header = list(dict.fromkeys(key for row in rows for key in row if key not in drop))
+    return table(title, header, [[cell(row.get(key)) for key in header] for row in rows])
+
+
 def tables_from_markdown(lines: Sequence[str]) -> list[dict[str, Any]]:
     """The tables of a script's printed Markdown: each table with the paragraph above it as its title."""
     tables, title, rows = [], "", []
@@ -99,6 +112,18 @@ def tables_from_markdown(lines: Sequence[str]) -> list[dict[str, Any]]:
         if line:
             title = f"{title} {line}".strip()
     return tables
+
+
+def retable(path: str | pathlib.Path, tables: Sequence[dict[str, Any]], notes: Sequence[str] = ()) -> None:
+    """Render an existing record's tables anew from the same measurement (a script's layout changed):
+    its command, date, machine and timings stay as measured."""
+    path = pathlib.Path(path)
+    record = json.loads(path.read_text(encoding="utf-8"))
+    record["tables"] = list(tables)
+    record.pop("notes", None)
+    if notes:
+        record["notes"] = list(notes)
+    path.write_text(json.dumps(record, indent=2) + "\n", encoding="utf-8")
 
 
 def write_record(path: str | pathlib.Path, tables: Sequence[dict[str, Any]], *, libraries: Sequence[str] = (),

@@ -215,6 +215,27 @@ def markdown(quality_table, cells: list[Cell], mode: SearchMode, setup: str) -> 
     return "\n".join(lines)
 
 
+BATCHED_RATIO_TARGET = 0.8  # gRPC / in-process at batch 64
+CALLERS_RATIO_TARGET = 1.5  # Search over gRPC with 8 callers at batch 1 / in-process (cross-caller batching)
+
+
+def verdicts(cells: list[Cell]) -> list[str]:
+    """The targets, computed from the cells that ran."""
+    index = {(c.rpc, c.path, c.batch, c.concurrency): c for c in cells}
+    ratio = {key[:1] + key[2:]: cell.queries_per_s / index[(key[0], "in-process", *key[2:])].queries_per_s
+             for key, cell in index.items() if key[1] == "grpc"}
+    notes = []
+    batched = [r for (rpc, batch, _), r in ratio.items() if batch == 64]
+    if batched:
+        notes.append(f"gRPC / in-process at batch 64: {min(batched):.2f}x to {max(batched):.2f}x (target >= "
+                     f"{BATCHED_RATIO_TARGET}x): {'met' if min(batched) >= BATCHED_RATIO_TARGET else 'not met'}")
+    callers = ratio.get(("Search", 1, 8))
+    if callers is not None:
+        notes.append(f"Search over gRPC with 8 callers at batch 1: {callers:.2f}x in-process (target >= "
+                     f"{CALLERS_RATIO_TARGET}x): {'met' if callers >= CALLERS_RATIO_TARGET else 'not met'}")
+    return notes
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--data", type=pathlib.Path, default=DEFAULT_DATA, help="HotpotQA dev_400.jsonl")
@@ -231,6 +252,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="torch CPU threads, in-process and in the server (0: torch's default)")
     parser.add_argument("--json", type=pathlib.Path, help="also write the raw figures here")
     parser.add_argument("--skip-quality", action="store_true")
+    parser.add_argument("--record", metavar="PATH",
+                        help="also write the tables as a JSON record (benchmarks/records/NAME.json: README block "
+                             "bench-NAME, rendered by scripts/render_results.py)")
     args = parser.parse_args(argv)
     if not args.data.exists():
         print(f"HotpotQA data not found at {args.data}", file=sys.stderr)
@@ -275,7 +299,13 @@ def main(argv: list[str] | None = None) -> int:
 
     setup = (f"device {args.device}, dense backend {retriever.dense_index_type}, {os.cpu_count()} CPUs, "
              f"{torch.get_num_threads()} torch threads, OMP_WAIT_POLICY={os.environ['OMP_WAIT_POLICY']}")
-    print(markdown(quality_table, cells, mode, setup))
+    text = markdown(quality_table, cells, mode, setup)
+    print(text)
+    if args.record:
+        from bench_record import tables_from_markdown, write_record
+
+        write_record(args.record, tables_from_markdown(text.splitlines()), notes=verdicts(cells),
+                     libraries=("grpcio", "torch", "onnxruntime", "faiss-cpu"))
     if args.json:
         args.json.write_text(json.dumps({"quality": quality_table, "cells": [asdict(c) for c in cells]}, indent=2))
     return 0

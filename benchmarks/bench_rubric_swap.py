@@ -221,6 +221,9 @@ def main() -> None:
     parser.add_argument("--timeout", type=float, default=30.0, help="the clients' deadline per attempt (s)")
     parser.add_argument("--workdir", default="")
     parser.add_argument("--json", default="")
+    parser.add_argument("--record", metavar="PATH",
+                        help="also write the table as a JSON record (benchmarks/records/NAME.json: README block "
+                             "bench-NAME, rendered by scripts/render_results.py)")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(dir=args.workdir or None) as tmp:
         summary = asyncio.run(run(args, pathlib.Path(tmp)))
@@ -228,6 +231,45 @@ def main() -> None:
     print(text)
     if args.json:
         pathlib.Path(args.json).write_text(text + "\n")
+    if args.record:
+        from bench_record import write_record
+
+        tables, notes = record_tables(summary)
+        write_record(args.record, tables, libraries=("grpcio", "torch", "onnxruntime"), notes=notes)
+
+
+P99_RATIO_TARGET = 2.0  # p99 during a swap over the steady windows' p99
+
+
+def record_tables(summary: dict) -> tuple[list[dict], list[str]]:
+    """The record's table (steady and swap windows, and the A/A control's) and its verdict lines."""
+    from bench_record import table
+
+    def row(name: str, stats: dict, ratio: float | None = None) -> list[str]:
+        return [name, str(stats["calls"]), str(stats["failed"]), f"{stats['p50_ms']:,.1f} ms",
+                f"{stats['p99_ms']:,.1f} ms", "" if ratio is None else f"{ratio:.2f}"]
+
+    swaps = sum(not s["control"] for s in summary["per_swap"])
+    controls = sum(s["control"] for s in summary["per_swap"])
+    rows = [row(f"steady, ahead of the {swaps} swaps", summary["before"]),
+            row(f"during the {swaps} swaps", summary["swap"], summary["p99_ratio"])]
+    if controls:
+        rows += [row(f"steady, ahead of the {controls} controls", summary["control_before"]),
+                 row(f"during the {controls} controls", summary["control"], summary["control_p99_ratio"])]
+    first_new = [s["first_new_response_s"] for s in summary["per_swap"] if not s["control"]]
+    start, end = summary["load_average_start"], summary["load_average_end"]
+    title = (f"Calls of two tenants through the trainer's judge client while rubric versions are published "
+             f"(first response scored by the new version {min(first_new):.1f}-{max(first_new):.1f} s after "
+             f"publication; load average {start[0]:.2f} at the start, {end[0]:.2f} at the end)")
+    header = ["windows", "calls", "failed", "p50", "p99", "p99 / its steady windows' p99"]
+    notes = [f"failed calls: {summary['failed_total']} (target 0): {'met' if summary['failed_total'] == 0 else 'not met'}; "
+             f"calls scored by two versions: {summary['calls_scored_by_two_versions']}",
+             f"p99 during the swaps {summary['p99_ratio']:.2f}x the steady windows' (target <= {P99_RATIO_TARGET:g}x): "
+             f"{'met' if summary['p99_ratio'] <= P99_RATIO_TARGET else 'not met'}"
+             + (f"; A/A control {summary['control_p99_ratio']:.2f}x; medians of the per-cycle ratios: swaps "
+                f"{summary['per_swap_p99_ratio_median']}, controls {summary['per_control_p99_ratio_median']}"
+                if controls else "")]
+    return [table(title, header, rows)], notes
 
 
 if __name__ == "__main__":

@@ -636,6 +636,138 @@ async def soak(retrieval, judge, retrieval_address: str, judge_address: str, sec
     return result
 
 
+# --------------------------------------------------------------------------- record
+
+SOAK_SLOPE_TARGET_MIB_PER_MIN = 0.5  # the issue's target for the RSS slope after warm-up
+
+
+def soak_tables(result: dict, every_s: float = 300.0) -> tuple[list[dict], list[str]]:
+    """The soak's tables (RSS every ``every_s`` seconds, the codes per call kind, the slopes)
+    and its verdict lines."""
+    from bench_record import table
+
+    samples, shown, next_t = result["samples"], [], 0.0
+    for sample in samples:
+        if sample["t_s"] >= next_t or sample is samples[-1]:
+            shown.append([f"{sample['t_s'] / 60:.1f}", f"{sample['retrieval']:.1f}", f"{sample['judge']:.1f}",
+                          f"{sample['load1']:.2f}"])
+            next_t = (sample["t_s"] // every_s + 1) * every_s
+    rss = table(f"Soak: server RSS (MiB) every {every_s / 60:.0f} min of a {result['seconds'] / 60:.0f}-minute run "
+                f"at {result['rate_per_s']:g} calls/s ({result['calls']} calls)",
+                ["minute", "retrieval RSS MiB", "judge RSS MiB", "load (1 min)"], shown)
+    codes = sorted({code for row in result["codes"].values() for code in row})
+    calls = table("Soak: answers per call kind", ["call", *codes],
+                  [[what, *(result["codes"][what].get(code, 0) for code in codes)] for what in sorted(result["codes"])])
+    slope_rows, notes = [], []
+    for service in ("retrieval", "judge"):
+        slope = result.get(f"{service}_rss_slope_mib_per_min")
+        if slope is None:
+            continue
+        first, last = result[f"{service}_rss_mib_after_warm_up"]
+        met = abs(slope) < SOAK_SLOPE_TARGET_MIB_PER_MIN
+        slope_rows.append([service, f"{first:.1f}", f"{last:.1f}", f"{slope:+.3f}",
+                           f"< {SOAK_SLOPE_TARGET_MIB_PER_MIN}: {'met' if met else 'not met'}"])
+        notes.append(f"{service}: RSS slope after {result['warm_up_s'] / 60:.0f} min of warm-up {slope:+.3f} MiB/min "
+                     f"({'meets' if met else 'misses'} the < {SOAK_SLOPE_TARGET_MIB_PER_MIN} MiB/min target)")
+    slopes = table(f"Soak: least-squares RSS slope after {result['warm_up_s'] / 60:.0f} min of warm-up",
+                   ["server", "RSS MiB after warm-up", "RSS MiB at the end", "slope MiB/min", "target"], slope_rows)
+    return [slopes, rss, calls], notes
+
+
+SMALL_P99_RATIO_TARGET = 3.0  # a small tenant's p99 beside a flood and a canceller, over its p99 alone
+JAIN_TARGET = 0.95
+WEIGHT_TOLERANCE = 0.10
+SHED_MS_TARGET = 50.0
+RSS_GROWTH_TARGET = 0.10
+WORST_S_TARGET = 1.0
+
+
+def _verdict(met: bool) -> str:
+    return "met" if met else "NOT met"
+
+
+def record_tables(results: dict) -> tuple[list[dict], list[str]]:
+    """The record's tables and verdict lines (each computed against the issue's target) for the
+    sections that ran."""
+    from bench_record import cell, rows_table
+
+    tables: list[dict] = []
+    notes: list[str] = []
+    if "calibrate" in results:
+        tables.append(rows_table("Cost model constants: per-unit costs, one torch thread, best of several repeats",
+                                 results["calibrate"]))
+    if "worst" in results:
+        rows = results["worst"]
+        tables.append(rows_table("Worst accepted request: the largest prefix the default budgets accept (from the "
+                                 "calibrl-max-items trailer), new texts each time, seconds min-max of the repeats",
+                                 rows))
+        worst_s = max(row["seconds_max"] for row in rows)
+        notes.append(f"worst accepted request: {worst_s:.2f} s at most (target <= ~{WORST_S_TARGET:g} s): "
+                     f"{_verdict(worst_s <= WORST_S_TARGET * 1.2)}")
+    if "small" in results:
+        phases = [row for row in results["small"] if row.get("repeat") != "all"]
+        pooled = [row for row in results["small"] if row.get("repeat") == "all"]
+        tables.append(rows_table("A small tenant's one-item calls, one at a time, alone, then beside a tenant "
+                                 "flooding with the largest accepted request and one that sends it and cancels 50 ms "
+                                 "later (phases interleaved; load1 at the start of each pair)", phases))
+        tables.append(rows_table("The small tenant's phases pooled per service", pooled,
+                                 drop=("repeat", "small tenant")))
+        for row in pooled:
+            notes.append(f"{row['service']}: small tenant's pooled p99 beside flood + canceller "
+                         f"{row['p99_ratio']:.2f}x its p99 alone (target <= {SMALL_P99_RATIO_TARGET:g}x): "
+                         f"{_verdict(row['p99_ratio'] <= SMALL_P99_RATIO_TARGET)}")
+    for key, what in (("fair_equal", "four equal-weight tenants"), ("fair_weighted", "weights 1 : 2 : 4")):
+        if key not in results:
+            continue
+        fair = results[key]
+        rows = [{"tenant": name, **figures} for name, figures in fair["tenants"].items()]
+        first = rows[0]
+        for row in rows:
+            row["served per weight, ratio to the first"] = round(
+                (row["served_cost_s"] / row["weight"]) / (first["served_cost_s"] / first["weight"]), 3)
+        tables.append(rows_table(f"Fair shares, {what}: estimated served cost in the window, Jain's index of "
+                                 f"served cost per weight {fair['jain_of_served_per_weight']}", rows))
+        ratios = [row["served per weight, ratio to the first"] for row in rows]
+        if key == "fair_equal":
+            notes.append(f"fair shares, equal weights: Jain's index {fair['jain_of_served_per_weight']} (target >= "
+                         f"{JAIN_TARGET}): {_verdict(fair['jain_of_served_per_weight'] >= JAIN_TARGET)}")
+        else:
+            worst_off = max(abs(r - 1.0) for r in ratios)
+            notes.append(f"fair shares, weights 1 : 2 : 4: served per weight within {worst_off:.1%} of equal (target "
+                         f"within {WEIGHT_TOLERANCE:.0%}): {_verdict(worst_off <= WEIGHT_TOLERANCE)}")
+    if "overload" in results:
+        rows = results["overload"]
+        first = rows[0]
+        tables.append(rows_table(f"Overload: {first['callers']} concurrent callers for {first['seconds']:g} s, "
+                                 f"{first['deadline_s']:g} s deadlines (server_* figures from the server's "
+                                 "Prometheus page; probe_*: a separate process's calls during the phase)", rows,
+                                 drop=("callers", "seconds", "deadline_s", "shed_max_ms")))
+        for row in rows:
+            late = row.get("server_missed")
+            shed_server = row.get("server_shed") or 0
+            fast = (row.get("server_shed_within_50ms") or 0) / shed_server if shed_server else None
+            growth = row["rss_mib_after"] / row["rss_mib_before"] - 1.0
+            shed = row.get("probe_shed_p99_ms")
+            notes.append(f"{row['service']}, {row['callers']} callers, {row['busy_processes']} busy processes: "
+                         f"admitted calls that missed their deadline (server) {cell(late)}; client-seen "
+                         f"DEADLINE_EXCEEDED {row['client_deadline_exceeded']}; shed calls answered within 50 ms "
+                         f"(server) {'-' if fast is None else f'{fast:.1%}'}; shed p99 (probe process) "
+                         f"{cell(shed)} ms (target < {SHED_MS_TARGET:g}: "
+                         f"{_verdict(shed is not None and shed < SHED_MS_TARGET)}); RSS {growth:+.1%} (target within "
+                         f"{RSS_GROWTH_TARGET:.0%}: {_verdict(abs(growth) <= RSS_GROWTH_TARGET)})")
+    if "stops" in results:
+        tables.append(rows_table("Work stops when nobody waits: calls cancelled mid-work, then the server's CPU "
+                                 "sampled until quiet", results["stops"]))
+        for row in results["stops"]:
+            notes.append(f"{row['service']}: server busy {row['server_busy_after_cancel_s']} s after the cancel "
+                         f"(target < 0.5 s): {_verdict(row['server_busy_after_cancel_s'] < 0.5)}")
+    if "soak" in results:
+        soaked, soak_notes = soak_tables(results["soak"])
+        tables += soaked
+        notes += soak_notes
+    return tables, notes
+
+
 # --------------------------------------------------------------------------- main
 
 def _prepare(work: pathlib.Path) -> pathlib.Path:
@@ -680,6 +812,9 @@ def main() -> None:
                         help="result and embedding cache sizes of the soak's servers (small, so they fill)")
     parser.add_argument("--workdir", default="", help="folder for the index and logs (default: a temp folder)")
     parser.add_argument("--json", default="", help="write the results here")
+    parser.add_argument("--record", metavar="PATH",
+                        help="also write the tables of the sections run as a JSON record (benchmarks/records/"
+                             "NAME.json: README block bench-NAME, rendered by scripts/render_results.py)")
     args = parser.parse_args()
     SIZES.update(query=args.query_chars, judge=args.judge_chars)
     work = pathlib.Path(args.workdir or tempfile.mkdtemp(prefix="bench-tenants-"))
@@ -693,6 +828,11 @@ def main() -> None:
         results.update(asyncio.run(_served(args, work, index, only)))
     if args.json:
         pathlib.Path(args.json).write_text(json.dumps(results, indent=2))
+    if args.record:
+        from bench_record import write_record
+
+        tables, notes = record_tables(results)
+        write_record(args.record, tables, libraries=("grpcio", "torch", "onnxruntime", "faiss-cpu"), notes=notes)
 
 
 async def _served(args, work: pathlib.Path, index: pathlib.Path, only: set[str]) -> dict:

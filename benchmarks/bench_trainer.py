@@ -287,6 +287,9 @@ def main() -> int:
     parser.add_argument("--off-policy", default="0", help="services part: rollout.off_policy_steps values")
     parser.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0 = torch default)")
     parser.add_argument("--out", help="write the figures as JSON here")
+    parser.add_argument("--record", metavar="PATH",
+                        help="also write the tables as a JSON record (benchmarks/records/NAME.json: README block "
+                             "bench-NAME, rendered by scripts/render_results.py)")
     args = parser.parse_args()
 
     import torch
@@ -316,7 +319,51 @@ def main() -> int:
     print(json.dumps(figures, indent=2))
     if args.out:
         pathlib.Path(args.out).write_text(json.dumps(figures, indent=2) + "\n")
+    if args.record:
+        from bench_record import write_record
+
+        tables, notes = record_tables(figures)
+        write_record(args.record, tables, libraries=("torch", "transformers", "trl", "onnxruntime"), notes=notes)
     return 0
+
+
+TRL_RATIO_TARGET = 0.6  # calibrl's step wall time over TRL's (issue 29)
+REWARD_WAIT_TARGET = 0.10  # the reward wait's share of the step with the real services
+
+
+def record_tables(figures: dict) -> tuple[list[dict], list[str]]:
+    """The record's tables and verdict lines (computed against the targets) from the figures."""
+    from bench_record import table
+
+    tables, notes = [], []
+    policy = (f"{figures['policy_parameters'] / 1e6:.3g}M parameters (hidden {figures['hidden']}, "
+              f"{figures['layers']} layers), {figures['batch']}, {figures['torch_threads']} torch thread(s)")
+    if "vs_trl" in figures:
+        t = figures["vs_trl"]
+        tables.append(table(
+            f"Step time against TRL GRPOTrainer: {policy}; medians of steps 2..N of every round",
+            ["timed steps each", "calibrl s/step (wall / CPU)", "TRL s/step (wall / CPU)",
+             "calibrl / TRL (wall / CPU)", "per-round wall ratios", "mean completion length (calibrl / TRL)"],
+            [[t["timed_steps_each"], f"{t['calibrl_median_step_s']:.3f} / {t['calibrl_median_cpu_s']:.3f}",
+              f"{t['trl_median_step_s']:.3f} / {t['trl_median_cpu_s']:.3f}",
+              f"{t['ratio_calibrl_over_trl']:.2f} / {t['cpu_ratio_calibrl_over_trl']:.2f}",
+              ", ".join(f"{r:.2f}" for r in t["round_ratios"]),
+              f"{t['calibrl_mean_completion_length']:.1f} / {t['trl_mean_completion_length']:.1f}"]]))
+        met = t["ratio_calibrl_over_trl"] <= TRL_RATIO_TARGET
+        notes.append(f"calibrl / TRL step wall time {t['ratio_calibrl_over_trl']:.2f}x (target <= "
+                     f"{TRL_RATIO_TARGET}x): {'met' if met else 'not met'}")
+    if "services" in figures:
+        rows = []
+        for name, s in figures["services"].items():
+            rows.append([name, f"{100 * s['reward_wait_share']:.1f}%", f"{100 * s['overlap_forward_share']:.1f}%",
+                         f"{100 * s['generation_share']:.1f}%", f"{s['mean_step_s']:.3f}"])
+        tables.append(table(f"Reward wait with the real services (loopback, same cores): {policy}; steps 2..N",
+                            ["run", "reward wait / step", "overlap forward / step", "generation / step",
+                             "mean step s"], rows))
+        best = min(figures["services"].items(), key=lambda kv: kv[1]["reward_wait_share"])
+        notes.append(f"least reward wait: {best[0]}, {100 * best[1]['reward_wait_share']:.1f}% of the step (target "
+                     f"< {100 * REWARD_WAIT_TARGET:.0f}%): {'met' if best[1]['reward_wait_share'] < REWARD_WAIT_TARGET else 'not met'}")
+    return tables, notes
 
 
 if __name__ == "__main__":
