@@ -193,7 +193,8 @@ def bench_judge(args, workdir: pathlib.Path, queries: list[str]) -> list[str]:
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "rewriter.yaml").write_text(RUBRIC)
     lines = ["One programmatic Score of 32 items on `calibrl serve judge` (settings as shipped, result cache off, "
-             "new items every call; seconds):", "", "| encoder | first call | fastest of the next |",
+             "new items every call) through the trainer's judge client, which splits what the cost budget refuses "
+             "into the chunks the server names; seconds:", "", "| encoder | first call | fastest of the next |",
              "| --- | --- | --- |"]
     for backend in ("torch", "onnx"):
         env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "OMP_NUM_THREADS")}
@@ -220,23 +221,24 @@ def bench_judge(args, workdir: pathlib.Path, queries: list[str]) -> list[str]:
 
 
 async def _score_calls(port: int, queries: list[str], calls: int) -> list[float]:
-    import grpc
-
-    from calibrl.api import judge_wire as wire
+    """``calls`` Scores of 32 new items through the trainer's judge client, which splits a request
+    the server's cost budget refuses into the chunks it names (``calibrl-max-items``) and sends
+    them concurrently; the seconds of each."""
     from calibrl.api.judge import JudgeItem
-    from calibrl.v1 import judge_pb2, judge_pb2_grpc
+    from calibrl.trainer.grpc_clients import GrpcJudgeClient
 
     times = []
-    async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
-        stub = judge_pb2_grpc.JudgeServiceStub(channel)
+    client = GrpcJudgeClient(f"127.0.0.1:{port}", timeout_s=600)
+    try:
         for call in range(calls):
             items = [JudgeItem.make(queries[(call * 32 + i) % len(queries)],
                                     f"{queries[(call * 32 + i + 7) % len(queries)]} (call {call}, item {i})")
                      for i in range(32)]
-            request = judge_pb2.ScoreRequest(rubric_id="rewriter", items=[wire.item_to_proto(i) for i in items])
             start = time.perf_counter()
-            await stub.Score(request, timeout=600)
+            await client.score("rewriter", items)
             times.append(time.perf_counter() - start)
+    finally:
+        await client.close()
     return times
 
 

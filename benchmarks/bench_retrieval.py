@@ -32,6 +32,7 @@ import sys
 import threading
 import time
 from dataclasses import asdict, dataclass
+from typing import Sequence
 
 import numpy as np
 
@@ -173,10 +174,10 @@ async def run_grpc(address: str, rpc: str, batches: list[list[str]], concurrency
 
 
 def start_server(index_dir: pathlib.Path, device: str, mode: SearchMode, dense_backend: str,
-                 torch_threads: int) -> tuple[subprocess.Popen, str]:
+                 torch_threads: int, extra: Sequence[str] = ()) -> tuple[subprocess.Popen, str]:
     command = [sys.executable, "-m", "calibrl", "serve", "retrieval", "--index", str(index_dir), "--port", "0",
                f"device={device}", f"default_mode={mode.value}", f"dense_backend={dense_backend}",
-               f"torch_threads={torch_threads}"]
+               f"torch_threads={torch_threads}", *extra]
     process = subprocess.Popen(command, stderr=subprocess.PIPE, text=True, cwd=ROOT,
                                env=dict(os.environ, PYTHONUNBUFFERED="1"))
     assert process.stderr is not None
@@ -252,6 +253,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="torch CPU threads, in-process and in the server (0: torch's default)")
     parser.add_argument("--json", type=pathlib.Path, help="also write the raw figures here")
     parser.add_argument("--skip-quality", action="store_true")
+    parser.add_argument("--server-args", default="serving.max_request_cost_s=60",
+                        help="more key=value settings of the server (default: a cost budget that admits the "
+                             "batch-64 requests whole, so both paths run the same batches)")
     parser.add_argument("--record", metavar="PATH",
                         help="also write the tables as a JSON record (benchmarks/records/NAME.json: README block "
                              "bench-NAME, rendered by scripts/render_results.py)")
@@ -276,7 +280,8 @@ def main(argv: list[str] | None = None) -> int:
     for name, row in quality_table.items():
         print(f"{name:>7}: " + "  ".join(f"{k} {v:.3f}" for k, v in row.items()), file=sys.stderr)
 
-    process, address = start_server(args.index, args.device, mode, args.dense_backend, args.torch_threads)
+    process, address = start_server(args.index, args.device, mode, args.dense_backend, args.torch_threads,
+                                    args.server_args.split())
     cells: list[Cell] = []
     try:
         for rpc in args.rpcs.split(","):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import pathlib
+import re
 
 import pytest
 
@@ -207,3 +208,29 @@ def test_a_printed_markdown_table_becomes_a_record_table(tmp_path) -> None:
     assert record["command"] == "python benchmarks/bench_x.py --n 2" and record["tables"] == tables
     lines = rt.bench_record(record, "x")
     assert "| 1 | 2.5x |" in lines and "python benchmarks/bench_x.py --n 2" in lines
+
+
+def test_dict_rows_become_a_table_and_a_record_can_be_rendered_anew(tmp_path) -> None:
+    bench_record = _bench_record_module()
+    rows = [{"service": "judge", "codes": {"OK": 3, "CANCELLED": 1}, "p99_ms": 12.5},
+            {"service": "retrieval", "p99_ms": None, "extra": 2}]
+    table = bench_record.rows_table("Phases", rows, drop=("extra",))
+    assert table == {"title": "Phases", "header": ["service", "codes", "p99_ms"],
+                     "rows": [["judge", "CANCELLED 1, OK 3", "12.5"], ["retrieval", "-", "-"]]}
+    path = bench_record.write_record(tmp_path / "x.json", [table], notes=["first"],
+                                     argv=[str(ROOT / "benchmarks" / "bench_x.py")])
+    measured = json.loads(path.read_text(encoding="utf-8"))
+    bench_record.retable(path, [bench_record.table("Other", ["a"], [[1]])])
+    again = json.loads(path.read_text(encoding="utf-8"))
+    assert again["tables"] == [{"title": "Other", "header": ["a"], "rows": [["1"]]}] and "notes" not in again
+    assert {k: again[k] for k in ("command", "measured", "machine", "wall_s")} == \
+        {k: measured[k] for k in ("command", "measured", "machine", "wall_s")}
+
+
+def test_no_benchmark_table_is_typed_by_hand() -> None:
+    """Every table of benchmarks/README.md lies inside a generated block (rendered from a record);
+    measurements that have no record are dated in benchmarks/HISTORY.md."""
+    readme = (ROOT / "benchmarks" / "README.md").read_text(encoding="utf-8")
+    outside = rt.BLOCK.sub("", readme)
+    typed = [line for line in outside.splitlines() if re.fullmatch(r"\|(?:\s*:?-{3,}:?\s*\|)+", line.strip())]
+    assert not typed, f"{len(typed)} table(s) of benchmarks/README.md outside a generated block"
