@@ -53,6 +53,7 @@ sys.path.insert(0, str(ROOT))
 DEFAULT_DATA = ROOT.parent / "shared" / "data" / "hotpotqa" / "dev_400.jsonl"
 DEFAULT_HOTPOTQA_INDEX = pathlib.Path("/tmp/calibrl-bench/hotpotqa-flat")  # where bench_retrieval.py builds it
 TOP_K = 5
+PUSHBACK_KEY = "grpc-retry-pushback-ms"  # the servers' load-shedding trailer
 
 DEMO_RUBRIC_ID = "fund-rewriter-load"
 
@@ -193,6 +194,7 @@ class PhaseResult:
     duration_s: float
     requests: int
     errors: dict[str, int] = field(default_factory=dict)
+    shed: int = 0  # RESOURCE_EXHAUSTED with a retry pushback: the caller waited it out and sent again
     requests_per_s: float = 0.0
     items_per_s: float = 0.0
     p50_ms: float = 0.0
@@ -215,6 +217,7 @@ async def run_phase(service: str, rpc: str, target: str, stub_factory: Callable[
         await asyncio.gather(*(m(requests[i % len(requests)], timeout=timeout) for i, m in enumerate(methods)))
         latencies: list[float] = []
         errors: collections.Counter[str] = collections.Counter()
+        shed = [0]
         start = time.perf_counter()
         deadline = start + duration
 
@@ -227,7 +230,12 @@ async def run_phase(service: str, rpc: str, target: str, stub_factory: Callable[
                 try:
                     await methods[index](request, timeout=timeout)
                 except grpc.aio.AioRpcError as exc:
-                    errors[exc.code().name] += 1
+                    pushback = dict(exc.trailing_metadata() or ()).get(PUSHBACK_KEY)
+                    if exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and pushback is not None:
+                        shed[0] += 1  # load shedding: honour the pushback, as the trainer's clients do
+                        await asyncio.sleep(int(pushback) / 1000)
+                    else:
+                        errors[exc.code().name] += 1
                     continue
                 latencies.append(time.perf_counter() - sent)
 
@@ -238,7 +246,7 @@ async def run_phase(service: str, rpc: str, target: str, stub_factory: Callable[
     ms = np.asarray(latencies) * 1000.0 if latencies else np.zeros(1)
     return PhaseResult(
         service=service, rpc=rpc, clients=clients, batch=batch, duration_s=round(elapsed, 2),
-        requests=len(latencies) + sum(errors.values()), errors=dict(errors),
+        requests=len(latencies) + sum(errors.values()) + shed[0], errors=dict(errors), shed=shed[0],
         requests_per_s=len(latencies) / elapsed, items_per_s=len(latencies) * batch / elapsed,
         p50_ms=float(np.percentile(ms, 50)), p90_ms=float(np.percentile(ms, 90)),
         p99_ms=float(np.percentile(ms, 99)), max_ms=float(ms.max()),
@@ -246,14 +254,14 @@ async def run_phase(service: str, rpc: str, target: str, stub_factory: Callable[
 
 
 def markdown(results: list[PhaseResult]) -> str:
-    lines = ["| service | RPC | clients | items/request | seconds | requests | errors | requests/s | items/s "
-             "| p50 ms | p90 ms | p99 ms | max ms |",
-             "|---|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|"]
+    lines = ["| service | RPC | clients | items/request | seconds | requests | shed (pushback honoured) | errors "
+             "| OK requests/s | OK items/s | p50 ms | p90 ms | p99 ms | max ms |",
+             "|---|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|"]
     for r in results:
-        errors = sum(r.errors.values())
+        errors = ", ".join(f"{code} {n}" for code, n in sorted(r.errors.items())) or "0"
         lines.append(f"| {r.service} | {r.rpc} | {r.clients} | {r.batch} | {r.duration_s:.1f} | {r.requests} "
-                     f"| {errors} | {r.requests_per_s:.1f} | {r.items_per_s:.0f} | {r.p50_ms:.0f} | {r.p90_ms:.0f} "
-                     f"| {r.p99_ms:.0f} | {r.max_ms:.0f} |")
+                     f"| {r.shed} | {errors} | {r.requests_per_s:.1f} | {r.items_per_s:.0f} | {r.p50_ms:.0f} "
+                     f"| {r.p90_ms:.0f} | {r.p99_ms:.0f} | {r.max_ms:.0f} |")
     return "\n".join(lines)
 
 
@@ -303,11 +311,12 @@ def main(argv: list[str] | None = None) -> int:
         for service in services:
             if service == "retrieval":
                 index_dir, setup["retrieval_index"] = choose_index(args.index, args.data, work)
-                server = ChildServer("retrieval", ["--index", str(index_dir), "device=cpu", *args.retrieval_set],
+                server = ChildServer("retrieval", ["--index", str(index_dir), "device=cpu", "embedding_cache_size=0",
+                                                   *args.retrieval_set],
                                      args.server_threads)
                 hotpotqa = index_dir == DEFAULT_HOTPOTQA_INDEX or "hotpotqa" in str(index_dir).lower()
                 requests = retrieval_requests(args.batch, args.data, hotpotqa and args.data.exists(), args.mode)
-                setup["retrieval_index"] += f", {args.mode} mode, top_k {TOP_K}" + "".join(
+                setup["retrieval_index"] += f", {args.mode} mode, top_k {TOP_K}, embedding cache off" + "".join(
                     f", {o}" for o in args.retrieval_set)
                 stub, rpc = retrieval_pb2_grpc.RetrievalServiceStub, "ScoreRetrieval"
             else:
@@ -318,9 +327,11 @@ def main(argv: list[str] | None = None) -> int:
                 (rubrics / f"{DEMO_RUBRIC_ID}.yaml").write_text(demo_rubric_yaml(list(SYNTHETIC_GLOSSARY)))
                 server = ChildServer("judge", ["--rubrics", str(rubrics), "--backend", "programmatic",
                                                "--allow-unvalidated", f"judge.embedder={args.judge_embedder}",
-                                               "judge.cache_size=0", "judge.embedder_device=cpu", *args.judge_set],
+                                               "judge.cache_size=0", "judge.embedder_cache_size=0", "judge.embedder_device=cpu",
+                                               *args.judge_set],
                                      args.server_threads)
-                setup["judge"] = f"programmatic, {args.judge_embedder} embedder, cache off, rubric {DEMO_RUBRIC_ID}" + (
+                setup["judge"] = (f"programmatic, {args.judge_embedder} embedder, result and embedding caches off, "
+                                  f"rubric {DEMO_RUBRIC_ID}") + (
                     "".join(f", {o}" for o in args.judge_set))
                 requests = judge_requests(args.batch)
                 stub, rpc = judge_pb2_grpc.JudgeServiceStub, "Score"
@@ -359,7 +370,8 @@ def main(argv: list[str] | None = None) -> int:
         from bench_record import tables_from_markdown, write_record
 
         title = "Closed-loop load: " + "; ".join(f"{name} {value}" for name, value in setup.items())
-        notes = [f"errors: {failed} of {sum(r.requests for r in results)} requests"]
+        notes = [f"errors (codes other than a shed with pushback): {failed} of {sum(r.requests for r in results)} "
+                 "requests"]
         if bad_exit:
             notes.append(f"servers that did not exit cleanly on SIGTERM: {bad_exit}")
         write_record(args.record, tables_from_markdown([title, "", *markdown(results).splitlines()]), notes=notes,

@@ -162,7 +162,15 @@ async def run_grpc(address: str, rpc: str, batches: list[list[str]], concurrency
             while not queue.empty():
                 batch = queue.get_nowait()
                 start = time.perf_counter()
-                await request(batch)
+                while True:
+                    try:
+                        await request(batch)
+                        break
+                    except grpc.aio.AioRpcError as exc:  # shed: wait the pushback out and send again
+                        pushback = dict(exc.trailing_metadata() or ()).get("grpc-retry-pushback-ms")
+                        if exc.code() != grpc.StatusCode.RESOURCE_EXHAUSTED or pushback is None:
+                            raise
+                        await asyncio.sleep(int(pushback) / 1000)
                 latencies.append(time.perf_counter() - start)
 
         start = time.perf_counter()
@@ -253,9 +261,10 @@ def main(argv: list[str] | None = None) -> int:
                         help="torch CPU threads, in-process and in the server (0: torch's default)")
     parser.add_argument("--json", type=pathlib.Path, help="also write the raw figures here")
     parser.add_argument("--skip-quality", action="store_true")
-    parser.add_argument("--server-args", default="serving.max_request_cost_s=60",
+    parser.add_argument("--server-args", default="serving.max_request_cost_s=60 embedding_cache_size=0",
                         help="more key=value settings of the server (default: a cost budget that admits the "
-                             "batch-64 requests whole, so both paths run the same batches)")
+                             "batch-64 requests whole, so both paths run the same batches, and no embedding "
+                             "cache: the batches repeat queries)")
     parser.add_argument("--record", metavar="PATH",
                         help="also write the tables as a JSON record (benchmarks/records/NAME.json: README block "
                              "bench-NAME, rendered by scripts/render_results.py)")
@@ -271,7 +280,8 @@ def main(argv: list[str] | None = None) -> int:
 
         torch.set_num_threads(args.torch_threads)
     ensure_index(args.data, args.index, args.device)
-    retriever = Retriever.load(args.index, device=args.device, dense_backend=args.dense_backend)
+    retriever = Retriever.load(args.index, device=args.device, dense_backend=args.dense_backend,
+                               embedding_cache_size=0)  # as the server: the batches repeat queries
     questions = read_hotpotqa_questions(args.data)
     queries = [q.question for q in questions]
     mode = SearchMode(args.mode)
