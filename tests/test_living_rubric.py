@@ -129,11 +129,20 @@ def test_a_quick_run_goes_end_to_end_from_records(tmp_path, capsys):
             changed = [e for e in corrected["events"] if e["event"] == "rubric_changed"]
             assert changed[0]["step"] == fix["step"] + 1 and changed[0]["versions"] == [fix["hash"]]
             assert fix["kappa_after"] > (fix["kappa_before"] if fix["kappa_before"] is not None else -1.0)
-            assert fix["kappa_after"] == max(c["kappa"] for c in fix["candidates"] if c["kappa"] is not None)
-            checks = [c for c in results["check"] if c["hash"] == fix["hash"]]
-            assert {c["run"] for c in checks} == {"uncorrected", "corrected"}
-            for check in checks:  # only grades of rollouts after those the choice read
-                assert check["after_step"] == fix["chosen_on"]["last_rollout_step"]
+            assert fix["kappa_after"] >= living_rubric.QUICK.min_kappa  # only a version that passes the gate
+    for fix in results["runs"]["corrected"]["published"]:  # the best candidate of every attempt is the one named
+        kappas = [c["kappa"] for c in fix["candidates"] if c["kappa"] is not None]
+        if kappas:
+            assert fix["best_kappa"] == max(kappas)
+            assert fix["published"] == (fix["best_kappa"] >= living_rubric.QUICK.min_kappa and fix["best_kappa"] > (
+                fix["kappa_before"] if fix["kappa_before"] is not None else -1.0))
+    attempts = [f for f in results["runs"]["corrected"]["published"] if "best_text" in f]
+    if attempts:  # the next version is checked on the grades its choice did not read, in both runs
+        chosen = next((f for f in attempts if f["published"]), attempts[0])
+        assert {c["run"] for c in results["check"]} == {"uncorrected", "corrected"}
+        for check in results["check"]:
+            assert check["after_step"] == chosen["chosen_on"]["last_rollout_step"]
+            assert check["published"] == chosen["published"] and check["criteria"] == chosen["best_criteria"]
     for name, run in results["runs"].items():  # the onset, recomputed from the records the report quotes
         assert run["onset"] == living_rubric.exploit_onset(living_rubric.run_records(out, name)["metrics"],
                                                            living_rubric.QUICK.review_every)

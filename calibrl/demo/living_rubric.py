@@ -26,17 +26,17 @@ The story, on the built-in domain (:mod:`calibrl.demo.domain`, nothing downloade
    from the judge's own programmatic scorers (:func:`candidate_versions`, one or two of
    :data:`CANDIDATE_CRITERIA`): each candidate is scored on the fresh grades of the last
    :data:`SELECTION_REVIEWS` reviews with the trainer's check (:func:`rubric_kappa`), and the best
-   is published, by a rename into the judge's
-   folder, when its kappa beats the current version's. The judge server's poller loads it and the
-   run continues on it without a restart; the weight is restored on the first step it scores.
-   Without a better candidate the run goes on with the lowered weight and the next alarm tries
-   again. The grades of later rollouts, which chose nothing, check the published version against
+   is published, by a rename into the judge's folder, only when its kappa clears the gate and beats
+   the current version's (a version is served only when it passes the gate). The judge server's
+   poller loads it and the run continues on it without a restart; the weight is restored on the
+   first step it scores. Otherwise the run goes on with the lowered weight and the next alarm tries
+   again on newer grades. The grades of later rollouts, which chose nothing, check the published version against
    version 1 in both runs (:func:`check_published`).
 5. **Held-out retrieval.** The base, uncorrected and corrected policies' greedy rewrites of the
    held-out tasks are searched (BM25, hit@1); the corrected-minus-uncorrected difference gets a
    paired bootstrap interval that resamples whole (product, topic) clusters
    (:func:`calibrl.stats.paired_difference`). The sizes (:class:`LivingSettings`) were chosen on
-   training tasks only; the held-out tasks are read once, here.
+   training tasks and the runs' training records only, never on the held-out tasks.
 
 Everything the report and figures show is read from the run records (``metrics.jsonl``,
 ``review/drift.jsonl``, ``rubric_versions.jsonl``) and ``results.json``, never typed in. The judge
@@ -324,9 +324,10 @@ def rollout_step(record_id: str) -> int:
 def _publish_fix(rubric_id: str, run_dir: pathlib.Path, step: int, services: _Services,
                  settings: LivingSettings) -> dict[str, Any]:
     """The next version: the candidate (:func:`candidate_versions`) that agrees best with the fresh
-    grades of the last :data:`SELECTION_REVIEWS` review windows' rollouts, published by a rename into the judge's folder when it beats the current version
-    there; returns once the judge serves it (the next step scores with it). The grades of later
-    rollouts, which chose nothing, check it at the end of the run (:func:`check_published`)."""
+    grades of the last :data:`SELECTION_REVIEWS` review windows' rollouts. It is published, by a
+    rename into the judge's folder, only when its kappa there clears the drift gate and beats the
+    current version's; then this returns once the judge serves it (the next step scores with it).
+    The grades of later rollouts, which chose nothing, check it at the end (:func:`check_published`)."""
     from calibrl.judge_server.authoring.feedback import read_feedback
     from calibrl.judge_server.rubric import parse_rubric
 
@@ -344,9 +345,13 @@ def _publish_fix(rubric_id: str, run_dir: pathlib.Path, step: int, services: _Se
     ranked = [c for c in record["candidates"] if c["kappa"] is not None]
     best = max(ranked, key=lambda c: c["kappa"], default=None)
     before = record["kappa_before"] if record["kappa_before"] is not None else -1.0
-    if best is None or best["kappa"] <= before:
-        record["why_not"] = (f"no candidate agrees with the fresh grades better than kappa {before:.2f} "
-                             "(the run goes on with the lowered weight)")
+    if best is not None:
+        record.update(best_criteria=best["criteria"], best_kappa=best["kappa"], best_text=best["text"])
+    if best is None or best["kappa"] <= before or best["kappa"] < settings.min_kappa:
+        # a version is served only when it passes the gate (docs/concepts/rubric-lifecycle.md)
+        record["why_not"] = (f"the best candidate, {' + '.join(best['criteria'])}, has kappa {best['kappa']:.2f} on "
+                             f"those grades (version 1: {before:.2f}; the gate: {settings.min_kappa:g})"
+                             if best is not None else "no candidate reaches a verdict on those grades")
         return record
     text = best["text"]
     record.update(criteria=best["criteria"], kappa_after=best["kappa"], text=text)
@@ -364,20 +369,26 @@ def _publish_fix(rubric_id: str, run_dir: pathlib.Path, step: int, services: _Se
 
 
 def check_published(out: pathlib.Path, runs: dict[str, Any], settings: LivingSettings) -> list[dict[str, Any]]:
-    """Each published version against version 1 on the grades that chose nothing: those of rollouts
-    after the last rollout its choice read, in each run."""
+    """The published version (or, when none was, the first alarm's best candidate) against version 1
+    on the grades that chose nothing: those of rollouts after the last one its choice read, in each run."""
     from calibrl.judge_server.authoring.feedback import read_feedback
+    from calibrl.judge_server.rubric import parse_rubric
 
+    attempts = [f for run in runs.values() for f in run["published"] if "best_text" in f]
+    chosen = next((f for f in attempts if f["published"]), attempts[0] if attempts else None)
+    if chosen is None:
+        return []
+    after = chosen["chosen_on"]["last_rollout_step"]
     checks = []
-    for fix in (f for run in runs.values() for f in run["published"] if f["published"]):
-        after = fix["chosen_on"]["last_rollout_step"]
-        for name, run in runs.items():
-            path = out / run["run_dir"] / "review" / "feedback.jsonl"
-            later = [r for r in read_feedback(path) if rollout_step(r.id) > after] if path.exists() else []
-            checks.append({"version": fix["version"], "hash": fix["hash"], "run": name, "after_step": after,
-                           "items": len(later), "expert_pass": sum(r.expert_pass(4) for r in later),
-                           "kappa_v1": rubric_kappa(weak_rubric(run["rubric_id"]), later, settings),
-                           "kappa_published": rubric_kappa(fix["text"], later, settings)})
+    for name, run in runs.items():
+        path = out / run["run_dir"] / "review" / "feedback.jsonl"
+        later = [r for r in read_feedback(path) if rollout_step(r.id) > after] if path.exists() else []
+        checks.append({"published": chosen["published"], "criteria": chosen["best_criteria"],
+                       "version": parse_rubric(chosen["best_text"]).version, "alarm_step": chosen["step"],
+                       "hash": parse_rubric(chosen["best_text"]).hash, "run": name, "after_step": after,
+                       "items": len(later), "expert_pass": sum(r.expert_pass(4) for r in later),
+                       "kappa_v1": rubric_kappa(weak_rubric(run["rubric_id"]), later, settings),
+                       "kappa_candidate": rubric_kappa(chosen["best_text"], later, settings)})
     return checks
 
 
@@ -425,18 +436,24 @@ def run_records(out: pathlib.Path, name: str) -> dict[str, list[dict[str, Any]]]
 
 
 def write_figures(out: pathlib.Path) -> list[str]:
-    """Two PNGs drawn from the records: the runs' rubric share of the reward and drift kappa by
-    step, and the held-out hit@1 of each policy. Returns their file names."""
+    """Two PNGs drawn from the records: the runs' mean rollout length with the onset rule, their
+    reward components and drift kappa by step, and the held-out hit@1 of each policy. Returns their
+    file names."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     results = json.loads((out / "results.json").read_text(encoding="utf-8"))
-    fig, (top, bottom) = plt.subplots(2, 1, figsize=(7, 6), sharex=True)
+    fig, (lengths, top, bottom) = plt.subplots(3, 1, figsize=(7, 8), sharex=True)
     for name, colour in (("uncorrected", "tab:red"), ("corrected", "tab:blue")):
         records = run_records(out, name)
         steps = [m["step"] for m in records["metrics"]]
+        onset = results["runs"][name]["onset"]
+        lengths.plot(steps, [m["completions/mean_length"] for m in records["metrics"]], color=colour, label=name)
+        lengths.axhline(onset["threshold"], color=colour, linestyle="--", alpha=0.5)
+        if onset["step"] is not None:
+            lengths.axvline(onset["step"], color=colour, linestyle="--", alpha=0.5)
         top.plot(steps, [m["rewards/rubric/mean"] for m in records["metrics"]], color=colour, label=f"{name}: rubric total")
         top.plot(steps, [m["rewards/retrieval/mean"] for m in records["metrics"]], color=colour, linestyle="--",
                  label=f"{name}: retrieval MRR@10")
@@ -449,6 +466,9 @@ def write_figures(out: pathlib.Path) -> list[str]:
                     axis.axvline(event["step"], color=colour, alpha=0.4,
                                  linestyle=":" if event["event"] == "rubric_downweighted" else "-")
     bottom.axhline(results["settings"]["min_kappa"], color="grey", linestyle="--", label="drift gate")
+    lengths.set_ylabel("mean length (tokens)")
+    lengths.set_title("dashed: onset threshold and onset step", fontsize=8)
+    lengths.legend(fontsize=7)
     top.set_ylabel("mean over the step")
     bottom.set_ylabel("Cohen's kappa")
     bottom.set_xlabel("step (dotted: alarm, solid: new rubric version)")
@@ -496,20 +516,25 @@ def report_markdown(out: pathlib.Path, figures: Sequence[str]) -> str:
                          f"{onset['rise']} x the first review window's {onset['baseline_length']:.1f}, for "
                          f"{onset['sustain']} steps from then): step {onset['step']}; {lead} (review every "
                          f"{settings['review_every']} steps; a review's grades are checked on the next review step).")
-        for fix in run["published"]:
-            if fix["published"]:
-                named = ", ".join(fix["disagreeing"]) or "no criterion"
-                best = sorted((c for c in fix["candidates"] if c["kappa"] is not None), key=lambda c: -c["kappa"])
-                runner_up = f"; runner-up {' + '.join(best[1]['criteria'])} {best[1]['kappa']:.2f}" if len(best) > 1 else ""
-                lines.append(f"  The alarm of step {fix['step']} named {named}. Of {len(fix['candidates'])} candidate "
-                             f"versions built from the judge's programmatic scorers, {' + '.join(fix['criteria'])} "
-                             f"agrees best with the {fix['chosen_on']['items']} fresh grades of the last "
-                             f"{results.get('selection_reviews', 2)} reviews (rollouts of steps "
-                             f"{fix['chosen_on']['first_rollout_step']}-{fix['chosen_on']['last_rollout_step']}): kappa {_num(fix['kappa_before'])} "
-                             f"(version 1) -> {_num(fix['kappa_after'])}{runner_up}, chosen on those grades. Version "
-                             f"{fix['version']} ({fix['hash'][:12]}) was published and loaded without a restart.")
-            else:
-                lines.append(f"  The alarm of step {fix['step']} was not followed by a new version: {fix['why_not']}.")
+        for fix in (f for f in run["published"] if f["published"]):
+            named = ", ".join(fix["disagreeing"]) or "no criterion"
+            lines.append(f"  The alarm of step {fix['step']} named {named}. Of {len(fix['candidates'])} candidate "
+                         f"versions built from the judge's programmatic scorers, {' + '.join(fix['criteria'])} "
+                         f"agrees best with the {fix['chosen_on']['items']} fresh grades of the last "
+                         f"{results['selection_reviews']} reviews (rollouts of steps "
+                         f"{fix['chosen_on']['first_rollout_step']}-{fix['chosen_on']['last_rollout_step']}): kappa "
+                         f"{_num(fix['kappa_before'])} (version 1) -> {_num(fix['kappa_after'])}, chosen on those "
+                         f"grades. Version {fix['version']} ({fix['hash'][:12]}) was published and loaded without a "
+                         "restart.")
+        refused = [f for f in run["published"] if not f["published"]]
+        if refused:
+            tries = "; ".join(f"step {f['step']}: {' + '.join(f.get('best_criteria', [])) or 'none'} "
+                              f"{_num(f.get('best_kappa'))} (version 1 {_num(f['kappa_before'])})" for f in refused)
+            lines.append(f"  No version was published after the alarm(s) of step(s) "
+                         f"{', '.join(str(f['step']) for f in refused)}: no candidate built from the judge's "
+                         f"programmatic scorers ({len(refused[0]['candidates'])} of them) reached the gate "
+                         f"{settings['min_kappa']} on the fresh grades of the last {results['selection_reviews']} "
+                         f"reviews. Best candidate, its kappa there: {tries}.")
         changes = [e["step"] for e in records["events"] if e["event"] == "rubric_changed"]
         if changes:
             scales = {m["step"]: m.get("rubric/weight_scale") for m in records["metrics"]}
@@ -517,13 +542,17 @@ def report_markdown(out: pathlib.Path, figures: Sequence[str]) -> str:
                          f"{scales.get(changes[0])}); {settings['steps'] - changes[0] + 1} of {settings['steps']} "
                          "steps trained on it.")
     if results["check"]:
-        lines += ["", "## The published version on grades that chose nothing", "",
-                  "Grades of rollouts after the last one the choice read, scored by version 1 and by the published "
-                  "version with the same drift check:", ""]
+        first = results["check"][0]
+        what = (f"the published version {first['version']} ({' + '.join(first['criteria'])})" if first["published"]
+                else f"the best candidate of the alarm of step {first['alarm_step']} ({' + '.join(first['criteria'])}; "
+                     "not published)")
+        lines += ["", "## The next version on grades that chose nothing", "",
+                  f"Grades of the rollouts after step {first['after_step']} (the last its choice read), scored by "
+                  f"version 1 and by {what} with the same drift check:", ""]
         for check in results["check"]:
-            lines.append(f"- {check['run']} run, rollouts after step {check['after_step']}: {check['items']} grades "
-                         f"({check['expert_pass']} passed by the experts): kappa version 1 {_num(check['kappa_v1'])}, "
-                         f"version {check['version']} {_num(check['kappa_published'])}.")
+            lines.append(f"- {check['run']} run: {check['items']} grades ({check['expert_pass']} passed by the "
+                         f"experts): kappa version 1 {_num(check['kappa_v1'])}, the next version "
+                         f"{_num(check['kappa_candidate'])}.")
     lines += ["", "## Held-out retrieval", "",
               f"{len(heldout['tasks'])} held-out tasks, greedy rewrites searched with BM25, hit@{heldout['top_k']}:", ""]
     for name, hits in heldout["hits"].items():
