@@ -6,6 +6,7 @@ end against a real judge server, its report and figures made from the records.""
 from __future__ import annotations
 
 import ast
+import dataclasses
 import json
 import pathlib
 import re
@@ -160,3 +161,16 @@ def test_a_quick_run_goes_end_to_end_from_records(tmp_path, capsys):
     assert "![training.png](training.png)" in report
     assert living_rubric.main(["--quick", "--out", str(out)]) == 2  # never overwrites a folder
     assert "is not empty" in capsys.readouterr().err
+
+
+def test_the_kept_report_is_the_one_its_records_make():
+    """results/living-rubric holds a full run's records and report (docs/concepts/rubric-lifecycle.md
+    points there): the report is regenerated from the records, word for word."""
+    kept = pathlib.Path(__file__).resolve().parents[1] / "results" / "living-rubric"
+    report = (kept / "report.md").read_text(encoding="utf-8")
+    assert living_rubric.report_markdown(kept, ["training.png", "heldout.png"]) == report
+    results = json.loads((kept / "results.json").read_text(encoding="utf-8"))
+    assert results["settings"] == dataclasses.asdict(living_rubric.LivingSettings())  # the defaults made it
+    for name, run in results["runs"].items():
+        assert run["onset"] == living_rubric.exploit_onset(living_rubric.run_records(kept, name)["metrics"],
+                                                           results["settings"]["review_every"])

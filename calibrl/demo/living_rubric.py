@@ -498,7 +498,8 @@ def report_markdown(out: pathlib.Path, figures: Sequence[str]) -> str:
     lines = ["# The living rubric", "",
              f"Seed {results['seed']}; {settings['steps']} steps per run, review every {settings['review_every']} "
              f"steps ({settings['review_n']} rollouts), drift gate kappa >= {settings['min_kappa']}, rubric weight "
-             f"{settings['w_rubric']} (x {settings['downweight_factor']} after an alarm).", "", "## The runs", ""]
+             f"{settings['w_rubric']} (x {settings['downweight_factor']} after an alarm). A step's drift kappa is the "
+             "trainer's check over every grade so far, scored by the version serving then.", "", "## The runs", ""]
     for name, run in results["runs"].items():
         records = run_records(out, name)
         alarms = [d["step"] for d in records["drift"] if d.get("alarm")]
@@ -516,6 +517,15 @@ def report_markdown(out: pathlib.Path, figures: Sequence[str]) -> str:
                          f"{onset['rise']} x the first review window's {onset['baseline_length']:.1f}, for "
                          f"{onset['sustain']} steps from then): step {onset['step']}; {lead} (review every "
                          f"{settings['review_every']} steps; a review's grades are checked on the next review step).")
+        refused = [f for f in run["published"] if not f["published"]]
+        if refused:
+            tries = "; ".join(f"step {f['step']}: {' + '.join(f.get('best_criteria', [])) or 'none'} "
+                              f"{_num(f.get('best_kappa'))} (version 1 {_num(f['kappa_before'])})" for f in refused)
+            lines.append(f"  No version was published after the alarm(s) of step(s) "
+                         f"{', '.join(str(f['step']) for f in refused)}: no candidate built from the judge's "
+                         f"programmatic scorers ({len(refused[0]['candidates'])} of them) reached the gate "
+                         f"{settings['min_kappa']} on the fresh grades of the last {results['selection_reviews']} "
+                         f"reviews. Best candidate, its kappa there: {tries}.")
         for fix in (f for f in run["published"] if f["published"]):
             named = ", ".join(fix["disagreeing"]) or "no criterion"
             lines.append(f"  The alarm of step {fix['step']} named {named}. Of {len(fix['candidates'])} candidate "
@@ -526,15 +536,6 @@ def report_markdown(out: pathlib.Path, figures: Sequence[str]) -> str:
                          f"{_num(fix['kappa_before'])} (version 1) -> {_num(fix['kappa_after'])}, chosen on those "
                          f"grades. Version {fix['version']} ({fix['hash'][:12]}) was published and loaded without a "
                          "restart.")
-        refused = [f for f in run["published"] if not f["published"]]
-        if refused:
-            tries = "; ".join(f"step {f['step']}: {' + '.join(f.get('best_criteria', [])) or 'none'} "
-                              f"{_num(f.get('best_kappa'))} (version 1 {_num(f['kappa_before'])})" for f in refused)
-            lines.append(f"  No version was published after the alarm(s) of step(s) "
-                         f"{', '.join(str(f['step']) for f in refused)}: no candidate built from the judge's "
-                         f"programmatic scorers ({len(refused[0]['candidates'])} of them) reached the gate "
-                         f"{settings['min_kappa']} on the fresh grades of the last {results['selection_reviews']} "
-                         f"reviews. Best candidate, its kappa there: {tries}.")
         changes = [e["step"] for e in records["events"] if e["event"] == "rubric_changed"]
         if changes:
             scales = {m["step"]: m.get("rubric/weight_scale") for m in records["metrics"]}
