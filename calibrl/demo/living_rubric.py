@@ -292,7 +292,7 @@ def _train(name: str, base: pathlib.Path, files: Any, domain: Any, services: _Se
         if fresh:  # graded at once: the next review step's drift check reads them
             old = read_feedback(feedback) if feedback.exists() else []
             write_feedback(feedback, [*old, *grader.feedback(fresh)])
-        if name == "corrected" and metrics.get("drift/alarm") == 1.0 and not any(p["published"] for p in published):
+        if name == "corrected" and metrics.get("drift/alarm") == 1.0:  # every alarm may bring the next version
             published.append(_publish_fix(rubric_id, run_dir, step, services, settings))
 
     train(config, retrieval=services.retrieval, judge=services.judge, on_step=on_step,
@@ -372,26 +372,25 @@ def _publish_fix(rubric_id: str, run_dir: pathlib.Path, step: int, services: _Se
 
 
 def check_published(out: pathlib.Path, runs: dict[str, Any], settings: LivingSettings) -> list[dict[str, Any]]:
-    """The published version (or, when none was, the first alarm's best candidate) against version 1
+    """Each published version (or, when none was, the first alarm's best candidate) against version 1
     on the grades that chose nothing: those of rollouts after the last one its choice read, in each run."""
     from calibrl.judge_server.authoring.feedback import read_feedback
     from calibrl.judge_server.rubric import parse_rubric
 
     attempts = [f for run in runs.values() for f in run["published"] if "best_text" in f]
-    chosen = next((f for f in attempts if f["published"]), attempts[0] if attempts else None)
-    if chosen is None:
-        return []
-    after = chosen["chosen_on"]["last_rollout_step"]
+    chosen = [f for f in attempts if f["published"]] or attempts[:1]
     checks = []
-    for name, run in runs.items():
-        path = out / run["run_dir"] / "review" / "feedback.jsonl"
-        later = [r for r in read_feedback(path) if rollout_step(r.id) > after] if path.exists() else []
-        checks.append({"published": chosen["published"], "criteria": chosen["best_criteria"],
-                       "version": parse_rubric(chosen["best_text"]).version, "alarm_step": chosen["step"],
-                       "hash": parse_rubric(chosen["best_text"]).hash, "run": name, "after_step": after,
-                       "items": len(later), "expert_pass": sum(r.expert_pass(4) for r in later),
-                       "kappa_v1": rubric_kappa(weak_rubric(run["rubric_id"]), later, settings),
-                       "kappa_candidate": rubric_kappa(chosen["best_text"], later, settings)})
+    for fix in chosen:
+        after = fix["chosen_on"]["last_rollout_step"]
+        for name, run in runs.items():
+            path = out / run["run_dir"] / "review" / "feedback.jsonl"
+            later = [r for r in read_feedback(path) if rollout_step(r.id) > after] if path.exists() else []
+            checks.append({"published": fix["published"], "criteria": fix["best_criteria"],
+                           "version": parse_rubric(fix["best_text"]).version, "alarm_step": fix["step"],
+                           "hash": parse_rubric(fix["best_text"]).hash, "run": name, "after_step": after,
+                           "items": len(later), "expert_pass": sum(r.expert_pass(4) for r in later),
+                           "kappa_v1": rubric_kappa(weak_rubric(run["rubric_id"]), later, settings),
+                           "kappa_candidate": rubric_kappa(fix["best_text"], later, settings)})
     return checks
 
 

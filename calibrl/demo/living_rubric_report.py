@@ -127,20 +127,22 @@ def report_markdown(out: pathlib.Path, figures: Sequence[str]) -> str:
         changes = [e["step"] for e in records["events"] if e["event"] == "rubric_changed"]
         if changes:
             scales = {m["step"]: m.get("rubric/weight_scale") for m in records["metrics"]}
-            lines.append(f"  First step scored by the new version: {changes[0]} (rubric weight scale there: "
-                         f"{scales.get(changes[0])}); {settings['steps'] - changes[0] + 1} of {settings['steps']} "
-                         "steps trained on it.")
+            lines.append(f"  First step scored by a new version: {', '.join(map(str, changes))} (rubric weight "
+                         f"scale there: {', '.join(str(scales.get(s)) for s in changes)}); "
+                         f"{settings['steps'] - changes[0] + 1} of {settings['steps']} steps trained on versions "
+                         "after the first.")
     if results["check"]:
-        first = results["check"][0]
-        what = (f"the published version {first['version']} ({' + '.join(first['criteria'])})" if first["published"]
-                else f"the best candidate of the alarm of step {first['alarm_step']} ({' + '.join(first['criteria'])}; "
-                     "not published)")
         lines += ["", "## The next version on grades that chose nothing", "",
-                  f"Grades of the rollouts after step {first['after_step']} (the last its choice read), scored by "
-                  f"version 1 and by {what} with the same drift check:", ""]
+                  "Grades of the rollouts after the last one a version's choice read, scored by version 1 and by "
+                  "that version with the same drift check:", ""]
         for check in results["check"]:
-            lines.append(f"- {check['run']} run: {check['items']} grades ({check['expert_pass']} passed by the "
-                         f"experts): kappa version 1 {_num(check['kappa_v1'])}, the next version "
+            what = (f"version {check['version']} ({' + '.join(check['criteria'])}, published at step "
+                    f"{check['alarm_step']})" if check["published"] else
+                    f"the best candidate of the alarm of step {check['alarm_step']} ({' + '.join(check['criteria'])}; "
+                    "not published)")
+            lines.append(f"- {what}, {check['run']} run, rollouts after step {check['after_step']}: {check['items']} "
+                         f"grades ({check['expert_pass']} passed by the experts): kappa version 1 "
+                         f"{_num(check['kappa_v1'])}, {'version ' + check['version'] if check['published'] else 'the candidate'} "
                          f"{_num(check['kappa_candidate'])}.")
     lines += ["", "## Held-out retrieval", "",
               f"{len(heldout['tasks'])} held-out tasks, greedy rewrites searched with BM25, hit@{heldout['top_k']}:", ""]
