@@ -19,9 +19,9 @@ The story, on the built-in domain (:mod:`calibrl.demo.domain`, nothing downloade
    rank, a rule that shares no word list, count or threshold with the judge. The trainer's drift
    check reads them on the next review step.
 4. **The exploit's onset and the drift alarm.** The onset is read from each run's metrics by a rule
-   fixed before any run (:func:`exploit_onset`: the rollouts' mean length stays above
-   :data:`LENGTH_RISE` x its first review window's mean); the report gives the first alarm's step
-   minus the onset's. Below the gate the trainer's drift check names the criteria that disagree;
+   written in code, not fitted to the run it reads (:func:`exploit_onset`: the rollouts' mean
+   length stays above :data:`LENGTH_RISE` x its first review window's mean); the report gives the
+   first alarm's step minus the onset's. Below the gate the trainer's drift check names the criteria that disagree;
    in the corrected run the alarm lowers the rubric's weight, and the demo builds the next version
    from the judge's own programmatic scorers (:func:`candidate_versions`, one or two of
    :data:`CANDIDATE_CRITERIA`): each candidate is scored on the fresh grades of the last
@@ -91,7 +91,8 @@ CANDIDATE_CRITERIA = {
 SELECTION_REVIEWS = 2
 # The exploit's onset, read from a run's metrics (exploit_onset): the first step from which the
 # rollouts' mean generated length stays above LENGTH_RISE x its mean over the first review window
-# for ONSET_SUSTAIN steps. Fixed before any run: piling content words makes rewrites longer.
+# for ONSET_SUSTAIN steps. Fixed in code, not fitted to the run it reads: piling content words
+# makes rewrites longer.
 LENGTH_RISE = 1.25
 ONSET_SUSTAIN = 3
 
