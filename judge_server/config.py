@@ -44,9 +44,9 @@ class JudgeServerConfig:
         600.0, "Seconds a superseded rubric version stays servable to callers that pin it (id@version); "
                "then it is retired (NOT_FOUND saying so). 0 retires it at once.")
     rubric_state_dir: str = option(
-        "", "Folder where the served rubric versions (current, retained with their retention clock, retired) are "
-            "kept so they survive a restart; default <rubrics>/.rubric-versions; 'none' keeps them in memory only "
-            "(a read-only rubrics folder). See docs/concepts/rubric-lifecycle.md.")
+        "none", "Folder where the served rubric versions (current, retained with their retention clock, retired) are "
+                "kept so they survive a restart, one folder per server; 'none' keeps them in memory only. The "
+                "server never writes into the rubrics folder. See docs/concepts/rubric-lifecycle.md.")
     rubric_admin_tenants: list[str] = option(
         factory=list, doc="Tenants (of serving.api_keys_file) that may call ReloadRubrics; without API keys "
         "the call is refused.")
@@ -59,6 +59,9 @@ class JudgeServerConfig:
         if self.rubric_poll_s < 0 or self.rubric_retention_s < 0:
             raise ConfigError(f"rubric_poll_s={self.rubric_poll_s}, rubric_retention_s={self.rubric_retention_s}: "
                               "must be >= 0 (0 turns the poller off / retires at once)")
+        if not self.rubric_state_dir.strip():
+            raise ConfigError("rubric_state_dir='': give the folder that keeps the served rubric versions across "
+                              "a restart, or 'none' (the default) to keep them in memory only")
         if self.max_wait_ms < 0:
             raise ConfigError(f"max_wait_ms={self.max_wait_ms}: must be >= 0")
         if self.max_batch_items <= 0 or self.max_queue_items <= 0:

@@ -240,7 +240,9 @@ async def start(config: JudgeServerConfig, judge: Judge | None = None,
     servicer = JudgeServicer(judge, batcher, tenant_of, config.serving.max_request_cost_s)
     # rubric versions without a restart (calibrl.judge_server.rubric_store)
     judge.versions.retention_s = config.rubric_retention_s
-    if config.rubric_state_dir != "none":  # versions survive a restart (calibrl.judge_server.version_store)
+    if config.rubric_state_dir == "none":
+        log.info("rubric versions are kept in memory only (rubric_state_dir=none): a restart forgets the retained ones")
+    else:  # versions survive a restart (calibrl.judge_server.version_store)
         store = VersionStore(config.rubrics, config.rubric_state_dir)
         store.restore(judge)
         judge.versions.on_change = store.save

@@ -1,7 +1,6 @@
 """Rubric versions that survive a judge restart.
 
-The judge server keeps, inside its rubric folder, a hidden folder :data:`STATE_DIR`
-(``.rubric-versions/``) with
+With ``rubric_state_dir=DIR`` (default ``none``: in memory only) the judge server keeps in ``DIR``
 
 - ``<hash>.yaml``: the text of every current and retained version, written once (a superseded
   version's file is gone from the folder, so this copy is what a restarted server serves to the
@@ -11,9 +10,11 @@ The judge server keeps, inside its rubric folder, a hidden folder :data:`STATE_D
   restart), the retired ones (for the NOT_FOUND message), and each version's validation record.
 
 Every write goes to a temporary file that is renamed over the old one, so a crash leaves the
-previous state or the new one, never half of one; the files the user put in the folder are never
-written, moved or deleted. At start the server loads the folder's files as before, then
-:meth:`VersionStore.restore` puts back what ``state.json`` holds and reconciles the two
+previous state or the new one, never half of one. Nothing is written into the rubric folder (it may
+be read-only, or tracked by git): its files are never written, moved or deleted. ``DIR`` belongs to
+one server; two servers sharing one would overwrite each other's state. At start the server loads
+the folder's files as before, then :meth:`VersionStore.restore` puts back what ``state.json`` holds
+and reconciles the two
 (:meth:`calibrl.judge_server.rubric_store.RubricVersions.restore`: a file that changed while the
 server was down is a new version if it may be served, else it is refused and the persisted one
 keeps serving). A persisted version is only put back when it still parses to the same hash and
@@ -43,7 +44,6 @@ if TYPE_CHECKING:  # pragma: no cover
 
 log = logging.getLogger(__name__)
 
-STATE_DIR = ".rubric-versions"
 STATE_FILE = "state.json"
 FORMAT = 1
 
@@ -51,9 +51,9 @@ FORMAT = 1
 class VersionStore:
     """The persisted versions of one rubric folder (see module doc)."""
 
-    def __init__(self, rubric_folder: str | pathlib.Path, directory: str | pathlib.Path = "") -> None:
+    def __init__(self, rubric_folder: str | pathlib.Path, directory: str | pathlib.Path) -> None:
         self.folder = pathlib.Path(rubric_folder)
-        self.directory = pathlib.Path(directory) if directory else self.folder / STATE_DIR
+        self.directory = pathlib.Path(directory)
         self.path = self.directory / STATE_FILE
         self._lock = threading.Lock()
 
@@ -173,4 +173,4 @@ class _HashedStub:
         return getattr(self._rubric, name)
 
 
-__all__ = ["STATE_DIR", "VersionStore"]
+__all__ = ["VersionStore"]

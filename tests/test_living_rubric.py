@@ -1,10 +1,12 @@
 """The opt-in living-rubric demo (calibrl.demo.living_rubric): its experts share nothing with the
-judge, its next rubric version is derived from the alarm, and a quick run goes end to end against a
-real judge server, its report and figures made from the records."""
+judge or with any candidate version, the exploit's onset rule reads a hand-made record, a candidate
+that rewards what the experts reward beats version 1 on hand-made grades, and a quick run goes end to
+end against a real judge server, its report and figures made from the records."""
 
 from __future__ import annotations
 
 import ast
+import dataclasses
 import json
 import pathlib
 import re
@@ -23,10 +25,11 @@ def test_the_experts_import_no_judge_code_and_share_no_rule_with_the_rubric():
     top_level = [node for node in ast.parse(SOURCE).body if isinstance(node, (ast.Import, ast.ImportFrom))]
     modules = [n.module if isinstance(n, ast.ImportFrom) else n.names[0].name for n in top_level]
     assert not [m for m in modules if "judge_server" in (m or "")], modules
-    rubric = parse_rubric(living_rubric.weak_rubric("r"))
-    for criterion in rubric.criteria:  # no scorer, criterion name or parameter of the judge's rubric
+    rubrics = [parse_rubric(living_rubric.weak_rubric("r"))]
+    rubrics += [parse_rubric(text) for _, text in living_rubric.candidate_versions(living_rubric.weak_rubric("r"))]
+    for criterion in (c for rubric in rubrics for c in rubric.criteria):  # no scorer, name or parameter of a rubric
         assert criterion.scorer not in SOURCE and criterion.name not in SOURCE
-        numbers = [v for v in criterion.canonical().get("params", {}).values() if isinstance(v, (int, float))]
+        numbers = [v for v in criterion.params.values() if isinstance(v, (int, float))]  # the rubric's own
         for value in numbers:
             assert not re.search(rf"(?<![\w.]){re.escape(str(value))}(?![\w.])", SOURCE), value
         assert str(criterion.weight) not in SOURCE
@@ -45,16 +48,57 @@ def test_the_experts_grade_by_the_rank_of_the_passage_they_find():
     assert record.id == "b@expert" and record.grade == 1
 
 
-def test_the_next_version_drops_what_the_alarm_named():
+def test_the_candidates_are_the_judges_scorers_one_or_two_equally_weighted_never_version_1():
     weak = living_rubric.weak_rubric("r")
-    fixed = parse_rubric(living_rubric.without_criteria(weak, ["stuffing_pays"]))
-    assert [c.name for c in fixed.criteria] == ["keeps_entities"] and fixed.version == "2"
-    assert fixed.hash != parse_rubric(weak).hash
-    assert living_rubric.without_criteria(weak, ["nothing-of-it"]) is None
-    assert living_rubric.without_criteria(weak, ["stuffing_pays", "keeps_entities"]) is None
-    assert [d for d, _ in living_rubric.candidate_fixes(weak, ["stuffing_pays"])] == [("stuffing_pays",)]
-    # an alarm that names no criterion: each one dropped in turn
-    assert [d for d, _ in living_rubric.candidate_fixes(weak, [])] == [("stuffing_pays",), ("keeps_entities",)]
+    candidates = living_rubric.candidate_versions(weak)
+    pool = set(living_rubric.CANDIDATE_CRITERIA)
+    assert len(candidates) == len(pool) + len(pool) * (len(pool) - 1) // 2
+    for names, text in candidates:
+        rubric = parse_rubric(text)
+        assert rubric.id == "r" and rubric.version == "2" and [c.name for c in rubric.criteria] == list(names)
+        assert {c.weight for c in rubric.criteria} == {round(1 / len(names), 4)}
+        assert "stuffing_pays" not in names
+    # a version already made of one candidate set is not offered again
+    assert not [n for n, _ in living_rubric.candidate_versions(candidates[0][1]) if n == candidates[0][0]]
+
+
+def test_the_exploit_onset_is_read_from_the_step_lengths():
+    def metrics(lengths):
+        return [{"step": i + 1, "completions/mean_length": v} for i, v in enumerate(lengths)]
+
+    # baseline: steps 1-4 average 8.0, threshold 10.0; a one-step spike at 6 is not an onset
+    lengths = [8, 7, 9, 8, 9, 12, 9, 11, 11.5, 13, 9]
+    onset = living_rubric.exploit_onset(metrics(lengths), baseline_steps=4, rise=1.25, sustain=3)
+    assert onset["baseline_length"] == 8.0 and onset["threshold"] == 10.0 and onset["step"] == 8
+    assert living_rubric.exploit_onset(metrics(lengths), 4, rise=1.25, sustain=4)["step"] is None
+    assert living_rubric.exploit_onset(metrics([8] * 10), 4)["step"] is None
+
+
+def _grade(query, output, grade, n):
+    from calibrl.judge_server.authoring.feedback import FeedbackRecord
+
+    return FeedbackRecord(query, output, grade=grade, id=f"s{n}-t{n}-0@expert")
+
+
+def test_a_candidate_that_keeps_the_request_beats_version_1_on_graded_stuffing():
+    """The exploit by hand: rewrites that pile catalogue words (version 1 pays) fail with the
+    experts, rewrites that restate the request pass. Some candidate must agree better."""
+    piles = ["Harbor Bond Index Fund Granite Value Fund risk rating benchmark minimum initial investment expense ratio",
+             "Falcon Technology Fund Summit Equity Income Fund redemption fee holding period expense ratio minimum",
+             "Evergreen Growth Fund Tidewater Treasury Fund Oakridge Dividend Fund benchmark index risk rating fee"]
+    requests = [("Oakridge Dividend Fund expense ratio", "expense ratio of Oakridge Dividend Fund"),
+                ("Granite Value Fund redemption fee", "Granite Value Fund redemption fee"),
+                ("Tidewater Treasury Fund minimum investment", "Tidewater Treasury Fund minimum investment")]
+    records = []
+    for n, (query, good) in enumerate(requests * 3):
+        records.append(_grade(query, good, 5, 2 * n))
+        records.append(_grade(query, piles[n % 3], 1, 2 * n + 1))
+    settings = living_rubric.LivingSettings()
+    v1 = living_rubric.rubric_kappa(living_rubric.weak_rubric("r"), records, settings)
+    best = max(living_rubric.rubric_kappa(text, records, settings)
+               for _, text in living_rubric.candidate_versions(living_rubric.weak_rubric("r")))
+    assert v1 is not None and v1 <= 0.0 < best
+    assert living_rubric.rollout_step(records[-1].id) == 17
 
 
 def test_a_quick_run_goes_end_to_end_from_records(tmp_path, capsys):
@@ -84,8 +128,26 @@ def test_a_quick_run_goes_end_to_end_from_records(tmp_path, capsys):
     for fix in results["runs"]["corrected"]["published"]:
         if fix["published"] and fix["step"] < living_rubric.QUICK.steps:  # the next step was scored by it
             changed = [e for e in corrected["events"] if e["event"] == "rubric_changed"]
-            assert changed[0]["step"] == fix["step"] + 1 and changed[0]["versions"] == [fix["hash"]]
-            assert fix["kappa_after"] > fix["kappa_before"]
+            assert (fix["step"] + 1, [fix["hash"]]) in [(e["step"], e["versions"]) for e in changed]
+            assert fix["kappa_after"] > (fix["kappa_before"] if fix["kappa_before"] is not None else -1.0)
+            assert fix["kappa_after"] >= living_rubric.QUICK.min_kappa  # only a version that passes the gate
+    for fix in results["runs"]["corrected"]["published"]:  # the best candidate of every attempt is the one named
+        kappas = [c["kappa"] for c in fix["candidates"] if c["kappa"] is not None]
+        if kappas:
+            assert fix["best_kappa"] == max(kappas)
+            assert fix["published"] == (fix["best_kappa"] >= living_rubric.QUICK.min_kappa and fix["best_kappa"] > (
+                fix["kappa_before"] if fix["kappa_before"] is not None else -1.0))
+    attempts = [f for f in results["runs"]["corrected"]["published"] if "best_text" in f]
+    chosen = [f for f in attempts if f["published"]] or attempts[:1]
+    assert len(results["check"]) == 2 * len(chosen)  # each version checked in both runs
+    for fix, pair in zip(chosen, zip(results["check"][::2], results["check"][1::2])):
+        assert {c["run"] for c in pair} == {"uncorrected", "corrected"}
+        for check in pair:  # on the grades its choice did not read
+            assert check["after_step"] == fix["chosen_on"]["last_rollout_step"]
+            assert check["published"] == fix["published"] and check["criteria"] == fix["best_criteria"]
+    for name, run in results["runs"].items():  # the onset, recomputed from the records the report quotes
+        assert run["onset"] == living_rubric.exploit_onset(living_rubric.run_records(out, name)["metrics"],
+                                                           living_rubric.QUICK.review_every)
     assert not any(e["event"] == "rubric_changed" for e in living_rubric.run_records(out, "uncorrected")["events"])
 
     # the held-out comparison is paired over the same tasks, and the report quotes the records
@@ -100,3 +162,16 @@ def test_a_quick_run_goes_end_to_end_from_records(tmp_path, capsys):
     assert "![training.png](training.png)" in report
     assert living_rubric.main(["--quick", "--out", str(out)]) == 2  # never overwrites a folder
     assert "is not empty" in capsys.readouterr().err
+
+
+def test_the_kept_report_is_the_one_its_records_make():
+    """results/living-rubric holds a full run's records and report (docs/concepts/rubric-lifecycle.md
+    points there): the report is regenerated from the records, word for word."""
+    kept = pathlib.Path(__file__).resolve().parents[1] / "results" / "living-rubric"
+    report = (kept / "report.md").read_text(encoding="utf-8")
+    assert living_rubric.report_markdown(kept, ["training.png", "heldout.png"]) == report
+    results = json.loads((kept / "results.json").read_text(encoding="utf-8"))
+    assert results["settings"] == dataclasses.asdict(living_rubric.LivingSettings())  # the defaults made it
+    for name, run in results["runs"].items():
+        assert run["onset"] == living_rubric.exploit_onset(living_rubric.run_records(kept, name)["metrics"],
+                                                           results["settings"]["review_every"])

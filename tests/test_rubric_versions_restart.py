@@ -17,7 +17,8 @@ from calibrl.judge_server.config import JudgeConfig, JudgeServerConfig
 from calibrl.judge_server.judge import Judge
 from calibrl.judge_server.rubric import parse_rubric
 from calibrl.judge_server.server import start
-from calibrl.judge_server.version_store import STATE_DIR, VersionStore
+from calibrl.errors import ConfigError
+from calibrl.judge_server.version_store import VersionStore
 from calibrl.serving import ServingConfig
 from calibrl.v1 import judge_pb2 as pb
 from calibrl.v1 import judge_pb2_grpc
@@ -26,10 +27,15 @@ from tests.test_rubric_versions import V1, V2, V3, _items, _publish, _validate
 RETENTION_S = 12.0
 
 
-def _config(folder, retention_s=RETENTION_S):
+def _state_dir(folder):
+    return folder.parent / "rubric-state"  # beside the rubric folder, never inside it
+
+
+def _config(folder, retention_s=RETENTION_S, state_dir=None):
+    state = str(_state_dir(folder)) if state_dir is None else state_dir
     return JudgeServerConfig(rubrics=str(folder), judge=JudgeConfig(embedder="hashed-ngrams", cache_size=0),
                              serving=ServingConfig(port=0, grace_seconds=1.0), max_wait_ms=1.0, rubric_poll_s=0,
-                             rubric_retention_s=retention_s)
+                             rubric_retention_s=retention_s, rubric_state_dir=state)
 
 
 async def _score(port, ref):
@@ -92,7 +98,7 @@ async def test_a_pinned_version_keeps_serving_across_a_restart_until_its_retenti
         with pytest.raises(grpc.aio.AioRpcError) as error:
             await _score(third.port, f"rewriter@{v1.hash[:12]}")
         assert error.value.code() == grpc.StatusCode.NOT_FOUND and "was retired at" in error.value.details()
-        assert not (folder / STATE_DIR / f"{v1.hash}.yaml").exists()  # a retired version's copy is not kept
+        assert not (_state_dir(folder) / f"{v1.hash}.yaml").exists()  # a retired version's copy is not kept
     finally:
         await third.stop(grace=1.0)
 
@@ -128,7 +134,7 @@ async def test_a_file_changed_while_the_server_was_down_is_reconciled(tmp_path):
 
 async def test_an_unreadable_state_is_kept_aside_and_the_folder_served(tmp_path, caplog):
     folder = _folder(tmp_path)
-    state = folder / STATE_DIR / "state.json"
+    state = _state_dir(folder) / "state.json"
     state.parent.mkdir()
     state.write_text("{not json")
     with caplog.at_level(logging.ERROR, logger="calibrl.judge_server.version_store"):
@@ -149,10 +155,39 @@ def test_a_version_this_judge_may_no_longer_serve_is_not_restored(tmp_path, capl
     folder.mkdir()
     (folder / "rewriter.yaml").write_text(V1)
     lenient = Judge.from_config(JudgeConfig(embedder="hashed-ngrams", allow_unvalidated=True), folder)
-    store = VersionStore(folder)
+    store = VersionStore(folder, _state_dir(folder))
     store.save(lenient.versions)
     strict = Judge.from_config(JudgeConfig(embedder="hashed-ngrams"), folder)
     with caplog.at_level(logging.WARNING, logger="calibrl.judge_server.version_store"):
         store.restore(strict)
     assert "this judge may not serve it" in caplog.text
     assert not strict.versions.current("rewriter").usable
+
+
+async def test_by_default_nothing_is_written_and_a_restart_forgets_the_retained_versions(tmp_path):
+    """rubric_state_dir's default is 'none': the server writes nowhere (its rubric folder may be
+    read-only or tracked by git), and a pinned superseded version does not outlive the process."""
+    folder = _folder(tmp_path)
+    assert JudgeServerConfig(rubrics=str(folder)).rubric_state_dir == "none"
+    v1, v2 = parse_rubric(V1), parse_rubric(V2)
+    before = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*"))
+    first = await start(_config(folder, state_dir="none"))
+    try:
+        _publish(folder, V2)
+        (change,) = first.servicer.rubric_folder.reload()
+        assert change.action == "loaded" and (await _score(first.port, f"rewriter@{v1.hash[:12]}"))[0] == v1.hash
+    finally:
+        await first.stop(grace=1.0)
+    published = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*"))
+    assert set(published) - set(before) <= {p.relative_to(tmp_path) for p in folder.iterdir()}  # what _publish wrote
+    assert not [p for p in folder.iterdir() if p.name.startswith(".")]
+    second = await start(_config(folder, state_dir="none"))
+    try:
+        assert (await _score(second.port, "rewriter"))[0] == v2.hash
+        with pytest.raises(grpc.aio.AioRpcError) as error:
+            await _score(second.port, f"rewriter@{v1.hash[:12]}")
+        assert error.value.code() == grpc.StatusCode.NOT_FOUND
+    finally:
+        await second.stop(grace=1.0)
+    with pytest.raises(ConfigError, match="rubric_state_dir=''"):
+        JudgeServerConfig(rubrics=str(folder), rubric_state_dir="").validate()

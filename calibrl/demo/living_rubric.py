@@ -7,34 +7,42 @@ fixed while the run goes on. Opt-in, separate from `calibrl demo`; a few minutes
 The story, on the built-in domain (:mod:`calibrl.demo.domain`, nothing downloaded):
 
 1. **A weak rubric.** Version 1 of the rewriter's rubric pays mostly for content words
-   (``specificity`` with a high ``min_terms``): piling up names and terms raises it whether or
-   not the rewrite still finds what the user asked for.
+   (``specificity`` with a high ``min_terms``). On the base policy's rewrites it roughly agrees with
+   the experts (specific queries are the ones that find their passage); piling up names and terms
+   raises it whether or not the rewrite still finds what the user asked for.
 2. **Two runs from one base policy, same seed.** The *uncorrected* run trains on that rubric to
    its end (``review.on_alarm=warn``); the *corrected* run trains on a second id served by the
    same judge server, with ``review.on_alarm=downweight``.
 3. **Fresh expert grades.** Every ``review_every`` steps each run queues rollouts for review
    (:mod:`calibrl.sme.queue`) and the simulated experts of :mod:`calibrl.demo.fresh_grades`
    grade them at once: they search the catalogue with the rewrite and grade the gold passage's
-   rank, a rule that shares no word list, count or threshold with the judge.
-4. **The drift alarm.** On the next review step the trainer's drift check scores the graded items
-   with the run's rubric and compares with the experts; below the gate it names the criteria that
-   disagree. In the corrected run the alarm lowers the rubric's weight, and the demo considers the
-   next version: the rubric without the criteria the alarm named (:func:`candidate_fixes`). Each
-   candidate is scored on every fresh grade so far with the trainer's own check
-   (:func:`calibrl.sme.drift.drift_report`); the best one is published, by a rename into the judge's
-   folder, only when its kappa beats the current version's (chosen and checked on the same grades:
-   there are too few for a hold-out). The judge server's poller loads it and the run continues on
-   it, without a restart; the weight is restored on the first step it scores. Without a better
-   candidate the run goes on with the lowered weight and the next alarm tries again.
+   rank, a rule that shares no word list, count or threshold with the judge. The trainer's drift
+   check reads them on the next review step.
+4. **The exploit's onset and the drift alarm.** The onset is read from each run's metrics by a rule
+   written in code, not fitted to the run it reads (:func:`exploit_onset`: the rollouts' mean
+   length stays above :data:`LENGTH_RISE` x its first review window's mean); the report gives the
+   first alarm's step minus the onset's. Below the gate the trainer's drift check names the criteria that disagree;
+   in the corrected run the alarm lowers the rubric's weight, and the demo builds the next version
+   from the judge's own programmatic scorers (:func:`candidate_versions`, one or two of
+   :data:`CANDIDATE_CRITERIA`): each candidate is scored on the fresh grades of the last
+   :data:`SELECTION_REVIEWS` reviews with the trainer's check (:func:`rubric_kappa`), and the best
+   is published, by a rename into the judge's folder, only when its kappa clears the gate and beats
+   the current version's (a version is served only when it passes the gate). The judge server's
+   poller loads it and the run continues on it without a restart; the weight is restored on the
+   first step it scores. Otherwise the run goes on with the lowered weight and the next alarm tries
+   again on newer grades. The grades of later rollouts, which chose nothing, check the published version against
+   version 1 in both runs (:func:`check_published`).
 5. **Held-out retrieval.** The base, uncorrected and corrected policies' greedy rewrites of the
    held-out tasks are searched (BM25, hit@1); the corrected-minus-uncorrected difference gets a
    paired bootstrap interval that resamples whole (product, topic) clusters
-   (:func:`calibrl.stats.paired_difference`).
+   (:func:`calibrl.stats.paired_difference`). The sizes (:class:`LivingSettings`) were chosen on
+   training tasks and the runs' training records only, never on the held-out tasks.
 
 Everything the report and figures show is read from the run records (``metrics.jsonl``,
-``review/drift.jsonl``, ``rubric_versions.jsonl``) and ``results.json``, never typed in. The judge
-is served with ``judge.allow_unvalidated=true``: the demo's gate is the drift check on fresh grades,
-not the validation record of a golden set (docs/concepts/rubric-lifecycle.md has the full cycle).
+``review/drift.jsonl``, ``rubric_versions.jsonl``) and ``results.json`` by
+:mod:`calibrl.demo.living_rubric_report`, never typed in. The judge is served with
+``judge.allow_unvalidated=true``: the demo's gate is the drift check on fresh grades, not the
+validation record of a golden set (docs/concepts/rubric-lifecycle.md has the full cycle).
 """
 
 from __future__ import annotations
@@ -47,6 +55,8 @@ import sys
 import time
 from dataclasses import asdict, dataclass
 from typing import Any, Sequence
+
+from calibrl.demo.living_rubric_report import report_markdown, run_records, write_figures
 
 RUBRIC_IDS = {"uncorrected": "rewriter-frozen", "corrected": "rewriter-living"}
 RETRIEVAL_MODE = "bm25"
@@ -67,21 +77,41 @@ criteria:
 """
 
 
+# The judge's own programmatic scorers a next version is built from (name: the criterion's YAML);
+# version 1's content-word criterion is not among them. Each candidate is one of them or two,
+# equally weighted; the fresh grades choose.
+CANDIDATE_CRITERIA = {
+    "keeps_entities": {"kind": "programmatic", "scorer": "entity_coverage"},
+    "keeps_intent": {"kind": "programmatic", "scorer": "intent_similarity"},
+    "specific": {"kind": "programmatic", "scorer": "specificity", "params": {"min_terms": 8}},
+    "no_new_names": {"kind": "programmatic", "scorer": "invented_entities"},
+}
+# A candidate is chosen on the grades of the rollouts of the last SELECTION_REVIEWS review windows
+# before the alarm: what the experts say about what the policy writes now.
+SELECTION_REVIEWS = 2
+# The exploit's onset, read from a run's metrics (exploit_onset): the first step from which the
+# rollouts' mean generated length stays above LENGTH_RISE x its mean over the first review window
+# for ONSET_SUSTAIN steps. Fixed in code, not fitted to the run it reads: piling content words
+# makes rewrites longer.
+LENGTH_RISE = 1.25
+ONSET_SUSTAIN = 3
+
+
 @dataclass(frozen=True)
 class LivingSettings:
     """Sizes of one living-rubric demo run."""
 
-    steps: int = 40
+    steps: int = 80
     review_every: int = 5
-    review_n: int = 12
+    review_n: int = 16
     drift_min_items: int = 10
     min_kappa: float = 0.6
     downweight_factor: float = 0.25
     group_size: int = 4
     prompts_per_step: int = 8
-    warm_steps: int = 120
+    warm_steps: int = 400  # a base on whose rewrites v1 roughly agrees with the experts (chosen on training tasks)
     rewrite_examples: int = 1500
-    lr: float = 2e-4
+    lr: float = 4e-4
     kl_beta: float = 0.08
     max_new_tokens: int = 24
     w_rubric: float = 0.5
@@ -97,33 +127,40 @@ def weak_rubric(rubric_id: str) -> str:
     return WEAK_RUBRIC.format(id=rubric_id)
 
 
-def without_criteria(text: str, dropped: Sequence[str]) -> str | None:
-    """The next version of the rubric ``text``: the same without the criteria ``dropped`` (None when
-    that removes none, or leaves no weighted criterion)."""
+def candidate_versions(text: str) -> list[tuple[tuple[str, ...], str]]:
+    """(criteria, next version of the rubric ``text``) for every set of one or two
+    :data:`CANDIDATE_CRITERIA`, equally weighted, except the current version's own set."""
+    import itertools
+
     import yaml
 
     data = yaml.safe_load(text)
-    kept = [c for c in data["criteria"] if c["name"] not in set(dropped)]
-    if len(kept) == len(data["criteria"]) or not any(c.get("weight", 0) > 0 for c in kept):
-        return None
-    data["criteria"] = kept
-    data["version"] = str(int(data["version"]) + 1)
-    data["description"] = f"{data['description']} Version {data['version']}: without {', '.join(dropped)}."
-    return yaml.safe_dump(data, sort_keys=False)
+    current = tuple(sorted(c["name"] for c in data["criteria"]))
+    version = str(int(data["version"]) + 1)
+    candidates = []
+    for size in (1, 2):
+        for names in itertools.combinations(CANDIDATE_CRITERIA, size):
+            if tuple(sorted(names)) == current:
+                continue
+            criteria = [{"name": n, **CANDIDATE_CRITERIA[n], "weight": round(1 / size, 4)} for n in names]
+            candidate = {"id": data["id"], "version": version,
+                         "description": f"The rewriter rubric, version {version}: {', '.join(names)}, chosen on "
+                                        "fresh expert grades.", "criteria": criteria}
+            candidates.append((names, yaml.safe_dump(candidate, sort_keys=False)))
+    return candidates
 
 
-def candidate_fixes(text: str, disagreeing: Sequence[str]) -> list[tuple[tuple[str, ...], str]]:
-    """(dropped criteria, next version) to consider after an alarm: without the criteria the alarm
-    named; when that leaves nothing to score with, without each named criterion in turn; when it
-    named none ("the criteria together order the items unlike the experts"), without each criterion
-    in turn."""
-    import yaml
-
-    names = [c["name"] for c in yaml.safe_load(text)["criteria"]]
-    choices = [tuple(disagreeing)] if disagreeing else []
-    if not any(without_criteria(text, dropped) for dropped in choices):  # none named, or all of them
-        choices = [(name,) for name in (disagreeing or names)]
-    return [(dropped, fixed) for dropped in choices if (fixed := without_criteria(text, dropped)) is not None]
+def exploit_onset(metrics: Sequence[dict[str, Any]], baseline_steps: int, rise: float = LENGTH_RISE,
+                  sustain: int = ONSET_SUSTAIN) -> dict[str, Any]:
+    """The exploit's onset in a run's step metrics: the first step after the first ``baseline_steps``
+    from which ``completions/mean_length`` stays above ``rise`` x its mean over those steps for
+    ``sustain`` steps (``step`` None: it never does)."""
+    lengths = {int(m["step"]): float(m["completions/mean_length"]) for m in metrics}
+    baseline = sum(lengths[s] for s in range(1, baseline_steps + 1)) / baseline_steps
+    threshold = rise * baseline
+    onset = next((s for s in sorted(lengths) if s > baseline_steps
+                  and all(lengths.get(s + k, 0.0) > threshold for k in range(sustain))), None)
+    return {"step": onset, "baseline_length": baseline, "threshold": threshold, "rise": rise, "sustain": sustain}
 
 
 # --------------------------------------------------------------------------- the run
@@ -173,7 +210,10 @@ def run_living_rubric(out: pathlib.Path, settings: LivingSettings = LivingSettin
             stage(f"train {name}")
         heldout = _heldout(domain, files, out, base, runs, services, settings)
         stage("held-out evaluation")
-    results = {"settings": asdict(settings), "seed": seed, "runs": runs, "heldout": heldout, "timings": timings}
+    for name, run in runs.items():
+        run["onset"] = exploit_onset(run_records(out, name)["metrics"], settings.review_every)
+    results = {"settings": asdict(settings), "seed": seed, "runs": runs, "heldout": heldout, "timings": timings,
+               "check": check_published(out, runs, settings), "selection_reviews": SELECTION_REVIEWS}
     (out / "results.json").write_text(json.dumps(results, indent=1, sort_keys=True) + "\n", encoding="utf-8")
     figures = write_figures(out)
     (out / "report.md").write_text(report_markdown(out, figures), encoding="utf-8")
@@ -253,7 +293,7 @@ def _train(name: str, base: pathlib.Path, files: Any, domain: Any, services: _Se
         if fresh:  # graded at once: the next review step's drift check reads them
             old = read_feedback(feedback) if feedback.exists() else []
             write_feedback(feedback, [*old, *grader.feedback(fresh)])
-        if name == "corrected" and metrics.get("drift/alarm") == 1.0 and not any(p["published"] for p in published):
+        if name == "corrected" and metrics.get("drift/alarm") == 1.0:  # every alarm may bring the next version
             published.append(_publish_fix(rubric_id, run_dir, step, services, settings))
 
     train(config, retrieval=services.retrieval, judge=services.judge, on_step=on_step,
@@ -262,42 +302,63 @@ def _train(name: str, base: pathlib.Path, files: Any, domain: Any, services: _Se
             "final_policy": str((run_dir / "checkpoints").relative_to(out))}
 
 
-def _publish_fix(rubric_id: str, run_dir: pathlib.Path, step: int, services: _Services,
-                 settings: LivingSettings) -> dict[str, Any]:
-    """The next version from the alarm's report, checked on the same fresh grades, published by a
-    rename into the judge's folder; returns once the judge serves it (the next step scores with it)."""
-    from calibrl.judge_server.authoring.feedback import read_feedback
-    from calibrl.judge_server.judge import Judge
+def rubric_kappa(rubric_text: str, records: Sequence[Any], settings: LivingSettings) -> float | None:
+    """Cohen's kappa of the rubric ``rubric_text`` against the expert grades ``records``, by the
+    trainer's own drift check (review.pass_threshold's default); None without a verdict."""
     from calibrl.judge_server.config import JudgeConfig
+    from calibrl.judge_server.judge import Judge
     from calibrl.judge_server.rubric import parse_rubric
     from calibrl.sme.drift import DriftOptions, drift_report
 
+    if not records:
+        return None
+    rubric = parse_rubric(rubric_text)
+    judge = Judge([rubric], JudgeConfig(embedder="hashed-ngrams", allow_unvalidated=True))
+    scores = judge.compute(rubric, [r.to_item() for r in records], record=False)
+    options = DriftOptions(min_kappa=settings.min_kappa, pass_threshold=0.6, min_items=2)
+    value = drift_report(rubric, records, scores, options, judge.scorer_id(rubric)).kappa
+    return None if value is None or math.isnan(value) else float(value)
+
+
+def rollout_step(record_id: str) -> int:
+    """The training step of the rollout a feedback record grades (its item id is ``s<step>-...``)."""
+    return int(record_id.split("-", 1)[0][1:])
+
+
+def _publish_fix(rubric_id: str, run_dir: pathlib.Path, step: int, services: _Services,
+                 settings: LivingSettings) -> dict[str, Any]:
+    """The next version: the candidate (:func:`candidate_versions`) that agrees best with the fresh
+    grades of the last :data:`SELECTION_REVIEWS` review windows' rollouts. It is published, by a
+    rename into the judge's folder, only when its kappa there clears the drift gate and beats the
+    current version's; then this returns once the judge serves it (the next step scores with it).
+    The grades of later rollouts, which chose nothing, check it at the end (:func:`check_published`)."""
+    from calibrl.judge_server.authoring.feedback import read_feedback
+    from calibrl.judge_server.rubric import parse_rubric
+
     drift = [json.loads(line) for line in (run_dir / "review" / "drift.jsonl").read_text().splitlines() if line]
-    alarm = drift[-1]
     path = services.rubrics / f"{rubric_id}.yaml"
     current = path.read_text(encoding="utf-8")
-    record: dict[str, Any] = {"step": step, "disagreeing": alarm["disagreeing"], "published": False}
-    # the trainer's check (review.pass_threshold's default) of each candidate on the same fresh grades
-    feedback = read_feedback(run_dir / "review" / "feedback.jsonl")
-    options = DriftOptions(min_kappa=settings.min_kappa, pass_threshold=0.6, min_items=settings.drift_min_items)
-
-    def kappa(rubric_text: str) -> float:
-        rubric = parse_rubric(rubric_text)
-        judge = Judge([rubric], JudgeConfig(embedder="hashed-ngrams", allow_unvalidated=True))
-        scores = judge.compute(rubric, [r.to_item() for r in feedback], record=False)
-        value = drift_report(rubric, feedback, scores, options, judge.scorer_id(rubric)).kappa
-        return -1.0 if value is None or math.isnan(value) else float(value)
-
-    record["kappa_before"] = kappa(current)
-    record["candidates"] = [{"dropped": list(dropped), "kappa": kappa(fixed), "text": fixed}
-                            for dropped, fixed in candidate_fixes(current, alarm["disagreeing"])]
-    best = max(record["candidates"], key=lambda c: c["kappa"], default=None)
-    if best is None or best["kappa"] <= record["kappa_before"]:
-        record["why_not"] = (f"no candidate agrees with the fresh grades better than kappa "
-                             f"{record['kappa_before']:.2f} (the run goes on with the lowered weight)")
+    first = step - SELECTION_REVIEWS * settings.review_every
+    feedback = [r for r in read_feedback(run_dir / "review" / "feedback.jsonl") if rollout_step(r.id) > first]
+    record: dict[str, Any] = {"step": step, "disagreeing": drift[-1]["disagreeing"], "published": False,
+                              "chosen_on": {"items": len(feedback), "first_rollout_step": first + 1,
+                                            "last_rollout_step": max(rollout_step(r.id) for r in feedback)},
+                              "kappa_before": rubric_kappa(current, feedback, settings)}
+    record["candidates"] = [{"criteria": list(names), "kappa": rubric_kappa(text, feedback, settings), "text": text}
+                            for names, text in candidate_versions(current)]
+    ranked = [c for c in record["candidates"] if c["kappa"] is not None]
+    best = max(ranked, key=lambda c: c["kappa"], default=None)
+    before = record["kappa_before"] if record["kappa_before"] is not None else -1.0
+    if best is not None:
+        record.update(best_criteria=best["criteria"], best_kappa=best["kappa"], best_text=best["text"])
+    if best is None or best["kappa"] <= before or best["kappa"] < settings.min_kappa:
+        # a version is served only when it passes the gate (docs/concepts/rubric-lifecycle.md)
+        record["why_not"] = (f"the best candidate, {' + '.join(best['criteria'])}, has kappa {best['kappa']:.2f} on "
+                             f"those grades (version 1: {before:.2f}; the gate: {settings.min_kappa:g})"
+                             if best is not None else "no candidate reaches a verdict on those grades")
         return record
     text = best["text"]
-    record.update(dropped=best["dropped"], kappa_after=best["kappa"])
+    record.update(criteria=best["criteria"], kappa_after=best["kappa"], text=text)
     staged = path.with_name(path.name + ".next")
     staged.write_text(text, encoding="utf-8")
     staged.replace(path)
@@ -309,6 +370,29 @@ def _publish_fix(rubric_id: str, run_dir: pathlib.Path, step: int, services: _Se
         time.sleep(0.1)
     record.update(published=True, hash=new_hash, version=parse_rubric(text).version)
     return record
+
+
+def check_published(out: pathlib.Path, runs: dict[str, Any], settings: LivingSettings) -> list[dict[str, Any]]:
+    """Each published version (or, when none was, the first alarm's best candidate) against version 1
+    on the grades that chose nothing: those of rollouts after the last one its choice read, in each run."""
+    from calibrl.judge_server.authoring.feedback import read_feedback
+    from calibrl.judge_server.rubric import parse_rubric
+
+    attempts = [f for run in runs.values() for f in run["published"] if "best_text" in f]
+    chosen = [f for f in attempts if f["published"]] or attempts[:1]
+    checks = []
+    for fix in chosen:
+        after = fix["chosen_on"]["last_rollout_step"]
+        for name, run in runs.items():
+            path = out / run["run_dir"] / "review" / "feedback.jsonl"
+            later = [r for r in read_feedback(path) if rollout_step(r.id) > after] if path.exists() else []
+            checks.append({"published": fix["published"], "criteria": fix["best_criteria"],
+                           "version": parse_rubric(fix["best_text"]).version, "alarm_step": fix["step"],
+                           "hash": parse_rubric(fix["best_text"]).hash, "run": name, "after_step": after,
+                           "items": len(later), "expert_pass": sum(r.expert_pass(4) for r in later),
+                           "kappa_v1": rubric_kappa(weak_rubric(run["rubric_id"]), later, settings),
+                           "kappa_candidate": rubric_kappa(fix["best_text"], later, settings)})
+    return checks
 
 
 def _heldout(domain: Any, files: Any, out: pathlib.Path, base: pathlib.Path, runs: dict[str, Any],
@@ -337,112 +421,6 @@ def _latest_checkpoint(run_dir: pathlib.Path) -> pathlib.Path:
     from calibrl.trainer.checkpoint import find_checkpoint
 
     return find_checkpoint(run_dir)
-
-
-# --------------------------------------------------------------------------- figures and report, from the records
-
-
-def _records(path: pathlib.Path) -> list[dict[str, Any]]:
-    if not path.exists():
-        return []
-    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
-
-
-def run_records(out: pathlib.Path, name: str) -> dict[str, list[dict[str, Any]]]:
-    run_dir = out / "runs" / name
-    return {"metrics": _records(run_dir / "metrics.jsonl"), "drift": _records(run_dir / "review" / "drift.jsonl"),
-            "events": _records(run_dir / "rubric_versions.jsonl")}
-
-
-def write_figures(out: pathlib.Path) -> list[str]:
-    """Two PNGs drawn from the records: the runs' rubric share of the reward and drift kappa by
-    step, and the held-out hit@1 of each policy. Returns their file names."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    results = json.loads((out / "results.json").read_text(encoding="utf-8"))
-    fig, (top, bottom) = plt.subplots(2, 1, figsize=(7, 6), sharex=True)
-    for name, colour in (("uncorrected", "tab:red"), ("corrected", "tab:blue")):
-        records = run_records(out, name)
-        steps = [m["step"] for m in records["metrics"]]
-        top.plot(steps, [m["rewards/rubric/mean"] for m in records["metrics"]], color=colour, label=f"{name}: rubric total")
-        top.plot(steps, [m["rewards/retrieval/mean"] for m in records["metrics"]], color=colour, linestyle="--",
-                 label=f"{name}: retrieval MRR@10")
-        kappa = [(d["step"], d["kappa"]) for d in records["drift"] if d.get("kappa") is not None]
-        if kappa:
-            bottom.plot(*zip(*kappa), marker="o", color=colour, label=f"{name}: drift kappa")
-        for event in records["events"]:
-            if event["event"] in ("rubric_changed", "rubric_downweighted"):
-                for axis in (top, bottom):
-                    axis.axvline(event["step"], color=colour, alpha=0.4,
-                                 linestyle=":" if event["event"] == "rubric_downweighted" else "-")
-    bottom.axhline(results["settings"]["min_kappa"], color="grey", linestyle="--", label="drift gate")
-    top.set_ylabel("mean over the step")
-    bottom.set_ylabel("Cohen's kappa")
-    bottom.set_xlabel("step (dotted: alarm, solid: new rubric version)")
-    top.legend(fontsize=7)
-    bottom.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(out / "training.png", dpi=110)
-    plt.close(fig)
-
-    heldout = results["heldout"]
-    names = list(heldout["hits"])
-    fig, axis = plt.subplots(figsize=(5, 3))
-    axis.bar(names, [sum(h) / len(h) for h in heldout["hits"].values()], color=["grey", "tab:red", "tab:blue"][:len(names)])
-    axis.set_ylabel(f"held-out hit@{heldout['top_k']}")
-    fig.tight_layout()
-    fig.savefig(out / "heldout.png", dpi=110)
-    plt.close(fig)
-    return ["training.png", "heldout.png"]
-
-
-def report_markdown(out: pathlib.Path, figures: Sequence[str]) -> str:
-    """The report, every number read from ``results.json`` and the run records."""
-    from calibrl.stats import describe_difference
-
-    results = json.loads((out / "results.json").read_text(encoding="utf-8"))
-    heldout, settings = results["heldout"], results["settings"]
-    lines = ["# The living rubric", "",
-             f"Seed {results['seed']}; {settings['steps']} steps per run, review every {settings['review_every']} "
-             f"steps ({settings['review_n']} rollouts), drift gate kappa >= {settings['min_kappa']}, rubric weight "
-             f"{settings['w_rubric']} (x {settings['downweight_factor']} after an alarm).", "", "## The runs", ""]
-    for name, run in results["runs"].items():
-        records = run_records(out, name)
-        alarms = [d["step"] for d in records["drift"] if d.get("alarm")]
-        kappas = ", ".join(f"step {d['step']}: {d['kappa']:.2f}" for d in records["drift"] if d.get("kappa") is not None)
-        lines.append(f"- **{name}** (`{run['rubric_id']}`): drift kappa {kappas or 'no verdict (too few grades)'}; "
-                     f"alarm at step(s) {', '.join(map(str, alarms)) or 'none'}.")
-        for fix in run["published"]:
-            if fix["published"]:
-                named = ", ".join(fix["disagreeing"]) or "no criterion"
-                lines.append(f"  The alarm of step {fix['step']} named {named}; the next version drops "
-                             f"{', '.join(fix['dropped'])} (the candidate that agrees best with the fresh grades, "
-                             f"chosen and checked on those same grades): kappa {_num(fix['kappa_before'])} -> "
-                             f"{_num(fix['kappa_after'])}; version {fix['version']} ({fix['hash'][:12]}) was published "
-                             "and loaded without a restart.")
-            else:
-                lines.append(f"  The alarm of step {fix['step']} was not followed by a new version: {fix['why_not']}.")
-        changes = [e["step"] for e in records["events"] if e["event"] == "rubric_changed"]
-        if changes:
-            scales = {m["step"]: m.get("rubric/weight_scale") for m in records["metrics"]}
-            lines.append(f"  First step scored by the new version: {changes[0]} (rubric weight scale there: "
-                         f"{scales.get(changes[0])}).")
-    lines += ["", "## Held-out retrieval", "",
-              f"{len(heldout['tasks'])} held-out tasks, greedy rewrites searched with BM25, hit@{heldout['top_k']}:", ""]
-    for name, hits in heldout["hits"].items():
-        lines.append(f"- {name}: {sum(hits) / len(hits):.3f}")
-    diff = heldout["difference"]
-    lines += ["", describe_difference(diff["a"], diff["b"], diff, f"points of hit@{heldout['top_k']}") +
-              f" (paired bootstrap over {len(set(map(tuple, heldout['clusters'])))} (product, topic) clusters).", ""]
-    lines += [f"![{name}]({name})" for name in figures]
-    return "\n".join(lines) + "\n"
-
-
-def _num(value: Any) -> str:
-    return "n/a" if value is None or (isinstance(value, float) and math.isnan(value)) else f"{value:.2f}"
 
 
 # --------------------------------------------------------------------------- the command
