@@ -501,10 +501,33 @@ def generate_domain(seed: int = 0, heldout_fraction: float = 0.25) -> Domain:
     from calibrl.demo.search_domain import search_half
 
     rng = random.Random(seed)
+    passages, facts = _facts_and_passages(rng)
+    rewrite_tasks = _rewrite_tasks(facts, heldout_fraction, rng)
+    rng.shuffle(list(range(_LEGACY_SPLIT_DRAW)))
+    sme, panel = _sme_feedback([t for t in rewrite_tasks if t.split == "train"], list(passages), rng)
+    search = search_half(seed)
+    return Domain(
+        seed=seed,
+        passages=passages + search.passages,
+        facts=facts + search.facts,
+        rewrite_tasks=rewrite_tasks,
+        multistep_tasks=search.tasks,
+        sme_feedback=sme,
+        sme_panel=panel,
+        entities=[*FUNDS, *ACCOUNTS, *MANAGERS],
+        aspects=[*FUND_ASPECTS, *ACCOUNT_ASPECTS, *MANAGER_ASPECTS],
+        search_entities=search.entities,
+        search_passages=search.passages,
+        search_links=search.links,
+        search_clusters=search.clusters,
+    )
+
+
+def _facts_and_passages(rng: random.Random) -> tuple[list[Passage], list[Fact]]:
+    """The rewriter half's knowledge base: one passage per (entity, aspect), the managers'
+    passages and the general guides; the facts behind them (drawn from ``rng`` in this order)."""
     passages: list[Passage] = []
     facts: list[Fact] = []
-
-    # Facts and passages: one passage per (entity, aspect).
     fund_values = {
         "expense_ratio": rng.sample(_EXPENSE, len(FUNDS)),
         "minimum_investment": [rng.choice(_MINIMUM) for _ in FUNDS],
@@ -550,8 +573,12 @@ def generate_domain(seed: int = 0, heldout_fraction: float = 0.25) -> Domain:
             passages.append(Passage(doc_id, f"{manager.name}: {aspect.title}", _manager_text(manager, aspect, value)))
             facts.append(Fact(manager, aspect, value, doc_id))
     passages.extend(Passage(doc_id, title, text) for doc_id, title, text in _GENERAL_PASSAGES)
+    return passages, facts
 
-    # Rewrite tasks: held-out (entity, aspect) pairs never appear in training data.
+
+def _rewrite_tasks(facts: list[Fact], heldout_fraction: float, rng: random.Random) -> list[RewriteTask]:
+    """The rewrite tasks of the fund and account facts: held-out (entity, aspect) pairs never
+    appear in training data."""
     rewrite_facts = [f for f in facts if f.entity.kind in ("fund", "account")]
     pairs = [(f.entity.key, f.aspect.key) for f in rewrite_facts]
     heldout_pairs = _heldout_pairs(pairs, heldout_fraction, rng)
@@ -572,25 +599,7 @@ def generate_domain(seed: int = 0, heldout_fraction: float = 0.25) -> Domain:
                 aspect_key=fact.aspect.key,
                 split=split,
             ))
-
-    rng.shuffle(list(range(_LEGACY_SPLIT_DRAW)))
-    sme, panel = _sme_feedback([t for t in rewrite_tasks if t.split == "train"], list(passages), rng)
-    search = search_half(seed)
-    return Domain(
-        seed=seed,
-        passages=passages + search.passages,
-        facts=facts + search.facts,
-        rewrite_tasks=rewrite_tasks,
-        multistep_tasks=search.tasks,
-        sme_feedback=sme,
-        sme_panel=panel,
-        entities=[*FUNDS, *ACCOUNTS, *MANAGERS],
-        aspects=[*FUND_ASPECTS, *ACCOUNT_ASPECTS, *MANAGER_ASPECTS],
-        search_entities=search.entities,
-        search_passages=search.passages,
-        search_links=search.links,
-        search_clusters=search.clusters,
-    )
+    return rewrite_tasks
 
 
 def _heldout_pairs(pairs: list[tuple[str, str]], fraction: float, rng: random.Random) -> set[tuple[str, str]]:

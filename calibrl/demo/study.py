@@ -78,7 +78,7 @@ class Arm:
 
     name: str
     label: str
-    estimator: str  # advantage.type, as the demo's _train_overrides takes it
+    estimator: str  # advantage.type, as the demo's search arms take it
     step_rewards: bool
 
 
@@ -147,13 +147,15 @@ def run_seed(plan: StudyPlan, seed: int, out: pathlib.Path, progress: bool = Fal
     """Everything of one seed; writes and returns its ``seed_result.json`` record."""
     import torch
 
-    from calibrl.demo.cli import _Clients, _log_to_file, build_demo_index
+    from calibrl.demo.context import log_to_file
+    from calibrl.demo.preparation import build_demo_index
+    from calibrl.demo.training import Clients
     from calibrl.demo.domain import generate_domain, write_domain
     from calibrl.trainer.aio import BackgroundLoop
 
     torch.set_num_threads(1)
     out.mkdir(parents=True, exist_ok=True)
-    _log_to_file(out / "study.log")
+    log_to_file(out / "study.log")
     timings: dict[str, float] = {}
     started = time.perf_counter()
     domain = generate_domain(seed)
@@ -161,7 +163,7 @@ def run_seed(plan: StudyPlan, seed: int, out: pathlib.Path, progress: bool = Fal
     build_demo_index(files.corpus, out / "index")
     timings["domain_and_index_s"] = time.perf_counter() - started
     with _services(out) as (retrieval_target, judge_target), BackgroundLoop(name=f"study-{seed}") as background:
-        clients = _Clients(retrieval_target, judge_target, background)
+        clients = Clients(retrieval_target, judge_target, background)
         try:
             record = _train_and_score(plan, seed, out, domain, files, clients, timings, progress)
         finally:
@@ -184,7 +186,7 @@ def save_seed_result(out: pathlib.Path, record: dict[str, Any]) -> None:
 def _services(out: pathlib.Path) -> Any:
     """The demo's retrieval service over ``out/index`` and a judge serving the search-step
     rubric (no SME golden set exists for it, so it is served unvalidated)."""
-    from calibrl.demo.cli import RETRIEVAL_MODE
+    from calibrl.demo.settings import RETRIEVAL_MODE
     from calibrl.demo.services import Service, free_port
 
     if not STEP_RUBRIC.is_file():
@@ -303,12 +305,12 @@ def arm_overrides(plan: StudyPlan, setting: str, arm: Arm, base_agent: pathlib.P
 def train_arm(plan: StudyPlan, setting: str, arm: Arm, base_agent: pathlib.Path, files: Any, clients: Any,
               out: pathlib.Path, seed: int, progress: bool) -> dict[str, Any]:
     """Train one arm; its kept per-step metrics, wall time and final checkpoint."""
-    from calibrl.demo.cli import _train
+    from calibrl.demo.training import train_one
     from calibrl.trainer.checkpoint import find_checkpoint
 
     run_dir = out / "runs" / setting / arm.name
     overrides = arm_overrides(plan, setting, arm, base_agent, files, clients, run_dir, seed, progress)
-    history, seconds, tracker = _train(overrides, clients, ("none",))
+    history, seconds, tracker = train_one(overrides, clients, ("none",))
     tracker.close()
     planned = plan.design_for(setting).steps
     if len(history) < planned:  # the trainer caught a SIGTERM: it checkpointed and returned early
@@ -346,7 +348,7 @@ def question_scores(model: str | pathlib.Path, tasks: Sequence[Any], clients: An
 def constant_scores(domain: Any, tasks: Sequence[Any]) -> dict[str, Any]:
     """The best-constant baseline on the held-out ``tasks``: per aspect the most frequent answer
     of the training questions, its per-question ``f1`` and ``em``, and the ``aspect`` of each."""
-    from calibrl.demo.cli import search_aspects
+    from calibrl.demo.training import search_aspects
     from calibrl.demo.error_analysis import aspect_of, best_constant_answers
     from calibrl.text import exact_match, token_f1
 
@@ -380,7 +382,7 @@ def run_study(plan: StudyPlan, out: pathlib.Path, *, jobs: int = 1, progress: bo
     (out / STUDY_MARKER).write_text(f"{command}\n", encoding="utf-8")
     import torch
 
-    from calibrl.demo.cli import machine_description
+    from calibrl.demo.context import machine_description
 
     torch.set_num_threads(1)  # as every seed process runs
     machine = machine_description().replace("in the demo process", "in each study process")
@@ -476,7 +478,7 @@ def parse_seeds(text: str) -> tuple[int, ...]:
     return seeds
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="calibrl study",
         description="Train the search agent's arms (GRPO, CalibAdv with gold documents as silver, CalibAdv with the "
@@ -503,7 +505,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--native-kernels", action="store_true",
                         help="this CPU's fastest float kernels instead of kernels pinned to AVX2 (calibrl.kernels)")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)  # one seed, no report
-    args = parser.parse_args(list(argv) if argv is not None else None)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parser().parse_args(list(argv) if argv is not None else None)
 
     from calibrl import kernels
 
@@ -520,7 +526,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if value < low:
             print(f"error: {flag}={value}: must be >= {low}", file=sys.stderr)
             return 2
-    from calibrl.demo.cli import FULL, QUICK
+    from calibrl.demo.settings import FULL, QUICK
     from calibrl.retrieval_server.cli import hide_library_progress_bars
 
     hide_library_progress_bars()  # the study prints one line per run; its logs hold the rest
