@@ -42,7 +42,8 @@ class Agent:
 REWRITER = Agent("rewrite", "base", "base rewriter (untrained)", "hit@k",
                  (("hit", "hit@k"), ("mrr", "mrr"), ("ndcg", "ndcg@k")))
 SEARCH_AGENT = Agent("search", "base_agent", "base search agent (untrained)", "f1",
-                     (("em", "em"), ("f1", "f1"), ("well_formed", "well_formed"), ("gold_doc_recall", "gold_doc_recall")),
+                     (("em", "em"), ("f1", "f1"), ("well_formed", "well_formed"),
+                      ("gold_doc_recall", "gold_doc_recall")),
                      optional=("gold_doc_recall",))
 AGENTS = {agent.kind: agent for agent in (REWRITER, SEARCH_AGENT)}
 

@@ -41,7 +41,11 @@ import pathlib
 import random
 import re
 from dataclasses import dataclass, field
-from typing import Any, Iterable
+from typing import TYPE_CHECKING, Iterable
+
+if TYPE_CHECKING:  # pragma: no cover
+    from calibrl.demo.experts import PanelReview
+    from calibrl.demo.search_domain import Link
 
 # Error tags of the SME taxonomy (docs/design.md, "Rewards": missed intent, missing key entities,
 # under-specification, plus the critical penalty for invented entities), spelled as
@@ -371,11 +375,11 @@ class Domain:
     search_entities: list[Entity] = field(default_factory=list)  # funds, plans, managers of the search half only
     search_passages: list[Passage] = field(default_factory=list)  # their passages (also in ``passages``, at the end)
     # the search half's plans: bridge document id -> calibrl.demo.search_domain.Link (its plan, default fund, cluster)
-    search_links: dict[str, Any] = field(default_factory=dict)
+    search_links: dict[str, "Link"] = field(default_factory=dict)
     search_clusters: dict[str, int] = field(default_factory=dict)  # two-search task id -> its cluster
     # The simulated SME panel's reviews behind ``sme_feedback`` (calibrl.demo.experts.PanelReview): every
     # expert's grade and the rewrite's hidden quality. No judge reads them.
-    sme_panel: list[Any] = field(default_factory=list)
+    sme_panel: list["PanelReview"] = field(default_factory=list)
 
     def rewriter_passages(self) -> list[Passage]:
         """The passages of the rewriter half (its products and topics, the guides): what the
@@ -692,7 +696,7 @@ ASPECT_BY_KEY = _ASPECT_BY_KEY
 
 
 def _sme_feedback(train_tasks: list[RewriteTask], passages: list[Passage], rng: random.Random,
-                  count: int = 300) -> tuple[list[SMEFeedback], list[Any]]:
+                  count: int = 300) -> tuple[list[SMEFeedback], list["PanelReview"]]:
     """Reviews of rewrites of training queries by the simulated SME panel
     (:mod:`calibrl.demo.experts`): each review carries the grade and error tags of the
     expert it was assigned to; the panel's reviews (every expert's grade, the rewrite's

@@ -211,7 +211,9 @@ def _search_overrides(run: RunContext, arm: Arm, policy: pathlib.Path, tasks: pa
                                   seed=run.seed, progress=progress, extra=step_scoring)
 
 
-_SHARED_OVERRIDES: dict[AgentKind, Callable[[RunContext, Arm, pathlib.Path, pathlib.Path, Clients, bool], list[str]]] = {
+# (run, arm, policy, tasks, clients, progress) -> the overrides every arm of the agent shares
+SharedOverrides = Callable[[RunContext, Arm, pathlib.Path, pathlib.Path, Clients, bool], list[str]]
+_SHARED_OVERRIDES: dict[AgentKind, SharedOverrides] = {
     "rewrite": _rewrite_overrides, "search": _search_overrides}
 
 
