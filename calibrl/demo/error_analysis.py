@@ -45,7 +45,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Sequence
 
-from calibrl.demo.json_types import JsonObject
+from calibrl.json_types import JsonObject
 from calibrl.stats import Interval, paired_difference
 
 if TYPE_CHECKING:  # pragma: no cover

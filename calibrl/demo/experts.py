@@ -39,7 +39,7 @@ if TYPE_CHECKING:  # pragma: no cover
     import pathlib
 
     from calibrl.demo.domain import Entity, Passage, RewriteTask
-    from calibrl.demo.json_types import JsonObject
+    from calibrl.json_types import JsonObject
 
 # --- hidden quality -------------------------------------------------------------------------------------------------
 

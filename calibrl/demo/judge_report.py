@@ -15,7 +15,7 @@ import urllib.request
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Mapping, Sequence
 
-from calibrl.demo.json_types import JsonObject, JsonRecord
+from calibrl.json_types import JsonObject, JsonRecord
 
 if TYPE_CHECKING:  # pragma: no cover
     from calibrl.demo.experts import PairKappa

@@ -555,8 +555,8 @@ def build_base_policies(
 
 
 def _warm_start_and_save(folder: pathlib.Path, tokenizer: "PreTrainedTokenizerFast", spec: PolicySpec,
-                         examples: Sequence[Example], steps: int, batch_size: int, seed: int, threads: int | None = None,
-                         progress: bool = False) -> WarmStartResult:
+                         examples: Sequence[Example], steps: int, batch_size: int, seed: int,
+                         threads: int | None = None, progress: bool = False) -> WarmStartResult:
     """A fresh model from ``spec``, warm-started and saved with ``tokenizer`` as ``folder``
     (``threads``: torch's thread count, set first in a spawned process)."""
     if threads is not None:

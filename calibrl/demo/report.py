@@ -14,7 +14,7 @@ import pathlib
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable, Mapping, Sequence, TextIO
 
-from calibrl.demo.json_types import JsonObject, JsonRecord
+from calibrl.json_types import JsonObject, JsonRecord
 
 if TYPE_CHECKING:  # pragma: no cover
     from types import ModuleType

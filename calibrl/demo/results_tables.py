@@ -38,7 +38,7 @@ import pathlib
 import re
 from typing import TYPE_CHECKING, Callable, Mapping
 
-from calibrl.demo.json_types import JsonObject, JsonRecord
+from calibrl.json_types import JsonObject, JsonRecord
 
 if TYPE_CHECKING:  # pragma: no cover
     from calibrl.demo.report import RunResult

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Hashable, Sequence
 
-from calibrl.demo.json_types import JsonObject
+from calibrl.json_types import JsonObject
 from calibrl.stats import describe_difference, paired_difference
 
 if TYPE_CHECKING:  # pragma: no cover

@@ -48,8 +48,8 @@ import time
 from dataclasses import dataclass
 from typing import IO, TYPE_CHECKING, Iterator, Sequence
 
-from calibrl.demo.json_types import JsonObject
 from calibrl.errors import CalibrlError
+from calibrl.json_types import JsonObject
 
 if TYPE_CHECKING:  # pragma: no cover
     from calibrl.api.retrieval import Hit

@@ -24,7 +24,7 @@ import math
 import pathlib
 from typing import Mapping, Sequence, Union
 
-from calibrl.demo.json_types import JsonObject, JsonRecord, JsonValue
+from calibrl.json_types import JsonObject, JsonRecord, JsonValue
 from calibrl.stats import Interval, average_over_seeds, hierarchical_difference, mean_interval, paired_difference
 
 BASE = "base"

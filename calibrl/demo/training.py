@@ -371,8 +371,8 @@ def settings_table(run: RunContext, domain: "Domain", heldout: HeldOut, dense_ru
         "retrieval": f"BM25 over {len(domain.passages)} passages (index also holds MiniLM dense vectors)",
         "policy": "Llama-architecture causal LM, 3 layers, hidden 96, byte-level BPE trained on the domain",
         "warm start (rewriter / agent)": f"{settings.warm_rewriter_steps} / {settings.search.warm_steps} steps",
-        "rewriter GRPO": f"{settings.rewrite_steps} steps x {settings.prompts_per_step} tasks x G={settings.group_size}, "
-                         f"lr {settings.lr:g}, KL beta {settings.kl_beta:g}, grad norm clip 0.5",
+        "rewriter GRPO": f"{settings.rewrite_steps} steps x {settings.prompts_per_step} tasks x "
+                         f"G={settings.group_size}, lr {settings.lr:g}, KL beta {settings.kl_beta:g}, grad norm clip 0.5",
         "binary reward": f"hit@{settings.hit_k} (0 or 1); no judge call",
         "binary + dynamic sampling": f"hit@{settings.hit_k}; up to {settings.max_sampling_rounds} rounds of "
                                      f"{settings.prompts_per_step} tasks per step, groups with unequal rewards kept "

@@ -1,5 +1,5 @@
-"""Names for the demo's parsed and written JSON (results.json, seed_result.json, the study's
-plan, metrics.jsonl records), so that a signature says which one it takes."""
+"""Names for parsed and written JSON (the demo's results.json and seed_result.json, the study's
+plan, metrics.jsonl records, the judge's training record), so that a signature says which one it takes."""
 
 from __future__ import annotations
 
