@@ -41,7 +41,7 @@ def main() -> None:
     kernels.pin()  # as calibrl demo and calibrl study: AVX2 float kernels, before torch loads
     import torch
 
-    from calibrl.demo import study
+    from calibrl.studies import search_arms as study
     from calibrl.demo.preparation import build_demo_index
     from calibrl.demo.settings import FULL
     from calibrl.demo.training import Clients

@@ -149,9 +149,9 @@ def _gate_notes(validation: "ValidationRecord", judge_model: "JudgeModel") -> li
 
 
 def _sme_study(run: RunContext, generated: Generated, clients: Clients) -> str:
-    """The SME-time experiment (:mod:`calibrl.sme.study`) on the demo's domain and retrieval service."""
+    """The SME-time experiment (:mod:`calibrl.studies.sme_time`) on the demo's domain and retrieval service."""
     with run.stages.stage("SME time: validation kappa vs expert reviews, representative vs random sampling"):
-        from calibrl.sme.study import run_demo_study
+        from calibrl.studies.sme_time import run_demo_study
 
         return run_demo_study(
             generated.domain, lambda qs: [[h.doc_id for h in hits] for hits in clients.search_many(qs, 1)], run.out,

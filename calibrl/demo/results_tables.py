@@ -260,7 +260,7 @@ def study(records: JsonRecord | None) -> list[str]:
     if records is None:
         return ["No study records are committed yet: `calibrl study` writes them (`results.json`), and "
                 "`python scripts/render_results.py` fills this block from `results/study/results.json`."]
-    from calibrl.demo.study import ARMS
+    from calibrl.studies.search_arms import ARMS
 
     summary = records["summary"]
     labels = {"base": "the base", "best_constant": "the best constant", **{a.name: a.label for a in ARMS}}

@@ -30,7 +30,7 @@ questions) and the paired bootstrap of every pair of arms and of each arm vs the
 
 Each seed writes ``seed_<N>/seed_result.json``; ``--jobs 2`` runs two seeds at a time
 as subprocesses (``calibrl study --worker``); the parent then writes ``results.json``,
-``report.md`` and ``plots/`` (``calibrl.demo.study_report``).
+``report.md`` and ``plots/`` (:mod:`calibrl.studies.search_arms_report`).
 """
 
 from __future__ import annotations
@@ -387,7 +387,7 @@ def run_study(plan: StudyPlan, out: pathlib.Path, *, jobs: int = 1, progress: bo
               command: str = "calibrl study") -> pathlib.Path:
     """Every seed (``jobs`` at a time, each in its own process when > 1), then the
     report; returns the path of report.md."""
-    from calibrl.demo import study_report
+    from calibrl.studies import search_arms_report as study_report
 
     started = time.perf_counter()
     out.mkdir(parents=True, exist_ok=True)
@@ -412,7 +412,7 @@ def run_study(plan: StudyPlan, out: pathlib.Path, *, jobs: int = 1, progress: bo
 def report_only(out: pathlib.Path) -> pathlib.Path:
     """The report of a study stopped part way (or finished): every seed's latest
     ``seed_result.json``; the wall time runs from the start to the last result written."""
-    from calibrl.demo import study_report
+    from calibrl.studies import search_arms_report as study_report
 
     meta_path = out / STUDY_FILE
     if not meta_path.is_file():

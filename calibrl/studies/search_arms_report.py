@@ -1,6 +1,6 @@
 """The study's results: ``results.json``, ``report.md`` and ``plots/``.
 
-Input: one record per seed (``calibrl.demo.study.run_seed``): the held-out questions,
+Input: one record per seed (``calibrl.studies.search_arms.run_seed``): the held-out questions,
 the base agent's and every trained arm's per-question scores, and each run's per-step
 collapse signals. Intervals and paired differences come from ``calibrl.stats`` over
 questions: when every seed has its own questions (the demo generates a domain per
