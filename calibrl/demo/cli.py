@@ -53,8 +53,8 @@ from typing import TYPE_CHECKING, Sequence
 from calibrl import kernels
 from calibrl.demo.arms import DYNAMIC_SAMPLING_COMPARISON, arms_of
 from calibrl.demo.context import DemoError, RunContext, Stages, log_to_file, machine_description
-from calibrl.demo.preparation import (Generated, Rubrics, Served, Stoppable, build_demo_index, distill_rubric,
-                                      validate_rubric)
+from calibrl.demo.preparation import (Generated, Rubrics, Served, Stoppable, build_demo_index, build_llm_judge,
+                                      distill_rubric, validate_rubric)
 from calibrl.demo.settings import (CONCURRENT_PAIR, DEFAULT_SEED, FULL, GATE, MARKER, OTHER_RUNS, PASS_THRESHOLD,
                                    QUICK, RETRIEVAL_MODE, REWRITE_ARMS, RUBRIC_ID, SEARCH_ARMS, STEP_RUBRIC,
                                    STEP_RUBRIC_ID, DemoSettings)
@@ -372,5 +372,6 @@ def main(argv: Sequence[str] | None = None) -> int:
 # The demo's settings and stage functions, importable from its entry point as before the split.
 __all__ = ["CONCURRENT_PAIR", "DEFAULT_SEED", "DemoError", "DemoSettings", "FULL", "GATE", "MARKER", "OTHER_RUNS",
            "PASS_THRESHOLD", "QUICK", "RETRIEVAL_MODE", "REWRITE_ARMS", "RUBRIC_ID", "SEARCH_ARMS", "STEP_RUBRIC",
-           "STEP_RUBRIC_ID", "add_judge_sections", "build_demo_index", "distill_rubric", "machine_description", "main",
-           "prepare_out", "rewrite_clusters", "run_demo", "search_aspects", "validate_rubric"]
+           "STEP_RUBRIC_ID", "add_judge_sections", "build_demo_index", "build_llm_judge", "distill_rubric",
+           "machine_description", "main", "prepare_out", "rewrite_clusters", "run_demo", "search_aspects",
+           "validate_rubric"]

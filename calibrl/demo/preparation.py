@@ -15,7 +15,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol, Sequence
 
 from calibrl.demo.context import DemoError, RunContext
-from calibrl.demo.settings import GATE, PASS_THRESHOLD, RETRIEVAL_MODE, RUBRIC_ID, STEP_RUBRIC, STEP_RUBRIC_ID
+from calibrl.demo.settings import (GATE, PASS_THRESHOLD, RETRIEVAL_MODE, RUBRIC_ID, STEP_RUBRIC, STEP_RUBRIC_ID,
+                                   DemoSettings)
 
 if TYPE_CHECKING:  # pragma: no cover
     from calibrl.demo.domain import Domain, DomainFiles
@@ -117,27 +118,12 @@ def validate(run: RunContext, generated: Generated, rubrics: Rubrics) -> "Valida
 
 
 def llm_judge(run: RunContext, generated: Generated, rubrics: Rubrics) -> "JudgeModel":
-    """Stage 3b: build, fine-tune (training reviews only) and validate the LLM judge
-    (:mod:`calibrl.demo.judge_model`); its validation record lands beside its rubric."""
-    from calibrl.demo.judge_model import JudgeModelSettings, build_and_validate_judge
-
-    settings = run.settings
+    """Stage 3b: the LLM judge of the LLM rubric (:func:`build_llm_judge`)."""
     with run.stages.stage("the LLM judge: tokenizer, warm start, calibrl rubric train-judge, validate --judge "
                           "transformers:..."):
-        judge = build_and_validate_judge(
-            generated.domain, generated.files.sme_feedback, rubrics.llm_rubric, rubrics.llm_rubric_path,
-            rubrics.golden, rubrics.golden_path, run.out / "judge_model",
-            JudgeModelSettings(warm_steps=settings.judge_warm_steps, epochs=settings.judge_epochs),
-            pass_threshold=PASS_THRESHOLD, gate=GATE, seed=run.seed, progress=run.progress)
-        first, last = judge.warm_losses
-        print(f"    judge model {judge.model_id}: warm-start loss {first:.2f} -> {last:.2f}; "
-              f"trained on {len(judge.training.train)} reviews (golden {len(judge.training.held_out)} never); "
-              + ", ".join(f"{k} {v:.0f}s" for k, v in judge.seconds.items()))
-        print("    held-in agreement after training: " + ", ".join(
-            f"{name} {figures['final'].get('agreement', math.nan):.2f}"
-            for name, figures in judge.training.record["criteria"].items()))
-        print(f"    gate {'PASSED' if judge.validation.passed else 'FAILED'}: {judge.validation.reason}")
-    return judge
+        return build_llm_judge(run.settings, generated.domain, generated.files.sme_feedback, rubrics.llm_rubric,
+                               rubrics.llm_rubric_path, rubrics.golden, rubrics.golden_path, run.out, run.seed,
+                               run.progress)
 
 
 def join_index(run: RunContext, index_build: "IndexBuild") -> None:
@@ -240,6 +226,29 @@ def validate_rubric(rubric: "Rubric", golden: Sequence["FeedbackRecord"], rubric
     return stored
 
 
+def build_llm_judge(settings: DemoSettings, domain: "Domain", feedback: pathlib.Path, rubric: "Rubric",
+                    rubric_path: pathlib.Path, golden: Sequence["FeedbackRecord"], golden_path: pathlib.Path,
+                    out: pathlib.Path, seed: int, progress: bool) -> "JudgeModel":
+    """Stage 3b: build, fine-tune (training reviews only) and validate the LLM judge
+    (:mod:`calibrl.demo.judge_model`) under ``out/judge_model``; its validation record lands
+    beside its rubric."""
+    from calibrl.demo.judge_model import JudgeModelSettings, build_and_validate_judge
+
+    judge = build_and_validate_judge(
+        domain, feedback, rubric, rubric_path, golden, golden_path, out / "judge_model",
+        JudgeModelSettings(warm_steps=settings.judge_warm_steps, epochs=settings.judge_epochs),
+        pass_threshold=PASS_THRESHOLD, gate=GATE, seed=seed, progress=progress)
+    first, last = judge.warm_losses
+    print(f"    judge model {judge.model_id}: warm-start loss {first:.2f} -> {last:.2f}; "
+          f"trained on {len(judge.training.train)} reviews (golden {len(judge.training.held_out)} never); "
+          + ", ".join(f"{k} {v:.0f}s" for k, v in judge.seconds.items()))
+    print("    held-in agreement after training: " + ", ".join(
+        f"{name} {figures['final'].get('agreement', math.nan):.2f}"
+        for name, figures in judge.training.record["criteria"].items()))
+    print(f"    gate {'PASSED' if judge.validation.passed else 'FAILED'}: {judge.validation.reason}")
+    return judge
+
+
 def build_demo_index(corpus: pathlib.Path, index_dir: pathlib.Path, echo: bool = True) -> str:
     """Stage 4 in this process (the study and the probes): the dense (MiniLM) + BM25 index of
     the corpus, on the CPU; returns (and with ``echo`` prints) its one-line summary."""
@@ -264,5 +273,6 @@ def index_summary(index_dir: pathlib.Path) -> str:
             f"dense index ({manifest.embedder}) + BM25")
 
 
-__all__ = ["Generated", "Rubrics", "Served", "Stoppable", "build_demo_index", "distil", "distill_rubric", "generate",
-           "index_summary", "join_index", "llm_judge", "serve", "start_index_build", "validate", "validate_rubric"]
+__all__ = ["Generated", "Rubrics", "Served", "Stoppable", "build_demo_index", "build_llm_judge", "distil",
+           "distill_rubric", "generate", "index_summary", "join_index", "llm_judge", "serve", "start_index_build",
+           "validate", "validate_rubric"]
