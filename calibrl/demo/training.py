@@ -112,8 +112,8 @@ class CheckpointEvaluation:
     """Stage 9: every run's held-out curve, and the final checkpoints' task-by-task figures."""
 
     curves: dict[str, Curve]
-    rewrite_hits: dict[str, list[float]] = field(default_factory=dict)
-    search_records: dict[str, list["SearchRecord"]] = field(default_factory=dict)
+    rewrite_hits: dict[str, list[float]] = field(default_factory=dict)  # the rewriter arms'
+    search_records: dict[str, list["SearchRecord"]] = field(default_factory=dict)  # the search agent's arms'
 
 
 # --- the stages -------------------------------------------------------------------------------------------------
@@ -275,39 +275,42 @@ class _PairWindow:
 def evaluate_checkpoints(run: RunContext, clients: Clients, heldout: HeldOut) -> CheckpointEvaluation:
     """Stage 9: every checkpoint of every arm on the held-out tasks; the curves go into each
     run's own tracker runs."""
-    result = CheckpointEvaluation(curves={})
+    curves: dict[str, Curve] = {}
+    finals: dict[AgentKind, dict[str, list]] = {"rewrite": {}, "search": {}}  # agent -> arm -> final figures
     with run.stages.stage("evaluate every checkpoint on held-out tasks"):
         for arm in ARMS:
             run_dir = run.out / "runs" / arm.name
             checkpoints = sorted((run_dir / "checkpoints").glob("step_*"), key=lambda p: int(p.name.split("_")[1]))
-            metrics = _EVALUATE_CHECKPOINTS[arm.agent](clients, arm, checkpoints, heldout, result)
+            metrics, final = _EVALUATE_CHECKPOINTS[arm.agent](clients, arm, checkpoints, heldout)
+            finals[arm.agent][arm.name] = final
             curve = [(int(c.name.split("_")[1]), m) for c, m in zip(checkpoints, metrics)]
-            result.curves[arm.name] = curve
+            curves[arm.name] = curve
             key = AGENTS[arm.agent].headline
             print(f"    {arm.name}: held-out {key} by step " + ", ".join(f"{s}: {m[key]:.3f}" for s, m in curve)
                   + f" (final {curve[-1][1][key]:.3f})")
             _log_heldout(run_dir, curve)
-    return result
+    return CheckpointEvaluation(curves, rewrite_hits=finals["rewrite"], search_records=finals["search"])
 
 
-def _rewriter_checkpoints(clients: Clients, arm: Arm, checkpoints: list[pathlib.Path], heldout: HeldOut,
-                          result: CheckpointEvaluation) -> list[dict[str, float]]:
+def _rewriter_checkpoints(clients: Clients, arm: Arm, checkpoints: list[pathlib.Path],
+                          heldout: HeldOut) -> tuple[list[dict[str, float]], list[float]]:
+    """Each checkpoint's held-out metrics, and the final one's task-by-task hits."""
     rows = _evaluate(clients, [str(c) for c in checkpoints], heldout.rewrites, heldout.rewrite_eval,
                      [c.name for c in checkpoints])
     metrics = [row.metrics for row in rows]
-    result.rewrite_hits[arm.name] = _rewrite_hits(clients, checkpoints[-1], heldout.rewrites, heldout.rewrite_eval)
-    _check_task_hits({arm.name: result.rewrite_hits[arm.name]}, {arm.name: metrics[-1]["hit@k"]})
-    return metrics
+    hits = _rewrite_hits(clients, checkpoints[-1], heldout.rewrites, heldout.rewrite_eval)
+    _check_task_hits({arm.name: hits}, {arm.name: metrics[-1]["hit@k"]})
+    return metrics, hits
 
 
-def _agent_checkpoints(clients: Clients, arm: Arm, checkpoints: list[pathlib.Path], heldout: HeldOut,
-                       result: CheckpointEvaluation) -> list[dict[str, float]]:
-    """One record per question, so that the final checkpoint pairs with the base."""
+def _agent_checkpoints(clients: Clients, arm: Arm, checkpoints: list[pathlib.Path],
+                       heldout: HeldOut) -> tuple[list[dict[str, float]], list["SearchRecord"]]:
+    """Each checkpoint's summary metrics, and the final one's records, one per question (so
+    that the final checkpoint pairs with the base)."""
     from calibrl.demo.error_analysis import summary_metrics
 
     records = [_search_records(clients, c, heldout.search, heldout.search_eval) for c in checkpoints]
-    result.search_records[arm.name] = records[-1]
-    return [summary_metrics(r) for r in records]
+    return [summary_metrics(r) for r in records], records[-1]
 
 
 _EVALUATE_CHECKPOINTS = {"rewrite": _rewriter_checkpoints, "search": _agent_checkpoints}
