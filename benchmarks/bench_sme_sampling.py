@@ -1,6 +1,6 @@
 """Expert reviews needed to pass the validation gate: representative vs random sampling.
 
-Runs :func:`calibrl.sme.study.run_study` on the built-in demo domain exactly as
+Runs :func:`calibrl.studies.sme_time.run_study` on the built-in demo domain exactly as
 ``calibrl demo`` does (same SME feedback, golden split, BM25 hit@1 outcome, programmatic
 judge, pass threshold picked on each budget's own reviews, gate: the kappa's whole 95%
 interval >= 0.6), without the training stages:
@@ -33,7 +33,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     from calibrl.demo.domain import generate_domain
-    from calibrl.sme.study import StudyOptions, demo_inputs, plot_study, run_study
+    from calibrl.studies.sme_time import StudyOptions, demo_inputs, plot_study, run_study
     from calibrl.retrieval_server.index import build_index_from_dicts
     from calibrl.retrieval_server.retriever import Retriever
     from calibrl.api.retrieval import SearchMode

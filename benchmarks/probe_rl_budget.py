@@ -41,8 +41,10 @@ def main() -> None:
     kernels.pin()  # as calibrl demo and calibrl study: AVX2 float kernels, before torch loads
     import torch
 
-    from calibrl.demo import study
-    from calibrl.demo.cli import FULL, _Clients, build_demo_index
+    from calibrl.studies import search_arms as study
+    from calibrl.demo.preparation import build_demo_index
+    from calibrl.demo.settings import FULL
+    from calibrl.demo.training import Clients
     from calibrl.demo.domain import generate_domain, write_domain
     from calibrl.trainer.aio import BackgroundLoop
 
@@ -56,7 +58,7 @@ def main() -> None:
         files = write_domain(domain, out / "data")
         build_demo_index(files.corpus, out / "index")
         with study._services(out) as (retrieval, judge), BackgroundLoop(name="probe") as background:
-            clients = _Clients(retrieval, judge, background)
+            clients = Clients(retrieval, judge, background)
             try:
                 base = study.build_base_agent(demo, domain, out, clients, args.seed, False)
                 started = time.perf_counter()

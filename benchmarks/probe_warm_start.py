@@ -51,8 +51,10 @@ def main() -> None:
     kernels.pin()  # as calibrl demo and calibrl study: AVX2 float kernels, before torch loads
     import torch
 
-    from calibrl.demo import study
-    from calibrl.demo.cli import FULL, _Clients, build_demo_index
+    from calibrl.studies import search_arms as study
+    from calibrl.demo.preparation import build_demo_index
+    from calibrl.demo.settings import FULL
+    from calibrl.demo.training import Clients
     from calibrl.demo.domain import generate_domain, write_domain
     from calibrl.demo.error_analysis import greedy_search_records
     from calibrl.demo.search_design import eval_settings
@@ -74,7 +76,7 @@ def main() -> None:
         splits = {"train": load_tasks(files.multistep_train)[:: args.train_stride],
                   "validation": load_tasks(files.multistep_validation)}
         with study._services(out) as (retrieval, judge), BackgroundLoop(name="probe") as background:
-            clients = _Clients(retrieval, judge, background)
+            clients = Clients(retrieval, judge, background)
             try:
                 for warm_steps in steps:
                     changes: dict = {"warm_steps": warm_steps}

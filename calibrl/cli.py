@@ -28,7 +28,7 @@ COMMANDS: dict[tuple[str, ...], tuple[str, str]] = {
     ("sme", "drift"): ("calibrl.sme.cli:drift", "Does the judge still agree with freshly graded items? (alarm)"),
     ("demo", "living-rubric"): ("calibrl.demo.living_rubric:main", "Opt-in demo: a gamed rubric caught by fresh expert grades, fixed mid-run."),
     ("demo",): ("calibrl.demo.cli:main", "Run the whole loop on the built-in domain (no downloads)."),
-    ("study",): ("calibrl.demo.study:main", "Train the search agent's arms over seeds; intervals and paired tests."),
+    ("study",): ("calibrl.studies.search_arms:main", "Train the search agent's arms over seeds; intervals and paired tests."),
     ("health",): ("calibrl.healthcheck:main", "Ask a server over the gRPC health protocol whether it serves."),
 }
 

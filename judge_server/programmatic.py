@@ -44,12 +44,16 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Callable, Mapping, Sequence
 
 from calibrl import entities
 # The query-similarity helpers are shared with the trainer's step rewards, so they live in the core.
 from calibrl.entities import EARLIER_QUERIES_KEY, REPEAT_SIMILARITY, query_similarity, repeats_earlier  # noqa: F401
 from calibrl.api.judge import JudgeItem
+from calibrl.json_types import JsonObject, JsonValue
+
+if TYPE_CHECKING:  # pragma: no cover
+    import numpy as np
 
 # Default compliance patterns: identifiers that must never reach the index.
 DEFAULT_COMPLIANCE_PATTERNS: dict[str, str] = {
@@ -66,16 +70,17 @@ class ScorerContext:
     """What scorers share beyond the item: the rubric's glossary and the embedder."""
 
     glossary: tuple[str, ...] = ()
-    embed: Callable[[list[str]], Any] | None = None  # texts -> (n, d) unit-norm numpy array
+    embed: Callable[[list[str]], "np.ndarray"] | None = None  # texts -> (n, d) unit-norm vectors
 
 
-ScorerFn = Callable[[Sequence[JudgeItem], Mapping[str, Any], ScorerContext], list[float]]
+ScorerParams = Mapping[str, JsonValue]  # a criterion's params, as its rubric file states them
+ScorerFn = Callable[[Sequence[JudgeItem], ScorerParams, ScorerContext], list[float]]
 
 
 @dataclass(frozen=True)
 class ScorerSpec:
     fn: ScorerFn
-    defaults: Mapping[str, Any]
+    defaults: ScorerParams
     needs_embedder: bool = False
 
 
@@ -83,11 +88,11 @@ def _clip01(value: float) -> float:
     return min(1.0, max(0.0, value))
 
 
-def _glossary(params: Mapping[str, Any], context: ScorerContext) -> tuple[str, ...]:
+def _glossary(params: ScorerParams, context: ScorerContext) -> tuple[str, ...]:
     return tuple(context.glossary) + tuple(params.get("glossary", ()))
 
 
-def entity_coverage(items: Sequence[JudgeItem], params: Mapping[str, Any], context: ScorerContext) -> list[float]:
+def entity_coverage(items: Sequence[JudgeItem], params: ScorerParams, context: ScorerContext) -> list[float]:
     glossary = _glossary(params, context)
     scores = []
     for item in items:
@@ -116,7 +121,7 @@ def _term_finder(text: str) -> Callable[[str], bool]:
     return contains
 
 
-def intent_similarity(items: Sequence[JudgeItem], params: Mapping[str, Any], context: ScorerContext) -> list[float]:
+def intent_similarity(items: Sequence[JudgeItem], params: ScorerParams, context: ScorerContext) -> list[float]:
     if context.embed is None:
         raise RuntimeError("intent_similarity needs an embedder; the judge was built without one")
     floor, ceiling = float(params["floor"]), float(params["ceiling"])
@@ -125,7 +130,7 @@ def intent_similarity(items: Sequence[JudgeItem], params: Mapping[str, Any], con
     return [_clip01((exact_dot(q, o) - floor) / (ceiling - floor)) for q, o in zip(queries, outputs)]
 
 
-def exact_dot(a: Any, b: Any) -> float:
+def exact_dot(a: "np.ndarray | Sequence[float]", b: "np.ndarray | Sequence[float]") -> float:
     """Inner product of two float32 vectors, correctly rounded: each product is exact in
     float64 and ``math.fsum`` sums without rounding error, so the result never depends
     on a BLAS kernel, the memory alignment or the batch the vectors came in."""
@@ -134,7 +139,7 @@ def exact_dot(a: Any, b: Any) -> float:
     return math.fsum((np.asarray(a, dtype=np.float64) * np.asarray(b, dtype=np.float64)).tolist())
 
 
-def specificity(items: Sequence[JudgeItem], params: Mapping[str, Any], context: ScorerContext) -> list[float]:
+def specificity(items: Sequence[JudgeItem], params: ScorerParams, context: ScorerContext) -> list[float]:
     min_terms = int(params["min_terms"])
     scores = []
     for item in items:
@@ -146,7 +151,7 @@ def specificity(items: Sequence[JudgeItem], params: Mapping[str, Any], context: 
     return scores
 
 
-def length(items: Sequence[JudgeItem], params: Mapping[str, Any], context: ScorerContext) -> list[float]:
+def length(items: Sequence[JudgeItem], params: ScorerParams, context: ScorerContext) -> list[float]:
     low, high = int(params["min_words"]), int(params["max_words"])
     scores = []
     for item in items:
@@ -161,7 +166,7 @@ def length(items: Sequence[JudgeItem], params: Mapping[str, Any], context: Score
     return scores
 
 
-def output_format(items: Sequence[JudgeItem], params: Mapping[str, Any], context: ScorerContext) -> list[float]:
+def output_format(items: Sequence[JudgeItem], params: ScorerParams, context: ScorerContext) -> list[float]:
     prefixes = tuple(p.lower() for p in params["forbidden_prefixes"])
     pattern = re.compile(params["must_match"]) if params["must_match"] else None
     scores = []
@@ -189,7 +194,7 @@ def invented_entity_list(item: JudgeItem, glossary: Sequence[str]) -> list[str]:
     ]
 
 
-def invented_entities(items: Sequence[JudgeItem], params: Mapping[str, Any], context: ScorerContext) -> list[float]:
+def invented_entities(items: Sequence[JudgeItem], params: ScorerParams, context: ScorerContext) -> list[float]:
     glossary = _glossary(params, context)
     max_invented = int(params["max_invented"])
     return [_clip01(1.0 - len(invented_entity_list(item, glossary)) / max_invented) for item in items]
@@ -205,13 +210,13 @@ def _luhn_ok(digits: str) -> bool:
     return total % 10 == 0
 
 
-def compliance_patterns(params: Mapping[str, Any]) -> dict[str, re.Pattern[str]]:
+def compliance_patterns(params: ScorerParams) -> dict[str, re.Pattern[str]]:
     named = dict(DEFAULT_COMPLIANCE_PATTERNS) if params["use_default_patterns"] else {}
     named.update(params["patterns"])
     return {name: re.compile(regex) for name, regex in named.items()}
 
 
-def compliance_leaks(text: str, params: Mapping[str, Any]) -> list[str]:
+def compliance_leaks(text: str, params: ScorerParams) -> list[str]:
     """Names of the compliance patterns that match ``text``."""
     leaks = []
     for name, pattern in compliance_patterns(params).items():
@@ -225,7 +230,7 @@ def compliance_leaks(text: str, params: Mapping[str, Any]) -> list[str]:
     return leaks
 
 
-def compliance_leak(items: Sequence[JudgeItem], params: Mapping[str, Any], context: ScorerContext) -> list[float]:
+def compliance_leak(items: Sequence[JudgeItem], params: ScorerParams, context: ScorerContext) -> list[float]:
     return [0.0 if compliance_leaks(item.output, params) else 1.0 for item in items]
 
 
@@ -246,7 +251,7 @@ def revealed_entities(item: JudgeItem) -> list[str]:
     return list(found.values())
 
 
-def revealed_entity(items: Sequence[JudgeItem], params: Mapping[str, Any], context: ScorerContext) -> list[float]:
+def revealed_entity(items: Sequence[JudgeItem], params: ScorerParams, context: ScorerContext) -> list[float]:
     scores = []
     for item in items:
         if not item.retrieved_texts:
@@ -261,7 +266,7 @@ def revealed_entity(items: Sequence[JudgeItem], params: Mapping[str, Any], conte
     return scores
 
 
-def repeated_query(items: Sequence[JudgeItem], params: Mapping[str, Any], context: ScorerContext) -> list[float]:
+def repeated_query(items: Sequence[JudgeItem], params: ScorerParams, context: ScorerContext) -> list[float]:
     threshold = float(params["threshold"])
     return [0.0 if repeats_earlier(item.output, earlier_queries(item), threshold) else 1.0 for item in items]
 
@@ -282,7 +287,7 @@ SCORERS: dict[str, ScorerSpec] = {
 }
 
 
-def check_params(scorer: str, params: Mapping[str, Any]) -> str | None:
+def check_params(scorer: str, params: ScorerParams) -> str | None:
     """Why ``params`` are not valid for ``scorer`` (None when they are). Used at rubric load."""
     spec = SCORERS[scorer]
     for key, value in params.items():
@@ -327,6 +332,6 @@ def check_params(scorer: str, params: Mapping[str, Any]) -> str | None:
     return None
 
 
-def full_params(scorer: str, params: Mapping[str, Any]) -> dict[str, Any]:
+def full_params(scorer: str, params: ScorerParams) -> JsonObject:
     """The scorer's defaults overridden by ``params``."""
     return {**SCORERS[scorer].defaults, **params}

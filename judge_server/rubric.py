@@ -43,11 +43,12 @@ import json
 import pathlib
 import re
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Literal
 
 import yaml
 
 from calibrl.errors import ConfigError
+from calibrl.json_types import JsonObject, JsonValue
 from calibrl.judge_server import programmatic
 
 CriterionKind = Literal["llm", "programmatic"]
@@ -82,11 +83,11 @@ class Criterion:
     scale: Scale = "yes_no"
     good_answer: Literal["yes", "no"] = "yes"
     scorer: str = ""
-    params: dict[str, Any] = field(default_factory=dict, hash=False, compare=True)
+    params: dict[str, JsonValue] = field(default_factory=dict, hash=False, compare=True)
     tags: tuple[str, ...] = ()
 
-    def canonical(self) -> dict[str, Any]:
-        data: dict[str, Any] = {
+    def canonical(self) -> JsonObject:
+        data: JsonObject = {
             "name": self.name,
             "kind": self.kind,
             "weight": float(self.weight),
@@ -117,7 +118,7 @@ class Rubric:
     source_path: str = ""
     source_yaml: str = ""
 
-    def canonical(self) -> dict[str, Any]:
+    def canonical(self) -> JsonObject:
         """Everything that decides scores, defaults filled in (the hashed content)."""
         return {
             "id": self.id,
@@ -145,7 +146,7 @@ class Rubric:
         return tenant in self.tenants or "*" in self.tenants
 
 
-def content_hash(data: Any) -> str:
+def content_hash(data: JsonValue) -> str:
     """SHA-256 of the canonical JSON of ``data`` (sorted keys, no spaces, UTF-8)."""
     text = json.dumps(data, sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
     return hashlib.sha256(text.encode("utf-8")).hexdigest()
@@ -187,7 +188,7 @@ class _Checker:
             probe = probe[:-1]
         return RubricError(self.source, self.lines.get(probe), _field_name(path), problem)
 
-    def mapping(self, value: Any, path: tuple, allowed: set[str], required: set[str]) -> dict:
+    def mapping(self, value: object, path: tuple, allowed: set[str], required: set[str]) -> dict:
         if not isinstance(value, dict):
             raise self.fail(path, f"expected a mapping, got {type(value).__name__}")
         for key in value:
@@ -199,7 +200,7 @@ class _Checker:
             raise self.fail(path, f"missing required key {key!r}")
         return value
 
-    def string(self, value: Any, path: tuple, *, pattern: re.Pattern | None = None, empty: bool = True) -> str:
+    def string(self, value: object, path: tuple, *, pattern: re.Pattern | None = None, empty: bool = True) -> str:
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             value = str(value)
         if not isinstance(value, str):
@@ -210,24 +211,24 @@ class _Checker:
             raise self.fail(path, f"{value!r} must match {pattern.pattern}")
         return value
 
-    def number(self, value: Any, path: tuple, low: float, high: float) -> float:
+    def number(self, value: object, path: tuple, low: float, high: float) -> float:
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise self.fail(path, f"expected a number, got {value!r}")
         if not low <= value <= high or value != value:
             raise self.fail(path, f"must be in [{low}, {high}], got {value!r}")
         return float(value)
 
-    def strings(self, value: Any, path: tuple) -> tuple[str, ...]:
+    def strings(self, value: object, path: tuple) -> tuple[str, ...]:
         if not isinstance(value, list):
             raise self.fail(path, f"expected a list of strings, got {value!r}")
         return tuple(self.string(v, path + (i,), empty=False) for i, v in enumerate(value))
 
-    def boolean(self, value: Any, path: tuple) -> bool:
+    def boolean(self, value: object, path: tuple) -> bool:
         if not isinstance(value, bool):
             raise self.fail(path, f"expected true or false, got {value!r}")
         return value
 
-    def choice(self, value: Any, path: tuple, options: tuple[str, ...]) -> str:
+    def choice(self, value: object, path: tuple, options: tuple[str, ...]) -> str:
         if isinstance(value, bool) and "yes" in options:
             value = "yes" if value else "no"  # YAML 1.1 reads an unquoted yes/no as a boolean
         if value not in options:
@@ -241,7 +242,7 @@ _CRITERION_KEYS = {
 }
 
 
-def _criterion(check: _Checker, raw: Any, path: tuple) -> Criterion:
+def _criterion(check: _Checker, raw: object, path: tuple) -> Criterion:
     data = check.mapping(raw, path, _CRITERION_KEYS, {"name", "kind", "weight"})
     name = check.string(data["name"], path + ("name",), pattern=_NAME)
     kind = check.choice(data["kind"], path + ("kind",), ("llm", "programmatic"))
@@ -368,7 +369,7 @@ def load_rubric_dir(directory: str | pathlib.Path) -> list[Rubric]:
 
 def dump_rubric(rubric: Rubric) -> str:
     """Deterministic YAML of a rubric (the format :func:`parse_rubric` reads)."""
-    data: dict[str, Any] = {"id": rubric.id, "version": rubric.version, "description": rubric.description}
+    data: JsonObject = {"id": rubric.id, "version": rubric.version, "description": rubric.description}
     if rubric.instructions:
         data["instructions"] = rubric.instructions
     if rubric.glossary:
@@ -379,8 +380,8 @@ def dump_rubric(rubric: Rubric) -> str:
     return yaml.safe_dump(data, sort_keys=False, allow_unicode=True, width=100, default_flow_style=False)
 
 
-def _criterion_yaml(criterion: Criterion) -> dict[str, Any]:
-    data: dict[str, Any] = {"name": criterion.name, "kind": criterion.kind}
+def _criterion_yaml(criterion: Criterion) -> JsonObject:
+    data: JsonObject = {"name": criterion.name, "kind": criterion.kind}
     if criterion.kind == "llm":
         data["question"] = criterion.question
         data["scale"] = criterion.scale
@@ -395,6 +396,6 @@ def _criterion_yaml(criterion: Criterion) -> dict[str, Any]:
     return data
 
 
-def with_fields(rubric: Rubric, **changes: Any) -> Rubric:
+def with_fields(rubric: Rubric, **changes: object) -> Rubric:
     """A copy of ``rubric`` with some fields replaced."""
     return dataclasses.replace(rubric, **changes)

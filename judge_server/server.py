@@ -19,7 +19,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
-from typing import Any, Callable, Sequence
+from typing import TYPE_CHECKING, Callable, Sequence
 
 from calibrl import telemetry
 from calibrl.admission import check_budget
@@ -37,6 +37,9 @@ from calibrl.judge_server.rubric import Rubric
 from calibrl.judge_server.version_store import VersionStore
 from calibrl.api.judge import ItemScore, JudgeItem
 
+if TYPE_CHECKING:  # pragma: no cover
+    from grpc.aio import ServerInterceptor, ServicerContext
+
 log = logging.getLogger(__name__)
 
 # After stop(grace) has cancelled the calls left, how long the batch in progress may take
@@ -46,10 +49,10 @@ BATCHER_CLOSE_S = 0.5
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["JudgeService"].full_name
 
 # Maps a call's context to its tenant (None = no API keys configured: every rubric visible).
-TenantResolver = Callable[[Any], "str | None"]
+TenantResolver = Callable[["ServicerContext"], "str | None"]
 
 
-def _authenticated_tenant(context: Any) -> str | None:
+def _authenticated_tenant(context: "ServicerContext") -> str | None:
     """The tenant calibrl.security's AuthInterceptor authenticated for this call."""
     from calibrl.security import current_tenant
 
@@ -154,7 +157,7 @@ class JudgeServicer(judge_pb2_grpc.JudgeServiceServicer):
         return results  # type: ignore[return-value]
 
     @rpc_errors
-    async def Score(self, request: pb.ScoreRequest, context: Any) -> pb.ScoreResponse:
+    async def Score(self, request: pb.ScoreRequest, context: "ServicerContext") -> pb.ScoreResponse:
         rubric = self.judge.resolve(request.rubric_id, self.tenant_of(context), request.rubric_hash)
         items = [wire.item_from_proto(m) for m in request.items]
         self.judge.check_items(items)
@@ -168,7 +171,7 @@ class JudgeServicer(judge_pb2_grpc.JudgeServiceServicer):
                                 rubric_version=rubric.version)
 
     @rpc_errors
-    async def ListRubrics(self, request: pb.ListRubricsRequest, context: Any) -> pb.ListRubricsResponse:
+    async def ListRubrics(self, request: pb.ListRubricsRequest, context: "ServicerContext") -> pb.ListRubricsResponse:
         tenant = self.tenant_of(context)
         return pb.ListRubricsResponse(rubrics=[
             pb.RubricSummary(id=s.rubric.id, version=s.rubric.version, hash=s.rubric.hash,
@@ -179,7 +182,7 @@ class JudgeServicer(judge_pb2_grpc.JudgeServiceServicer):
         ])
 
     @rpc_errors
-    async def GetRubric(self, request: pb.GetRubricRequest, context: Any) -> pb.Rubric:
+    async def GetRubric(self, request: pb.GetRubricRequest, context: "ServicerContext") -> pb.Rubric:
         tenant = self.tenant_of(context)
         status = self.judge.status(request.rubric_id, tenant)
         message = rubric_to_proto(status, self.max_request_cost_s)
@@ -187,7 +190,8 @@ class JudgeServicer(judge_pb2_grpc.JudgeServiceServicer):
         return message
 
     @rpc_errors
-    async def ReloadRubrics(self, request: pb.ReloadRubricsRequest, context: Any) -> pb.ReloadRubricsResponse:
+    async def ReloadRubrics(self, request: pb.ReloadRubricsRequest,
+                            context: "ServicerContext") -> pb.ReloadRubricsResponse:
         return await rubric_store.reload_call(self.rubric_folder, self.tenant_of(context), self.rubric_admin_tenants)
 
 
@@ -219,14 +223,15 @@ def warm_up(judge: Judge) -> None:
 
 
 async def start(config: JudgeServerConfig, judge: Judge | None = None,
-                tenant_of: TenantResolver = _authenticated_tenant, interceptors: Sequence[Any] = ()) -> RunningServer:
+                tenant_of: TenantResolver = _authenticated_tenant,
+                interceptors: Sequence["ServerInterceptor"] = ()) -> RunningServer:
     """Start the judge server on the current event loop (port 0 picks a free port)."""
     if judge is None:
         judge = Judge.from_config(config.judge, config.rubrics)
     log.info("judge model id %s; %d rubric(s) from %s", judge.model_id, len(judge.statuses()), config.rubrics)
     log_rubric_statuses(judge)
 
-    def process(rubric_hash: Any, items: list[JudgeItem]) -> list[ItemScore]:
+    def process(rubric_hash: str, items: list[JudgeItem]) -> list[ItemScore]:
         rubric = judge.rubric_by_hash(rubric_hash)
         servicer.mix.record(rubric.id, items)
         return judge.compute(rubric, items)

@@ -12,9 +12,10 @@ from __future__ import annotations
 import json
 import pathlib
 from dataclasses import asdict, dataclass, field
-from typing import Any, Sequence
+from typing import Sequence
 
 from calibrl.errors import ConfigError
+from calibrl.json_types import JsonObject
 
 VALIDATION_SUFFIX = ".validation.json"
 
@@ -31,7 +32,7 @@ class ValidationRecord:
     n_items: int
     golden_sha256: str
     reason: str
-    metrics: dict[str, Any] = field(default_factory=dict)
+    metrics: JsonObject = field(default_factory=dict)
     created_at: str = ""
     # Where pass_threshold came from: "given" (the command line) or "auto" (picked on the
     # non-golden feedback, see metrics["threshold_selection"]).
@@ -50,11 +51,11 @@ class ValidationRecord:
             return f"{self.kappa:.3f}"
         return f"{self.kappa:.3f} [{kappa_bound(self.kappa_low)}, {kappa_bound(self.kappa_high)}]"
 
-    def to_json(self) -> dict[str, Any]:
+    def to_json(self) -> JsonObject:
         return asdict(self)
 
     @staticmethod
-    def from_json(data: dict[str, Any]) -> "ValidationRecord":
+    def from_json(data: JsonObject) -> "ValidationRecord":
         known = {f for f in ValidationRecord.__dataclass_fields__}
         return ValidationRecord(**{k: v for k, v in data.items() if k in known})
 

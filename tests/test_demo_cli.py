@@ -130,7 +130,7 @@ def test_quick_demo_end_to_end(tmp_path: pathlib.Path) -> None:
         assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and plot.stat().st_size > 5000
         assert f"(plots/{plot.name})" in report
 
-    # the SME-time study (calibrl/sme/study.py): a kappa per budget for both samplers, and the verdict
+    # the SME-time study (calibrl/studies/sme_time.py): a kappa per budget for both samplers, and the verdict
     assert "## SME time: representative vs random sampling" in report and "Reviews needed to pass the gate" in report
     study = json.loads((out / "sme_study.json").read_text())
     assert {p["method"] for p in study["points"]} == {"representative", "random"}

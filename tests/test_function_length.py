@@ -1,5 +1,5 @@
-"""No function of the library is longer than a screen: the trainer, both servers and the core
-(``calibrl/``, less the embedded demo ``calibrl/demo`` and the generated wire code). A function
+"""No function of the library is longer than a screen: the trainer, both servers, the core and
+the embedded demo (``calibrl/``, less the generated wire code). A function
 that is only a data table (its body one literal: a dict, list, tuple or set, after the
 docstring) may be longer; it reads as a table, not as steps."""
 
@@ -10,7 +10,7 @@ import pathlib
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 FOLDERS = ("trainer", "judge_server", "retrieval_server", "calibrl")
-SKIPPED = (ROOT / "calibrl" / "demo", ROOT / "calibrl" / "v1")  # the demo and the generated protobuf code
+SKIPPED = (ROOT / "calibrl" / "v1",)  # the generated protobuf code
 MAX_FUNCTION_LINES = 80
 _LITERALS = (ast.Dict, ast.List, ast.Tuple, ast.Set)
 
@@ -44,6 +44,7 @@ def library_files() -> list[pathlib.Path]:
 def test_no_library_function_is_long():
     files = library_files()
     assert any(p.match("trainer/loop.py") for p in files) and any(p.match("judge_server/judge.py") for p in files)
+    assert any(p.match("calibrl/demo/cli.py") for p in files)
     long = long_functions(files)
     assert not long, f"functions over {MAX_FUNCTION_LINES} lines (split them into named steps): {long}"
 

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from calibrl.sme.items import SampleItem
-from calibrl.sme.study import StudyOptions, StudyPoint, StudyResult, plot_study, run_study, validation_kappa
+from calibrl.studies.sme_time import StudyOptions, StudyPoint, StudyResult, plot_study, run_study, validation_kappa
 from calibrl.judge_server import cli as judge_cli
 from calibrl.judge_server.config import JudgeConfig
 from calibrl.judge_server.authoring.distill import split_golden

@@ -12,8 +12,8 @@ import types
 
 import pytest
 
-from calibrl.demo import study_report
-from calibrl.demo.study import ARMS, SETTINGS, StudyPlan, main, parse_seeds, question_scores, run_study
+from calibrl.studies import search_arms_report as study_report
+from calibrl.studies.search_arms import ARMS, SETTINGS, StudyPlan, main, parse_seeds, question_scores, run_study
 from tests.test_trainer_support import TrainerWorld, one_torch_thread, trainer_world  # noqa: F401  (fixtures)
 
 # the hand-made records' arms (the aggregation is the same for any arms)
@@ -314,7 +314,7 @@ def test_a_folder_holding_something_else_is_not_replaced(tmp_path, capsys):
 
 
 def test_a_study_stopped_part_way_reports_the_runs_every_seed_finished(tmp_path):
-    from calibrl.demo.study import SEED_RESULT, STUDY_FILE
+    from calibrl.studies.search_arms import SEED_RESULT, STUDY_FILE
 
     records = _hand_records(shared=False)
     del records[1]["runs"]["stress"]  # seed 1 stopped after the normal setting ...

@@ -292,7 +292,7 @@ def test_heldout_tasks_of_another_kind_stop_the_run_before_its_first_step(traine
 
 
 def test_the_table_helper_the_demo_and_train_share(tmp_path, monkeypatch):
-    from calibrl.demo import cli as demo_cli
+    from calibrl.demo import training as demo_training
     from calibrl.trainer import eval_report
 
     # the demo appends each run's held-out table through calibrl eval --run-dir's path
@@ -301,7 +301,7 @@ def test_the_table_helper_the_demo_and_train_share(tmp_path, monkeypatch):
     monkeypatch.setattr(eval_report, "run_trackers", lambda run_dir: (["tensorboard"], "calibrl-demo"))
     monkeypatch.setattr(eval_report, "log_to_run", lambda *args: calls.append(args))
     curve = [(2, {"f1": 0.5})]
-    demo_cli._log_heldout(tmp_path, curve)
+    demo_training._log_heldout(tmp_path, curve)
     assert calls == [(tmp_path, curve, ["tensorboard"], "calibrl-demo")]
     recorder = _Recorder()
     tracking.log_heldout_table(recorder, [(0, {"hit@k": 0.25, "mrr": None, "ok": True}), (2, {"hit@k": 0.5, "mrr": 0.4})])

@@ -6,7 +6,11 @@
   the supervised warm start into a base rewriter / base search agent;
 - :mod:`calibrl.demo.report`: the results table, the plots and the Markdown report;
 - :mod:`calibrl.demo.cli`: ``calibrl demo``, which runs distil -> validate -> index
-  -> both services -> training -> evaluation -> report.
+  -> both services -> training -> evaluation -> report, as a list of typed stage
+  functions: :mod:`calibrl.demo.preparation` (stages 1-5) and
+  :mod:`calibrl.demo.training` (stages 6-9), handing frozen dataclasses on;
+- :mod:`calibrl.demo.arms`: the training runs as data (name, agent, config overrides,
+  labels); :mod:`calibrl.demo.settings`: the full and quick sizes.
 
 Nothing here downloads anything.
 """

@@ -41,7 +41,11 @@ import pathlib
 import random
 import re
 from dataclasses import dataclass, field
-from typing import Any, Iterable
+from typing import TYPE_CHECKING, Iterable
+
+if TYPE_CHECKING:  # pragma: no cover
+    from calibrl.demo.experts import PanelReview
+    from calibrl.demo.search_domain import Link
 
 # Error tags of the SME taxonomy (docs/design.md, "Rewards": missed intent, missing key entities,
 # under-specification, plus the critical penalty for invented entities), spelled as
@@ -371,11 +375,11 @@ class Domain:
     search_entities: list[Entity] = field(default_factory=list)  # funds, plans, managers of the search half only
     search_passages: list[Passage] = field(default_factory=list)  # their passages (also in ``passages``, at the end)
     # the search half's plans: bridge document id -> calibrl.demo.search_domain.Link (its plan, default fund, cluster)
-    search_links: dict[str, Any] = field(default_factory=dict)
+    search_links: dict[str, "Link"] = field(default_factory=dict)
     search_clusters: dict[str, int] = field(default_factory=dict)  # two-search task id -> its cluster
     # The simulated SME panel's reviews behind ``sme_feedback`` (calibrl.demo.experts.PanelReview): every
     # expert's grade and the rewrite's hidden quality. No judge reads them.
-    sme_panel: list[Any] = field(default_factory=list)
+    sme_panel: list["PanelReview"] = field(default_factory=list)
 
     def rewriter_passages(self) -> list[Passage]:
         """The passages of the rewriter half (its products and topics, the guides): what the
@@ -501,10 +505,33 @@ def generate_domain(seed: int = 0, heldout_fraction: float = 0.25) -> Domain:
     from calibrl.demo.search_domain import search_half
 
     rng = random.Random(seed)
+    passages, facts = _facts_and_passages(rng)
+    rewrite_tasks = _rewrite_tasks(facts, heldout_fraction, rng)
+    rng.shuffle(list(range(_LEGACY_SPLIT_DRAW)))
+    sme, panel = _sme_feedback([t for t in rewrite_tasks if t.split == "train"], list(passages), rng)
+    search = search_half(seed)
+    return Domain(
+        seed=seed,
+        passages=passages + search.passages,
+        facts=facts + search.facts,
+        rewrite_tasks=rewrite_tasks,
+        multistep_tasks=search.tasks,
+        sme_feedback=sme,
+        sme_panel=panel,
+        entities=[*FUNDS, *ACCOUNTS, *MANAGERS],
+        aspects=[*FUND_ASPECTS, *ACCOUNT_ASPECTS, *MANAGER_ASPECTS],
+        search_entities=search.entities,
+        search_passages=search.passages,
+        search_links=search.links,
+        search_clusters=search.clusters,
+    )
+
+
+def _facts_and_passages(rng: random.Random) -> tuple[list[Passage], list[Fact]]:
+    """The rewriter half's knowledge base: one passage per (entity, aspect), the managers'
+    passages and the general guides; the facts behind them (drawn from ``rng`` in this order)."""
     passages: list[Passage] = []
     facts: list[Fact] = []
-
-    # Facts and passages: one passage per (entity, aspect).
     fund_values = {
         "expense_ratio": rng.sample(_EXPENSE, len(FUNDS)),
         "minimum_investment": [rng.choice(_MINIMUM) for _ in FUNDS],
@@ -550,8 +577,12 @@ def generate_domain(seed: int = 0, heldout_fraction: float = 0.25) -> Domain:
             passages.append(Passage(doc_id, f"{manager.name}: {aspect.title}", _manager_text(manager, aspect, value)))
             facts.append(Fact(manager, aspect, value, doc_id))
     passages.extend(Passage(doc_id, title, text) for doc_id, title, text in _GENERAL_PASSAGES)
+    return passages, facts
 
-    # Rewrite tasks: held-out (entity, aspect) pairs never appear in training data.
+
+def _rewrite_tasks(facts: list[Fact], heldout_fraction: float, rng: random.Random) -> list[RewriteTask]:
+    """The rewrite tasks of the fund and account facts: held-out (entity, aspect) pairs never
+    appear in training data."""
     rewrite_facts = [f for f in facts if f.entity.kind in ("fund", "account")]
     pairs = [(f.entity.key, f.aspect.key) for f in rewrite_facts]
     heldout_pairs = _heldout_pairs(pairs, heldout_fraction, rng)
@@ -572,25 +603,7 @@ def generate_domain(seed: int = 0, heldout_fraction: float = 0.25) -> Domain:
                 aspect_key=fact.aspect.key,
                 split=split,
             ))
-
-    rng.shuffle(list(range(_LEGACY_SPLIT_DRAW)))
-    sme, panel = _sme_feedback([t for t in rewrite_tasks if t.split == "train"], list(passages), rng)
-    search = search_half(seed)
-    return Domain(
-        seed=seed,
-        passages=passages + search.passages,
-        facts=facts + search.facts,
-        rewrite_tasks=rewrite_tasks,
-        multistep_tasks=search.tasks,
-        sme_feedback=sme,
-        sme_panel=panel,
-        entities=[*FUNDS, *ACCOUNTS, *MANAGERS],
-        aspects=[*FUND_ASPECTS, *ACCOUNT_ASPECTS, *MANAGER_ASPECTS],
-        search_entities=search.entities,
-        search_passages=search.passages,
-        search_links=search.links,
-        search_clusters=search.clusters,
-    )
+    return rewrite_tasks
 
 
 def _heldout_pairs(pairs: list[tuple[str, str]], fraction: float, rng: random.Random) -> set[tuple[str, str]]:
@@ -683,7 +696,7 @@ ASPECT_BY_KEY = _ASPECT_BY_KEY
 
 
 def _sme_feedback(train_tasks: list[RewriteTask], passages: list[Passage], rng: random.Random,
-                  count: int = 300) -> tuple[list[SMEFeedback], list[Any]]:
+                  count: int = 300) -> tuple[list[SMEFeedback], list["PanelReview"]]:
     """Reviews of rewrites of training queries by the simulated SME panel
     (:mod:`calibrl.demo.experts`): each review carries the grade and error tags of the
     expert it was assigned to; the panel's reviews (every expert's grade, the rewrite's

@@ -43,12 +43,17 @@ comparison resamples whole bridge clusters (:func:`bridge_of`).
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
-from typing import TYPE_CHECKING, Any, Callable, Sequence
+from typing import TYPE_CHECKING, Sequence
 
+from calibrl.json_types import JsonObject
 from calibrl.stats import Interval, paired_difference
 
 if TYPE_CHECKING:  # pragma: no cover
+    from calibrl.demo.domain import MultiStepTask
+    from calibrl.trainer.clients import RetrievalClient
     from calibrl.trainer.eval import EvalSettings
+    from calibrl.trainer.task_kinds import RunAsync
+    from calibrl.trainer.tasks import Task
 
 MALFORMED = "malformed"
 MISSED_BRIDGE = "missed_bridge"
@@ -96,7 +101,7 @@ class SearchRecord:
         gold = set(self.gold_doc_ids)
         return len(gold & {d for docs in self.found for d in docs}) / len(gold) if gold else 0.0
 
-    def as_dict(self) -> dict[str, Any]:
+    def as_dict(self) -> JsonObject:
         return {**asdict(self), "category": self.category}
 
 
@@ -128,7 +133,7 @@ class ErrorAnalysis:
     def share(self, category: str) -> float:
         return self.counts[category] / self.total if self.total else 0.0
 
-    def as_dict(self) -> dict[str, Any]:
+    def as_dict(self) -> JsonObject:
         return {"total": self.total, "mean_f1": self.mean_f1, "counts": dict(self.counts),
                 "shares": {c: self.share(c) for c in CATEGORIES}}
 
@@ -159,8 +164,8 @@ def summary_metrics(records: Sequence[SearchRecord]) -> dict[str, float]:
     }
 
 
-def greedy_search_records(model: str, tasks: Sequence[Any], retrieval: Any, settings: "EvalSettings",
-                          run_async: Callable[[Any], Any]) -> list[SearchRecord]:
+def greedy_search_records(model: str, tasks: Sequence["Task"], retrieval: "RetrievalClient", settings: "EvalSettings",
+                          run_async: "RunAsync") -> list[SearchRecord]:
     """Greedy trajectories of the model folder (or training checkpoint) ``model`` on search ``tasks``, one record each
     (built-in search template, no chat template: how the demo's agent is trained)."""
     import gc
@@ -210,7 +215,7 @@ def aspect_of(doc_id: str, aspects: Sequence[str]) -> str:
     raise ValueError(f"answer document {doc_id!r} ends in none of the aspects {sorted(aspects)}")
 
 
-def best_constant_answers(train_tasks: Sequence[Any], aspects: Sequence[str]) -> dict[str, str]:
+def best_constant_answers(train_tasks: Sequence["MultiStepTask"], aspects: Sequence[str]) -> dict[str, str]:
     """Per aspect, the gold answer most frequent among the training tasks (``answers[0]``;
     ties go to the answer first in sorted order): the best a policy can do that answers
     every question of an aspect alike, knowing only the training set."""
@@ -241,7 +246,7 @@ def constant_records(records: Sequence[SearchRecord], constants: dict[str, str],
     return out
 
 
-def modal_answer_shares(records: Sequence[SearchRecord], aspects: Sequence[str]) -> dict[str, dict[str, Any]]:
+def modal_answer_shares(records: Sequence[SearchRecord], aspects: Sequence[str]) -> dict[str, JsonObject]:
     """Per aspect: how many questions, the arm's most frequent (normalised) answer, and
     the share of the aspect's questions it gave that answer to (1.0: a constant)."""
     from calibrl.text import normalize_answer
@@ -257,7 +262,7 @@ def modal_answer_shares(records: Sequence[SearchRecord], aspects: Sequence[str])
     return out
 
 
-def readout(records: Sequence[SearchRecord], passages: dict[str, str]) -> dict[str, Any]:
+def readout(records: Sequence[SearchRecord], passages: dict[str, str]) -> JsonObject:
     """Whether answers come from what was read: ``found_answer_doc`` trajectories whose
     searches returned the answer document, ``readout_rate`` the share of those answering
     exactly; ``correct`` exactly correct answers, ``grounded_share`` the share of those whose
@@ -303,7 +308,7 @@ def question_of(task_id: str) -> str:
 
 
 def paired_gain(base: Sequence[SearchRecord], other: Sequence[SearchRecord], *, by_question: bool = False,
-                by_bridge: bool = False, metric: str = "f1", **options: Any) -> Interval:
+                by_bridge: bool = False, metric: str = "f1", **options: int | float) -> Interval:
     """Paired bootstrap (:func:`calibrl.stats.paired_difference`) of the answer-F1 gain of
     ``other`` over ``base`` on the same questions (``metric="em"``: of the exact-match
     gain); ``by_question`` resamples questions with all their phrasings together (the
@@ -328,7 +333,7 @@ BEST_CONSTANT = "best_constant"  # the name of the best-constant baseline among 
 def analysis_results(records: dict[str, Sequence[SearchRecord]], labels: dict[str, str], base: str = "base_agent",
                      *, constants: dict[str, str] | None = None, aspects: Sequence[str] = (),
                      passages: dict[str, str] | None = None, resamples: int = 10_000,
-                     seed: int = 0) -> dict[str, Any]:
+                     seed: int = 0) -> JsonObject:
     """The report's data. Per model (``records`` by name, the base first): the category
     counts, the read-out figures (with ``passages``, doc id -> text) and, with ``aspects``,
     how often it answers one constant per aspect. With ``constants`` (aspect -> the best
@@ -340,7 +345,7 @@ def analysis_results(records: dict[str, Sequence[SearchRecord]], labels: dict[st
         raise ValueError(f"no records of the base model {base!r}")
     trained = [name for name in records if name != base]
     compared = dict(records)
-    results: dict[str, Any] = {
+    results: JsonObject = {
         "questions": len(records[base]),
         "independent_questions": len({question_of(r.task_id) for r in records[base]}),
         "bridge_clusters": len({bridge_of(r) for r in records[base]}),
@@ -381,8 +386,8 @@ def search_figures(records: Sequence[SearchRecord]) -> dict[str, float]:
 
 
 def _constant_summary(baseline: Sequence[SearchRecord], constants: dict[str, str],
-                      aspects: Sequence[str]) -> dict[str, Any]:
-    per_aspect: dict[str, dict[str, Any]] = {}
+                      aspects: Sequence[str]) -> JsonObject:
+    per_aspect: dict[str, JsonObject] = {}
     for record in baseline:
         aspect = aspect_of(record.gold_doc_ids[-1], aspects)
         row = per_aspect.setdefault(aspect, {"answer": constants.get(aspect), "questions": 0, "em": 0.0, "f1": 0.0})
@@ -396,13 +401,13 @@ def _constant_summary(baseline: Sequence[SearchRecord], constants: dict[str, str
             "per_aspect": dict(sorted(per_aspect.items()))}
 
 
-def comparison(results: dict[str, Any], a: str, b: str, metric: str = "f1") -> dict[str, Any] | None:
+def comparison(results: JsonObject, a: str, b: str, metric: str = "f1") -> JsonObject | None:
     """The paired comparison ``a - b`` in ``metric`` of :func:`analysis_results`, if made."""
     return next((c for c in results.get("comparisons", ())
                  if c["a"] == a and c["b"] == b and c["metric"] == metric), None)
 
 
-def analysis_markdown(results: dict[str, Any]) -> list[str]:
+def analysis_markdown(results: JsonObject) -> list[str]:
     """The report section of :func:`analysis_results`."""
     from calibrl.stats import describe_difference
 
@@ -431,7 +436,7 @@ def analysis_markdown(results: dict[str, Any]) -> list[str]:
     return lines
 
 
-def _shortcut_lines(results: dict[str, Any], names: Sequence[str]) -> list[str]:
+def _shortcut_lines(results: JsonObject, names: Sequence[str]) -> list[str]:
     """The read-out, constant-answer and best-constant tables, where computed."""
     labels, lines = results["labels"], []
     if "search" in results:
@@ -484,7 +489,7 @@ def _rate(value: float | None) -> str:
     return "-" if value is None else f"{100 * value:.1f}%"
 
 
-def _phrasings(results: dict[str, Any]) -> str:
+def _phrasings(results: JsonObject) -> str:
     independent = results.get("independent_questions", results["questions"])
     if independent == results["questions"]:
         return " (one phrasing each: resampling tasks and whole questions is the same)"

@@ -31,12 +31,15 @@ import random
 import re
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import TYPE_CHECKING, Sequence
 
 from calibrl.demo.domain import INVENTED_ENTITY, MISSED_INTENT, MISSING_KEY_ENTITIES, UNDERSPECIFIED
 
 if TYPE_CHECKING:  # pragma: no cover
+    import pathlib
+
     from calibrl.demo.domain import Entity, Passage, RewriteTask
+    from calibrl.json_types import JsonObject
 
 # --- hidden quality -------------------------------------------------------------------------------------------------
 
@@ -242,7 +245,7 @@ class PanelReview:
     assigned: str  # the expert whose grade the feedback file carries
     move: str = ""
 
-    def record(self) -> dict[str, Any]:
+    def record(self) -> "JsonObject":
         return {"id": self.feedback_id, "task_id": self.task_id, "query": self.query, "output": self.rewrite,
                 "move": self.move, "product": self.quality.product, "topic": self.quality.topic,
                 "gold_rank": self.gold_rank, "grades": dict(self.grades),
@@ -289,7 +292,7 @@ class PairKappa:
     n_items: int
     n_tasks: int
 
-    def to_json(self) -> dict[str, Any]:
+    def to_json(self) -> "JsonObject":
         return {"first": self.first, "second": self.second, "kappa": self.kappa, "low": self.low, "high": self.high,
                 "n_items": self.n_items, "n_tasks": self.n_tasks}
 
@@ -315,7 +318,7 @@ def panel_agreement(reviews: Sequence[PanelReview], *, seed: int = 0,
     return pairs
 
 
-def read_panel(path: Any) -> list[PanelReview]:
+def read_panel(path: "str | pathlib.Path") -> list[PanelReview]:
     """The panel's reviews as :func:`calibrl.demo.domain.write_domain` wrote them (``sme_panel.jsonl``)."""
     import json
     import pathlib

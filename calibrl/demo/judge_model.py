@@ -35,11 +35,20 @@ import io
 import pathlib
 import time
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Sequence
 
 from calibrl.demo.domain import Domain
 from calibrl.demo.policy import Example, PolicySpec, build_model, train_tokenizer, warm_start
 from calibrl.fileperms import honour_umask
+
+if TYPE_CHECKING:  # pragma: no cover
+    from calibrl.demo.policy import WarmStartResult
+    from calibrl.judge_server.authoring.feedback import FeedbackRecord
+    from calibrl.judge_server.authoring.train_judge import TrainingResult
+    from calibrl.judge_server.authoring.validation import ValidationOptions
+    from calibrl.judge_server.config import JudgeConfig
+    from calibrl.judge_server.rubric import Rubric
+    from calibrl.judge_server.validation_records import ValidationRecord
 
 LLM_RUBRIC_ID = "demo-rewriter-llm"
 JUDGE_MAX_DOCS = 0  # judge prompts show no retrieved passages (module doc)
@@ -66,13 +75,13 @@ class JudgeModel:
     folder: pathlib.Path
     spec: str  # the judge SPEC to serve it: transformers:<folder>
     model_id: str  # what the validation record binds (with the embedder suffix)
-    training: Any  # calibrl.judge_server.authoring.train_judge.TrainingResult
-    validation: Any  # calibrl.judge_server.authoring.validation.ValidationRecord
+    training: "TrainingResult"
+    validation: "ValidationRecord"
     warm_losses: tuple[float, float]  # first and last warm-start loss
     seconds: dict[str, float]  # warm start, fine-tuning, validation
 
 
-def judge_config(spec: str, **overrides: Any) -> Any:
+def judge_config(spec: str, **overrides: str | int | bool) -> "JudgeConfig":
     """The JudgeConfig of the demo's LLM judge (validation and serving use the same prompts)."""
     from calibrl.config import load_config
     from calibrl.judge_server.config import JudgeConfig
@@ -89,7 +98,7 @@ def serve_overrides() -> list[str]:
             "judge.device=cpu"]
 
 
-def distill_llm_rubric(feedback: pathlib.Path, glossary: Sequence[str], rubric_path: pathlib.Path) -> Any:
+def distill_llm_rubric(feedback: pathlib.Path, glossary: Sequence[str], rubric_path: pathlib.Path) -> "Rubric":
     """The LLM rubric of the SME feedback (yes/no questions), written to ``rubric_path``."""
     from calibrl.judge_server.authoring.distill import DistillOptions, distill
     from calibrl.judge_server.authoring.feedback import read_feedback
@@ -102,7 +111,7 @@ def distill_llm_rubric(feedback: pathlib.Path, glossary: Sequence[str], rubric_p
     return result.rubric
 
 
-def judge_prompt_constants(rubric: Any) -> list[str]:
+def judge_prompt_constants(rubric: "Rubric") -> list[str]:
     """The fixed text of the judge's prompts, each to become one token."""
     from calibrl.judge_server import prompts
 
@@ -111,7 +120,7 @@ def judge_prompt_constants(rubric: Any) -> list[str]:
     return sorted(pieces, key=lambda p: (-len(p), p))
 
 
-def domain_text_examples(domain: Domain, golden: Sequence[Any]) -> list[Example]:
+def domain_text_examples(domain: Domain, golden: Sequence["FeedbackRecord"]) -> list[Example]:
     """Warm-start texts: the rewriter half's passages, the user queries of its training tasks and
     the SME-reviewed rewrites that are not golden (all trained on); the search-only passages say
     nothing about rewrites. ``golden`` (feedback records): a review with a golden item's (query,
@@ -130,8 +139,8 @@ def domain_text_examples(domain: Domain, golden: Sequence[Any]) -> list[Example]
     return [Example(((text, True),), "text") for text in texts]
 
 
-def build_judge_base(domain: Domain, rubric: Any, out: pathlib.Path, settings: JudgeModelSettings, *, seed: int,
-                     progress: bool, golden: Sequence[Any]) -> tuple[pathlib.Path, Any]:
+def build_judge_base(domain: Domain, rubric: "Rubric", out: pathlib.Path, settings: JudgeModelSettings, *, seed: int,
+                     progress: bool, golden: Sequence["FeedbackRecord"]) -> tuple[pathlib.Path, "WarmStartResult"]:
     """Tokenizer + warm-started model, saved as a Hugging Face folder ``out``; neither reads a
     ``golden`` text (:func:`domain_text_examples`)."""
     from calibrl.judge_server import prompts
@@ -153,8 +162,8 @@ def build_judge_base(domain: Domain, rubric: Any, out: pathlib.Path, settings: J
     return out, result
 
 
-def build_and_validate_judge(domain: Domain, feedback: pathlib.Path, rubric: Any, rubric_path: pathlib.Path,
-                             golden: Sequence[Any], golden_path: pathlib.Path, out: pathlib.Path,
+def build_and_validate_judge(domain: Domain, feedback: pathlib.Path, rubric: "Rubric", rubric_path: pathlib.Path,
+                             golden: Sequence["FeedbackRecord"], golden_path: pathlib.Path, out: pathlib.Path,
                              settings: JudgeModelSettings = JudgeModelSettings(), *, pass_threshold: float | str,
                              gate: str = "estimate", seed: int = 0, progress: bool = True) -> JudgeModel:
     """Build, fine-tune and validate the LLM judge (module doc); the validation record is
@@ -192,7 +201,8 @@ def build_and_validate_judge(domain: Domain, feedback: pathlib.Path, rubric: Any
                       (warm.losses[0], warm.losses[-1]), seconds)
 
 
-def validation_options(pass_threshold: float | str, gate: str, feedback: pathlib.Path) -> tuple[Any, Any]:
+def validation_options(pass_threshold: float | str, gate: str,
+                       feedback: pathlib.Path) -> tuple["ValidationOptions", list["FeedbackRecord"] | None]:
     """(ValidationOptions, calibration records) of a validation: ``"auto"`` calibrates the pass
     threshold on the reviews of ``feedback`` (validate_judge leaves the golden ones out)."""
     from calibrl.judge_server.authoring.feedback import read_feedback

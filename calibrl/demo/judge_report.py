@@ -13,10 +13,18 @@ import math
 import pathlib
 import urllib.request
 from dataclasses import dataclass
-from typing import Any, Mapping, Sequence
+from typing import TYPE_CHECKING, Mapping, Sequence
+
+from calibrl.json_types import JsonObject, JsonRecord
+
+if TYPE_CHECKING:  # pragma: no cover
+    from calibrl.demo.experts import PairKappa
+    from calibrl.demo.report import RunResult
+    from calibrl.demo.services import RunSpan
+    from calibrl.judge_server.validation_records import ValidationRecord
 
 
-def _fmt(value: Any, digits: int = 3) -> str:
+def _fmt(value: object, digits: int = 3) -> str:
     if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value):
         return "-"
     return f"{value:.{digits}f}"
@@ -25,7 +33,7 @@ def _fmt(value: Any, digits: int = 3) -> str:
 # --- validation, side by side ---------------------------------------------------------------------------------------
 
 
-def validation_rows(records: Mapping[str, Any]) -> list[dict[str, Any]]:
+def validation_rows(records: Mapping[str, "ValidationRecord"]) -> list[JsonObject]:
     """One row per (judge label, criterion or overall): the figures of each validation record."""
     rows = []
     for label, record in records.items():
@@ -43,20 +51,20 @@ def validation_rows(records: Mapping[str, Any]) -> list[dict[str, Any]]:
     return rows
 
 
-def _with_interval(row: Mapping[str, Any]) -> str:
+def _with_interval(row: JsonRecord) -> str:
     if row["kappa_low"] is None or row["kappa_high"] is None:
         return _fmt(row["kappa"])
     return f"{_fmt(row['kappa'])} [{row['kappa_low']:.2f}, {row['kappa_high']:.2f}]"
 
 
-def _gate_text(row: Mapping[str, Any]) -> str:
+def _gate_text(row: JsonRecord) -> str:
     verdict = "passed" if row["passed"] else "FAILED"
     on = "interval's low end" if row["gate"] == "lower_bound" else "estimate"
     return f"{verdict} ({on} vs {row['min_kappa']:g})"
 
 
-def validation_section(records: Mapping[str, Any], min_kappa: float,
-                       panel: Sequence[Any] = ()) -> list[str]:
+def validation_section(records: Mapping[str, "ValidationRecord"], min_kappa: float,
+                       panel: Sequence["PairKappa"] = ()) -> list[str]:
     """Markdown: the overall agreement of each judge (kappa with its 95% bootstrap interval, the
     pass threshold and where it was picked, the gate's decision), its per-criterion precision
     and recall, and the experts' own agreement (``panel``: :class:`calibrl.demo.experts.PairKappa`)."""
@@ -112,7 +120,7 @@ class RubricServerStats:
     def mean_batch_size(self) -> float:
         return self.batch_items / self.batches if self.batches else math.nan
 
-    def to_json(self) -> dict[str, Any]:
+    def to_json(self) -> JsonObject:
         return {"calls": self.calls, "batches": self.batches, "batch_items": self.batch_items,
                 "mean_batch_size": None if not self.batches else round(self.mean_batch_size, 3),
                 "cache_hits": self.cache_hits, "cache_misses": self.cache_misses,
@@ -184,7 +192,7 @@ def server_section(stats: Mapping[str, RubricServerStats], served: Mapping[str, 
 # --- two agents at once ---------------------------------------------------------------------------------------------
 
 
-def concurrency_section(spans: Mapping[str, Any], pair: tuple[str, str], labels: Mapping[str, str],
+def concurrency_section(spans: Mapping[str, "RunSpan"], pair: tuple[str, str], labels: Mapping[str, str],
                         during: Mapping[str, RubricServerStats] | None) -> list[str]:
     """Markdown: when and where each training run ran (``spans``: name -> :class:`calibrl.demo.services.RunSpan`),
     how long the two agents of ``pair`` overlapped, and what the judge server did for each
@@ -225,7 +233,7 @@ def concurrency_section(spans: Mapping[str, Any], pair: tuple[str, str], labels:
 DISAGREEMENT_KEY = "rewards/judge_retrieval_disagreement"
 
 
-def plot_disagreement(runs: Sequence[Any], band: float, path: pathlib.Path) -> pathlib.Path | None:
+def plot_disagreement(runs: Sequence["RunResult"], band: float, path: pathlib.Path) -> pathlib.Path | None:
     """``rewards/judge_retrieval_disagreement`` per step of each run that logged it, with
     the warning band (above ``band`` the trainer warns)."""
     from calibrl.demo.report import plot_step_metric
@@ -234,7 +242,7 @@ def plot_disagreement(runs: Sequence[Any], band: float, path: pathlib.Path) -> p
                             "or the reverse)", path, band=band, ylabel="share of rewrites")
 
 
-def disagreement_lines(runs: Sequence[Any], band: float) -> list[str]:
+def disagreement_lines(runs: Sequence["RunResult"], band: float) -> list[str]:
     lines = []
     for run in runs:
         values = [float(r[DISAGREEMENT_KEY]) for r in run.steps if isinstance(r.get(DISAGREEMENT_KEY), (int, float))]
@@ -249,8 +257,8 @@ def disagreement_lines(runs: Sequence[Any], band: float) -> list[str]:
 # --- dynamic sampling -----------------------------------------------------------------------------------------------
 
 
-def dynamic_sampling_lines(binary: Any, dynamic: Any, dense: Any, k: int,
-                           analysis: Mapping[str, Any] | None = None) -> list[str]:
+def dynamic_sampling_lines(binary: "RunResult | None", dynamic: "RunResult | None", dense: "RunResult | None",
+                           k: int, analysis: JsonRecord | None = None) -> list[str]:
     """Does dynamic sampling rescue the binary reward, or does the reward's density matter?
     The comparisons come from the task-by-task analysis
     (:func:`calibrl.demo.rewrite_analysis.rewrite_results`), each worded by its interval."""

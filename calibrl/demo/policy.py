@@ -30,7 +30,8 @@ import pathlib
 import random
 import re
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Any, Callable, Iterable, Sequence
+from concurrent.futures import Future
+from typing import TYPE_CHECKING, Callable, Iterable, Protocol, Sequence, Union
 
 from calibrl.demo.domain import (
     ACCOUNT_ASPECTS,
@@ -50,6 +51,10 @@ from calibrl.tiny_lm import TinyLMSpec
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
+    from transformers import PreTrainedModel, PreTrainedTokenizerFast
+
+    from calibrl.demo.domain import Aspect
+    from calibrl.demo.search_domain import Link
 
 # The warm start uses the trainer's own prompt templates (calibrl.trainer.search_format), filled with
 # the task context the trainer sends, so the base policy sees exactly the prompts of training.
@@ -60,7 +65,20 @@ SEARCH_TAGS = ("<think>", "</think>", "<search>", "</search>", "<answer>", "</an
                "</information>")
 
 # queries -> per query, hits (objects with .title and .text) best first
-SearchManyFn = Callable[[Sequence[str]], Sequence[Sequence[Any]]]
+class RetrievedPassage(Protocol):
+    """A search hit as the warm start reads it (a ``calibrl.api.retrieval.Hit`` with its text)."""
+
+    @property
+    def doc_id(self) -> str: ...
+
+    @property
+    def title(self) -> str: ...
+
+    @property
+    def text(self) -> str: ...
+
+
+SearchManyFn = Callable[[Sequence[str]], Sequence[Sequence[RetrievedPassage]]]
 
 
 @dataclass(frozen=True)
@@ -128,7 +146,7 @@ def prompt_constants() -> list[str]:
     return sorted(pieces, key=lambda p: (-len(p), p))
 
 
-def train_tokenizer(texts: Iterable[str], vocab_size: int = 2048) -> Any:
+def train_tokenizer(texts: Iterable[str], vocab_size: int = 2048) -> "PreTrainedTokenizerFast":
     """A byte-level BPE tokenizer trained on ``texts``, wrapped as PreTrainedTokenizerFast;
     the Search-R1 tags are special tokens and the prompt constants single added tokens."""
     from transformers import PreTrainedTokenizerFast
@@ -145,7 +163,8 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int = 2048) -> Any:
     )
 
 
-def build_model(tokenizer: Any, spec: PolicySpec = PolicySpec(), seed: int = 0) -> Any:
+def build_model(tokenizer: "PreTrainedTokenizerFast", spec: PolicySpec = PolicySpec(),
+                seed: int = 0) -> "PreTrainedModel":
     """A randomly initialised Llama-architecture causal LM sized by ``spec``
     (:func:`calibrl.tiny_lm.build_tiny_lm`)."""
     from calibrl.tiny_lm import build_tiny_lm
@@ -192,13 +211,13 @@ def search_prompt(question: str) -> str:
     return fill_template(SEARCH_TEMPLATE, question) + search_prompt_suffix()
 
 
-def _observation(hits: Sequence[Any]) -> str:
+def _observation(hits: Sequence[RetrievedPassage]) -> str:
     from calibrl.trainer.search_format import format_observation
 
     return format_observation(hits)
 
 
-def trajectory_example(question: str, steps: Sequence[tuple[str, str, Sequence[Any]]], answer: str,
+def trajectory_example(question: str, steps: Sequence[tuple[str, str, Sequence[RetrievedPassage]]], answer: str,
                        evidence: str = "") -> Example:
     """A reference Search-R1 trajectory: for each (think, query, hits) a search turn
     and its observation, then the answer, after the ``evidence`` (the words of the
@@ -270,7 +289,7 @@ def reference_trajectories(domain: Domain, search_many: "SearchManyFn", teacher:
         link = domain.search_links[task.gold_doc_ids[0]]
         firsts.append(first_query(link, careless=rng.random() < teacher.careless_first))
     first_hits = dict(zip(sorted(set(firsts)), search_many(sorted(set(firsts)))))
-    seconds: list[tuple[Any, str, str] | None] = []
+    seconds: list[tuple["Aspect", str, str] | None] = []
     for task, query in zip(tasks, firsts):
         hits = first_hits[query]
         link = domain.search_links.get(hits[0].doc_id) if hits else None
@@ -280,7 +299,7 @@ def reference_trajectories(domain: Domain, search_many: "SearchManyFn", teacher:
     wanted = sorted({s[1] for s in seconds if s is not None})
     second_hits = dict(zip(wanted, search_many(wanted)))
     plans: list[Plan] = []
-    read: list[tuple[Plan, Fact, Any]] = []
+    read: list[tuple[Plan, Fact, "Link"]] = []
     for task, step in zip(tasks, seconds):
         if step is None:
             continue
@@ -342,7 +361,7 @@ def search_examples(domain: Domain, search_many: SearchManyFn, teacher: AgentTea
     queries = sorted({query for plan in plans for _, query in plan.steps})
     found = dict(zip(queries, search_many(queries)))
 
-    def shown(plan: Plan, query: str) -> list[Any]:
+    def shown(plan: Plan, query: str) -> list[RetrievedPassage]:
         rewritten = dict(plan.rewritten)
         return [_ShownHit(h.doc_id, h.title, rewritten[h.doc_id]) if h.doc_id in rewritten else h
                 for h in found[query]]
@@ -375,7 +394,7 @@ def tokenizer_corpus(domain: Domain, examples: Iterable[Example]) -> list[str]:
 # --- warm start -----------------------------------------------------------------------------------------------------
 
 
-def encode_example(tokenizer: Any, example: Example) -> tuple[list[int], list[bool]]:
+def encode_example(tokenizer: "PreTrainedTokenizerFast", example: Example) -> tuple[list[int], list[bool]]:
     """Token ids and loss mask of an example, tokenised piece by piece exactly as the
     rollout does (the prompt with the tokenizer's special tokens, the rest without)."""
     ids: list[int] = []
@@ -414,8 +433,8 @@ class WarmStartResult:
 
 
 def warm_start(
-    model: Any,
-    tokenizer: Any,
+    model: "PreTrainedModel",
+    tokenizer: "PreTrainedTokenizerFast",
     examples: Sequence[Example],
     *,
     steps: int,
@@ -510,7 +529,7 @@ def build_base_policies(
     tokenizer = train_tokenizer(tokenizer_corpus(domain, rewrites + trajectories), spec.vocab_size)
     jobs = {"base_rewriter": (rewrites, rewriter_steps, 32, spec),
             "base_agent": (trajectories, agent_steps, 8, agent_spec or spec)}
-    results: dict[str, Any] = {}
+    results: dict[str, Union[WarmStartResult, Future[WarmStartResult]]] = {}
     beside = None
     if rewriter_beside:
         import concurrent.futures
@@ -535,9 +554,9 @@ def build_base_policies(
     return BasePolicies(out / "base_rewriter", out / "base_agent", results["base_rewriter"], results["base_agent"])
 
 
-def _warm_start_and_save(folder: pathlib.Path, tokenizer: Any, spec: PolicySpec, examples: Sequence[Example],
-                         steps: int, batch_size: int, seed: int, threads: int | None = None,
-                         progress: bool = False) -> WarmStartResult:
+def _warm_start_and_save(folder: pathlib.Path, tokenizer: "PreTrainedTokenizerFast", spec: PolicySpec,
+                         examples: Sequence[Example], steps: int, batch_size: int, seed: int,
+                         threads: int | None = None, progress: bool = False) -> WarmStartResult:
     """A fresh model from ``spec``, warm-started and saved with ``tokenizer`` as ``folder``
     (``threads``: torch's thread count, set first in a spawned process)."""
     if threads is not None:
@@ -559,7 +578,7 @@ def build_base_agent(
     out_dir: str | pathlib.Path,
     search_many: SearchManyFn,
     *,
-    tokenizer: Any = None,
+    tokenizer: "PreTrainedTokenizerFast | None" = None,
     spec: PolicySpec = PolicySpec(),
     steps: int = 300,
     teacher: AgentTeacher = AgentTeacher(),

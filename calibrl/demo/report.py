@@ -12,7 +12,14 @@ import json
 import math
 import pathlib
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Sequence
+from typing import TYPE_CHECKING, Callable, Mapping, Sequence, TextIO
+
+from calibrl.json_types import JsonObject, JsonRecord
+
+if TYPE_CHECKING:  # pragma: no cover
+    from types import ModuleType
+
+    from calibrl.demo.training import Concurrency
 
 # Per-step curves drawn for every training run: (metric key in metrics.jsonl, title, file stem).
 STEP_PLOTS = (
@@ -32,7 +39,7 @@ class RunResult:
     label: str  # what the table says, e.g. "GRPO, binary hit@3 reward"
     kind: str  # "rewrite" | "search"
     heldout: dict[str, float]  # final held-out metrics, e.g. {"hit": 0.28, "mrr": 0.21}
-    steps: list[dict[str, Any]] = field(default_factory=list)  # metrics.jsonl records
+    steps: list[JsonRecord] = field(default_factory=list)  # metrics.jsonl records
     heldout_curve: list[tuple[int, float]] = field(default_factory=list)  # (step, held-out primary metric)
     wall_s: float = 0.0
     notes: str = ""
@@ -49,7 +56,7 @@ class RunResult:
         return sum(values) / len(values) if values else math.nan
 
 
-def _is_number(value: Any) -> bool:
+def _is_number(value: object) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
@@ -65,7 +72,7 @@ def _fmt(value: float, percent: bool = False, digits: int = 3) -> str:
 @dataclass(frozen=True)
 class Column:
     header: str
-    value: Any  # RunResult -> float
+    value: Callable[["RunResult"], float]
     percent: bool = False
 
 
@@ -178,7 +185,7 @@ def _primary(run: RunResult) -> str:
     return "hit" if run.kind == "rewrite" else "f1"
 
 
-def _pyplot() -> Any:
+def _pyplot() -> "ModuleType":
     import matplotlib
 
     matplotlib.use("Agg")
@@ -191,7 +198,7 @@ def _pyplot() -> Any:
 
 
 def rewrite_verdict(base: RunResult, runs: Sequence[RunResult], k: int,
-                    analysis: Mapping[str, Any] | None = None) -> list[str]:
+                    analysis: JsonRecord | None = None) -> list[str]:
     """Sentences stating what the rewrite comparison measured, computed from the numbers:
     each trained arm's held-out hit@k beside the base's, then (with ``analysis``, from
     :func:`calibrl.demo.rewrite_analysis.rewrite_results`) every paired comparison, worded
@@ -263,17 +270,17 @@ class DemoReport:
     title: str
     command: str
     machine: str
-    settings: Mapping[str, Any]
+    settings: Mapping[str, object]
     rewrite_runs: list[RunResult]
     search_runs: list[RunResult]
     top_k: int
     stages: list[tuple[str, float]]  # (stage, seconds)
     notes: list[str] = field(default_factory=list)
     judge_sections: list[str] = field(default_factory=list)  # Markdown lines after the rewriter's section
-    judge_results: dict[str, Any] = field(default_factory=dict)  # results.json "judge"
-    search_analysis: dict[str, Any] = field(default_factory=dict)  # calibrl.demo.error_analysis.analysis_results
-    rewrite_analysis: dict[str, Any] = field(default_factory=dict)  # calibrl.demo.rewrite_analysis.rewrite_results
-    concurrency: Any = None  # the training stage's processes (calibrl.demo.cli): spans, judge figures while paired
+    judge_results: JsonObject = field(default_factory=dict)  # results.json "judge"
+    search_analysis: JsonObject = field(default_factory=dict)  # calibrl.demo.error_analysis.analysis_results
+    rewrite_analysis: JsonObject = field(default_factory=dict)  # calibrl.demo.rewrite_analysis.rewrite_results
+    concurrency: "Concurrency | None" = None  # the training stage's processes: spans, judge figures while paired
 
 
 def write_report(report: DemoReport, out_dir: str | pathlib.Path) -> pathlib.Path:
@@ -350,8 +357,8 @@ def write_report(report: DemoReport, out_dir: str | pathlib.Path) -> pathlib.Pat
     return path
 
 
-def _results_json(report: DemoReport) -> dict[str, Any]:
-    def run_json(run: RunResult) -> dict[str, Any]:
+def _results_json(report: DemoReport) -> JsonObject:
+    def run_json(run: RunResult) -> JsonObject:
         return {
             "name": run.name,
             "label": run.label,
@@ -388,7 +395,7 @@ def _json_safe(value: float) -> float | None:
     return value if _is_number(value) else None
 
 
-def print_tables(report: DemoReport, stream: Any = None) -> None:
+def print_tables(report: DemoReport, stream: TextIO | None = None) -> None:
     """The result tables, fixed width, for the terminal."""
     import sys
 

@@ -36,7 +36,12 @@ import json
 import math
 import pathlib
 import re
-from typing import Any, Callable, Mapping
+from typing import TYPE_CHECKING, Callable, Mapping
+
+from calibrl.json_types import JsonObject, JsonRecord
+
+if TYPE_CHECKING:  # pragma: no cover
+    from calibrl.demo.report import RunResult
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 RESULTS = ROOT / "results"
@@ -47,17 +52,17 @@ BLOCK = re.compile(r"(<!-- BEGIN generated: (?P<name>[a-z0-9-]+) -->\n)(?P<body>
                    re.DOTALL)
 
 
-def _pct(value: Any) -> str:
+def _pct(value: object) -> str:
     return "-" if value is None or (isinstance(value, float) and not math.isfinite(value)) else f"{100 * value:.1f}%"
 
 
-def _num(value: Any, digits: int, signed: bool = False) -> str:
+def _num(value: object, digits: int, signed: bool = False) -> str:
     if value is None or (isinstance(value, float) and not math.isfinite(value)):
         return "-"
     return f"{value:+.{digits}f}" if signed else f"{value:.{digits}f}"
 
 
-def _ci(item: Mapping[str, Any] | None) -> str:
+def _ci(item: JsonRecord | None) -> str:
     if not item:
         return "-"
     mark = "" if item["low"] > 0 or item["high"] < 0 else " (includes 0)"
@@ -69,11 +74,11 @@ def _table(header: list[str], rows: list[list[str]]) -> list[str]:
             *("| " + " | ".join(row) + " |" for row in rows)]
 
 
-def _source(demo: Mapping[str, Any]) -> str:
+def _source(demo: JsonRecord) -> str:
     return f"Generated from `results/demo/results.json` (`{demo['command']}`, seed {demo['settings'].get('seed', '?')})."
 
 
-def demo_search(demo: Mapping[str, Any]) -> list[str]:
+def demo_search(demo: JsonRecord) -> list[str]:
     from calibrl.demo.error_analysis import BEST_CONSTANT, METRIC_UNITS, comparison
     from calibrl.stats import describe_difference
 
@@ -128,7 +133,7 @@ def demo_search(demo: Mapping[str, Any]) -> list[str]:
     return lines
 
 
-def demo_search_analysis(demo: Mapping[str, Any]) -> list[str]:
+def demo_search_analysis(demo: JsonRecord) -> list[str]:
     """The error analysis tables of the search agents (categories, read-out, constant answers,
     best constants), without the comparisons the demo-search block already states."""
     from calibrl.demo.error_analysis import analysis_markdown
@@ -140,7 +145,7 @@ def demo_search_analysis(demo: Mapping[str, Any]) -> list[str]:
     return [_source(demo), "", *body]
 
 
-def demo_rewrite(demo: Mapping[str, Any]) -> list[str]:
+def demo_rewrite(demo: JsonRecord) -> list[str]:
     from calibrl.demo.rewrite_analysis import rewrite_comparison_lines
 
     k = demo["top_k"]
@@ -157,7 +162,7 @@ def demo_rewrite(demo: Mapping[str, Any]) -> list[str]:
     return lines
 
 
-def demo_judge(demo: Mapping[str, Any]) -> list[str]:
+def demo_judge(demo: JsonRecord) -> list[str]:
     judge = demo.get("judge", {})
     rows = []
     for row in judge.get("validation", []):
@@ -182,11 +187,11 @@ def demo_judge(demo: Mapping[str, Any]) -> list[str]:
     return lines
 
 
-def demo_machine(demo: Mapping[str, Any]) -> list[str]:
+def demo_machine(demo: JsonRecord) -> list[str]:
     return [f"Measured by `{demo['command']}` (seed {demo['settings'].get('seed', '?')}) on: {demo['machine']}."]
 
 
-def demo_stages(demo: Mapping[str, Any]) -> list[str]:
+def demo_stages(demo: JsonRecord) -> list[str]:
     """The demo's wall time per stage, as its record holds it."""
     stages = demo.get("stages", [])
     if not stages:
@@ -200,14 +205,14 @@ def demo_stages(demo: Mapping[str, Any]) -> list[str]:
 DEMO_PLOTS_DIR = "results/demo-plots"
 
 
-def _run_results(runs: list[Mapping[str, Any]], kind: str) -> list[Any]:
+def _run_results(runs: list[JsonRecord], kind: str) -> list["RunResult"]:
     """The report's RunResult of each run record: held-out figures and curve, and the per-step
     series the record holds (``step_series``: metric -> [[step, value], ...])."""
     from calibrl.demo.report import RunResult
 
     results = []
     for run in runs:
-        steps: dict[int, dict[str, Any]] = {}
+        steps: dict[int, JsonObject] = {}
         for key, points in run.get("step_series", {}).items():
             for step, value in points:
                 steps.setdefault(int(step), {"step": int(step)})[key] = value
@@ -217,7 +222,7 @@ def _run_results(runs: list[Mapping[str, Any]], kind: str) -> list[Any]:
     return results
 
 
-def demo_plots(demo: Mapping[str, Any], folder: pathlib.Path) -> list[tuple[str, pathlib.Path]]:
+def demo_plots(demo: JsonRecord, folder: pathlib.Path) -> list[tuple[str, pathlib.Path]]:
     """Draw the demo's figures from its records into ``folder``: (caption, PNG path) of each,
     with the report's own plot functions (calibrl.demo.report)."""
     from calibrl.demo.report import STEP_PLOTS, plot_heldout, plot_step_metric
@@ -238,7 +243,7 @@ def demo_plots(demo: Mapping[str, Any], folder: pathlib.Path) -> list[tuple[str,
     return plots
 
 
-def demo_plot_lines(demo: Mapping[str, Any]) -> list[str]:
+def demo_plot_lines(demo: JsonRecord) -> list[str]:
     import tempfile
 
     with tempfile.TemporaryDirectory() as scratch:
@@ -251,11 +256,11 @@ def demo_plot_lines(demo: Mapping[str, Any]) -> list[str]:
     return lines[:-1]
 
 
-def study(records: Mapping[str, Any] | None) -> list[str]:
+def study(records: JsonRecord | None) -> list[str]:
     if records is None:
         return ["No study records are committed yet: `calibrl study` writes them (`results.json`), and "
                 "`python scripts/render_results.py` fills this block from `results/study/results.json`."]
-    from calibrl.demo.study import ARMS
+    from calibrl.studies.search_arms import ARMS
 
     summary = records["summary"]
     labels = {"base": "the base", "best_constant": "the best constant", **{a.name: a.label for a in ARMS}}
@@ -269,7 +274,7 @@ def study(records: Mapping[str, Any] | None) -> list[str]:
     return lines
 
 
-def bench_record(record: Mapping[str, Any], name: str) -> list[str]:
+def bench_record(record: JsonRecord, name: str) -> list[str]:
     """A benchmark record's tables, each under its title, after the command, date and machine."""
     wall = f"; the run took {record['wall_s']:g} s wall" if record.get("wall_s") is not None else ""
     libraries = ", ".join(f"{k} {v}" for k, v in record.get("versions", {}).items())
@@ -283,13 +288,13 @@ def bench_record(record: Mapping[str, Any], name: str) -> list[str]:
     return lines + [""]
 
 
-def _load(path: pathlib.Path) -> dict[str, Any] | None:
+def _load(path: pathlib.Path) -> JsonObject | None:
     return json.loads(path.read_text(encoding="utf-8")) if path.exists() else None
 
 
 def renderers(results: pathlib.Path = RESULTS) -> dict[str, Callable[[], list[str]]]:
     """Block name -> a function giving its lines from the records under ``results``."""
-    def demo() -> dict[str, Any]:
+    def demo() -> JsonObject:
         data = _load(results / "demo" / "results.json")
         if data is None:
             raise FileNotFoundError(f"{results / 'demo' / 'results.json'}: no committed demo records")

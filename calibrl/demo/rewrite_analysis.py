@@ -14,12 +14,16 @@ interval (:func:`calibrl.stats.describe_difference`).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Callable, Sequence
+from typing import TYPE_CHECKING, Hashable, Sequence
 
+from calibrl.json_types import JsonObject
 from calibrl.stats import describe_difference, paired_difference
 
 if TYPE_CHECKING:  # pragma: no cover
+    from calibrl.trainer.clients import RetrievalClient
     from calibrl.trainer.eval import EvalSettings
+    from calibrl.trainer.task_kinds import RunAsync
+    from calibrl.trainer.tasks import Task
 
 # (a, b): every comparison the rewriter section makes, a - b, in held-out hit@k.
 REWRITE_COMPARISONS = (
@@ -33,8 +37,8 @@ REWRITE_COMPARISONS = (
 )
 
 
-def greedy_rewrite_hits(model: str | None, tasks: Sequence[Any], retrieval: Any, settings: "EvalSettings",
-                        run_async: Callable[[Any], Any]) -> list[float]:
+def greedy_rewrite_hits(model: str | None, tasks: Sequence["Task"], retrieval: "RetrievalClient",
+                        settings: "EvalSettings", run_async: "RunAsync") -> list[float]:
     """Per task, 1.0 when the greedy rewrite of the model folder (or checkpoint) ``model``
     retrieves a gold passage in the top ``settings.top_k``, else 0.0; ``model=None`` sends each
     task's query unchanged (the raw-query baseline). An empty rewrite retrieves nothing."""
@@ -42,7 +46,7 @@ def greedy_rewrite_hits(model: str | None, tasks: Sequence[Any], retrieval: Any,
     return _hits(rewrites, tasks, retrieval, settings, run_async)
 
 
-def _greedy_rewrites(model: str, tasks: Sequence[Any], settings: "EvalSettings") -> list[str]:
+def _greedy_rewrites(model: str, tasks: Sequence["Task"], settings: "EvalSettings") -> list[str]:
     import gc
 
     from calibrl.trainer.engines import make_engine
@@ -65,16 +69,16 @@ def _greedy_rewrites(model: str, tasks: Sequence[Any], settings: "EvalSettings")
     return rewrites
 
 
-def _hits(rewrites: Sequence[str], tasks: Sequence[Any], retrieval: Any, settings: "EvalSettings",
-          run_async: Callable[[Any], Any]) -> list[float]:
+def _hits(rewrites: Sequence[str], tasks: Sequence["Task"], retrieval: "RetrievalClient", settings: "EvalSettings",
+          run_async: "RunAsync") -> list[float]:
     from calibrl.trainer.kinds.rewrite import query_scores
 
     return [0.0 if score is None else float(score.hit)
             for score in query_scores(rewrites, tasks, retrieval, settings, run_async)]
 
 
-def rewrite_comparisons(hits: dict[str, Sequence[float]], clusters: Sequence[Any], *, resamples: int = 10_000,
-                        seed: int = 0) -> list[dict[str, Any]]:
+def rewrite_comparisons(hits: dict[str, Sequence[float]], clusters: Sequence[Hashable], *, resamples: int = 10_000,
+                        seed: int = 0) -> list[JsonObject]:
     """Every comparison of :data:`REWRITE_COMPARISONS` whose two arms have per-task hits:
     the paired difference of held-out hit@k with its interval, resampling ``clusters``."""
     out = []
@@ -85,14 +89,14 @@ def rewrite_comparisons(hits: dict[str, Sequence[float]], clusters: Sequence[Any
     return out
 
 
-def rewrite_results(hits: dict[str, Sequence[float]], clusters: Sequence[Any], **options: Any) -> dict[str, Any]:
+def rewrite_results(hits: dict[str, Sequence[float]], clusters: Sequence[Hashable], **options: int) -> JsonObject:
     """What results.json keeps of the task-by-task comparison."""
     return {"tasks": len(clusters), "clusters": len(set(clusters)),
             "resamples": options.get("resamples", 10_000),
             "comparisons": rewrite_comparisons(hits, clusters, **options)}
 
 
-def rewrite_comparison_lines(results: dict[str, Any], labels: dict[str, str], k: int) -> list[str]:
+def rewrite_comparison_lines(results: JsonObject, labels: dict[str, str], k: int) -> list[str]:
     """One sentence per comparison, its wording following its interval."""
     return [describe_difference(labels.get(c["a"], c["a"]), labels.get(c["b"], c["b"]), c, f"points of hit@{k}")
             for c in results["comparisons"]]

@@ -27,7 +27,7 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping, Sequence
+from typing import IO, Callable, Mapping, Sequence
 
 from calibrl.errors import CalibrlError, Unavailable
 
@@ -189,7 +189,7 @@ class RunSpan:
     def seconds(self) -> float:
         return self.end_s - self.start_s
 
-    def to_json(self) -> dict[str, Any]:
+    def to_json(self) -> dict[str, str | float]:
         return {"where": self.where, "start_s": round(self.start_s, 2), "end_s": round(self.end_s, 2),
                 "seconds": round(self.seconds, 2)}
 
@@ -217,7 +217,7 @@ class TrainingProcesses:
         self.poll_s = poll_s
         self.command = list(command) if command is not None else [*calibrl_command(), "train", "--log-level", "INFO"]
         self.spans: dict[str, RunSpan] = {}
-        self._running: dict[str, tuple[subprocess.Popen, Any]] = {}
+        self._running: dict[str, tuple[subprocess.Popen, IO[str]]] = {}
         self.started = time.monotonic()  # reset when run() starts: the spans' zero
 
     def log_path(self, name: str) -> pathlib.Path:

@@ -5,5 +5,6 @@
 - :mod:`calibrl.sme.store`: the feedback JSONL the review page writes, atomically;
 - :mod:`calibrl.sme.agreement`: agreement between reviewers (Cohen's kappa);
 - :mod:`calibrl.sme.app`: the review web app (``calibrl sme review``);
-- :mod:`calibrl.sme.study`: the demo's expert-time study (kappa vs number of reviews).
+- the demo's expert-time study (kappa vs number of reviews) uses these, and lives with the
+  other experiments: :mod:`calibrl.studies.sme_time`.
 """

@@ -23,9 +23,10 @@ import json
 import pathlib
 import re
 from dataclasses import dataclass
-from typing import Any, Iterable, Iterator
+from typing import Iterable, Iterator
 
 from calibrl.errors import ConfigError
+from calibrl.json_types import JsonObject, JsonValue
 from calibrl.judge_server.rubric import content_hash
 from calibrl.api.judge import JudgeItem
 
@@ -62,9 +63,9 @@ class FeedbackRecord:
     context: tuple[tuple[str, str], ...] = ()
     id: str = ""
 
-    def to_json(self) -> dict[str, Any]:
+    def to_json(self) -> JsonObject:
         """Plain mapping (the JSONL form), optional fields left out when empty."""
-        data: dict[str, Any] = {"id": self.id, "query": self.query, "output": self.output}
+        data: JsonObject = {"id": self.id, "query": self.query, "output": self.output}
         if self.grade is not None:
             data["grade"] = self.grade
         if self.verdict is not None:
@@ -96,7 +97,7 @@ class FeedbackRecord:
                               dict(self.context))
 
 
-def strings_field(value: Any, source: str, line: int, field: str,
+def strings_field(value: object, source: str, line: int, field: str,
                   error: type[ConfigError] | None = None) -> tuple[str, ...]:
     """A list-of-strings field of a JSONL record; ``error(source, line, field, problem)`` otherwise
     (default :class:`FeedbackError`)."""
@@ -105,7 +106,7 @@ def strings_field(value: Any, source: str, line: int, field: str,
     return tuple(value)
 
 
-def jsonl_lines(path: pathlib.Path, error: type[ConfigError] | None = None) -> Iterator[tuple[int, Any]]:
+def jsonl_lines(path: pathlib.Path, error: type[ConfigError] | None = None) -> Iterator[tuple[int, JsonValue]]:
     """``(line number, decoded JSON)`` of each non-blank line of a JSONL file; a line that is not
     JSON raises ``error(source, line, "(json)", problem)`` (default :class:`FeedbackError`)."""
     for number, text in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
@@ -118,8 +119,8 @@ def jsonl_lines(path: pathlib.Path, error: type[ConfigError] | None = None) -> I
                                            f"not valid JSON: {exc.msg} at column {exc.colno}") from None
 
 
-def check_record_object(data: Any, source: str, line: int, fields: set[str] | frozenset[str],
-                        error: type[ConfigError] | None = None) -> dict[str, Any]:
+def check_record_object(data: JsonValue, source: str, line: int, fields: set[str] | frozenset[str],
+                        error: type[ConfigError] | None = None) -> JsonObject:
     """The checks every query/output JSONL record starts with (SME feedback, SME sample items):
     a JSON object, only known ``fields``, a non-empty string ``query`` and ``output``."""
     error = error or FeedbackError
@@ -134,7 +135,7 @@ def check_record_object(data: Any, source: str, line: int, fields: set[str] | fr
     return data
 
 
-def parse_record(data: Any, source: str = "<feedback>", line: int = 1) -> FeedbackRecord:
+def parse_record(data: JsonValue, source: str = "<feedback>", line: int = 1) -> FeedbackRecord:
     """Check one decoded JSON object and build its record."""
     data = check_record_object(data, source, line, _FIELDS)
     grade = data.get("grade")
@@ -194,11 +195,11 @@ def parse_field_map(text: str) -> dict[str, str]:
     return mapping
 
 
-def rename_fields(data: Any, field_map: dict[str, str], source: str, line: int) -> Any:
+def rename_fields(data: JsonValue, field_map: dict[str, str], source: str, line: int) -> JsonValue:
     """One decoded record with another team's field names turned into the documented ones."""
     if not field_map or not isinstance(data, dict):
         return data
-    renamed: dict[str, Any] = {}
+    renamed: JsonObject = {}
     for key, value in data.items():
         target = field_map.get(key, key)
         if target in renamed:

@@ -67,14 +67,22 @@ import json
 import pathlib
 import sys
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import TYPE_CHECKING, Callable, Sequence
 
 from calibrl.errors import ConfigError, InvalidArgument
 from calibrl.fileperms import honour_umask
+from calibrl.json_types import JsonObject
 from calibrl.judge_server import prompts
 from calibrl.judge_server.authoring.distill import canonical_tag, grade_value, is_golden, text_key
 from calibrl.judge_server.authoring.feedback import FeedbackRecord
 from calibrl.judge_server.rubric import Criterion, Rubric, RubricError
+
+if TYPE_CHECKING:  # pragma: no cover
+    import torch
+    from torch import Tensor
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+    from calibrl.judge_server.backends.encoding import PromptEncoder
 
 RECORD_FILE = "calibrl_judge.json"
 RECORD_FORMAT = "calibrl.judge-training/1"
@@ -221,7 +229,7 @@ def format_figures(criteria: Sequence[Criterion], figures: Sequence[CriterionFig
 @dataclass
 class TrainingResult:
     out: pathlib.Path
-    record: dict[str, Any]
+    record: JsonObject
     train: list[FeedbackRecord] = field(repr=False)
     held_out: list[FeedbackRecord] = field(repr=False)
 
@@ -279,7 +287,8 @@ def check_targets(rubric: Rubric, rubric_source: str, criteria: Sequence[Criteri
                               "the feedback this rubric was distilled from")
 
 
-def _load_base(base: pathlib.Path, device: str) -> tuple[Any, Any, Any]:
+def _load_base(base: pathlib.Path,
+               device: str) -> tuple["PreTrainedTokenizerBase", "PreTrainedModel", "torch.dtype | str | None"]:
     """(tokenizer, float32 model, the dtype the base was saved in) of a causal LM folder,
     or a ConfigError naming --base."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
@@ -305,7 +314,8 @@ def _load_base(base: pathlib.Path, device: str) -> tuple[Any, Any, Any]:
     return tokenizer, model.to(device), saved_dtype
 
 
-def _left_pad(sequences: Sequence[Sequence[int]], pad_id: int, device: str) -> tuple[Any, Any, Any]:
+def _left_pad(sequences: Sequence[Sequence[int]], pad_id: int,
+              device: str) -> tuple["Tensor", "Tensor", "Tensor"]:
     """(ids, mask, positions), left-padded: the next token always follows the last column."""
     import torch
 
@@ -319,7 +329,7 @@ def _left_pad(sequences: Sequence[Sequence[int]], pad_id: int, device: str) -> t
     return ids.to(device), mask.to(device), positions.to(device)
 
 
-def answer_loss(last_logits: Any, target_ids: Any) -> Any:
+def answer_loss(last_logits: "Tensor", target_ids: "Tensor") -> "Tensor":
     """Per-example cross-entropy of the answer token. ``last_logits: (B, V)``, ``target_ids: (B,)``
     -> ``(B,)``, float32 whatever the model's dtype."""
     import torch
@@ -330,13 +340,13 @@ def answer_loss(last_logits: Any, target_ids: Any) -> Any:
 class _Scorer:
     """Forward passes over examples, the loss, and the backend's score readout."""
 
-    def __init__(self, model: Any, pad_id: int, device: str, tokens: prompts.AnswerTokens,
+    def __init__(self, model: "PreTrainedModel", pad_id: int, device: str, tokens: prompts.AnswerTokens,
                  criteria: Sequence[Criterion]) -> None:
         self.model, self.pad_id, self.device, self.tokens, self.criteria = model, pad_id, device, tokens, criteria
         params = inspect.signature(model.forward).parameters
         self.keep = {"logits_to_keep": 1} if "logits_to_keep" in params else {}
 
-    def losses(self, batch: Sequence[Example]) -> tuple[Any, Any]:
+    def losses(self, batch: Sequence[Example]) -> tuple["Tensor", "Tensor"]:
         """(per-example loss (B,), log-probs of the next token (B, V), detached)."""
         import torch
 
@@ -346,7 +356,8 @@ class _Scorer:
         targets = torch.tensor([e.target_id for e in batch], dtype=torch.long, device=self.device)
         return answer_loss(logits, targets), torch.log_softmax(logits.detach().float(), dim=-1)
 
-    def tally(self, batch: Sequence[Example], losses: Any, logprobs: Any, figures: list[CriterionFigures]) -> None:
+    def tally(self, batch: Sequence[Example], losses: "Tensor", logprobs: "Tensor",
+              figures: list[CriterionFigures]) -> None:
         ids = list(self.tokens.all_ids())
         column = {t: i for i, t in enumerate(ids)}
         picked = logprobs[:, ids].cpu().tolist()
@@ -471,7 +482,8 @@ def _read_training_split(feedback_path: pathlib.Path, golden_path: str | pathlib
     return records, train, held_out
 
 
-def _save_model(model: Any, tokenizer: Any, out: pathlib.Path, saved_dtype: Any, *, merge_lora: bool) -> None:
+def _save_model(model: "PreTrainedModel", tokenizer: "PreTrainedTokenizerBase", out: pathlib.Path,
+                saved_dtype: "torch.dtype | str | None", *, merge_lora: bool) -> None:
     """Write the trained model and its tokenizer to ``out`` in the base's dtype (LoRA merged in)."""
     import torch
 
@@ -494,8 +506,8 @@ def _check_out_folder(out: pathlib.Path, base: pathlib.Path) -> None:
         raise ConfigError(f"--out {out} is the --base folder; the base model is never overwritten")
 
 
-def _examples(train: Sequence[FeedbackRecord], criteria: Sequence[Criterion], encoder: Any, instructions: str,
-              answer_ids: dict[str, int], max_positions: int | None, pass_grade: int,
+def _examples(train: Sequence[FeedbackRecord], criteria: Sequence[Criterion], encoder: "PromptEncoder",
+              instructions: str, answer_ids: dict[str, int], max_positions: int | None, pass_grade: int,
               feedback_path: pathlib.Path) -> list[Example]:
     """One example per (training record, criterion): the judge prompt and the answer the record asks for."""
     suffixes = [encoder.encode_suffix(c) for c in criteria]
@@ -522,7 +534,7 @@ def _echo_targets(criteria: Sequence[Criterion], examples: Sequence[Example], ec
              + ", ".join(f"{k} x{v}" for k, v in sorted(counts.items())))
 
 
-def _fit(model: Any, scorer: Any, examples: Sequence[Example], criteria: Sequence[Criterion],
+def _fit(model: "PreTrainedModel", scorer: _Scorer, examples: Sequence[Example], criteria: Sequence[Criterion],
          options: TrainJudgeOptions, *, progress: bool, echo: Callable[[str], None]) -> None:
     """``options.epochs`` epochs of AdamW over the examples, shuffled by ``options.seed``."""
     import torch
@@ -558,8 +570,8 @@ def _training_record(out: pathlib.Path, base: pathlib.Path, feedback_path: pathl
                      golden_path: str | pathlib.Path | None, options: TrainJudgeOptions,
                      records: Sequence[FeedbackRecord], train: Sequence[FeedbackRecord],
                      held_out: Sequence[FeedbackRecord], rubric: Rubric, chat: bool, answer_ids: dict[str, int],
-                     criteria: Sequence[Criterion], examples: Sequence[Example], before: Any,
-                     after: Any) -> dict[str, Any]:
+                     criteria: Sequence[Criterion], examples: Sequence[Example], before: Sequence[CriterionFigures],
+                     after: Sequence[CriterionFigures]) -> JsonObject:
     """The training record written beside the model (``RECORD_FILE``)."""
     from calibrl.judge_server.backends import model_fingerprint, model_id_for
     from calibrl.judge_server.authoring.validation import golden_digest
@@ -594,7 +606,7 @@ def _training_record(out: pathlib.Path, base: pathlib.Path, feedback_path: pathl
     }
 
 
-def _with_lora(model: Any, options: TrainJudgeOptions) -> Any:
+def _with_lora(model: "PreTrainedModel", options: TrainJudgeOptions) -> "PreTrainedModel":
     try:
         from peft import LoraConfig, get_peft_model
     except ImportError:
@@ -604,7 +616,7 @@ def _with_lora(model: Any, options: TrainJudgeOptions) -> Any:
     return get_peft_model(model, config)
 
 
-def read_training_record(folder: str | pathlib.Path) -> dict[str, Any]:
+def read_training_record(folder: str | pathlib.Path) -> JsonObject:
     """The ``calibrl_judge.json`` of a trained judge folder."""
     path = pathlib.Path(folder) / RECORD_FILE
     if not path.is_file():

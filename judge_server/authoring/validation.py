@@ -33,9 +33,10 @@ import datetime
 import hashlib
 import math
 from dataclasses import asdict, dataclass, replace
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Sequence
 
 from calibrl.errors import ConfigError
+from calibrl.json_types import JsonObject
 from calibrl.judge_server import metrics
 from calibrl.judge_server.authoring.feedback import FeedbackRecord
 from calibrl.judge_server.rubric import Rubric
@@ -49,6 +50,10 @@ from calibrl.judge_server.validation_records import (  # noqa: F401 - re-exporte
     write_record,
 )
 from calibrl.api.judge import ItemScore
+
+if TYPE_CHECKING:  # pragma: no cover
+    from calibrl.judge_server.config import JudgeConfig
+    from calibrl.judge_server.judge import Judge
 
 GATES = ("estimate", "lower_bound")
 KAPPA_RESAMPLES = 10_000  # bootstrap resamples of every kappa interval (seed 0)
@@ -91,7 +96,7 @@ class ThresholdChoice:
     n_items: int
     expert_pass_rate: float
 
-    def to_json(self) -> dict[str, Any]:
+    def to_json(self) -> JsonObject:
         return asdict(self)
 
 
@@ -209,7 +214,7 @@ def agreement(rubric: Rubric, model_id: str, golden: Sequence[FeedbackRecord], s
     )
 
 
-def _grade_metrics(golden: Sequence[FeedbackRecord], scores: Sequence[ItemScore]) -> dict[str, Any]:
+def _grade_metrics(golden: Sequence[FeedbackRecord], scores: Sequence[ItemScore]) -> JsonObject:
     """Agreement of the judge's 1-5 grades with the experts' (the records that have a grade)."""
     graded = [(r.grade, s) for r, s in zip(golden, scores) if r.grade is not None]
     expert_grades = [g for g, _ in graded]
@@ -225,7 +230,7 @@ def _grade_metrics(golden: Sequence[FeedbackRecord], scores: Sequence[ItemScore]
 
 
 def _criterion_metrics(rubric: Rubric, golden: Sequence[FeedbackRecord], scores: Sequence[ItemScore],
-                       flag_threshold: float) -> dict[str, Any]:
+                       flag_threshold: float) -> JsonObject:
     """Per tagged criterion: precision/recall of its flags (score < ``flag_threshold``) against the expert tags."""
     per_criterion = {}
     for criterion in rubric.criteria:
@@ -252,7 +257,7 @@ def _kappa_bounds(golden: Sequence[FeedbackRecord], expert_pass: Sequence[str], 
     return interval.low, interval.high, len(set(clusters))
 
 
-def _advice(expert_pass: Sequence[str], judge_pass: Sequence[str], per_criterion: dict[str, Any],
+def _advice(expert_pass: Sequence[str], judge_pass: Sequence[str], per_criterion: JsonObject,
             options: ValidationOptions, auto: bool = False) -> str:
     """What to look at when the gate fails: the threshold against the SME pass line, and the
     criteria that disagree most with the experts' error tags."""
@@ -291,7 +296,7 @@ def _canonical_tags(record: FeedbackRecord) -> list[str]:
     return [canonical_tag(t) for t in record.error_tags]
 
 
-def validate_judge(rubric: Rubric, golden: Sequence[FeedbackRecord], config: Any,
+def validate_judge(rubric: Rubric, golden: Sequence[FeedbackRecord], config: "JudgeConfig",
                    options: ValidationOptions,
                    calibration: Sequence[FeedbackRecord] | None = None) -> ValidationRecord:
     """Score the golden set with the judge of ``config`` (a ``JudgeConfig``) and compare
@@ -319,7 +324,8 @@ def validate_judge(rubric: Rubric, golden: Sequence[FeedbackRecord], config: Any
     return agreement(rubric, judge.scorer_id(rubric), golden, scores, options, threshold_choice=choice)
 
 
-def _judge_scores(judge: Any, rubric: Rubric, config: Any, records: Sequence[FeedbackRecord]) -> list[ItemScore]:
+def _judge_scores(judge: "Judge", rubric: Rubric, config: "JudgeConfig",
+                  records: Sequence[FeedbackRecord]) -> list[ItemScore]:
     items = [r.to_item() for r in records]
     step = config.max_batch_size  # a record set may be larger than one request
     for start in range(0, len(items), step):

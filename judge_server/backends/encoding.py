@@ -8,12 +8,15 @@ sequence and the shared prefix really is a shared token prefix.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Sequence
 
 from calibrl.errors import ConfigError, InvalidArgument
 from calibrl.judge_server import prompts
 from calibrl.judge_server.rubric import Criterion
 from calibrl.api.judge import JudgeItem
+
+if TYPE_CHECKING:  # pragma: no cover
+    from transformers import PreTrainedTokenizerBase
 
 
 @dataclass
@@ -25,7 +28,8 @@ class EncodedBatch:
 class PromptEncoder:
     """Builds prompt token ids with a Hugging Face tokenizer (vLLM exposes the same one)."""
 
-    def __init__(self, tokenizer: Any, options: prompts.PromptOptions, use_chat_template: str = "auto",
+    def __init__(self, tokenizer: "PreTrainedTokenizerBase", options: prompts.PromptOptions,
+                 use_chat_template: str = "auto",
                  max_length: int | None = None) -> None:
         if use_chat_template not in ("auto", "true", "false"):
             raise ConfigError(f"use_chat_template={use_chat_template!r}: must be auto, true or false")

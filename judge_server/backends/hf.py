@@ -37,7 +37,7 @@ import inspect
 import logging
 import pathlib
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Sequence
 
 from calibrl.devices import resolve_device
 from calibrl.kernels import half_precision_attention
@@ -49,13 +49,19 @@ from calibrl.judge_server.backends.pruned_forward import pruned_forward_for
 from calibrl.judge_server.rubric import Criterion, Rubric
 from calibrl.api.judge import JudgeItem
 
+if TYPE_CHECKING:  # pragma: no cover
+    from types import ModuleType
+
+    import torch
+    from torch import Tensor
+
 log = logging.getLogger(__name__)
 
 PROMPT_MODES = ("prefix_cache", "flat", "generate")
 MASKABLE_ATTENTION = ("sdpa", "eager")
 
 
-def resolve_dtype(dtype: str, device: str) -> Any:
+def resolve_dtype(dtype: str, device: str) -> "torch.dtype":
     import torch
 
     if dtype == "auto":
@@ -158,7 +164,7 @@ class TransformersJudge:
         stack.enter_context(half_precision_attention(self.device, self.model.dtype))
         return stack
 
-    def next_token_logprobs(self, batch: EncodedBatch, mode: str | None = None) -> Any:
+    def next_token_logprobs(self, batch: EncodedBatch, mode: str | None = None) -> "Tensor":
         """Log-probabilities of the token after each prompt: a float32 tensor of shape
         (items * criteria, vocab), row ``b * C + c`` = item b, criterion c."""
         mode = mode or ("flat" if self.mode == "flat" else "prefix_cache")
@@ -167,7 +173,7 @@ class TransformersJudge:
                 return self._flat(batch)
             return self._prefix_cache(batch)
 
-    def item_logprobs(self, prefix: Sequence[int], layout: "SuffixLayout") -> Any:
+    def item_logprobs(self, prefix: Sequence[int], layout: "SuffixLayout") -> "Tensor":
         """Log-probabilities of the token after each of one item's criterion prompts, shared
         prefix first, then the packed suffixes (module doc), through the pruned forward where the
         model has one: float32 (criteria, vocab)."""
@@ -186,7 +192,7 @@ class TransformersJudge:
             logits = out.logits[0] if self._keep_arg else out.logits[0, layout.last]
             return torch.log_softmax(logits.float(), dim=-1)
 
-    def _prefix_cache(self, batch: EncodedBatch) -> Any:
+    def _prefix_cache(self, batch: EncodedBatch) -> "Tensor":
         torch = self._torch
         n_items, n_criteria = len(batch.prefix_ids), len(batch.suffix_ids)
         prefix, prefix_mask = self._left_pad(batch.prefix_ids)
@@ -214,7 +220,7 @@ class TransformersJudge:
         logits = out.logits[torch.arange(n_items * n_criteria, device=self.device), last]
         return torch.log_softmax(logits.float(), dim=-1)
 
-    def _flat(self, batch: EncodedBatch) -> Any:
+    def _flat(self, batch: EncodedBatch) -> "Tensor":
         torch = self._torch
         sequences = [p + s for p in batch.prefix_ids for s in batch.suffix_ids]
         ids, mask = self._left_pad(sequences)
@@ -223,7 +229,7 @@ class TransformersJudge:
         out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=False, **keep)
         return torch.log_softmax(out.logits[:, -1].float(), dim=-1)
 
-    def _left_pad(self, sequences: Sequence[Sequence[int]]) -> tuple[Any, Any]:
+    def _left_pad(self, sequences: Sequence[Sequence[int]]) -> tuple["Tensor", "Tensor"]:
         torch = self._torch
         width = max(len(s) for s in sequences)
         ids = torch.full((len(sequences), width), self.pad_id, dtype=torch.long)
@@ -233,7 +239,7 @@ class TransformersJudge:
             mask[row, width - len(seq) :] = 1
         return ids.to(self.device), mask.to(self.device)
 
-    def _scores_from_rows(self, logprobs: Any, criteria: Sequence[Criterion], n_items: int) -> list[list[float]]:
+    def _scores_from_rows(self, logprobs: "Tensor", criteria: Sequence[Criterion], n_items: int) -> list[list[float]]:
         tokens = self.encoder.answer_tokens
         ids = list(tokens.all_ids())
         column = {token: i for i, token in enumerate(ids)}
@@ -272,15 +278,16 @@ class SuffixLayout:
     of each suffix's last token, and ``block`` (S, S) additive mask among the suffix tokens:
     0 where a token may attend (its own suffix, causally), the dtype's minimum elsewhere."""
 
-    ids: Any
-    positions: Any
-    last: Any
-    block: Any
+    ids: "Tensor"
+    positions: "Tensor"
+    last: "Tensor"
+    block: "Tensor"
     # the widest mask built so far in this score call (the layout's life): mask() returns a view of it
     kept: dict = field(default_factory=dict, compare=False, repr=False)
 
     @classmethod
-    def build(cls, suffix_ids: Sequence[Sequence[int]], torch: Any, device: str, dtype: Any) -> "SuffixLayout":
+    def build(cls, suffix_ids: Sequence[Sequence[int]], torch: "ModuleType", device: str,
+              dtype: "torch.dtype") -> "SuffixLayout":
         lengths = [len(s) for s in suffix_ids]
         total = sum(lengths)
         allowed = torch.zeros((total, total), dtype=torch.bool)
@@ -294,7 +301,7 @@ class SuffixLayout:
         block = torch.zeros((total, total), dtype=dtype).masked_fill_(~allowed, torch.finfo(dtype).min)
         return cls(ids.to(device), positions.to(device), last.to(device), block.to(device))
 
-    def mask(self, prefix_length: int) -> Any:
+    def mask(self, prefix_length: int) -> "Tensor":
         """(1, 1, S, prefix_length + S) additive mask: every suffix token sees the whole prefix.
 
         Its prefix columns are all zeros, so the mask of a shorter prefix is the right-hand part

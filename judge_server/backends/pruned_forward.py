@@ -29,14 +29,23 @@ forward instead.
 from __future__ import annotations
 
 import inspect
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Sequence
+
+if TYPE_CHECKING:  # pragma: no cover
+    import torch
+    from torch import Tensor
+    from transformers import PreTrainedModel
+
+    from calibrl.judge_server.backends.hf import SuffixLayout
+
+    Rotary = tuple[Tensor, Tensor]  # (cos, sin) of the rotary embedding at each position
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2")
 _LAYER_MODULES = ("input_layernorm", "post_attention_layernorm", "mlp", "self_attn")
 _ATTENTION_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "head_dim", "scaling", "num_key_value_groups")
 
 
-def unsupported_reason(model: Any) -> str | None:
+def unsupported_reason(model: "PreTrainedModel") -> str | None:
     """Why :class:`PrunedForward` cannot reproduce this model's forward, or None if it can."""
     config = model.config
     if config.model_type not in SUPPORTED_MODEL_TYPES:
@@ -56,14 +65,14 @@ def unsupported_reason(model: Any) -> str | None:
     return None
 
 
-def pruned_forward_for(model: Any) -> "PrunedForward | None":
+def pruned_forward_for(model: "PreTrainedModel") -> "PrunedForward | None":
     return None if unsupported_reason(model) else PrunedForward(model)
 
 
 class PrunedForward:
     """:meth:`item_logprobs` computes one item's answer log-probabilities (module doc)."""
 
-    def __init__(self, model: Any) -> None:
+    def __init__(self, model: "PreTrainedModel") -> None:
         import torch
 
         self._torch = torch
@@ -73,7 +82,7 @@ class PrunedForward:
         # the half rotation of the model's own modelling module (Llama and Qwen2 rotate alike)
         self._rotate_half = inspect.getmodule(type(self.layers[0].self_attn)).rotate_half
 
-    def item_logprobs(self, prefix: Sequence[int], layout: Any) -> Any:
+    def item_logprobs(self, prefix: Sequence[int], layout: "SuffixLayout") -> "Tensor":
         """float32 (C, vocab) log-probabilities of the token after each criterion prompt of one
         item: ``prefix`` its token ids, ``layout`` the rubric's packed suffixes (``hf.SuffixLayout``)."""
         torch = self._torch
@@ -85,7 +94,7 @@ class PrunedForward:
 
     # ------------------------------------------------------------------ the two passes
 
-    def _prefix_keys_values(self, ids: Any) -> tuple[list[Any], list[Any]]:
+    def _prefix_keys_values(self, ids: "Tensor") -> tuple[list["Tensor"], list["Tensor"]]:
         """Every layer's keys and values of the prefix, each (1, kv_heads, n, head_dim)."""
         torch = self._torch
         hidden = self.inner.embed_tokens(ids)
@@ -104,8 +113,8 @@ class PrunedForward:
             hidden = self._finish_layer(layer, hidden, attended)
         return keys, values
 
-    def _suffix_answer_states(self, layout: Any, prefix_keys: list[Any], prefix_values: list[Any],
-                              prefix_length: int) -> Any:
+    def _suffix_answer_states(self, layout: "SuffixLayout", prefix_keys: list["Tensor"],
+                              prefix_values: list["Tensor"], prefix_length: int) -> "Tensor":
         """(1, C, hidden) last-layer states at each suffix's last token (before the final norm)."""
         torch = self._torch
         hidden = self.inner.embed_tokens(layout.ids)
@@ -126,23 +135,25 @@ class PrunedForward:
 
     # ------------------------------------------------------------------ one layer, as its modules compute it
 
-    def _heads(self, attention: Any, projected: Any) -> Any:
+    def _heads(self, attention: "torch.nn.Module", projected: "Tensor") -> "Tensor":
         batch, length, _ = projected.shape
         return projected.view(batch, length, -1, attention.head_dim).transpose(1, 2)
 
-    def _rope(self, heads: Any, rotary: tuple[Any, Any]) -> Any:
+    def _rope(self, heads: "Tensor", rotary: "Rotary") -> "Tensor":
         """Rotary position embedding as ``apply_rotary_pos_emb`` applies it, to one tensor."""
         cos, sin = (part.unsqueeze(1) for part in rotary)
         return heads * cos + self._rotate_half(heads) * sin
 
-    def _keys_values(self, attention: Any, normed: Any, rotary: tuple[Any, Any]) -> tuple[Any, Any]:
+    def _keys_values(self, attention: "torch.nn.Module", normed: "Tensor",
+                     rotary: "Rotary") -> tuple["Tensor", "Tensor"]:
         key = self._rope(self._heads(attention, attention.k_proj(normed)), rotary)
         return key, self._heads(attention, attention.v_proj(normed))
 
-    def _queries(self, attention: Any, normed: Any, rotary: tuple[Any, Any]) -> Any:
+    def _queries(self, attention: "torch.nn.Module", normed: "Tensor", rotary: "Rotary") -> "Tensor":
         return self._rope(self._heads(attention, attention.q_proj(normed)), rotary)
 
-    def _attend(self, attention: Any, query: Any, key: Any, value: Any, mask: Any) -> Any:
+    def _attend(self, attention: "torch.nn.Module", query: "Tensor", key: "Tensor", value: "Tensor",
+                mask: "Tensor | None") -> "Tensor":
         """(1, L, heads * head_dim): causal when ``mask`` is None (the prefix), else masked."""
         groups = attention.num_key_value_groups
         if groups > 1:  # grouped-query attention: each key/value head serves ``groups`` query heads
@@ -151,6 +162,6 @@ class PrunedForward:
             query, key, value, attn_mask=mask, is_causal=mask is None, scale=attention.scaling)
         return out.transpose(1, 2).reshape(query.shape[0], query.shape[2], -1)
 
-    def _finish_layer(self, layer: Any, hidden: Any, attended: Any) -> Any:
+    def _finish_layer(self, layer: "torch.nn.Module", hidden: "Tensor", attended: "Tensor") -> "Tensor":
         hidden = hidden + layer.self_attn.o_proj(attended)
         return hidden + layer.mlp(layer.post_attention_layernorm(hidden))

@@ -28,7 +28,7 @@ from __future__ import annotations
 import os
 import pathlib
 import sys
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Sequence
 
 from calibrl.errors import ConfigError, RewardError
 from calibrl.judge_server import prompts
@@ -36,6 +36,9 @@ from calibrl.judge_server.backends import model_id_for
 from calibrl.judge_server.backends.encoding import PromptEncoder
 from calibrl.judge_server.rubric import Criterion, Rubric
 from calibrl.api.judge import JudgeItem
+
+if TYPE_CHECKING:  # pragma: no cover
+    from types import ModuleType
 
 
 BATCH_INVARIANT_ENV = "VLLM_BATCH_INVARIANT"
@@ -52,7 +55,7 @@ def enable_batch_invariance() -> None:
     os.environ[BATCH_INVARIANT_ENV] = "1"
 
 
-def import_vllm() -> Any:
+def import_vllm() -> "ModuleType":
     try:
         import vllm
     except ImportError as exc:

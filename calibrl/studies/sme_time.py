@@ -27,12 +27,25 @@ from __future__ import annotations
 import random
 import statistics
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Sequence
+from typing import TYPE_CHECKING, Callable, Mapping, Sequence
 
 from calibrl.errors import CalibrlError
 from calibrl.sme.items import SampleItem, write_items
 from calibrl.sme.sample import Embed, SampleOptions, choose_sample, item_text
 from calibrl.judge_server.authoring.feedback import FeedbackRecord
+from calibrl.json_types import JsonObject
+
+if TYPE_CHECKING:  # pragma: no cover
+    import pathlib
+
+    import numpy as np
+
+    from calibrl.api.judge_config import JudgeConfig
+    from calibrl.demo.domain import Domain
+
+# outputs -> the doc ids each retrieves, best first (the demo's retrieval service, BM25 hit@1)
+SearchFn = Callable[[list[str]], list[list[str]]]
+ProgressFn = Callable[[str], None]  # one line of progress
 
 
 @dataclass
@@ -128,7 +141,7 @@ class StudyResult:
                 f"{self.golden_size} golden items: representative sampling {say(rep)}, random sampling {say(rnd)} "
                 f"(at least half of {self.options.random_repeats} draws passing), from a pool of {self.pool_size}.")
 
-    def to_json(self) -> dict[str, Any]:
+    def to_json(self) -> JsonObject:
         return {
             "pool_size": self.pool_size, "golden_size": self.golden_size, "min_kappa": self.options.min_kappa,
             "gate": self.options.gate, "pass_threshold": self.options.pass_threshold,
@@ -153,13 +166,13 @@ class _MemoEmbedder:
     """The judge's sentence embedder with every text's vector kept: each budget's judge scores
     the same golden items, so their vectors are computed once for the whole study."""
 
-    def __init__(self, config: Any) -> None:
+    def __init__(self, config: "JudgeConfig") -> None:
         from calibrl.embedding import load_embedder
 
         self.inner = load_embedder(config.embedder, config.embedder_device)
-        self.vectors: dict[str, Any] = {}
+        self.vectors: dict[str, "np.ndarray"] = {}
 
-    def encode(self, texts: list[str]) -> Any:
+    def encode(self, texts: list[str]) -> "np.ndarray":
         import numpy as np
 
         todo = list(dict.fromkeys(t for t in texts if t not in self.vectors))
@@ -182,7 +195,8 @@ class BudgetValidation:
 
 
 def validation_kappa(reviews: Sequence[FeedbackRecord], golden: Sequence[FeedbackRecord], options: StudyOptions,
-                     judge_config: Any = None, embedder: Any = None) -> BudgetValidation:
+                     judge_config: "JudgeConfig | None" = None,
+                     embedder: "_MemoEmbedder | None" = None) -> BudgetValidation:
     """The validation of a rubric distilled from ``reviews`` alone, on ``golden``, as
     ``calibrl rubric validate`` computes it (with ``--pass-threshold auto --feedback
     <reviews>`` when ``options.pass_threshold`` is None)."""
@@ -213,8 +227,9 @@ def validation_kappa(reviews: Sequence[FeedbackRecord], golden: Sequence[Feedbac
 
 
 def run_study(pool: Sequence[SampleItem], answers: Mapping[str, FeedbackRecord], golden: Sequence[FeedbackRecord],
-              options: StudyOptions | None = None, *, embed: Embed | None = None, vectors: Any = None,
-              judge_config: Any = None, progress: Any = None) -> StudyResult:
+              options: StudyOptions | None = None, *, embed: Embed | None = None,
+              vectors: "np.ndarray | None" = None, judge_config: "JudgeConfig | None" = None,
+              progress: ProgressFn | None = None) -> StudyResult:
     """Run the experiment of the module doc. ``answers`` maps each pool item's id to its
     expert answer; ``vectors`` (one row per pool item) or ``embed`` place the items."""
     options = options or StudyOptions()
@@ -249,7 +264,7 @@ def run_study(pool: Sequence[SampleItem], answers: Mapping[str, FeedbackRecord],
 NO_RUBRIC_Y = -0.1  # where the plot marks a budget whose reviews distilled into no rubric
 
 
-def plot_study(result: StudyResult, path: Any) -> Any:
+def plot_study(result: StudyResult, path: "str | pathlib.Path") -> "str | pathlib.Path":
     """kappa vs reviews (log x): representative line, random median with its min-max band, the
     gate; a budget that distilled into no rubric is an "x" below zero."""
     import matplotlib
@@ -308,7 +323,7 @@ def report_section(result: StudyResult, plot_name: str) -> str:
     ])
 
 
-def demo_inputs(domain: Any, search: Any, golden_fraction: float = 0.3
+def demo_inputs(domain: "Domain", search: SearchFn, golden_fraction: float = 0.3
                 ) -> tuple[list[SampleItem], dict[str, FeedbackRecord], list[FeedbackRecord]]:
     """(pool, answers, golden) of the built-in demo domain: its SME feedback split as
     ``calibrl rubric distill`` splits it; the pool is the non-golden part, each item with
@@ -333,8 +348,8 @@ DEMO_BUDGETS = (5, 8, 10, 15, 20, 30, 45, 60, 90, 120, 160)
 QUICK_BUDGETS = (5, 10, 20, 40)
 
 
-def run_demo_study(domain: Any, search: Any, out_dir: Any, *, seed: int = 0, quick: bool = False,
-                   progress: Any = None) -> str:
+def run_demo_study(domain: "Domain", search: SearchFn, out_dir: "str | pathlib.Path", *, seed: int = 0,
+                   quick: bool = False, progress: ProgressFn | None = None) -> str:
     """The demo's stage: run the study on the demo domain (``search``: BM25 doc ids per
     query, hit@1), write ``sme_study.json``, ``plots/sme_kappa_vs_reviews.png`` and the
     pool as ``sme_items.jsonl`` (input of ``calibrl sme sample``) under ``out_dir``;

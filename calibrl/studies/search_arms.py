@@ -30,7 +30,7 @@ questions) and the paired bootstrap of every pair of arms and of each arm vs the
 
 Each seed writes ``seed_<N>/seed_result.json``; ``--jobs 2`` runs two seeds at a time
 as subprocesses (``calibrl study --worker``); the parent then writes ``results.json``,
-``report.md`` and ``plots/`` (``calibrl.demo.study_report``).
+``report.md`` and ``plots/`` (:mod:`calibrl.studies.search_arms_report`).
 """
 
 from __future__ import annotations
@@ -46,9 +46,21 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import IO, TYPE_CHECKING, Iterator, Sequence
 
 from calibrl.errors import CalibrlError
+from calibrl.json_types import JsonObject
+
+if TYPE_CHECKING:  # pragma: no cover
+    from calibrl.api.retrieval import Hit
+    from calibrl.demo.domain import Domain, DomainFiles
+    from calibrl.demo.error_analysis import SearchRecord
+    from calibrl.demo.policy import PolicySpec
+    from calibrl.demo.search_design import SearchDesign
+    from calibrl.demo.settings import DemoSettings
+    from calibrl.demo.training import Clients
+    from calibrl.trainer.eval import EvalSettings
+    from calibrl.trainer.tasks import Task
 
 DEFAULT_SEEDS = "6,7,8,9,10"  # no design knob was chosen on these seeds (experiments/LOG.md, D11)
 STUDY_MARKER = ".calibrl-study"  # marks a folder as a study's output, which a later study may replace
@@ -78,7 +90,7 @@ class Arm:
 
     name: str
     label: str
-    estimator: str  # advantage.type, as the demo's _train_overrides takes it
+    estimator: str  # advantage.type, as the demo's search arms take it
     step_rewards: bool
 
 
@@ -97,18 +109,18 @@ SETTINGS = ("normal", "stress", "long")
 class StudyPlan:
     """What one study runs."""
 
-    demo: Any  # calibrl.demo.cli.DemoSettings (FULL or QUICK); its ``search`` design is every arm's
+    demo: "DemoSettings"  # FULL or QUICK; its ``search`` design is every arm's
     seeds: tuple[int, ...]
     heldout_limit: int = 0  # evaluate only the first N held-out questions (0 = all; tests use a few)
     arms: tuple[Arm, ...] = tuple(a for a in ARMS if a.name in DEFAULT_ARMS)
     settings: tuple[str, ...] = SETTINGS
 
     @property
-    def design(self) -> Any:
+    def design(self) -> "SearchDesign":
         """The demo's search design (``calibrl.demo.search_design.SearchDesign``)."""
         return self.demo.search
 
-    def design_for(self, setting: str) -> Any:
+    def design_for(self, setting: str) -> "SearchDesign":
         """The design under ``setting`` (stress: the learning rate times ``STRESS_LR_FACTOR``)."""
         if setting == "stress":
             return self.design.with_overrides(lr=self.design.lr * STRESS_LR_FACTOR)
@@ -124,7 +136,7 @@ class StudyPlan:
         return [(setting, arm) for group in (False, True) for setting in self.settings
                 for arm in self.arms if arm.step_rewards == group]
 
-    def describe(self) -> dict[str, Any]:
+    def describe(self) -> JsonObject:
         from calibrl.demo.search_design import describe_design
 
         design = self.design
@@ -143,17 +155,19 @@ class StudyPlan:
 # --------------------------------------------------------------------------- one seed
 
 
-def run_seed(plan: StudyPlan, seed: int, out: pathlib.Path, progress: bool = False) -> dict[str, Any]:
+def run_seed(plan: StudyPlan, seed: int, out: pathlib.Path, progress: bool = False) -> JsonObject:
     """Everything of one seed; writes and returns its ``seed_result.json`` record."""
     import torch
 
-    from calibrl.demo.cli import _Clients, _log_to_file, build_demo_index
+    from calibrl.demo.context import log_to_file
+    from calibrl.demo.preparation import build_demo_index
+    from calibrl.demo.training import Clients
     from calibrl.demo.domain import generate_domain, write_domain
     from calibrl.trainer.aio import BackgroundLoop
 
     torch.set_num_threads(1)
     out.mkdir(parents=True, exist_ok=True)
-    _log_to_file(out / "study.log")
+    log_to_file(out / "study.log")
     timings: dict[str, float] = {}
     started = time.perf_counter()
     domain = generate_domain(seed)
@@ -161,7 +175,7 @@ def run_seed(plan: StudyPlan, seed: int, out: pathlib.Path, progress: bool = Fal
     build_demo_index(files.corpus, out / "index")
     timings["domain_and_index_s"] = time.perf_counter() - started
     with _services(out) as (retrieval_target, judge_target), BackgroundLoop(name=f"study-{seed}") as background:
-        clients = _Clients(retrieval_target, judge_target, background)
+        clients = Clients(retrieval_target, judge_target, background)
         try:
             record = _train_and_score(plan, seed, out, domain, files, clients, timings, progress)
         finally:
@@ -172,7 +186,7 @@ def run_seed(plan: StudyPlan, seed: int, out: pathlib.Path, progress: bool = Fal
     return record
 
 
-def save_seed_result(out: pathlib.Path, record: dict[str, Any]) -> None:
+def save_seed_result(out: pathlib.Path, record: JsonObject) -> None:
     """Write ``seed_result.json`` (after the base and after every arm, so a study stopped
     part way still reports the arms every seed finished: ``calibrl study --report-only``)."""
     partial = out / f"{SEED_RESULT}.partial"
@@ -181,10 +195,10 @@ def save_seed_result(out: pathlib.Path, record: dict[str, Any]) -> None:
 
 
 @contextlib.contextmanager
-def _services(out: pathlib.Path) -> Any:
+def _services(out: pathlib.Path) -> Iterator[tuple[str, str]]:
     """The demo's retrieval service over ``out/index`` and a judge serving the search-step
     rubric (no SME golden set exists for it, so it is served unvalidated)."""
-    from calibrl.demo.cli import RETRIEVAL_MODE
+    from calibrl.demo.settings import RETRIEVAL_MODE
     from calibrl.demo.services import Service, free_port
 
     if not STEP_RUBRIC.is_file():
@@ -215,8 +229,8 @@ def _services(out: pathlib.Path) -> Any:
             service.stop()
 
 
-def _train_and_score(plan: StudyPlan, seed: int, out: pathlib.Path, domain: Any, files: Any, clients: Any,
-                     timings: dict[str, float], progress: bool) -> dict[str, Any]:
+def _train_and_score(plan: StudyPlan, seed: int, out: pathlib.Path, domain: "Domain", files: "DomainFiles",
+                     clients: "Clients", timings: dict[str, float], progress: bool) -> JsonObject:
     from calibrl.demo.search_design import eval_settings as search_eval_settings
     from calibrl.trainer.tasks import load_tasks
 
@@ -227,7 +241,7 @@ def _train_and_score(plan: StudyPlan, seed: int, out: pathlib.Path, domain: Any,
     heldout = heldout[: plan.heldout_limit or plan.design.eval_questions or None]
     eval_settings = search_eval_settings(plan.design)
     passages = {p.doc_id: p.text for p in domain.passages}
-    record: dict[str, Any] = {
+    record: JsonObject = {
         "seed": seed,
         "questions": [{"task_id": t.task_id, "question": t.query, "bridge": t.gold_doc_ids[0]} for t in heldout],
         "train_questions": len(load_tasks(files.multistep_train)),
@@ -254,8 +268,8 @@ def _train_and_score(plan: StudyPlan, seed: int, out: pathlib.Path, domain: Any,
     return record
 
 
-def build_base_agent(demo: Any, domain: Any, out: pathlib.Path, clients: Any, seed: int,
-                     progress: bool, spec: Any = None) -> pathlib.Path:
+def build_base_agent(demo: "DemoSettings", domain: "Domain", out: pathlib.Path, clients: "Clients", seed: int,
+                     progress: bool, spec: "PolicySpec | None" = None) -> pathlib.Path:
     """The demo's base search agent of this seed, without the demo's rewriter: the same
     tokenizer (trained on the rewrite and search examples, as ``build_base_policies``
     trains it), the same seeded model and the same warm start; the rewriter's own
@@ -273,7 +287,7 @@ def build_base_agent(demo: Any, domain: Any, out: pathlib.Path, clients: Any, se
     design = demo.search
     spec = spec or design.agent_spec()
 
-    def search_many(queries: Sequence[str]) -> list[list[Any]]:
+    def search_many(queries: Sequence[str]) -> list[list["Hit"]]:
         return clients.search_many(queries, design.top_k)
 
     rewrites = rewrite_examples(domain, demo.rewrite_examples, RewriteMix(), seed)
@@ -284,8 +298,8 @@ def build_base_agent(demo: Any, domain: Any, out: pathlib.Path, clients: Any, se
     return agent
 
 
-def arm_overrides(plan: StudyPlan, setting: str, arm: Arm, base_agent: pathlib.Path, files: Any, clients: Any,
-                  run_dir: pathlib.Path, seed: int, progress: bool) -> list[str]:
+def arm_overrides(plan: StudyPlan, setting: str, arm: Arm, base_agent: pathlib.Path, files: "DomainFiles",
+                  clients: "Clients", run_dir: pathlib.Path, seed: int, progress: bool) -> list[str]:
     """The demo's training overrides of the arm's estimator (``search_design.train_overrides``)
     under the setting's design, plus the arm's step rewards; only the final checkpoint is
     written (the study evaluates the final policy)."""
@@ -300,15 +314,15 @@ def arm_overrides(plan: StudyPlan, setting: str, arm: Arm, base_agent: pathlib.P
                            extra=extra)
 
 
-def train_arm(plan: StudyPlan, setting: str, arm: Arm, base_agent: pathlib.Path, files: Any, clients: Any,
-              out: pathlib.Path, seed: int, progress: bool) -> dict[str, Any]:
+def train_arm(plan: StudyPlan, setting: str, arm: Arm, base_agent: pathlib.Path, files: "DomainFiles",
+              clients: "Clients", out: pathlib.Path, seed: int, progress: bool) -> JsonObject:
     """Train one arm; its kept per-step metrics, wall time and final checkpoint."""
-    from calibrl.demo.cli import _train
+    from calibrl.demo.training import train_one
     from calibrl.trainer.checkpoint import find_checkpoint
 
     run_dir = out / "runs" / setting / arm.name
     overrides = arm_overrides(plan, setting, arm, base_agent, files, clients, run_dir, seed, progress)
-    history, seconds, tracker = _train(overrides, clients, ("none",))
+    history, seconds, tracker = train_one(overrides, clients, ("none",))
     tracker.close()
     planned = plan.design_for(setting).steps
     if len(history) < planned:  # the trainer caught a SIGTERM: it checkpointed and returned early
@@ -319,7 +333,7 @@ def train_arm(plan: StudyPlan, setting: str, arm: Arm, base_agent: pathlib.Path,
     return {"steps": steps, "wall_s": seconds, "model": str(find_checkpoint(run_dir)), "checkpoints": checkpoints}
 
 
-def question_scores(model: str | pathlib.Path, tasks: Sequence[Any], clients: Any, settings: Any,
+def question_scores(model: str | pathlib.Path, tasks: Sequence["Task"], clients: "Clients", settings: "EvalSettings",
                     passages: dict[str, str] | None = None) -> dict[str, list]:
     """Per held-out question, the demo's greedy record (``error_analysis.greedy_search_records``):
     answer ``f1`` and ``em``, ``well_formed`` (0/1), ``searches``, the error ``category``, the
@@ -343,10 +357,10 @@ def question_scores(model: str | pathlib.Path, tasks: Sequence[Any], clients: An
     return scores
 
 
-def constant_scores(domain: Any, tasks: Sequence[Any]) -> dict[str, Any]:
+def constant_scores(domain: "Domain", tasks: Sequence["Task"]) -> JsonObject:
     """The best-constant baseline on the held-out ``tasks``: per aspect the most frequent answer
     of the training questions, its per-question ``f1`` and ``em``, and the ``aspect`` of each."""
-    from calibrl.demo.cli import search_aspects
+    from calibrl.demo.training import search_aspects
     from calibrl.demo.error_analysis import aspect_of, best_constant_answers
     from calibrl.text import exact_match, token_f1
 
@@ -358,7 +372,7 @@ def constant_scores(domain: Any, tasks: Sequence[Any]) -> dict[str, Any]:
             "em": [exact_match(a, t.answers) if a else 0.0 for a, t in zip(answers, tasks)]}
 
 
-def _category(record: Any) -> str:
+def _category(record: "SearchRecord") -> str:
     """The record's error category; ``unclassified`` for a question without two gold documents."""
     try:
         return record.category
@@ -373,14 +387,14 @@ def run_study(plan: StudyPlan, out: pathlib.Path, *, jobs: int = 1, progress: bo
               command: str = "calibrl study") -> pathlib.Path:
     """Every seed (``jobs`` at a time, each in its own process when > 1), then the
     report; returns the path of report.md."""
-    from calibrl.demo import study_report
+    from calibrl.studies import search_arms_report as study_report
 
     started = time.perf_counter()
     out.mkdir(parents=True, exist_ok=True)
     (out / STUDY_MARKER).write_text(f"{command}\n", encoding="utf-8")
     import torch
 
-    from calibrl.demo.cli import machine_description
+    from calibrl.demo.context import machine_description
 
     torch.set_num_threads(1)  # as every seed process runs
     machine = machine_description().replace("in the demo process", "in each study process")
@@ -398,7 +412,7 @@ def run_study(plan: StudyPlan, out: pathlib.Path, *, jobs: int = 1, progress: bo
 def report_only(out: pathlib.Path) -> pathlib.Path:
     """The report of a study stopped part way (or finished): every seed's latest
     ``seed_result.json``; the wall time runs from the start to the last result written."""
-    from calibrl.demo import study_report
+    from calibrl.studies import search_arms_report as study_report
 
     meta_path = out / STUDY_FILE
     if not meta_path.is_file():
@@ -414,12 +428,12 @@ def report_only(out: pathlib.Path) -> pathlib.Path:
                                     arm_labels={a.name: a.label for a in ARMS}, machine=meta.get("machine", ""))
 
 
-def _run_seeds_in_processes(plan: StudyPlan, out: pathlib.Path, jobs: int) -> list[dict[str, Any]]:
+def _run_seeds_in_processes(plan: StudyPlan, out: pathlib.Path, jobs: int) -> list[JsonObject]:
     """``calibrl study --worker`` per seed, at most ``jobs`` at once; their seed results in seed order."""
     from calibrl.demo.services import calibrl_command, service_env
 
     waiting = list(plan.seeds)
-    running: list[tuple[int, subprocess.Popen, Any]] = []
+    running: list[tuple[int, subprocess.Popen, IO[str]]] = []
     try:
         _supervise(plan, out, jobs, waiting, running, calibrl_command(), service_env(1))
     finally:  # a failed seed, or SIGTERM / Ctrl-C here: stop the other workers (they stop their services)
@@ -433,7 +447,7 @@ def _run_seeds_in_processes(plan: StudyPlan, out: pathlib.Path, jobs: int) -> li
 
 
 def _supervise(plan: StudyPlan, out: pathlib.Path, jobs: int, waiting: list[int],
-               running: list[tuple[int, subprocess.Popen, Any]], command: list[str], env: dict[str, str]) -> None:
+               running: list[tuple[int, subprocess.Popen, IO[str]]], command: list[str], env: dict[str, str]) -> None:
     """Start workers while fewer than ``jobs`` run; raise StudyError when one fails."""
     while waiting or running:
         while waiting and len(running) < jobs:
@@ -476,7 +490,7 @@ def parse_seeds(text: str) -> tuple[int, ...]:
     return seeds
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="calibrl study",
         description="Train the search agent's arms (GRPO, CalibAdv with gold documents as silver, CalibAdv with the "
@@ -503,7 +517,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--native-kernels", action="store_true",
                         help="this CPU's fastest float kernels instead of kernels pinned to AVX2 (calibrl.kernels)")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)  # one seed, no report
-    args = parser.parse_args(list(argv) if argv is not None else None)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parser().parse_args(list(argv) if argv is not None else None)
 
     from calibrl import kernels
 
@@ -520,7 +538,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if value < low:
             print(f"error: {flag}={value}: must be >= {low}", file=sys.stderr)
             return 2
-    from calibrl.demo.cli import FULL, QUICK
+    from calibrl.demo.settings import FULL, QUICK
     from calibrl.retrieval_server.cli import hide_library_progress_bars
 
     hide_library_progress_bars()  # the study prints one line per run; its logs hold the rest
@@ -566,7 +584,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 0
 
 
-def _exit_on_sigterm(signum: int, frame: Any) -> None:
+def _exit_on_sigterm(signum: int, frame: object) -> None:
     raise SystemExit(128 + signum)
 
 

@@ -1,6 +1,6 @@
 """The study's results: ``results.json``, ``report.md`` and ``plots/``.
 
-Input: one record per seed (``calibrl.demo.study.run_seed``): the held-out questions,
+Input: one record per seed (``calibrl.studies.search_arms.run_seed``): the held-out questions,
 the base agent's and every trained arm's per-question scores, and each run's per-step
 collapse signals. Intervals and paired differences come from ``calibrl.stats`` over
 questions: when every seed has its own questions (the demo generates a domain per
@@ -22,8 +22,9 @@ import itertools
 import json
 import math
 import pathlib
-from typing import Any, Mapping, Sequence
+from typing import Mapping, Sequence, Union
 
+from calibrl.json_types import JsonObject, JsonRecord, JsonValue
 from calibrl.stats import Interval, average_over_seeds, hierarchical_difference, mean_interval, paired_difference
 
 BASE = "base"
@@ -55,24 +56,28 @@ PPL_GROWTH = 2.0  # a sign of collapse: reference PPL over the last steps above 
 # --------------------------------------------------------------------------- numbers
 
 
-def shared_questions(records: Sequence[Mapping[str, Any]]) -> bool:
+def shared_questions(records: Sequence[JsonRecord]) -> bool:
     """Whether every seed evaluated the same questions in the same order."""
     return all(r["questions"] == records[0]["questions"] for r in records)
 
 
-def scores_of(record: Mapping[str, Any], setting: str, arm: str, metric: str = "f1") -> list[float]:
+def scores_of(record: JsonRecord, setting: str, arm: str, metric: str = "f1") -> list[float]:
     """Per-question ``metric`` of ``arm`` (or the base) under ``setting`` in one seed's record."""
     source = (record["base"] if arm == BASE else record["constant"] if arm == CONSTANT
               else record["runs"][setting][arm]["scores"])
     return [float(v) for v in source[metric]]
 
 
-def has_constant(records: Sequence[Mapping[str, Any]]) -> bool:
+def has_constant(records: Sequence[JsonRecord]) -> bool:
     """Whether every seed scored the best-constant baseline."""
     return all("constant" in r for r in records)
 
 
-def _cluster_label(question: Mapping[str, Any]) -> Any:
+# a resampling cluster: a bridge document id or a question id, with its seed when seeds differ
+ClusterLabel = Union[JsonValue, tuple[JsonValue, JsonValue]]
+
+
+def _cluster_label(question: JsonRecord) -> JsonValue:
     """A question's resampling cluster: its bridge document where recorded, else the question
     behind its phrasing."""
     from calibrl.demo.error_analysis import question_of
@@ -80,7 +85,7 @@ def _cluster_label(question: Mapping[str, Any]) -> Any:
     return question.get("bridge") or question_of(question["task_id"])
 
 
-def units(records: Sequence[Mapping[str, Any]], setting: str, arm: str,
+def units(records: Sequence[JsonRecord], setting: str, arm: str,
           metric: str = "f1") -> tuple[list[float], list[int] | None]:
     """The resampling units of an arm: (values, strata). Shared questions: one value per
     question, averaged over seeds, no strata; else one per (seed, question), stratum = seed."""
@@ -92,17 +97,17 @@ def units(records: Sequence[Mapping[str, Any]], setting: str, arm: str,
     return values, strata
 
 
-def question_clusters(records: Sequence[Mapping[str, Any]]) -> list[Any] | None:
+def question_clusters(records: Sequence[JsonRecord]) -> list[ClusterLabel] | None:
     """The question behind each unit of :func:`units` (its phrasings are not independent),
     or None when every unit is a question of its own (one phrasing each)."""
     if shared_questions(records):
-        labels: list[Any] = [_cluster_label(q) for q in records[0]["questions"]]
+        labels: list[ClusterLabel] = [_cluster_label(q) for q in records[0]["questions"]]
     else:
         labels = [(r["seed"], _cluster_label(q)) for r in records for q in r["questions"]]
     return labels if len(set(labels)) < len(labels) else None
 
 
-def arm_summary(records: Sequence[Mapping[str, Any]], setting: str, arm: str, seed: int = 0) -> dict[str, Any]:
+def arm_summary(records: Sequence[JsonRecord], setting: str, arm: str, seed: int = 0) -> JsonObject:
     """An arm's mean held-out F1 with its interval, every seed's mean, and its EM and
     well-formed rates (means over the same units)."""
     values, strata = units(records, setting, arm)
@@ -126,13 +131,13 @@ def arm_summary(records: Sequence[Mapping[str, Any]], setting: str, arm: str, se
     return summary
 
 
-def has_recall(records: Sequence[Mapping[str, Any]], setting: str, arms: Sequence[str]) -> bool:
+def has_recall(records: Sequence[JsonRecord], setting: str, arms: Sequence[str]) -> bool:
     """Whether every seed's base and arms carry per-question search recall."""
     return all("recall" in r["base"] and all("recall" in r["runs"][setting][a]["scores"] for a in arms)
                for r in records)
 
 
-def long_curves(records: Sequence[Mapping[str, Any]], setting: str, arm: str) -> dict[str, Any] | None:
+def long_curves(records: Sequence[JsonRecord], setting: str, arm: str) -> JsonObject | None:
     """The held-out figures along a run evaluated at several checkpoints (the long setting):
     per checkpoint step the mean over seeds of each curve metric, and the hierarchical
     interval (seeds, then bridge clusters) of last - best checkpoint in search recall and in
@@ -143,7 +148,7 @@ def long_curves(records: Sequence[Mapping[str, Any]], setting: str, arm: str) ->
     steps = [point["step"] for point in curves[0]]
     if any([p["step"] for p in c] != steps for c in curves):
         return None
-    out: dict[str, Any] = {"steps": steps}
+    out: JsonObject = {"steps": steps}
     for metric in ("f1", "recall", "well_formed", "bridge_found"):
         out[metric] = [_mean([_mean(c[n][metric]) for c in curves]) for n in range(len(steps))]
     clusters = [[_cluster_label(q) for q in r["questions"]] for r in records]
@@ -156,7 +161,7 @@ def long_curves(records: Sequence[Mapping[str, Any]], setting: str, arm: str) ->
     return out
 
 
-def readout_summary(records: Sequence[Mapping[str, Any]], setting: str, arm: str) -> dict[str, Any]:
+def readout_summary(records: Sequence[JsonRecord], setting: str, arm: str) -> JsonObject:
     """Over every (seed, question): of the trajectories that found the answer document, the
     share answering it exactly (``readout_rate``); of the exact answers, the share grounded in
     a retrieved passage (``grounded_share``). Empty for records without these fields."""
@@ -165,7 +170,7 @@ def readout_summary(records: Sequence[Mapping[str, Any]], setting: str, arm: str
         return {}
     found = [(f, e) for src in sources for f, e in zip(src["found_answer_doc"], src["em"])]
     hits = sum(f for f, _ in found)
-    out: dict[str, Any] = {"found_answer_doc": hits / len(found),
+    out: JsonObject = {"found_answer_doc": hits / len(found),
                            "readout_rate": sum(f * e for f, e in found) / hits if hits else None}
     if all("grounded" in src for src in sources):
         pairs = [(g, e) for src in sources for g, e in zip(src["grounded"], src["em"])]
@@ -174,7 +179,7 @@ def readout_summary(records: Sequence[Mapping[str, Any]], setting: str, arm: str
     return out
 
 
-def category_shares(records: Sequence[Mapping[str, Any]], setting: str, arm: str) -> dict[str, float]:
+def category_shares(records: Sequence[JsonRecord], setting: str, arm: str) -> dict[str, float]:
     """Share of each error-analysis category (``calibrl.demo.error_analysis``) over every
     (seed, question); empty when the scores carry no categories."""
     labels = [c for r in records
@@ -182,7 +187,7 @@ def category_shares(records: Sequence[Mapping[str, Any]], setting: str, arm: str
     return {c: labels.count(c) / len(labels) for c in sorted(set(labels))} if labels else {}
 
 
-def paired(records: Sequence[Mapping[str, Any]], setting: str, a: str, b: str, seed: int = 0,
+def paired(records: Sequence[JsonRecord], setting: str, a: str, b: str, seed: int = 0,
            metric: str = "f1") -> Interval:
     """Paired bootstrap of ``a - b`` in ``metric`` (answer F1, or ``em``) over the same questions (and seeds)."""
     left, strata = units(records, setting, a, metric)
@@ -190,7 +195,7 @@ def paired(records: Sequence[Mapping[str, Any]], setting: str, a: str, b: str, s
     return paired_difference(left, right, strata=strata, clusters=question_clusters(records), seed=seed)
 
 
-def between_seeds(records: Sequence[Mapping[str, Any]], setting: str, a: str, b: str, seed: int = 0,
+def between_seeds(records: Sequence[JsonRecord], setting: str, a: str, b: str, seed: int = 0,
                   metric: str = "f1") -> Interval:
     """The hierarchical bootstrap of ``a - b``: seeds drawn with replacement, then each drawn
     seed's bridge clusters; the training seeds' variance is in its width."""
@@ -205,12 +210,12 @@ def pairs_of(arms: Sequence[str], constant: bool = False) -> list[tuple[str, str
             + ([(arm, CONSTANT) for arm in arms] if constant else []))
 
 
-def _pair(records: Sequence[Mapping[str, Any]], setting: str, a: str, b: str, metric: str = "f1") -> dict[str, Any]:
+def _pair(records: Sequence[JsonRecord], setting: str, a: str, b: str, metric: str = "f1") -> JsonObject:
     return {"a": a, "b": b, **paired(records, setting, a, b, metric=metric).as_dict(),
             "between_seeds": between_seeds(records, setting, a, b, metric=metric).as_dict()}
 
 
-def signal_curves(records: Sequence[Mapping[str, Any]], setting: str, arm: str, key: str) -> list[float]:
+def signal_curves(records: Sequence[JsonRecord], setting: str, arm: str, key: str) -> list[float]:
     """Per training step, ``key`` averaged over the seeds that logged it (NaN where none did)."""
     runs = [r["runs"][setting][arm]["steps"] for r in records]
     length = max((len(steps) for steps in runs), default=0)
@@ -221,7 +226,7 @@ def signal_curves(records: Sequence[Mapping[str, Any]], setting: str, arm: str, 
     return curve
 
 
-def finished_arms(plan: Mapping[str, Any], records: Sequence[Mapping[str, Any]]) -> dict[str, list[str]]:
+def finished_arms(plan: JsonRecord, records: Sequence[JsonRecord]) -> dict[str, list[str]]:
     """Per setting, the arms every seed finished (a study stopped part way reports
     those); settings no arm finished in every seed are left out."""
     finished = {}
@@ -232,7 +237,7 @@ def finished_arms(plan: Mapping[str, Any], records: Sequence[Mapping[str, Any]])
     return finished
 
 
-def missing_runs(plan: Mapping[str, Any], records: Sequence[Mapping[str, Any]]) -> list[str]:
+def missing_runs(plan: JsonRecord, records: Sequence[JsonRecord]) -> list[str]:
     """``setting/arm (seeds ...)`` of every planned run some seed did not finish."""
     missing = []
     for setting in plan["settings"]:
@@ -244,10 +249,10 @@ def missing_runs(plan: Mapping[str, Any], records: Sequence[Mapping[str, Any]]) 
     return missing
 
 
-def summarize(plan: Mapping[str, Any], records: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+def summarize(plan: JsonRecord, records: Sequence[JsonRecord]) -> JsonObject:
     """Everything ``results.json`` holds beyond the raw per-question scores, over the
     arms every seed finished (:func:`finished_arms`)."""
-    out: dict[str, Any] = {"shared_questions": shared_questions(records),
+    out: JsonObject = {"shared_questions": shared_questions(records),
                            "clustered": question_clusters(records) is not None,
                            "questions_per_seed": {str(r["seed"]): len(r["questions"]) for r in records},
                            "base": arm_summary(records, plan["settings"][0], BASE), "settings": {},
@@ -281,7 +286,7 @@ def summarize(plan: Mapping[str, Any], records: Sequence[Mapping[str, Any]]) -> 
 # --------------------------------------------------------------------------- report
 
 
-def write_study(plan: Mapping[str, Any], records: Sequence[Mapping[str, Any]], out: pathlib.Path, *, command: str,
+def write_study(plan: JsonRecord, records: Sequence[JsonRecord], out: pathlib.Path, *, command: str,
                 wall_s: float, arm_labels: Mapping[str, str], machine: str = "") -> pathlib.Path:
     """Write results.json, plots/ and report.md under ``out``; returns report.md's path."""
     summary = summarize(plan, records)
@@ -325,7 +330,7 @@ def write_study(plan: Mapping[str, Any], records: Sequence[Mapping[str, Any]], o
     return path
 
 
-def timing_lines(records: Sequence[Mapping[str, Any]]) -> list[str]:
+def timing_lines(records: Sequence[JsonRecord]) -> list[str]:
     """Where each seed's time went (seconds)."""
     parts = []
     for record in records:
@@ -339,7 +344,7 @@ def timing_lines(records: Sequence[Mapping[str, Any]]) -> list[str]:
     return ["Seconds per seed: " + "; ".join(parts) + ".", ""] if parts else []
 
 
-def settings_lines(plan: Mapping[str, Any], summary: Mapping[str, Any]) -> list[str]:
+def settings_lines(plan: JsonRecord, summary: JsonRecord) -> list[str]:
     questions = ", ".join(f"seed {s}: {n}" for s, n in summary["questions_per_seed"].items())
     if len(summary["questions_per_seed"]) == 1:
         unit = "one seed: its questions resampled"
@@ -378,7 +383,7 @@ def _ci_points(interval: Mapping[str, float]) -> str:
     return f"{_points(interval['estimate'])} [{_points(interval['low'])}, {_points(interval['high'])}]"
 
 
-def arm_table(plan: Mapping[str, Any], summary: Mapping[str, Any], setting: str, labels: Mapping[str, str]) -> str:
+def arm_table(plan: JsonRecord, summary: JsonRecord, setting: str, labels: Mapping[str, str]) -> str:
     seeds = [str(s) for s in plan["seeds"]]
     header = ["policy", "answer F1 % [95% CI]", *(f"seed {s}" for s in seeds), "EM %", "well-formed %", "searches",
               "read-out %"]
@@ -393,7 +398,7 @@ def arm_table(plan: Mapping[str, Any], summary: Mapping[str, Any], setting: str,
     return _markdown(header, rows)
 
 
-def curve_table(summary: Mapping[str, Any], setting: str, labels: Mapping[str, str]) -> str:
+def curve_table(summary: JsonRecord, setting: str, labels: Mapping[str, str]) -> str:
     rows, drops = [], []
     for arm, curve in summary["settings"][setting]["curves"].items():
         for n, step in enumerate(curve["steps"]):
@@ -406,11 +411,11 @@ def curve_table(summary: Mapping[str, Any], setting: str, labels: Mapping[str, s
             + "\n\n" + _markdown(["arm", "metric", "best step", "last - best, points [95% CI]", "degraded"], drops))
 
 
-def _nan_if_none(value: Any) -> float:
+def _nan_if_none(value: float | None) -> float:
     return math.nan if value is None else float(value)
 
 
-def category_table(summary: Mapping[str, Any], setting: str, labels: Mapping[str, str]) -> str:
+def category_table(summary: JsonRecord, setting: str, labels: Mapping[str, str]) -> str:
     """Where the final policies' trajectories fail (shares of every seed's questions); "" without categories."""
     arms = [(BASE, summary["base"]), *summary["settings"][setting]["arms"].items()]
     names = sorted({c for _, arm in arms for c in arm.get("categories", {})})
@@ -420,7 +425,7 @@ def category_table(summary: Mapping[str, Any], setting: str, labels: Mapping[str
     return _markdown(["policy", *(f"{c} %" for c in names)], rows)
 
 
-def paired_table(summary: Mapping[str, Any], setting: str, labels: Mapping[str, str], key: str = "paired") -> str:
+def paired_table(summary: JsonRecord, setting: str, labels: Mapping[str, str], key: str = "paired") -> str:
     rows = [[labels[p["a"]], labels[p["b"]], _ci_points(p), "yes" if p["low"] > 0 or p["high"] < 0 else "no",
              _ci_points(p["between_seeds"]) if "between_seeds" in p else "-"]
             for p in summary["settings"][setting][key]]
@@ -428,7 +433,7 @@ def paired_table(summary: Mapping[str, Any], setting: str, labels: Mapping[str, 
                       "[95% CI over seeds, then questions]"], rows)
 
 
-def collapse_table(plan: Mapping[str, Any], summary: Mapping[str, Any], labels: Mapping[str, str]) -> str:
+def collapse_table(plan: JsonRecord, summary: JsonRecord, labels: Mapping[str, str]) -> str:
     header = ["setting", "arm", *(SIGNAL_COLUMNS[key] for key, _, _ in SIGNALS)]
     rows = []
     for setting in summary["settings"]:
@@ -441,7 +446,7 @@ def collapse_table(plan: Mapping[str, Any], summary: Mapping[str, Any], labels: 
     return _markdown(header, rows)
 
 
-def verdict(plan: Mapping[str, Any], summary: Mapping[str, Any], labels: Mapping[str, str]) -> list[str]:
+def verdict(plan: JsonRecord, summary: JsonRecord, labels: Mapping[str, str]) -> list[str]:
     """Plain sentences computed from the numbers."""
     lines = []
     if not summary["settings"]:
@@ -472,7 +477,7 @@ def verdict(plan: Mapping[str, Any], summary: Mapping[str, Any], labels: Mapping
     return lines
 
 
-def _compare(pair: Mapping[str, Any], labels: Mapping[str, str], where: str, reverse: bool = False,
+def _compare(pair: JsonRecord, labels: Mapping[str, str], where: str, reverse: bool = False,
              unit: str = "points of answer F1") -> str:
     """One sentence on a paired difference (``reverse``: state it as b - a)."""
     a, b = (pair["b"], pair["a"]) if reverse else (pair["a"], pair["b"])
@@ -488,7 +493,7 @@ def _compare(pair: Mapping[str, Any], labels: Mapping[str, str], where: str, rev
             "apart.")
 
 
-def calibadv_line(setting: Mapping[str, Any], labels: Mapping[str, str]) -> str:
+def calibadv_line(setting: JsonRecord, labels: Mapping[str, str]) -> str:
     """What CalibAdv changed over GRPO's advantages during training (means over steps and seeds)."""
     curves = setting["calibadv_signals"]
 
@@ -512,7 +517,7 @@ def calibadv_line(setting: Mapping[str, Any], labels: Mapping[str, str]) -> str:
     return line + "; everywhere else CalibAdv's advantages are GRPO's."
 
 
-def stress_line(summary: Mapping[str, Any], labels: Mapping[str, str]) -> str:
+def stress_line(summary: JsonRecord, labels: Mapping[str, str]) -> str:
     """The stress setting per arm: held-out F1 against the base, and the signs of collapse
     (each named with the rule that flags it)."""
     stress, base = summary["settings"]["stress"], summary["base"]
@@ -545,7 +550,7 @@ def stress_line(summary: Mapping[str, Any], labels: Mapping[str, str]) -> str:
 # --------------------------------------------------------------------------- plots
 
 
-def write_plots(plan: Mapping[str, Any], summary: Mapping[str, Any], labels: Mapping[str, str],
+def write_plots(plan: JsonRecord, summary: JsonRecord, labels: Mapping[str, str],
                 folder: pathlib.Path) -> list[pathlib.Path]:
     """One PNG per collapse signal: a panel per setting, a line per arm (mean over seeds)."""
     from calibrl.demo.report import _pyplot
@@ -579,7 +584,7 @@ def write_plots(plan: Mapping[str, Any], summary: Mapping[str, Any], labels: Map
 # --------------------------------------------------------------------------- helpers
 
 
-def _seed_json(record: Mapping[str, Any]) -> dict[str, Any]:
+def _seed_json(record: JsonRecord) -> JsonObject:
     return {key: record[key] for key in ("seed", "questions", "base", "constant", "runs", "timings") if key in record}
 
 
@@ -601,7 +606,7 @@ def _tail_mean(curve: Sequence[float]) -> float:
     return _mean(tail)
 
 
-def _finite(value: Any) -> bool:
+def _finite(value: object) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
@@ -609,7 +614,7 @@ def _num(value: float) -> str:
     return "-" if not _finite(value) else f"{value:.3g}"
 
 
-def _json_safe(value: Any) -> Any:
+def _json_safe(value: object) -> JsonValue:
     if isinstance(value, float) and not math.isfinite(value):
         return None
     if isinstance(value, dict):
