@@ -680,10 +680,11 @@ WEIGHT_TOLERANCE = 0.10
 SHED_MS_TARGET = 50.0
 RSS_GROWTH_TARGET = 0.10
 WORST_S_TARGET = 1.0
+WORST_S_SLACK = 1.2  # "about 1 s": the cost model is an estimate
 
 
 def _verdict(met: bool) -> str:
-    return "met" if met else "NOT met"
+    return "met" if met else "not met"
 
 
 def record_tables(results: dict) -> tuple[list[dict], list[str]]:
@@ -702,8 +703,8 @@ def record_tables(results: dict) -> tuple[list[dict], list[str]]:
                                  "calibrl-max-items trailer), new texts each time, seconds min-max of the repeats",
                                  rows))
         worst_s = max(row["seconds_max"] for row in rows)
-        notes.append(f"worst accepted request: {worst_s:.2f} s at most (target <= ~{WORST_S_TARGET:g} s): "
-                     f"{_verdict(worst_s <= WORST_S_TARGET * 1.2)}")
+        notes.append(f"worst accepted request: {worst_s:.2f} s at most (target <= ~{WORST_S_TARGET:g} s, read as "
+                     f"<= {WORST_S_TARGET * WORST_S_SLACK:g} s): {_verdict(worst_s <= WORST_S_TARGET * WORST_S_SLACK)}")
     if "small" in results:
         phases = [row for row in results["small"] if row.get("repeat") != "all"]
         pooled = [row for row in results["small"] if row.get("repeat") == "all"]
