@@ -5,8 +5,9 @@
 Compares ``results.json`` and every ``runs/<name>/metrics.jsonl`` of the two folders, after
 dropping what a refactor cannot keep equal on one machine: wall times, the load average in
 the machine line, stage seconds (stage titles are kept), training-process spans, and the
-judge server's batch shapes (how many batches and how full: they follow how requests
-interleaved in time). Everything else must be equal, value for value (floats exactly).
+judge server's batch shapes and cache counters (how many batches, how full, how many cache
+hits: they follow how requests interleaved in time). Everything else must be equal, value for
+value (floats exactly).
 Prints each difference as a path with both values; exit status 0 when there is none, 1
 otherwise, 2 when a folder lacks results.json.
 
@@ -27,8 +28,11 @@ Json = Union[None, bool, int, float, str, list["Json"], dict[str, "Json"]]
 
 # results.json keys dropped wherever they appear: each one is a duration or a point in time
 TIMING_KEYS = frozenset({"wall_s", "seconds", "start_s", "end_s", "pair_overlap_s", "judge_model_seconds"})
-# the judge server's figures that follow how callers' requests interleaved (its calls and items stay)
-BATCH_SHAPE_KEYS = frozenset({"batches", "mean_batch_size", "shared_batches", "beside_batches"})
+# the judge server's figures that follow how callers' requests interleaved (its calls and items stay):
+# the batch shapes, and its cache counters (two arms that send the same item at the same moment both
+# miss; a moment apart, the second hits), with the items computed in batches that follow from them
+BATCH_SHAPE_KEYS = frozenset({"batches", "mean_batch_size", "shared_batches", "beside_batches",
+                              "cache_hits", "cache_misses", "batch_items"})
 TIMING_PREFIX = "timing/"  # metrics.jsonl: per-step durations (trainer.step_log.StepTimes)
 _LOAD = re.compile(r", load average [0-9.]+ at the start")
 
