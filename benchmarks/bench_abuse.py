@@ -336,7 +336,7 @@ MEMORY_GROWTH_TARGET = 0.10  # RSS after a flood of refused requests, settled, o
 
 def record_tables(results: dict) -> tuple[list[dict], list[str]]:
     """The record's tables (one per section that ran) and their verdict lines."""
-    from bench_record import rows_table
+    from bench_record import rows_table, verdict
 
     tables, notes = [], []
     for name, rows in results.items():
@@ -349,7 +349,7 @@ def record_tables(results: dict) -> tuple[list[dict], list[str]]:
         for row in memory:
             growth = row["rss_settled_mib"] / row["rss_before_mib"] - 1.0
             notes.append(f"{row['flood']}: settled RSS {growth:+.1%} of before (target within "
-                         f"{MEMORY_GROWTH_TARGET:.0%}): {'met' if abs(growth) <= MEMORY_GROWTH_TARGET else 'not met'}")
+                         f"{MEMORY_GROWTH_TARGET:.0%}): {verdict(abs(growth) <= MEMORY_GROWTH_TARGET)}")
     worst = results.get("worst_case")
     if isinstance(worst, list):
         tables.append(rows_table("The worst requests within the size limits: refused whole by the cost budget, then "

@@ -84,6 +84,11 @@ def table(title: str, header: Sequence[str], rows: Sequence[Sequence[Any]]) -> d
     return {"title": title, "header": list(header), "rows": [[str(cell) for cell in row] for row in rows]}
 
 
+def verdict(met: bool) -> str:
+    """A target's verdict, as every record's notes word it."""
+    return "met" if met else "not met"
+
+
 def cell(value: Any) -> str:
     """A figure as a table shows it: a dict of counts as "KEY n, ...", None as "-"."""
     if isinstance(value, dict):

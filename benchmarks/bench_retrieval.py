@@ -230,6 +230,8 @@ CALLERS_RATIO_TARGET = 1.5  # Search over gRPC with 8 callers at batch 1 / in-pr
 
 def verdicts(cells: list[Cell]) -> list[str]:
     """The targets, computed from the cells that ran."""
+    from bench_record import verdict
+
     index = {(c.rpc, c.path, c.batch, c.concurrency): c for c in cells}
     ratio = {key[:1] + key[2:]: cell.queries_per_s / index[(key[0], "in-process", *key[2:])].queries_per_s
              for key, cell in index.items() if key[1] == "grpc"}
@@ -237,11 +239,11 @@ def verdicts(cells: list[Cell]) -> list[str]:
     batched = [r for (rpc, batch, _), r in ratio.items() if batch == 64]
     if batched:
         notes.append(f"gRPC / in-process at batch 64: {min(batched):.2f}x to {max(batched):.2f}x (target >= "
-                     f"{BATCHED_RATIO_TARGET}x): {'met' if min(batched) >= BATCHED_RATIO_TARGET else 'not met'}")
+                     f"{BATCHED_RATIO_TARGET}x): {verdict(min(batched) >= BATCHED_RATIO_TARGET)}")
     callers = ratio.get(("Search", 1, 8))
     if callers is not None:
         notes.append(f"Search over gRPC with 8 callers at batch 1: {callers:.2f}x in-process (target >= "
-                     f"{CALLERS_RATIO_TARGET}x): {'met' if callers >= CALLERS_RATIO_TARGET else 'not met'}")
+                     f"{CALLERS_RATIO_TARGET}x): {verdict(callers >= CALLERS_RATIO_TARGET)}")
     return notes
 
 

@@ -243,7 +243,7 @@ P99_RATIO_TARGET = 2.0  # p99 during a swap over the steady windows' p99
 
 def record_tables(summary: dict) -> tuple[list[dict], list[str]]:
     """The record's table (steady and swap windows, and the A/A control's) and its verdict lines."""
-    from bench_record import table
+    from bench_record import table, verdict
 
     def row(name: str, stats: dict, ratio: float | None = None) -> list[str]:
         return [name, str(stats["calls"]), str(stats["failed"]), f"{stats['p50_ms']:,.1f} ms",
@@ -262,10 +262,10 @@ def record_tables(summary: dict) -> tuple[list[dict], list[str]]:
              f"(first response scored by the new version {min(first_new):.1f}-{max(first_new):.1f} s after "
              f"publication; load average {start[0]:.2f} at the start, {end[0]:.2f} at the end)")
     header = ["windows", "calls", "failed", "p50", "p99", "p99 / its steady windows' p99"]
-    notes = [f"failed calls: {summary['failed_total']} (target 0): {'met' if summary['failed_total'] == 0 else 'not met'}; "
+    notes = [f"failed calls: {summary['failed_total']} (target 0): {verdict(summary['failed_total'] == 0)}; "
              f"calls scored by two versions: {summary['calls_scored_by_two_versions']}",
              f"p99 during the swaps {summary['p99_ratio']:.2f}x the steady windows' (target <= {P99_RATIO_TARGET:g}x): "
-             f"{'met' if summary['p99_ratio'] <= P99_RATIO_TARGET else 'not met'}"
+             f"{verdict(summary['p99_ratio'] <= P99_RATIO_TARGET)}"
              + (f"; A/A control {summary['control_p99_ratio']:.2f}x; medians of the per-cycle ratios: swaps "
                 f"{summary['per_swap_p99_ratio_median']}, controls {summary['per_control_p99_ratio_median']}"
                 if controls else "")]

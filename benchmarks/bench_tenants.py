@@ -644,7 +644,7 @@ SOAK_SLOPE_TARGET_MIB_PER_MIN = 0.5  # the issue's target for the RSS slope afte
 def soak_tables(result: dict, every_s: float = 300.0) -> tuple[list[dict], list[str]]:
     """The soak's tables (RSS every ``every_s`` seconds, the codes per call kind, the slopes)
     and its verdict lines."""
-    from bench_record import table
+    from bench_record import table, verdict
 
     samples, shown, next_t = result["samples"], [], 0.0
     for sample in samples:
@@ -666,7 +666,7 @@ def soak_tables(result: dict, every_s: float = 300.0) -> tuple[list[dict], list[
         first, last = result[f"{service}_rss_mib_after_warm_up"]
         met = abs(slope) < SOAK_SLOPE_TARGET_MIB_PER_MIN
         slope_rows.append([service, f"{first:.1f}", f"{last:.1f}", f"{slope:+.3f}",
-                           f"< {SOAK_SLOPE_TARGET_MIB_PER_MIN}: {'met' if met else 'not met'}"])
+                           f"< {SOAK_SLOPE_TARGET_MIB_PER_MIN}: {verdict(met)}"])
         notes.append(f"{service}: RSS slope after {result['warm_up_s'] / 60:.0f} min of warm-up {slope:+.3f} MiB/min "
                      f"({'meets' if met else 'misses'} the < {SOAK_SLOPE_TARGET_MIB_PER_MIN} MiB/min target)")
     slopes = table(f"Soak: least-squares RSS slope after {result['warm_up_s'] / 60:.0f} min of warm-up",
@@ -683,14 +683,10 @@ WORST_S_TARGET = 1.0
 WORST_S_SLACK = 1.2  # "about 1 s": the cost model is an estimate
 
 
-def _verdict(met: bool) -> str:
-    return "met" if met else "not met"
-
-
 def record_tables(results: dict) -> tuple[list[dict], list[str]]:
     """The record's tables and verdict lines (each computed against the issue's target) for the
     sections that ran."""
-    from bench_record import cell, rows_table
+    from bench_record import cell, rows_table, verdict
 
     tables: list[dict] = []
     notes: list[str] = []
@@ -704,7 +700,7 @@ def record_tables(results: dict) -> tuple[list[dict], list[str]]:
                                  rows))
         worst_s = max(row["seconds_max"] for row in rows)
         notes.append(f"worst accepted request: {worst_s:.2f} s at most (target <= ~{WORST_S_TARGET:g} s, read as "
-                     f"<= {WORST_S_TARGET * WORST_S_SLACK:g} s): {_verdict(worst_s <= WORST_S_TARGET * WORST_S_SLACK)}")
+                     f"<= {WORST_S_TARGET * WORST_S_SLACK:g} s): {verdict(worst_s <= WORST_S_TARGET * WORST_S_SLACK)}")
     if "small" in results:
         phases = [row for row in results["small"] if row.get("repeat") != "all"]
         pooled = [row for row in results["small"] if row.get("repeat") == "all"]
@@ -716,7 +712,7 @@ def record_tables(results: dict) -> tuple[list[dict], list[str]]:
         for row in pooled:
             notes.append(f"{row['service']}: small tenant's pooled p99 beside flood + canceller "
                          f"{row['p99_ratio']:.2f}x its p99 alone (target <= {SMALL_P99_RATIO_TARGET:g}x): "
-                         f"{_verdict(row['p99_ratio'] <= SMALL_P99_RATIO_TARGET)}")
+                         f"{verdict(row['p99_ratio'] <= SMALL_P99_RATIO_TARGET)}")
     for key, what in (("fair_equal", "four equal-weight tenants"), ("fair_weighted", "weights 1 : 2 : 4")):
         if key not in results:
             continue
@@ -731,11 +727,11 @@ def record_tables(results: dict) -> tuple[list[dict], list[str]]:
         ratios = [row["served per weight, ratio to the first"] for row in rows]
         if key == "fair_equal":
             notes.append(f"fair shares, equal weights: Jain's index {fair['jain_of_served_per_weight']} (target >= "
-                         f"{JAIN_TARGET}): {_verdict(fair['jain_of_served_per_weight'] >= JAIN_TARGET)}")
+                         f"{JAIN_TARGET}): {verdict(fair['jain_of_served_per_weight'] >= JAIN_TARGET)}")
         else:
             worst_off = max(abs(r - 1.0) for r in ratios)
             notes.append(f"fair shares, weights 1 : 2 : 4: served per weight within {worst_off:.1%} of equal (target "
-                         f"within {WEIGHT_TOLERANCE:.0%}): {_verdict(worst_off <= WEIGHT_TOLERANCE)}")
+                         f"within {WEIGHT_TOLERANCE:.0%}): {verdict(worst_off <= WEIGHT_TOLERANCE)}")
     if "overload" in results:
         rows = results["overload"]
         first = rows[0]
@@ -754,14 +750,14 @@ def record_tables(results: dict) -> tuple[list[dict], list[str]]:
                          f"DEADLINE_EXCEEDED {row['client_deadline_exceeded']}; shed calls answered within 50 ms "
                          f"(server) {'-' if fast is None else f'{fast:.1%}'}; shed p99 (probe process) "
                          f"{cell(shed)} ms (target < {SHED_MS_TARGET:g}: "
-                         f"{_verdict(shed is not None and shed < SHED_MS_TARGET)}); RSS {growth:+.1%} (target within "
-                         f"{RSS_GROWTH_TARGET:.0%}: {_verdict(abs(growth) <= RSS_GROWTH_TARGET)})")
+                         f"{verdict(shed is not None and shed < SHED_MS_TARGET)}); RSS {growth:+.1%} (target within "
+                         f"{RSS_GROWTH_TARGET:.0%}: {verdict(abs(growth) <= RSS_GROWTH_TARGET)})")
     if "stops" in results:
         tables.append(rows_table("Work stops when nobody waits: calls cancelled mid-work, then the server's CPU "
                                  "sampled until quiet", results["stops"]))
         for row in results["stops"]:
             notes.append(f"{row['service']}: server busy {row['server_busy_after_cancel_s']} s after the cancel "
-                         f"(target < 0.5 s): {_verdict(row['server_busy_after_cancel_s'] < 0.5)}")
+                         f"(target < 0.5 s): {verdict(row['server_busy_after_cancel_s'] < 0.5)}")
     if "soak" in results:
         soaked, soak_notes = soak_tables(results["soak"])
         tables += soaked

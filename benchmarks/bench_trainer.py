@@ -333,7 +333,7 @@ REWARD_WAIT_TARGET = 0.10  # the reward wait's share of the step with the real s
 
 def record_tables(figures: dict) -> tuple[list[dict], list[str]]:
     """The record's tables and verdict lines (computed against the targets) from the figures."""
-    from bench_record import table
+    from bench_record import table, verdict
 
     tables, notes = [], []
     policy = (f"{figures['policy_parameters'] / 1e6:.3g}M parameters (hidden {figures['hidden']}, "
@@ -351,7 +351,7 @@ def record_tables(figures: dict) -> tuple[list[dict], list[str]]:
               f"{t['calibrl_mean_completion_length']:.1f} / {t['trl_mean_completion_length']:.1f}"]]))
         met = t["ratio_calibrl_over_trl"] <= TRL_RATIO_TARGET
         notes.append(f"calibrl / TRL step wall time {t['ratio_calibrl_over_trl']:.2f}x (target <= "
-                     f"{TRL_RATIO_TARGET}x): {'met' if met else 'not met'}")
+                     f"{TRL_RATIO_TARGET}x): {verdict(met)}")
     if "services" in figures:
         rows = []
         for name, s in figures["services"].items():
@@ -362,7 +362,7 @@ def record_tables(figures: dict) -> tuple[list[dict], list[str]]:
                              "mean step s"], rows))
         best = min(figures["services"].items(), key=lambda kv: kv[1]["reward_wait_share"])
         notes.append(f"least reward wait: {best[0]}, {100 * best[1]['reward_wait_share']:.1f}% of the step (target "
-                     f"< {100 * REWARD_WAIT_TARGET:.0f}%): {'met' if best[1]['reward_wait_share'] < REWARD_WAIT_TARGET else 'not met'}")
+                     f"< {100 * REWARD_WAIT_TARGET:.0f}%): {verdict(best[1]['reward_wait_share'] < REWARD_WAIT_TARGET)}")
     return tables, notes
 
 
