@@ -39,6 +39,8 @@ def main() -> None:
     parser.add_argument("--train-stride", type=int, default=4, help="probe every N-th training question")
     parser.add_argument("--careless-first", type=float, default=None,
                         help="the teacher's share of first queries without the industry word (default: the design's)")
+    parser.add_argument("--fresh-values", action="store_true",
+                        help="no warm-start demonstration states its training passage's own value (D16)")
     parser.add_argument("--out", default="", help="working folder (default: a temporary one)")
     parser.add_argument("--hidden", type=int, default=0, help="agent hidden size (default: the design's)")
     parser.add_argument("--layers", type=int, default=0, help="agent layers (default: the design's)")
@@ -80,6 +82,8 @@ def main() -> None:
             try:
                 for warm_steps in steps:
                     changes: dict = {"warm_steps": warm_steps}
+                    if args.fresh_values:
+                        changes["fresh_values"] = True
                     if args.careless_first is not None:
                         changes["careless_first"] = args.careless_first
                     design = FULL.search.with_overrides(**changes)
@@ -89,6 +93,7 @@ def main() -> None:
                     row: dict = {"seed": args.seed, "warm_steps": warm_steps, "hidden": spec.hidden_size,
                                  "layers": spec.num_layers, "careless_first": design.careless_first,
                                  "careless_second": design.careless_second,
+                                 "fresh_values": design.fresh_values,
                                  "warm_s": round(time.perf_counter() - started, 1)}
                     for name, tasks in splits.items():
                         records = greedy_search_records(str(agent), tasks, clients.retrieval, eval_settings(design),

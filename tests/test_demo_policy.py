@@ -157,6 +157,21 @@ def test_the_teacher_reads_what_it_retrieved_and_makes_near_miss_searches(domain
             assert shown in example.pieces[-2][0] and passages[doc_id] not in example.pieces[-2][0]
 
 
+def test_fresh_values_leave_no_demonstration_stating_its_passages_own_value(domain: Domain) -> None:
+    """With ``fresh_values`` every question still gets 1 + value_swaps demonstrations, and each
+    answers a value its training passage does not state (read from a rewritten passage), so no
+    training answer can be recalled from the warm start."""
+    search_many, _ = fake_search_many(domain)
+    plain = pol.reference_trajectories(domain, search_many, pol.AgentTeacher(value_swaps=1), seed=0)
+    fresh = pol.reference_trajectories(domain, search_many, pol.AgentTeacher(value_swaps=1, fresh_values=True), seed=0)
+    assert len(fresh) == len(plain)
+    passages = {x.doc_id: x.text for x in domain.passages}
+    assert sum(not p.rewritten for p in plain) > 0.9 * len(plain) / 2  # the plain teacher keeps the originals
+    for plan in fresh:
+        (doc_id, text), = plan.rewritten
+        assert plan.answer in text and plan.answer not in passages[doc_id]
+
+
 def test_tokenizer_keeps_tags_and_prompt_constants_whole(tokenizer) -> None:
     for tag in pol.SEARCH_TAGS:
         assert len(tokenizer(tag, add_special_tokens=False)["input_ids"]) == 1

@@ -255,6 +255,9 @@ class AgentTeacher:
     careless_first: float = 0.5
     careless_second: float = 0.5
     value_swaps: int = 2  # extra copies of each trajectory whose answer passage states another value
+    # The first copy states a fresh value too, so that no demonstration states a training passage's own value:
+    # nothing of an answer can be recalled, every value is copied from the observed passage (experiments/LOG.md, D16).
+    fresh_values: bool = False
 
 
 @dataclass(frozen=True)
@@ -320,8 +323,9 @@ def reference_trajectories(domain: Domain, search_many: "SearchManyFn", teacher:
     for plan, fact, link in read:
         pool = search_values(fact.aspect.key)
         words = (link.plan.name.split()[0], link.fund.name.split()[0])
-        plans.append(replace(plan, renamed=tuple((w, made_up_word(rng, reserved)) for w in words)))
-        for _ in range(teacher.value_swaps):
+        if not teacher.fresh_values:
+            plans.append(replace(plan, renamed=tuple((w, made_up_word(rng, reserved)) for w in words)))
+        for _ in range(teacher.value_swaps + teacher.fresh_values):
             value = rng.choice(pool)
             while value == fact.value:
                 value = rng.choice(pool)

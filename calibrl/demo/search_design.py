@@ -48,6 +48,7 @@ class SearchDesign:
     checkpoints: int = 2  # held-out evaluations per arm (the curve's points)
     eval_questions: int = 0  # held-out questions evaluated, the first ones of the file (0 = all)
     value_swaps: int = 2  # warm start: copies of each trajectory whose answer passage states another value
+    fresh_values: bool = False  # warm start: no demonstration states its training passage's own value
     careless_first: float = 0.5  # warm start: share of first queries without the plan's industry word
     careless_second: float = 0.5  # warm start: share of second queries without the fund's style word
     agent_hidden: int = 96  # the base agent's hidden size (the rewriter keeps the demo's policy size)
@@ -58,7 +59,7 @@ class SearchDesign:
         from calibrl.demo.policy import AgentTeacher
 
         return AgentTeacher(careless_first=self.careless_first, careless_second=self.careless_second,
-                            value_swaps=self.value_swaps)
+                            value_swaps=self.value_swaps, fresh_values=self.fresh_values)
 
     def agent_spec(self) -> "PolicySpec":
         """The base agent's shape: the demo's policy with the design's width and depth (the MLP
