@@ -126,7 +126,8 @@ def estimate_costs(judge: Judge, rubric: Rubric, items: Sequence[JudgeItem]) -> 
     """Estimated seconds per item (calibrl.judge_server.costs)."""
     return cost_model.item_costs(items, minilm=rubric_uses_minilm(judge, rubric),
                                  llm_criteria=len(rubric.llm_criteria),
-                                 llm_cost_per_item_s=judge.config.llm_cost_per_item_s)
+                                 llm_cost_per_item_s=judge.config.llm_cost_per_item_s,
+                                 distinct_texts=judge.config.embedder_cache_size > 0)
 
 
 class JudgeServicer(judge_pb2_grpc.JudgeServiceServicer):

@@ -261,3 +261,58 @@ async def test_the_published_service_config_makes_grpc_retry_shed_calls(tiny_ind
         assert tenant.shed == 5  # the service config's maxAttempts: gRPC retried the shed call itself
     finally:
         await running.stop(grace=1.0)
+
+
+INTENT_RUBRIC_YAML = """\
+id: intent-test
+version: "1"
+description: A rubric whose intent criterion embeds the query and the output with MiniLM.
+criteria:
+  - {name: intent, kind: programmatic, scorer: intent_similarity, weight: 0.5}
+  - {name: length, kind: programmatic, scorer: length, weight: 0.5}
+"""
+
+
+def _group_items(prompts: int = 4, generations: int = 8) -> list[JudgeItem]:
+    """A trainer's Score: every generation of a group asks with its group's query."""
+    return [JudgeItem(f"what is the expense ratio of fund {p} in 2024",
+                      f"fund {p} expense ratio 2024 rewrite {g}") for p in range(prompts) for g in range(generations)]
+
+
+def test_the_cost_model_charges_a_repeated_text_once_when_the_text_cache_is_on():
+    from calibrl.judge_server import costs
+
+    items = _group_items()
+    each = costs.item_costs(items, minilm=True)
+    once = costs.item_costs(items, minilm=True, distinct_texts=True)
+
+    def minilm(text: str) -> float:
+        return costs.MINILM_PER_TEXT_S + costs.MINILM_PER_CHAR_S * len(text)
+
+    # 64 texts charged against 36 (4 distinct queries + 32 outputs); float sums, so 1e-12 s slack
+    assert sum(each) - sum(once) == pytest.approx(sum(minilm(i.query) for i in items[1:8]) * 4, abs=1e-12)
+    assert once[0] == pytest.approx(each[0], abs=1e-15) and once[1] < each[1]
+    assert costs.item_costs(items, minilm=False, distinct_texts=True) == costs.item_costs(items, minilm=False)
+
+
+async def test_a_trainer_sized_score_on_an_embedding_rubric_fits_the_default_budget(tmp_path):
+    # 4 prompts x 8 generations on a MiniLM rubric: 64 texts would be ~1.2 s in the cost model, over the
+    # default 1 s budget; the 36 distinct ones fit, so the call is served whole. With the text cache off
+    # the repeats are embedded again and the client must split the call.
+    (tmp_path / "intent-test.yaml").write_text(INTENT_RUBRIC_YAML)
+    items = _group_items()
+    totals = []
+    for cache_size, split in ((16384, False), (0, True)):
+        judge_config = JudgeConfig(allow_unvalidated=True, embedder="minilm", cache_size=0,
+                                   embedder_cache_size=cache_size)
+        running = await judge_server.start(JudgeServerConfig(rubrics=str(tmp_path), judge=judge_config,
+                                                             serving=ServingConfig(port=0, grace_seconds=1.0)))
+        client = GrpcJudgeClient(f"127.0.0.1:{running.port}")
+        try:
+            scores = await client.score("intent-test", items)
+            assert len(scores) == 32 and (client.stats["split"] >= 1) is split
+            totals.append([s.total for s in scores])
+        finally:
+            await client.close()
+            await running.stop(grace=1.0)
+    assert totals[0] == totals[1]  # whole or split, cached or not: the same scores, bit for bit
