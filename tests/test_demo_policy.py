@@ -172,6 +172,41 @@ def test_fresh_values_leave_no_demonstration_stating_its_passages_own_value(doma
         assert plan.answer in text and plan.answer not in passages[doc_id]
 
 
+def test_a_held_out_passage_is_tokenised_as_a_training_one(domain: Domain, examples) -> None:
+    """The tokenizer is trained on training text only; no piece of it may be one training
+    entity's own (a training ticker once became one token while a held-out one split into
+    letters): a held-out plan's and fund's passages take as many tokens as a training plan's
+    and fund's renamed to the same industry and style words."""
+    from dataclasses import replace
+
+    from calibrl.demo import search_domain as sd
+
+    rewrites, trajectories = examples
+    tokenizer = pol.train_tokenizer(pol.tokenizer_corpus(domain, rewrites + trajectories), pol.PolicySpec().vocab_size)
+
+    def size(text: str) -> int:
+        return len(tokenizer(text)["input_ids"])
+
+    def like(entity, other):  # ``entity``'s family word (and all else of it) with ``other``'s other words
+        return replace(entity, name=" ".join([entity.name.split()[0], *other.name.split()[1:]]))
+
+    links = {}
+    for task in domain.multistep_tasks:
+        links.setdefault(task.split, []).append(domain.search_links[task.gold_doc_ids[0]])
+    train = links["train"][::37]
+    compared = 0
+    for split in ("validation", "heldout"):
+        for held in links[split][::23]:
+            for n, ours in enumerate(train):
+                plan, fund = like(ours.plan, held.plan), like(ours.fund, held.fund)
+                assert size(sd.bridge_text(held.plan, held.fund)) == size(sd.bridge_text(plan, fund))
+                for aspect in sd.SEARCH_ASPECTS:
+                    value = sd.search_values(aspect.key)[n]
+                    assert size(sd.fact_text(held.fund, aspect, value)) == size(sd.fact_text(fund, aspect, value))
+                compared += 1
+    assert compared >= 50
+
+
 def test_tokenizer_keeps_tags_and_prompt_constants_whole(tokenizer) -> None:
     for tag in pol.SEARCH_TAGS:
         assert len(tokenizer(tag, add_special_tokens=False)["input_ids"]) == 1

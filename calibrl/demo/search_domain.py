@@ -156,8 +156,11 @@ def search_values(aspect_key: str) -> tuple[str, ...]:
 
 
 def fact_text(fund: Entity, aspect: Aspect, value: str) -> str:
-    """The text of the fund's passage of ``aspect`` stating ``value``."""
-    name = f"the {fund.name} ({fund.ticker})"
+    """The text of the fund's passage of ``aspect`` stating ``value``. No ticker: the policies'
+    tokenizer, trained on training text, made each training fund's ticker one token and split
+    a held-out one into letters, so a held-out passage read unlike any training passage
+    (experiments/LOG.md, D17)."""
+    name = f"the {fund.name}"
     return {
         "minimum_investment": f"The minimum initial investment for {name} is {value}. Later purchases have no "
                               "minimum.",
@@ -170,7 +173,7 @@ def fact_text(fund: Entity, aspect: Aspect, value: str) -> str:
 def bridge_text(plan: Entity, fund: Entity) -> str:
     """The plan's passage: the one place that names its default fund."""
     return (f"Unless the participant chooses otherwise, contributions to the {plan.name} are invested by default "
-            f"in the {fund.name} ({fund.ticker}).")
+            f"in the {fund.name}.")
 
 
 DEFAULT_INVESTMENT = "default investment"
