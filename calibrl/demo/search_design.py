@@ -86,10 +86,14 @@ class SearchDesign:
 # two arms of 60 steps took (a wall-time rule, read on no result).
 # Measured (experiments/LOG.md, D15): training read-out 75.0% at 1600 vs 99.0% at 2400 -> 2400; training bridge
 # found 47.2% -> careless_first stays 0.5; validation bridge found 45.1% -> go.
+# D17 (experiments/LOG.md; D16's fresh values, passages without tickers): warm_steps 2400 unless 3600 raises the
+# validation read-out by more than 10 points; go / no-go: validation bridge found >= 20%, validation and training
+# read-out >= 50%. Measured: validation read-out 75.0% at 2400 vs 74.5% at 3600 -> 2400; training bridge found
+# 39.9% -> careless_first stays 0.5; validation bridge found 43.1%, training read-out 96.3% -> go.
 FULL_SEARCH = SearchDesign(warm_steps=2400, steps=40, prompts_per_step=4, group_size=8, lr=5e-4, agent_hidden=192,
-                           agent_layers=4)
+                           agent_layers=4, fresh_values=True)
 QUICK_SEARCH = SearchDesign(warm_steps=100, steps=3, prompts_per_step=4, group_size=4, lr=5e-4, checkpoints=1,
-                            eval_questions=24)
+                            eval_questions=24, fresh_values=True)
 
 
 def describe_design(design: SearchDesign) -> str:
