@@ -279,7 +279,8 @@ def reference_trajectories(domain: Domain, search_many: "SearchManyFn", teacher:
     teacher's careless queries drawn as :class:`AgentTeacher` says, its second query and
     answer read from what ``search_many`` returned; then ``value_swaps`` copies of each
     whose answer passage states another value of the aspect (so the answer is read, not
-    recalled). A trajectory whose observation is not a passage it can read on from is
+    recalled). With ``teacher.fresh_values`` the question's own first demonstration is
+    replaced by one more such copy. A trajectory whose observation is not a passage it can read on from is
     left out."""
     from calibrl.demo.search_domain import SEARCH_ASPECTS, fact_text, first_query, search_values, second_query
 
