@@ -380,10 +380,15 @@ async def probe(service: str, address: str, seconds: float, out: pathlib.Path) -
     out.write_text(json.dumps(rows))
 
 
-def _high_priority_probe(command: list[str]) -> subprocess.Popen | None:
-    """``command`` at nice -10; None where raising the priority is not allowed (not root)."""
+def _start_probe(service: str, address: str, seconds: float, out: pathlib.Path,
+                 nice: int = 0) -> subprocess.Popen | None:
+    """The probe process (:func:`probe`) writing to ``out``, at ``nice`` (below 0 needs root:
+    None where raising the priority is not allowed)."""
+    command = [sys.executable, __file__, "--probe", f"{service},{address},{seconds},{out}"]
+    if not nice:
+        return subprocess.Popen(command)
     try:
-        return subprocess.Popen(command, preexec_fn=lambda: os.nice(-10))
+        return subprocess.Popen(command, preexec_fn=lambda: os.nice(nice))
     except (PermissionError, subprocess.SubprocessError):
         return None
 
@@ -439,10 +444,10 @@ async def overload(address: str, service: str, process: subprocess.Popen, caller
     spinners = _busy_processes(busy, seconds + 1)
     probe_dir = pathlib.Path(tempfile.mkdtemp(prefix="bench-probe-"))
     probe_out, high_out = probe_dir / "probe.json", probe_dir / "probe-high.json"
-    prober = subprocess.Popen([sys.executable, __file__, "--probe", f"{service},{address},{seconds - 5},{probe_out}"])
+    prober = _start_probe(service, address, seconds - 5, probe_out)
     # A second probe at raised priority (nice -10, as root): its own wait for a core taken out, it times what
     # the server and the loopback transport take, as a client on another machine would see them.
-    high = _high_priority_probe([sys.executable, __file__, "--probe", f"{service},{address},{seconds - 5},{high_out}"])
+    high = _start_probe(service, address, seconds - 5, high_out, nice=-10)
     codes: dict[str, int] = {}
     shed_ms: list[float] = []
     ok_ms: list[float] = []

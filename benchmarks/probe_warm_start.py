@@ -40,7 +40,8 @@ def main() -> None:
     parser.add_argument("--careless-first", type=float, default=None,
                         help="the teacher's share of first queries without the industry word (default: the design's)")
     parser.add_argument("--fresh-values", action="store_true",
-                        help="no warm-start demonstration states its training passage's own value (D16)")
+                        help="no warm-start demonstration states its training passage's own value (D16; the "
+                             "design's own setting since D17, so this flag matters only on older designs)")
     parser.add_argument("--out", default="", help="working folder (default: a temporary one)")
     parser.add_argument("--hidden", type=int, default=0, help="agent hidden size (default: the design's)")
     parser.add_argument("--layers", type=int, default=0, help="agent layers (default: the design's)")
