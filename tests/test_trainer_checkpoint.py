@@ -4,6 +4,7 @@ folders are written atomically, the latest is found, old ones are pruned."""
 from __future__ import annotations
 
 import random
+import shutil
 
 import numpy as np
 import pytest
@@ -67,6 +68,15 @@ def test_find_prune_and_errors(tmp_path):
     assert ckpt.find_checkpoint(tmp_path).name == "step_000003"
     assert ckpt.find_checkpoint(tmp_path / "checkpoints").name == "step_000003"
     assert ckpt.find_checkpoint(tmp_path / "checkpoints" / "step_000001").name == "step_000001"
+    # A run killed between writing a staging folder's state file and renaming it leaves
+    # step_N.tmp with a state file in it: never a checkpoint to resume from.
+    cut_off = ckpt.checkpoint_dir(tmp_path, 4).with_name("step_000004.tmp")
+    cut_off.mkdir()
+    (cut_off / ckpt.STATE_FILE).write_text('{"step": 4}')
+    assert ckpt.find_checkpoint(tmp_path).name == "step_000003"
+    with pytest.raises(NotFound, match="still being written"):
+        ckpt.find_checkpoint(cut_off)
+    shutil.rmtree(cut_off)
     ckpt.prune_checkpoints(tmp_path, keep=2)
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step_000002", "step_000003"]
     with pytest.raises(NotFound, match="no checkpoint at"):

@@ -44,6 +44,7 @@ if TYPE_CHECKING:  # pragma: no cover
 
 STATE_FILE = "state.json"
 MODEL_DIR = "model"
+STAGING_SUFFIX = ".tmp"  # a checkpoint is written here, then renamed into place
 
 
 @dataclass
@@ -60,6 +61,12 @@ class TrainState:
     downweighted_versions: list[str] = field(default_factory=list)  # the rubric versions it was lowered for
 
 
+def _is_finished(folder: pathlib.Path) -> bool:
+    """A checkpoint renamed into place; a staging folder (``*.tmp``) may hold a state
+    file while other files are still missing, so it never counts."""
+    return not folder.name.endswith(STAGING_SUFFIX) and (folder / STATE_FILE).exists()
+
+
 def checkpoint_dir(output_dir: str | pathlib.Path, step: int) -> pathlib.Path:
     return pathlib.Path(output_dir) / "checkpoints" / f"step_{step:06d}"
 
@@ -68,10 +75,13 @@ def find_checkpoint(path: str | pathlib.Path) -> pathlib.Path:
     """``path`` itself when it is a checkpoint, else the latest one under it (a run's
     output dir or its ``checkpoints/`` folder)."""
     path = pathlib.Path(path)
+    if path.name.endswith(STAGING_SUFFIX):
+        raise NotFound(f"{path} is a checkpoint still being written (or cut off while written); "
+                       f"resume from a folder without {STAGING_SUFFIX}")
     if (path / STATE_FILE).exists():
         return path
     for folder in (path / "checkpoints", path):
-        candidates = sorted(p for p in folder.glob("step_*") if (p / STATE_FILE).exists())
+        candidates = sorted(p for p in folder.glob("step_*") if _is_finished(p))
         if candidates:
             return candidates[-1]
     raise NotFound(f"no checkpoint at {path} (expected a folder with {STATE_FILE}, or a run dir with checkpoints/)")
@@ -147,7 +157,7 @@ def save_checkpoint(
     import torch
 
     directory = pathlib.Path(directory)
-    staging = directory.with_name(directory.name + ".tmp")
+    staging = directory.with_name(directory.name + STAGING_SUFFIX)
     if rank == 0:
         if staging.exists():
             shutil.rmtree(staging)
@@ -257,7 +267,7 @@ def prune_checkpoints(output_dir: str | pathlib.Path, keep: int) -> None:
     if keep <= 0:
         return
     folder = pathlib.Path(output_dir) / "checkpoints"
-    done = sorted(p for p in folder.glob("step_*") if (p / STATE_FILE).exists() and not p.name.endswith(".tmp"))
+    done = sorted(p for p in folder.glob("step_*") if _is_finished(p))
     for old in done[:-keep]:
         shutil.rmtree(old, ignore_errors=True)
 
