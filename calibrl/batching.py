@@ -52,6 +52,7 @@ import concurrent.futures
 import logging
 import math
 import queue as queue_module
+import random
 import threading
 import time
 from dataclasses import dataclass, field
@@ -75,6 +76,8 @@ CONTENTION_WINDOW_S = 1.0
 # A tenant alone gets larger units (batches are cheapest large), still bounded so that work
 # stops soon after its caller gives up.
 SOLO_UNIT_COST = 0.5
+# A shed call's pushback is stretched by a random share of up to this (never shortened).
+PUSHBACK_JITTER = 0.5
 # Tenants remembered (statistics, virtual times): without keys every connection is a tenant.
 MAX_TENANT_STATS = 1000
 
@@ -254,6 +257,7 @@ class MicroBatcher(Generic[ItemT, ResultT]):
         self._worker: asyncio.Task | None = None
         self._closing = False
         self.stats = BatcherStats()
+        self._jitter = random.Random()
 
     @property
     def queue_depth(self) -> int:
@@ -422,7 +426,11 @@ class MicroBatcher(Generic[ItemT, ResultT]):
         telemetry.record("cost_refused", cost, tenant=tenant or "none", reason=reason, batcher=self.name)
         # come back when this tenant's backlog (at its share) would have drained enough; never
         # sooner than a quarter of the wait, so an estimate near the line is not retried in a loop
-        raise Shed(message, retry_after_s=max(0.01, 0.25 * wait_s, retry_after))
+        # a random stretch of up to PUSHBACK_JITTER spreads the retries of callers shed together
+        # (they were told the same wait): returning at once, they would queue behind each other
+        # in the transport before any is seen, the probe's shed call among them
+        pushback = max(0.01, 0.25 * wait_s, retry_after) * (1.0 + PUSHBACK_JITTER * self._jitter.random())
+        raise Shed(message, retry_after_s=pushback)
 
     def _forget(self, pending: _Pending) -> None:
         state = pending.tenant

@@ -341,6 +341,14 @@ def _server_interceptor_base() -> type:
     return grpc.aio.ServerInterceptor
 
 
+def _status_name(code: Any, failed: bool = False) -> str:
+    """A call's status code name from ``context.code()`` (None: OK, or UNKNOWN for a call
+    that raised without setting one)."""
+    if code is None:
+        return "UNKNOWN" if failed else "OK"
+    return code.name
+
+
 class TracingInterceptor(_server_interceptor_base()):  # type: ignore[misc]
     """Server span per call, parented on the caller's trace context, plus a latency
     histogram labelled by method and status code."""
@@ -368,16 +376,23 @@ class TracingInterceptor(_server_interceptor_base()):  # type: ignore[misc]
             parent = TraceContextTextMapPropagator().extract(carrier)
             start = time.perf_counter()
             code = "OK"
-            with tracer().start_as_current_span(method, context=parent, kind=SpanKind.SERVER) as span:
+            # No traceback on the span: a refusal is a status, not a fault (the servicers log
+            # unexpected errors themselves), and formatting one per shed call under overload
+            # took a good share of the event loop's time.
+            with tracer().start_as_current_span(method, context=parent, kind=SpanKind.SERVER,
+                                                record_exception=False, set_status_on_exception=False) as span:
                 span.set_attribute("rpc.system", "grpc")
                 span.set_attribute("rpc.method", method)
                 try:
-                    return await inner(request, context)
+                    response = await inner(request, context)
+                    code = _status_name(context.code())  # a status set without raising (serving.rpc_errors)
+                    return response
                 except BaseException:
-                    code = context.code().name if context.code() is not None else "UNKNOWN"
-                    span.set_status(Status(StatusCode.ERROR, code))
+                    code = _status_name(context.code(), failed=True)
                     raise
                 finally:
+                    if code != "OK":
+                        span.set_status(Status(StatusCode.ERROR, code))
                     span.set_attribute("rpc.grpc.status_code", code)
                     record("rpc_duration", time.perf_counter() - start, method=method, code=code)
 

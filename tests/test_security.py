@@ -159,6 +159,11 @@ async def test_spans_follow_the_callers_trace_and_metrics_are_recorded(tiny_inde
         assert len(server_spans) == 2
         assert server_spans[0].context.trace_id == trace_id, "server span not parented on the caller's trace"
         assert server_spans[1].attributes["rpc.grpc.status_code"] == "INVALID_ARGUMENT"
+        # a refusal is a status on the span, not a fault: no traceback event is formatted for it
+        assert server_spans[1].status.status_code.name == "ERROR"
+        assert server_spans[1].status.description == "INVALID_ARGUMENT"
+        assert not server_spans[1].events
+        assert server_spans[0].status.status_code.name == "UNSET"
         names = {
             m.name
             for rm in metrics.get_metrics_data().resource_metrics

@@ -199,6 +199,30 @@ async def test_a_call_that_cannot_meet_its_deadline_is_shed_at_once_with_pushbac
     await batcher.close()
 
 
+async def test_callers_shed_together_are_told_different_waits():
+    """Callers shed from one backlog come back spread over up to PUSHBACK_JITTER more than
+    the wait, never sooner: told the same wait, they would all return at one instant."""
+    from calibrl.batching import PUSHBACK_JITTER
+
+    backend = Backend()
+    batcher = MicroBatcher(backend, max_batch_cost=0.05, max_wait_ms=0)
+    first = await _hold_first_unit(batcher, backend)
+    queued = [submit(batcher, "a", 1, 0.01) for _ in range(100)]
+    await asyncio.sleep(0)
+    pushbacks = []
+    for _ in range(40):
+        with pytest.raises(Shed) as shed:
+            await batcher.submit("k", [("a", 0.01)], timeout_s=0.5, tenant="a", costs=[0.01])
+        pushbacks.append(shed.value.retry_after_s)
+    low, high = min(pushbacks), max(pushbacks)
+    assert low > 0.5  # never sooner than the backlog allows (the test above)
+    assert high <= low * (1 + PUSHBACK_JITTER) + 1e-9
+    assert high - low > 0.1 * PUSHBACK_JITTER * low  # spread: 40 draws all within 10% has probability 0.1**39
+    backend.gate.set()
+    await asyncio.gather(first, *queued)
+    await batcher.close()
+
+
 async def test_no_shedding_on_an_idle_server_and_a_full_tenant_queue_is_shed():
     backend = Backend()
     batcher = MicroBatcher(backend, max_wait_ms=0, max_tenant_queue_cost=0.5)
