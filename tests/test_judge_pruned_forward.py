@@ -112,3 +112,19 @@ def test_kept_suffix_mask_leaves_scores_bitwise_unchanged(arch, heads, kv_heads,
             assert torch.equal(mask, fresh.mask(n)) and mask.shape[-1] == n + 28
             assert torch.equal(pruned.item_logprobs(prefix, layout), pruned.item_logprobs(prefix, fresh))
     assert layout.kept["mask"].shape[-1] == 511 + 28
+
+
+def test_a_gpu_mask_is_copied_to_aligned_rows_with_the_same_values():
+    """cuDNN attention on an H200 failed with "misaligned address" on the layout's mask view
+    (it starts part way into a row); on a GPU the mask goes to aligned storage first."""
+    from calibrl.judge_server.backends.hf import MASK_ALIGN, aligned_copy, aligned_for_kernels
+
+    layout = SuffixLayout.build([[5, 6, 7], [8], [9, 10]], torch, "cpu", torch.float32)
+    view = layout.mask(37)
+    assert view.storage_offset() % MASK_ALIGN != 0  # the fault's precondition
+    assert aligned_for_kernels(view) is view  # the CPU path is untouched
+    copy = aligned_copy(view[:, :, [2, 5]])
+    for tensor, source in ((aligned_copy(view), view), (copy, view[:, :, [2, 5]])):
+        assert torch.equal(tensor, source)
+        assert tensor.storage_offset() % MASK_ALIGN == 0 and tensor.stride(-2) % MASK_ALIGN == 0
+        assert tensor.data_ptr() % (MASK_ALIGN * tensor.element_size()) == 0

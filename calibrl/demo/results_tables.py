@@ -48,7 +48,7 @@ RESULTS = ROOT / "results"
 DEMO_RESULTS = RESULTS / "demo" / "results.json"
 STUDY_RESULTS = RESULTS / "study" / "results.json"
 BENCH_RECORDS = ROOT / "benchmarks" / "records"
-BLOCK = re.compile(r"(<!-- BEGIN generated: (?P<name>[a-z0-9-]+) -->\n)(?P<body>.*?)(<!-- END generated: (?P=name) -->)",
+BLOCK = re.compile(r"(<!-- BEGIN generated: (?P<name>[a-z0-9_-]+) -->\n)(?P<body>.*?)(<!-- END generated: (?P=name) -->)",
                    re.DOTALL)
 
 

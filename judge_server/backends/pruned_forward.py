@@ -116,6 +116,8 @@ class PrunedForward:
     def _suffix_answer_states(self, layout: "SuffixLayout", prefix_keys: list["Tensor"],
                               prefix_values: list["Tensor"], prefix_length: int) -> "Tensor":
         """(1, C, hidden) last-layer states at each suffix's last token (before the final norm)."""
+        from calibrl.judge_server.backends.hf import aligned_for_kernels
+
         torch = self._torch
         hidden = self.inner.embed_tokens(layout.ids)
         rotary = self.inner.rotary_emb(hidden, layout.positions + prefix_length)
@@ -126,7 +128,8 @@ class PrunedForward:
             key = torch.cat([prefix_keys[index], key], dim=2)
             value = torch.cat([prefix_values[index], value], dim=2)
             if index == len(self.layers) - 1:  # only the answer positions from here on
-                hidden, normed, mask = hidden[:, layout.last], normed[:, layout.last], mask[:, :, layout.last]
+                hidden, normed = hidden[:, layout.last], normed[:, layout.last]
+                mask = aligned_for_kernels(mask[:, :, layout.last])
                 rotary = tuple(part[:, layout.last] for part in rotary)
             query = self._queries(layer.self_attn, normed, rotary)
             attended = self._attend(layer.self_attn, query, key, value, mask)
