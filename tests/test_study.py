@@ -334,6 +334,16 @@ def test_a_study_stopped_part_way_reports_the_runs_every_seed_finished(tmp_path)
     text = (tmp_path / "report.md").read_text()
     assert "**Stopped part way**" in text and "## Held-out answer F1, stress setting" not in text
     assert "CalibAdv + step rewards" not in text.split("## Held-out answer F1, normal setting")[1]
+    # the docs' generated block says the same from the same record
+    from calibrl.demo import results_tables
+
+    (tmp_path / "study").mkdir()
+    (tmp_path / "study" / "results.json").write_text(json.dumps(results))
+    block = results_tables.render_text("<!-- BEGIN generated: study -->\n<!-- END generated: study -->\n", tmp_path)
+    assert "seeds planned 0, 1, with records from seeds 0, 1" in block
+    assert "Stopped part way" in block and "stress/grpo (seed 1)" in block
+    assert "Held-out answer F1, normal setting:" in block and "stress setting" not in block.split("not run:")[1]
+    assert "| GRPO | the base |" in block  # each arm against the base, with its intervals
 
 
 def test_report_only_needs_a_study_folder(tmp_path, capsys):

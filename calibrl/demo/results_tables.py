@@ -260,18 +260,23 @@ def study(records: JsonRecord | None) -> list[str]:
     if records is None:
         return ["No study records are committed yet: `calibrl study` writes them (`results.json`), and "
                 "`python scripts/render_results.py` fills this block from `results/study/results.json`."]
+    from calibrl.studies import search_arms_report as report
     from calibrl.studies.search_arms import ARMS
 
-    summary = records["summary"]
-    labels = {"base": "the base", "best_constant": "the best constant", **{a.name: a.label for a in ARMS}}
-    lines = [f"Generated from `results/study/results.json` (`{records['command']}`, seeds "
-             f"{', '.join(map(str, records['plan']['seeds']))}).", ""]
-    for setting, data in summary["settings"].items():
-        rows = [[f"{labels.get(p['a'], p['a'])} - {labels.get(p['b'], p['b'])}", _ci(p),
-                 _ci(p.get("between_seeds"))] for p in data["paired"]]
-        lines += [f"{setting} setting, answer F1 differences (points):", "",
-                  *_table(["a - b", "[95% CI over questions]", "[95% CI over seeds, then questions]"], rows), ""]
-    return lines
+    plan, summary = records["plan"], records["summary"]
+    labels = {report.BASE: "the base", report.CONSTANT: "the best constant", **{a.name: a.label for a in ARMS}}
+    finished = sorted({str(seed["seed"]) for seed in records.get("seeds", [])}, key=int)
+    lines = [f"Generated from `results/study/results.json` (`{records['command']}`; seeds planned "
+             f"{', '.join(map(str, plan['seeds']))}, with records from seeds {', '.join(finished) or 'none'}).", ""]
+    if summary.get("missing_runs"):
+        lines += ["Stopped part way: the tables cover the runs every seed with records finished; not run: "
+                  + "; ".join(summary["missing_runs"]) + ".", ""]
+    lines += [f"- {line}" for line in report.verdict(plan, summary, labels)] + [""]
+    for setting in summary["settings"]:
+        lines += [f"Held-out answer F1, {setting} setting:", "", report.arm_table(plan, summary, setting, labels), "",
+                  f"Paired differences of held-out answer F1 ({setting}), a - b:", "",
+                  report.paired_table(summary, setting, labels), ""]
+    return lines[:-1]
 
 
 def bench_record(record: JsonRecord, name: str) -> list[str]:
