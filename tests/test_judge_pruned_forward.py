@@ -117,7 +117,7 @@ def test_kept_suffix_mask_leaves_scores_bitwise_unchanged(arch, heads, kv_heads,
 def test_a_gpu_mask_is_copied_to_aligned_rows_with_the_same_values():
     """cuDNN attention on an H200 failed with "misaligned address" on the layout's mask view
     (it starts part way into a row); on a GPU the mask goes to aligned storage first."""
-    from calibrl.judge_server.backends.hf import MASK_ALIGN, aligned_copy, aligned_for_kernels
+    from calibrl.judge_server.backends.masks import MASK_ALIGN, aligned_copy, aligned_for_kernels
 
     layout = SuffixLayout.build([[5, 6, 7], [8], [9, 10]], torch, "cpu", torch.float32)
     view = layout.mask(37)

@@ -45,6 +45,7 @@ from calibrl.errors import ConfigError, RewardError
 from calibrl.judge_server import prompts
 from calibrl.judge_server.backends import model_id_for
 from calibrl.judge_server.backends.encoding import EncodedBatch, PromptEncoder
+from calibrl.judge_server.backends.masks import aligned_for_kernels
 from calibrl.judge_server.backends.pruned_forward import pruned_forward_for
 from calibrl.judge_server.rubric import Criterion, Rubric
 from calibrl.api.judge import JudgeItem
@@ -314,24 +315,3 @@ class SuffixLayout:
             seen = self.block.new_zeros((self.block.shape[0], max(prefix_length, 256)))
             wide = self.kept["mask"] = torch.cat([seen, self.block], dim=1)[None, None]
         return aligned_for_kernels(wide[..., wide.shape[-1] - self.block.shape[0] - prefix_length :])
-
-
-MASK_ALIGN = 16  # elements: a CUDA mask's rows start on a 64-byte (float32) or 32-byte (bfloat16) boundary
-
-
-def aligned_for_kernels(mask: "Tensor") -> "Tensor":
-    """``mask`` itself on the CPU; on a GPU, a copy whose start and row stride are multiples
-    of :data:`MASK_ALIGN` elements. PyTorch's cuDNN attention reads the additive mask with
-    aligned vector loads: a view that starts part way into a row (as :meth:`SuffixLayout.mask`
-    returns) or rows of odd width failed on an H200 with "misaligned address", which also
-    poisons the CUDA context. The values are the same, so the scores are too."""
-    return mask if mask.device.type == "cpu" else aligned_copy(mask)
-
-
-def aligned_copy(mask: "Tensor") -> "Tensor":
-    """A copy of ``mask`` in fresh storage whose rows are :data:`MASK_ALIGN` elements apart
-    (zero-padded beyond the last column, which the view hides)."""
-    width = mask.shape[-1]
-    padded = mask.new_zeros((*mask.shape[:-1], -(-width // MASK_ALIGN) * MASK_ALIGN))
-    padded[..., :width] = mask
-    return padded[..., :width]

@@ -31,6 +31,8 @@ from __future__ import annotations
 import inspect
 from typing import TYPE_CHECKING, Sequence
 
+from calibrl.judge_server.backends.masks import aligned_for_kernels
+
 if TYPE_CHECKING:  # pragma: no cover
     import torch
     from torch import Tensor
@@ -116,8 +118,6 @@ class PrunedForward:
     def _suffix_answer_states(self, layout: "SuffixLayout", prefix_keys: list["Tensor"],
                               prefix_values: list["Tensor"], prefix_length: int) -> "Tensor":
         """(1, C, hidden) last-layer states at each suffix's last token (before the final norm)."""
-        from calibrl.judge_server.backends.hf import aligned_for_kernels
-
         torch = self._torch
         hidden = self.inner.embed_tokens(layout.ids)
         rotary = self.inner.rotary_emb(hidden, layout.positions + prefix_length)
