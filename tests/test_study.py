@@ -344,6 +344,11 @@ def test_a_study_stopped_part_way_reports_the_runs_every_seed_finished(tmp_path)
     assert "Stopped part way" in block and "stress/grpo (seed 1)" in block
     assert "Held-out answer F1, normal setting:" in block and "stress setting" not in block.split("not run:")[1]
     assert "| GRPO | the base |" in block  # each arm against the base, with its intervals
+    verdict = results_tables.render_text(
+        "<!-- BEGIN generated: study-verdict -->\n<!-- END generated: study-verdict -->\n", tmp_path)
+    assert "Stopped part way" in verdict and "| GRPO |" not in verdict  # the summary alone, no tables
+    first_line = verdict.split("\n- ", 1)[1].split("\n")[0]
+    assert first_line and first_line in block
 
 
 def test_report_only_needs_a_study_folder(tmp_path, capsys):

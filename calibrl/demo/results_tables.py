@@ -256,10 +256,14 @@ def demo_plot_lines(demo: JsonRecord) -> list[str]:
     return lines[:-1]
 
 
-def study(records: JsonRecord | None) -> list[str]:
+NO_STUDY = ("No study records are committed yet: `calibrl study` writes them (`results.json`), and "
+            "`python scripts/render_results.py` fills this block from `results/study/results.json`.")
+
+
+def study_verdict(records: JsonRecord | None) -> list[str]:
+    """The study's source, what did not run, and its verdict lines (the README's summary)."""
     if records is None:
-        return ["No study records are committed yet: `calibrl study` writes them (`results.json`), and "
-                "`python scripts/render_results.py` fills this block from `results/study/results.json`."]
+        return [NO_STUDY]
     from calibrl.studies import search_arms_report as report
     from calibrl.studies.search_arms import ARMS
 
@@ -269,9 +273,20 @@ def study(records: JsonRecord | None) -> list[str]:
     lines = [f"Generated from `results/study/results.json` (`{records['command']}`; seeds planned "
              f"{', '.join(map(str, plan['seeds']))}, with records from seeds {', '.join(finished) or 'none'}).", ""]
     if summary.get("missing_runs"):
-        lines += ["Stopped part way: the tables cover the runs every seed with records finished; not run: "
+        lines += ["Stopped part way: the figures cover the runs every seed with records finished; not run: "
                   + "; ".join(summary["missing_runs"]) + ".", ""]
-    lines += [f"- {line}" for line in report.verdict(plan, summary, labels)] + [""]
+    return lines + [f"- {line}" for line in report.verdict(plan, summary, labels)]
+
+
+def study(records: JsonRecord | None) -> list[str]:
+    if records is None:
+        return [NO_STUDY]
+    from calibrl.studies import search_arms_report as report
+    from calibrl.studies.search_arms import ARMS
+
+    plan, summary = records["plan"], records["summary"]
+    labels = {report.BASE: "the base", report.CONSTANT: "the best constant", **{a.name: a.label for a in ARMS}}
+    lines = study_verdict(records) + [""]
     for setting in summary["settings"]:
         lines += [f"Held-out answer F1, {setting} setting:", "", report.arm_table(plan, summary, setting, labels), "",
                   f"Paired differences of held-out answer F1 ({setting}), a - b:", "",
@@ -314,6 +329,7 @@ def renderers(results: pathlib.Path = RESULTS) -> dict[str, Callable[[], list[st
         "demo-stages": lambda: demo_stages(demo()),
         "demo-plots": lambda: demo_plot_lines(demo()),
         "study": lambda: study(_load(results / "study" / "results.json")),
+        "study-verdict": lambda: study_verdict(_load(results / "study" / "results.json")),
         **{f"bench-{path.stem}": (lambda path=path: bench_record(_load(path), path.stem))
            for path in sorted(BENCH_RECORDS.glob("*.json"))},
     }
@@ -340,4 +356,4 @@ def pages(root: pathlib.Path = ROOT) -> list[pathlib.Path]:
 
 __all__ = ["BENCH_RECORDS", "BLOCK", "bench_record", "DEMO_PLOTS_DIR", "DEMO_RESULTS", "RESULTS", "STUDY_RESULTS", "demo_judge", "demo_machine",
            "demo_plot_lines", "demo_plots", "demo_rewrite", "demo_search", "demo_search_analysis", "demo_stages", "pages",
-           "render_text", "renderers", "study"]
+           "render_text", "renderers", "study", "study_verdict"]
