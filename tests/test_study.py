@@ -338,9 +338,11 @@ def test_a_study_stopped_part_way_reports_the_runs_every_seed_finished(tmp_path)
     from calibrl.demo import results_tables
 
     (tmp_path / "study").mkdir()
+    results["command"] += f" --out {tmp_path}"
     (tmp_path / "study" / "results.json").write_text(json.dumps(results))
     block = results_tables.render_text("<!-- BEGIN generated: study -->\n<!-- END generated: study -->\n", tmp_path)
     assert "seeds planned 0, 1, with records from seeds 0, 1" in block
+    assert str(tmp_path) not in block  # a study's scratch folder is no part of its result
     assert "Stopped part way" in block and "stress/grpo (seed 1)" in block
     assert "Held-out answer F1, normal setting:" in block and "stress setting" not in block.split("not run:")[1]
     assert "| GRPO | the base |" in block  # each arm against the base, with its intervals

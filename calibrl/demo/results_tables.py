@@ -270,7 +270,8 @@ def study_verdict(records: JsonRecord | None) -> list[str]:
     plan, summary = records["plan"], records["summary"]
     labels = {report.BASE: "the base", report.CONSTANT: "the best constant", **{a.name: a.label for a in ARMS}}
     finished = sorted({str(seed["seed"]) for seed in records.get("seeds", [])}, key=int)
-    lines = [f"Generated from `results/study/results.json` (`{records['command']}`; seeds planned "
+    command = re.sub(r"--out \S+", "--out <dir>", records["command"])  # where it ran is no part of the result
+    lines = [f"Generated from `results/study/results.json` (`{command}`; seeds planned "
              f"{', '.join(map(str, plan['seeds']))}, with records from seeds {', '.join(finished) or 'none'}).", ""]
     if summary.get("missing_runs"):
         lines += ["Stopped part way: the figures cover the runs every seed with records finished; not run: "
