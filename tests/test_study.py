@@ -365,3 +365,24 @@ def test_the_headline_arms_run_first_under_every_setting():
     everything = dataclasses.replace(_tiny_plan(), arms=ARMS)
     names = [(s, a.name) for s, a in everything.run_order()]
     assert names.index(("long", "calibadv_silver")) < names.index(("normal", "grpo_steps"))
+
+
+def test_h3_is_decided_by_the_last_minus_best_intervals_of_the_long_setting():
+    def curve(recall, well_formed):
+        return {"last_minus_best_recall": dict(zip(("estimate", "low", "high"), recall), best_step=80),
+                "last_minus_best_well_formed": dict(zip(("estimate", "low", "high"), well_formed), best_step=40)}
+
+    labels = {"grpo": "GRPO", "calibadv": "CalibAdv", "calibadv_silver": "CalibAdv (silver)"}
+    summary = {"settings": {"long": {"curves": {
+        "grpo": curve((-0.06, -0.10, -0.02), (0.0, 0.0, 0.0)),  # recall dropped: interval below 0
+        "calibadv": curve((-0.02, -0.05, 0.01), (-0.01, -0.03, 0.01)),  # intervals include 0
+        "calibadv_silver": curve((0.0, 0.0, 0.0), (-0.04, -0.07, -0.01))}}}}  # well-formed dropped
+    lines = study_report.long_lines(summary, labels)
+    assert "GRPO (long setting)" in lines[0] and lines[0].endswith("degraded in search recall.")
+    assert lines[1].endswith("no drop the intervals show.")
+    assert "search recall -6.00 [-10.00, -2.00]" in lines[0]
+    assert lines[3] == "H3 for CalibAdv: supported (GRPO degraded and it did not)."
+    assert lines[4] == "H3 for CalibAdv (silver): not supported (it degraded too)."
+    summary["settings"]["long"]["curves"]["grpo"] = curve((0.0, -0.01, 0.01), (0.0, 0.0, 0.0))
+    assert study_report.long_lines(summary, labels)[3] == "H3 for CalibAdv: not supported (GRPO did not degrade)."
+    assert study_report.long_lines({"settings": {}}, labels) == []

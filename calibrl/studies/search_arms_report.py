@@ -474,6 +474,40 @@ def verdict(plan: JsonRecord, summary: JsonRecord, labels: Mapping[str, str]) ->
             lines.append(_compare(by_pair[(plain, stepped)], labels, f"{first} setting", reverse=True))
     if "stress" in summary["settings"]:
         lines.append(stress_line(summary, labels))
+    lines += long_lines(summary, labels)
+    return lines
+
+
+def _degraded(curve: JsonRecord) -> list[str]:
+    """The held-out metrics whose last checkpoint is below the run's best by an interval
+    excluding zero (the H3 rule, experiments/LOG.md D11)."""
+    return [metric for metric in ("recall", "well_formed") if curve[f"last_minus_best_{metric}"]["high"] < 0]
+
+
+def long_lines(summary: JsonRecord, labels: Mapping[str, str]) -> list[str]:
+    """The long setting: each arm's last-minus-best checkpoint drops, and H3 (GRPO degrades
+    in search recall or well-formed rate while CalibAdv does not), per CalibAdv arm that ran."""
+    curves = summary["settings"].get("long", {}).get("curves", {})
+    if not curves:
+        return []
+    names = {"recall": "search recall", "well_formed": "well-formed rate"}
+    lines = []
+    for arm, curve in curves.items():
+        drops = ", ".join(f"{names[m]} {_ci_points(curve[f'last_minus_best_{m}'])}" for m in names)
+        degraded = _degraded(curve)
+        lines.append(f"{labels[arm]} (long setting), last minus best held-out checkpoint, points [95% CI over seeds, "
+                     f"then questions]: {drops}; "
+                     + (f"degraded in {' and '.join(names[m] for m in degraded)}." if degraded
+                        else "no drop the intervals show."))
+    if "grpo" in curves:
+        for calibadv in ("calibadv", "calibadv_silver"):
+            if calibadv not in curves:
+                continue
+            grpo_down, calibadv_down = _degraded(curves["grpo"]), _degraded(curves[calibadv])
+            held = bool(grpo_down) and not calibadv_down
+            why = ("GRPO degraded and it did not" if held else "GRPO did not degrade" if not grpo_down
+                   else "it degraded too")
+            lines.append(f"H3 for {labels[calibadv]}: {'supported' if held else 'not supported'} ({why}).")
     return lines
 
 
