@@ -319,8 +319,10 @@ def test_a_study_stopped_part_way_reports_the_runs_every_seed_finished(tmp_path)
     records = _hand_records(shared=False)
     del records[1]["runs"]["stress"]  # seed 1 stopped after the normal setting ...
     del records[0]["runs"]["normal"]["calibadv_steps"]  # ... and seed 0 lacks one normal run
-    (tmp_path / STUDY_FILE).write_text(json.dumps({"command": "calibrl study --seeds 0,1", "plan": PLAN,
+    plan = {**PLAN, "seeds": [0, 1, 2]}  # seed 2 was started, but wrote no record before the stop
+    (tmp_path / STUDY_FILE).write_text(json.dumps({"command": "calibrl study --seeds 0,1,2", "plan": plan,
                                                     "started": 0.0, "jobs": 2}))
+    (tmp_path / "seed_2").mkdir()
     for record in records:
         (tmp_path / f"seed_{record['seed']}").mkdir()
         (tmp_path / f"seed_{record['seed']}" / SEED_RESULT).write_text(json.dumps(record))
@@ -329,9 +331,11 @@ def test_a_study_stopped_part_way_reports_the_runs_every_seed_finished(tmp_path)
     assert list(results["summary"]["settings"]) == ["normal"]
     assert list(results["summary"]["settings"]["normal"]["arms"]) == ["grpo", "calibadv", "grpo_steps"]
     assert results["summary"]["missing_runs"] == [
-        "normal/calibadv_steps (seed 0)", "stress/grpo (seed 1)", "stress/calibadv (seed 1)",
-        "stress/grpo_steps (seed 1)", "stress/calibadv_steps (seed 1)"]
+        "normal/grpo (seed 2)", "normal/calibadv (seed 2)", "normal/grpo_steps (seed 2)",
+        "normal/calibadv_steps (seed 0, 2)", "stress/grpo (seed 1, 2)", "stress/calibadv (seed 1, 2)",
+        "stress/grpo_steps (seed 1, 2)", "stress/calibadv_steps (seed 1, 2)"]
     text = (tmp_path / "report.md").read_text()
+    assert "seed 1 |" in text and "seed 2 |" not in text  # no column for a seed without a record
     assert "**Stopped part way**" in text and "## Held-out answer F1, stress setting" not in text
     assert "CalibAdv + step rewards" not in text.split("## Held-out answer F1, normal setting")[1]
     # the docs' generated block says the same from the same record
@@ -341,9 +345,9 @@ def test_a_study_stopped_part_way_reports_the_runs_every_seed_finished(tmp_path)
     results["command"] += f" --out {tmp_path}"
     (tmp_path / "study" / "results.json").write_text(json.dumps(results))
     block = results_tables.render_text("<!-- BEGIN generated: study -->\n<!-- END generated: study -->\n", tmp_path)
-    assert "seeds planned 0, 1, with records from seeds 0, 1" in block
+    assert "seeds planned 0, 1, 2, with records from seeds 0, 1" in block
     assert str(tmp_path) not in block  # a study's scratch folder is no part of its result
-    assert "Stopped part way" in block and "stress/grpo (seed 1)" in block
+    assert "Stopped part way" in block and "stress/grpo (seed 1, 2)" in block
     assert "Held-out answer F1, normal setting:" in block and "stress setting" not in block.split("not run:")[1]
     assert "| GRPO | the base |" in block  # each arm against the base, with its intervals
     verdict = results_tables.render_text(

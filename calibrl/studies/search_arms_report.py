@@ -384,7 +384,7 @@ def _ci_points(interval: Mapping[str, float]) -> str:
 
 
 def arm_table(plan: JsonRecord, summary: JsonRecord, setting: str, labels: Mapping[str, str]) -> str:
-    seeds = [str(s) for s in plan["seeds"]]
+    seeds = [str(s) for s in plan["seeds"] if str(s) in summary["questions_per_seed"]]  # seeds with records
     header = ["policy", "answer F1 % [95% CI]", *(f"seed {s}" for s in seeds), "EM %", "well-formed %", "searches",
               "read-out %"]
     rows = []
