@@ -519,6 +519,13 @@ def _compare(pair: JsonRecord, labels: Mapping[str, str], where: str, reverse: b
     estimate, low, high = (sign * pair[k] for k in ("estimate", "low", "high"))
     low, high = min(low, high), max(low, high)
     span = f"{_points(estimate)} {unit} [95% CI {_points(low)}, {_points(high)}]"
+    seeds = pair.get("between_seeds")
+    if seeds and (low > 0 or high < 0):  # a difference over questions: does it hold with the seeds' variance?
+        s_low, s_high = sorted(sign * seeds[k] for k in ("low", "high"))
+        if s_low <= 0 <= s_high:
+            return (f"{labels[a]} vs {labels[b]} ({where}): {span} over questions, but "
+                    f"[{_points(s_low)}, {_points(s_high)}] over seeds, then questions: with the training seeds' "
+                    "variance the interval includes 0, so the study cannot tell them apart.")
     if low > 0:
         return f"{labels[a]} beats {labels[b]} ({where}): {span}."
     if high < 0:
