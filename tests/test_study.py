@@ -390,3 +390,14 @@ def test_h3_is_decided_by_the_last_minus_best_intervals_of_the_long_setting():
     summary["settings"]["long"]["curves"]["grpo"] = curve((0.0, -0.01, 0.01), (0.0, 0.0, 0.0))
     assert study_report.long_lines(summary, labels)[3] == "H3 for CalibAdv: not supported (GRPO did not degrade)."
     assert study_report.long_lines({"settings": {}}, labels) == []
+
+
+def test_a_difference_over_questions_that_the_seeds_variance_undoes_is_worded_as_a_tie():
+    labels = {"grpo": "GRPO", "calibadv": "CalibAdv"}
+    pair = {"a": "grpo", "b": "calibadv", "estimate": -0.02, "low": -0.03, "high": -0.01,
+            "between_seeds": {"estimate": -0.02, "low": -0.05, "high": 0.004}}
+    line = study_report._compare(pair, labels, "normal setting", reverse=True)
+    assert line.startswith("CalibAdv vs GRPO (normal setting): +2.00 points of answer F1 [95% CI +1.00, +3.00]")
+    assert "[-0.40, +5.00] over seeds, then questions" in line and "cannot tell them apart" in line
+    pair["between_seeds"] = {"estimate": -0.02, "low": -0.05, "high": -0.001}
+    assert study_report._compare(pair, labels, "normal setting", reverse=True).startswith("CalibAdv beats GRPO")
