@@ -874,7 +874,7 @@ def build_tables(record: dict[str, Any]) -> list[dict[str, Any]]:
     device = env.get("cuda_device_name", record["settings"]["device"])
     verdict = lambda check: {True: "pass", False: "FAIL"}.get(check.get("passed"), "not run")  # noqa: E731
     yes = lambda value: {True: "yes", False: "NO"}.get(value, "-")  # noqa: E731
-    embedder, dense, judge, trainer = (checks.get(name, {}) for name in CHECKS_BY_TABLE)
+    embedder, dense, judge, trainer = (checks.get(name, {}) for name in ("embedder", "dense_search", "judge", "trainer"))
     invariance = (judge.get("numbers", {}).get("fp32_batch_invariance") or {}).get("bitwise_equal")
     agreement = [
         ["embedder (MiniLM's shape), 256 texts", f"row relative error {_g(_number(embedder, 'max_row_relative_error_vs_cpu'))}",
@@ -929,9 +929,6 @@ def build_tables(record: dict[str, Any]) -> list[dict[str, Any]]:
          "header": ["path", "GPU", "CPU", "GPU / CPU"]},
         {"title": "bfloat16 (recorded, not judged)", "rows": bf16, "header": ["figure", "on the device", "on the CPU"]},
     ]
-
-
-CHECKS_BY_TABLE = ("embedder", "dense_search", "judge", "trainer")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -260,15 +260,20 @@ NO_STUDY = ("No study records are committed yet: `calibrl study` writes them (`r
             "`python scripts/render_results.py` fills this block from `results/study/results.json`.")
 
 
+def _study_labels() -> dict[str, str]:
+    from calibrl.studies import search_arms_report as report
+    from calibrl.studies.search_arms import ARMS
+
+    return {report.BASE: "the base", report.CONSTANT: "the best constant", **{a.name: a.label for a in ARMS}}
+
+
 def study_verdict(records: JsonRecord | None) -> list[str]:
     """The study's source, what did not run, and its verdict lines (the README's summary)."""
     if records is None:
         return [NO_STUDY]
     from calibrl.studies import search_arms_report as report
-    from calibrl.studies.search_arms import ARMS
 
     plan, summary = records["plan"], records["summary"]
-    labels = {report.BASE: "the base", report.CONSTANT: "the best constant", **{a.name: a.label for a in ARMS}}
     finished = sorted({str(seed["seed"]) for seed in records.get("seeds", [])}, key=int)
     command = re.sub(r"--out \S+", "--out <dir>", records["command"])  # where it ran is no part of the result
     lines = [f"Generated from `results/study/results.json` (`{command}`; seeds planned "
@@ -276,17 +281,15 @@ def study_verdict(records: JsonRecord | None) -> list[str]:
     if summary.get("missing_runs"):
         lines += ["Stopped part way: the figures cover the runs every seed with records finished; not run: "
                   + "; ".join(summary["missing_runs"]) + ".", ""]
-    return lines + [f"- {line}" for line in report.verdict(plan, summary, labels)]
+    return lines + [f"- {line}" for line in report.verdict(plan, summary, _study_labels())]
 
 
 def study(records: JsonRecord | None) -> list[str]:
     if records is None:
         return [NO_STUDY]
     from calibrl.studies import search_arms_report as report
-    from calibrl.studies.search_arms import ARMS
 
-    plan, summary = records["plan"], records["summary"]
-    labels = {report.BASE: "the base", report.CONSTANT: "the best constant", **{a.name: a.label for a in ARMS}}
+    plan, summary, labels = records["plan"], records["summary"], _study_labels()
     lines = study_verdict(records) + [""]
     for setting in summary["settings"]:
         lines += [f"Held-out answer F1, {setting} setting:", "", report.arm_table(plan, summary, setting, labels), "",
