@@ -263,3 +263,100 @@ def test_the_engine_samples_from_the_lora_policy(policy_dir, tokenizer):
     )
     assert with_adapter == from_merged
     assert with_adapter != base
+
+
+# --------------------------------------------------------------------------- a group's prompt runs once
+
+
+def _grouped_batch(tokenizer, generator):
+    """Three prompts of different lengths, left-padded to one width, each repeated in rows that are
+    not contiguous (2, 3 and 1 rows), with random completions right-padded by a mask."""
+    texts = ["Question: who wrote Dune?", "hello", "The Eiffel Tower is in Paris, the capital of France."]
+    prompts = [tokenizer(t)["input_ids"] for t in texts]
+    width = max(map(len, prompts))
+    of_row = [0, 1, 0, 1, 2, 1]
+    completion = 7
+    input_ids = torch.full((len(of_row), width + completion), tokenizer.pad_token_id)
+    attention_mask = torch.zeros(input_ids.shape, dtype=torch.long)
+    for row, group in enumerate(of_row):
+        prompt = prompts[group]
+        input_ids[row, width - len(prompt) : width] = torch.tensor(prompt)
+        attention_mask[row, width - len(prompt) : width] = 1
+        length = completion - row % 3  # completions of 7, 6 and 5 tokens
+        input_ids[row, width : width + length] = torch.randint(5, 300, (length,), generator=generator)
+        attention_mask[row, width : width + length] = 1
+    return input_ids, attention_mask, width, of_row
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_a_shared_prompt_gives_the_same_logprobs_entropies_and_gradients(tokenizer, arch):
+    from calibrl.trainer.policy import completion_logprobs, prefix_groups
+
+    model = build_model(tokenizer, arch=arch)
+    input_ids, attention_mask, width, of_row = _grouped_batch(tokenizer, torch.Generator().manual_seed(0))
+    groups = prefix_groups(model, input_ids, attention_mask, width - 1)
+    assert groups is not None and groups.first.numel() == 3  # three distinct prompts in six rows
+    assert [int(groups.first[g]) for g in groups.of_row] == [of_row.index(g) for g in of_row]
+    entropy_mask = attention_mask[:, width:].bool()
+    results = {}
+    for share in (False, True):
+        model.zero_grad(set_to_none=True)
+        logp, entropy = completion_logprobs(model, input_ids, attention_mask, start=width,
+                                            entropy_mask=entropy_mask, share_prefix=share)
+        (logp * entropy_mask).sum().backward()
+        grads = torch.cat([p.grad.flatten() for p in model.parameters()])
+        results[share] = (logp.detach(), entropy, grads)
+    with torch.no_grad():
+        max_logit = float(model(input_ids=input_ids, attention_mask=attention_mask).logits.abs().max())
+    # One forward pass or two (the prompt, then the rest over its keys and values): the same products
+    # and sums, rounded in other blockings; tests/tolerances.forward_error bounds it.
+    tolerance = forward_error(model, input_ids.shape[1], max_logit)
+    torch.testing.assert_close(results[True][0][entropy_mask], results[False][0][entropy_mask], atol=tolerance, rtol=0)
+    torch.testing.assert_close(results[True][1][entropy_mask], results[False][1][entropy_mask], atol=tolerance, rtol=0)
+    # The gradient sums the rows' contributions: relative to its largest entry, within the same chain bound
+    # per unit of a row's loss (the loss is a sum of log-probs bounded by max_logit each).
+    plain = results[False][2]
+    assert float((results[True][2] - plain).abs().max()) <= tolerance * len(of_row) * entropy_mask.shape[1] \
+        * max(1.0, float(plain.abs().max()))
+    assert float((results[True][2] - plain).abs().max()) < 1e-3 * float(plain.abs().max())
+
+
+def test_sharing_is_skipped_where_it_cannot_help_or_cannot_run(policy_dir, tokenizer):
+    from calibrl.trainer.policy import completion_logprobs, prefix_groups
+
+    model = build_model(tokenizer)
+    input_ids, attention_mask, width, _ = _grouped_batch(tokenizer, torch.Generator().manual_seed(1))
+    distinct = torch.tensor([0, 1, 4])  # one row of each prompt: nothing to share
+    assert prefix_groups(model, input_ids[distinct], attention_mask[distinct], width - 1) is None
+    assert prefix_groups(model, input_ids, attention_mask, 0) is None  # an empty prefix
+    # Rows that differ before the cut share nothing: a later completion column makes them distinct.
+    assert prefix_groups(model, input_ids, attention_mask, width + 3) is None
+    with torch.no_grad():  # the plain path then, bitwise
+        plain, _ = completion_logprobs(model, input_ids[distinct], attention_mask[distinct], start=width)
+        shared, _ = completion_logprobs(model, input_ids[distinct], attention_mask[distinct], start=width,
+                                        share_prefix=True)
+    assert torch.equal(plain, shared)
+    # Gradient checkpointing turns the cache off in training: the plain forward.
+    checkpointed = load_policy(str(policy_dir), device="cpu", dtype="float32", gradient_checkpointing=True).model
+    checkpointed.train()
+    assert prefix_groups(checkpointed, input_ids, attention_mask, width - 1) is None
+
+
+def test_the_lora_reference_shares_the_prompt_too(policy_dir, tokenizer):
+    pytest.importorskip("peft")
+    from calibrl.trainer.policy import completion_logprobs, prefix_groups
+
+    policy = load_policy(str(policy_dir), device="cpu", dtype="float32", lora=LORA)
+    _randomise_lora(policy.model)
+    reference = make_reference(policy)
+    input_ids, attention_mask, width, _ = _grouped_batch(tokenizer, torch.Generator().manual_seed(2))
+    assert prefix_groups(reference, input_ids, attention_mask, width - 1) is not None
+    mask = attention_mask[:, width:].bool()
+    with torch.no_grad():
+        plain, _ = completion_logprobs(reference, input_ids, attention_mask, start=width)
+        shared, _ = completion_logprobs(reference, input_ids, attention_mask, start=width, share_prefix=True)
+        policy_plain, _ = completion_logprobs(policy.model, input_ids, attention_mask, start=width)
+        max_logit = float(reference(input_ids=input_ids, attention_mask=attention_mask).logits.abs().max())
+    tolerance = forward_error(build_model(tokenizer), input_ids.shape[1], max_logit)  # same sizes as the policy
+    torch.testing.assert_close(shared[mask], plain[mask], atol=tolerance, rtol=0)
+    assert not torch.allclose(policy_plain[mask], plain[mask], atol=1e-3)  # the adapters are off in the reference

@@ -495,3 +495,28 @@ def test_search_rollout_rejects_bad_settings(policy, tokenizer, retriever, backg
         rollout_search(engine, tokenizer, _rewrite_tasks(), group_size=2, retrieval=retrieval,
                        run_async=background.run)
     assert retrieval.calls == []
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_a_repeated_prompt_is_prefilled_once_and_samples_the_same(tokenizer, arch):
+    policy = Policy(build_model(tokenizer, arch=arch), tokenizer, torch.device("cpu"), arch)
+    prompts = _prompts(tokenizer)
+    batch = [prompts[0], prompts[1], prompts[0], prompts[2], prompts[1], prompts[0]]
+    widths = []
+    hook = policy.model.register_forward_pre_hook(
+        lambda module, args, kwargs: widths.append(tuple(kwargs["input_ids"].shape)), with_kwargs=True)
+    try:
+        shared = TransformersEngine(policy, share_prompts=True)
+        greedy = shared.generate(batch, max_new_tokens=10, temperature=0.0, top_p=1.0)
+        assert widths[0] == (3, max(map(len, prompts)))  # the prefill ran three distinct prompts
+        assert all(shape == (6, 1) for shape in widths[1:])  # then every row decodes
+        widths.clear()
+        plain = TransformersEngine(policy).generate(batch, max_new_tokens=10, temperature=0.0, top_p=1.0)
+        assert widths[0][0] == 6
+    finally:
+        hook.remove()
+    # The tiny model's logits are spread (no greedy near-ties), so rounding never flips an argmax here.
+    assert greedy == plain
+    sampled = [shared.generate(batch, max_new_tokens=10, temperature=1.0, top_p=0.9, seed=5) for _ in range(2)]
+    assert sampled[0] == sampled[1]
+    assert sampled[0] == TransformersEngine(policy).generate(batch, max_new_tokens=10, temperature=1.0, top_p=0.9, seed=5)

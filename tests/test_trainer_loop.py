@@ -290,7 +290,7 @@ def test_completion_logprobs_equal_the_policy_logprobs_on_generated_tokens():
     """The loop projects only the completion columns to the vocabulary; the values
     must be those of calibrl.testing.logprobs.sequence_logprobs, for full and LoRA models."""
     from calibrl.testing import build_model, build_tokenizer
-    from calibrl.trainer.policy import LoraSettings, Policy, _accepts_logits_to_keep, make_reference, wrap_lora
+    from calibrl.trainer.policy import LoraSettings, Policy, _forward_accepts, make_reference, wrap_lora
     from calibrl.testing.logprobs import sequence_logprobs
     from calibrl.trainer.update import micro_batch
     from calibrl.trainer.update import micro_logprobs as completion_logprobs
@@ -315,12 +315,12 @@ def test_completion_logprobs_equal_the_policy_logprobs_on_generated_tokens():
     assert torch.allclose(logp[micro.mask], full[:, 2:][micro.mask], atol=logp_tolerance, rtol=0)
     assert entropy == pytest.approx(float(full_entropy.detach()[:, 2:][micro.mask].mean()),
                                     abs=entropy_error(vocab, hidden, max_logit), rel=0)
-    assert _accepts_logits_to_keep(model)
+    assert _forward_accepts(model, "logits_to_keep")
     pytest.importorskip("peft")
     lora = Policy(model=wrap_lora(model, LoraSettings(r=2)), tokenizer=tokenizer, device=torch.device("cpu"),
                   model_id="")
     reference = make_reference(lora)
-    assert _accepts_logits_to_keep(lora.model) and _accepts_logits_to_keep(reference)
+    assert _forward_accepts(lora.model, "logits_to_keep") and _forward_accepts(reference, "logits_to_keep")
     with torch.no_grad():
         ref_logp, _ = completion_logprobs(reference, micro, 0.7)
     # LoRA B starts at 0, so the reference is the same function computed through the peft wrapper.

@@ -190,6 +190,12 @@ class RolloutConfig:
     max_obs_tokens: int = option(256, "Search agent: tokens of retrieved text per observation.")
     search_top_k: int = option(3, "Search agent: documents returned per <search>.")
     generation_batch_size: int = option(0, "Transformers engine: prompts per forward batch (0 = all at once).")
+    share_prompt_prefix: bool = option(
+        True,
+        "Run a group's shared prompt once per forward pass (the transformers engine's prefill, the policy's and "
+        "the reference's log-probs) and let each rollout attend to its keys and values: the same numbers up to "
+        "float rounding, several times less work when prompts are long; false: every rollout runs its whole prompt.",
+    )
     prompt_template: str = option(
         "",
         "Policy prompt: empty = the task kind's built-in template; else text with {query} (required) and "

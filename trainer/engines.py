@@ -150,14 +150,18 @@ class TransformersEngine:
     Prompts are left-padded into batches of at most ``max_batch_size``; the model
     runs in eval mode (no dropout) under ``torch.inference_mode`` and its train/eval
     mode is restored afterwards. ``seed`` makes a call reproducible on the same
-    device; without it the global torch generator is used.
+    device; without it the global torch generator is used. ``share_prompts``: a prompt
+    that appears several times in a batch (a GRPO group) is prefilled once and its keys
+    and values copied to each of its rows; the logits differ from a per-row prefill only
+    by float rounding, so a sample can differ where a draw falls on a boundary.
     """
 
-    def __init__(self, policy: "Policy", *, max_batch_size: int | None = None) -> None:
+    def __init__(self, policy: "Policy", *, max_batch_size: int | None = None, share_prompts: bool = False) -> None:
         if max_batch_size is not None and max_batch_size < 1:
             raise InvalidArgument("max_batch_size", f"must be >= 1 or None, got {max_batch_size!r}")
         self.policy = policy
         self.max_batch_size = max_batch_size
+        self.share_prompts = share_prompts
         self.eos_ids = eos_token_ids(policy.tokenizer, policy.model)
         self.pad_id = pad_token_id(policy.tokenizer)
         self.max_context_tokens = _context_length(policy.model)
@@ -247,21 +251,14 @@ class TransformersEngine:
         extra = {"logits_to_keep": 1} if _accepts(model, "logits_to_keep") else {}
         # transformers 5.x names the KV cache argument `cache`; earlier versions `past_key_values`.
         cache_argument = "cache" if _accepts(model, "cache") else "past_key_values"
-        past = None
-        step_ids, step_positions = input_ids, position_ids
-        for _ in range(max_new_tokens):
-            out = model(
-                input_ids=step_ids,
-                attention_mask=attention_mask,
-                position_ids=step_positions,
-                use_cache=True,
-                **{cache_argument: past},
-                **extra,
-            )
-            past = getattr(out, cache_argument)
-            next_tokens = sample_next_token(
-                out.logits[:, -1, :].float(), temperature=temperature, top_p=top_p, generator=generator
-            )
+        logits, past = self._prefill(prompts, input_ids, attention_mask, position_ids, cache_argument, extra)
+        step_positions = position_ids
+        for new_token in range(max_new_tokens):
+            if new_token:
+                out = model(input_ids=step_ids, attention_mask=attention_mask, position_ids=step_positions,
+                            use_cache=True, **{cache_argument: past}, **extra)
+                logits, past = out.logits[:, -1, :], getattr(out, cache_argument)
+            next_tokens = sample_next_token(logits.float(), temperature=temperature, top_p=top_p, generator=generator)
             chosen = next_tokens.tolist()
             for row in range(batch):
                 if finished[row]:
@@ -280,6 +277,29 @@ class TransformersEngine:
             step_positions = step_positions[:, -1:] + 1
             attention_mask = torch.cat([attention_mask, attention_mask.new_ones((batch, 1))], dim=-1)
         return completions
+
+    def _prefill(self, prompts: list[list[int]], input_ids: "torch.Tensor", attention_mask: "torch.Tensor",
+                 position_ids: "torch.Tensor", cache_argument: str, extra: dict[str, int],
+                 ) -> tuple["torch.Tensor", Any]:
+        """The prompts' forward pass: next-token logits (B, V) and the KV cache. With
+        ``share_prompts``, each distinct prompt runs once (same padding and positions as in
+        the batch) and its cache rows and logits are copied to the rows that repeat it."""
+        import torch
+
+        model = self.policy.model
+        group_of: dict[tuple[int, ...], int] = {}
+        of_row = [group_of.setdefault(tuple(prompt), len(group_of)) for prompt in prompts]
+        if not self.share_prompts or len(group_of) == len(prompts):
+            out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                        use_cache=True, **{cache_argument: None}, **extra)
+            return out.logits[:, -1, :], getattr(out, cache_argument)
+        first = torch.tensor([of_row.index(group) for group in range(len(group_of))], device=input_ids.device)
+        out = model(input_ids=input_ids[first], attention_mask=attention_mask[first],
+                    position_ids=position_ids[first], use_cache=True, **{cache_argument: None}, **extra)
+        expand = torch.tensor(of_row, device=input_ids.device)
+        cache = getattr(out, cache_argument)
+        cache.batch_select_indices(expand)
+        return out.logits[expand, -1, :], cache
 
 
 def sample_next_token(logits: "torch.Tensor", *, temperature: float, top_p: float,

@@ -263,6 +263,7 @@ def completion_logprobs(
     start: int = 1,
     temperature: float = 1.0,
     entropy_mask: "torch.Tensor | None" = None,
+    share_prefix: bool = False,
 ) -> "tuple[torch.Tensor, torch.Tensor | None]":
     """Log-probabilities of ``input_ids[:, start:]`` under ``model``: the one place
     the trainer turns a forward pass into log-probs (policy, behaviour copy and
@@ -276,7 +277,13 @@ def completion_logprobs(
     the mask is False; no gradient), else None. The model projects only the last
     ``L - start + 1`` positions to the vocabulary (``logits_to_keep``, as TRL does):
     the prompt's hidden states are computed, its logits are not. Gradients flow
-    into ``logp`` unless the caller disables them."""
+    into ``logp`` unless the caller disables them.
+
+    ``share_prefix``: rows whose columns before ``start - 1`` are the same (a GRPO group's
+    rollouts of one prompt) run those columns once, and the rest of each row attends to
+    their keys and values (:func:`shared_prefix_logits`): the same log-probs up to float
+    rounding, and gradients flow through the shared pass. Without shared rows, or for a
+    model whose forward cannot take a cache, it is the plain forward."""
     # lazy: losses imports torch, which this module does not
     from calibrl.trainer.losses import masked_entropy_from_logits, token_logprobs as logprobs_from_logits
 
@@ -289,10 +296,14 @@ def completion_logprobs(
         raise InvalidArgument("start", f"must be in [1, L={input_ids.shape[1]}], got {start}")
     keep = input_ids.shape[1] - start + 1
     position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
-    inputs = dict(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False)
-    if _accepts_logits_to_keep(model):
-        inputs["logits_to_keep"] = keep
-    logits = model(**inputs).logits[:, -keep:-1, :]
+    groups = prefix_groups(model, input_ids, attention_mask, start - 1) if share_prefix else None
+    if groups is not None:
+        logits = shared_prefix_logits(model, input_ids, attention_mask, position_ids, groups)
+    else:
+        inputs = dict(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False)
+        if _forward_accepts(model, "logits_to_keep"):
+            inputs["logits_to_keep"] = keep
+        logits = model(**inputs).logits[:, -keep:-1, :]
     logp = logprobs_from_logits(logits, input_ids[:, start:], temperature=temperature)
     entropy = None
     if entropy_mask is not None:
@@ -300,11 +311,81 @@ def completion_logprobs(
     return logp, entropy
 
 
-def _accepts_logits_to_keep(model: "torch.nn.Module") -> bool:
+@dataclass(frozen=True)
+class PrefixGroups:
+    """Rows of a batch that share their first ``width`` columns (ids and attention mask):
+    ``first[g]`` is the first row of group g, ``of_row[b]`` the group of row b."""
+
+    width: int
+    first: "torch.Tensor"
+    of_row: "torch.Tensor"
+
+
+def prefix_groups(model: "torch.nn.Module", input_ids: "torch.Tensor", attention_mask: "torch.Tensor",
+                  width: int) -> PrefixGroups | None:
+    """The groups of rows of ``input_ids`` that share columns ``[0, width)``, or None when
+    sharing cannot help or cannot run: no two rows alike, an empty prefix, a model whose
+    forward takes no cache, or gradient checkpointing in training (it turns the cache off)."""
+    import torch
+
+    rows = input_ids.shape[0]
+    if width < 1 or rows < 2 or _cache_argument(model) is None:
+        return None
+    target = _base_model(model)
+    if target.training and _checkpointing(target):
+        return None
+    keyed = torch.cat([input_ids[:, :width], attention_mask[:, :width].to(input_ids.dtype)], dim=1)
+    _, of_row = torch.unique(keyed, dim=0, return_inverse=True)
+    count = int(of_row.max()) + 1
+    if count == rows:
+        return None
+    order = torch.arange(rows, device=of_row.device)
+    first = torch.full((count,), rows, dtype=order.dtype, device=of_row.device).scatter_reduce(
+        0, of_row, order, reduce="amin")
+    return PrefixGroups(width, first, of_row)
+
+
+def shared_prefix_logits(model: "torch.nn.Module", input_ids: "torch.Tensor", attention_mask: "torch.Tensor",
+                         position_ids: "torch.Tensor", groups: PrefixGroups) -> "torch.Tensor":
+    """Logits ``(B, L - width - 1, V)`` at columns ``width .. L - 2``: one forward pass over
+    each group's shared columns (its first row), its keys and values copied to every row of
+    the group (an index: gradients of the copies add up in the shared pass), then one pass
+    over every row's remaining columns with the full attention mask and positions."""
+    cache_argument = _cache_argument(model)
+    width, first = groups.width, groups.first
+    keep = {"logits_to_keep": 1} if _forward_accepts(model, "logits_to_keep") else {}
+    prefix = model(input_ids=input_ids[first, :width], attention_mask=attention_mask[first, :width],
+                   position_ids=position_ids[first, :width], use_cache=True, **keep)
+    cache = getattr(prefix, cache_argument)
+    cache.batch_select_indices(groups.of_row)
+    out = model(input_ids=input_ids[:, width:], attention_mask=attention_mask,
+                position_ids=position_ids[:, width:], use_cache=True, **{cache_argument: cache})
+    return out.logits[:, :-1, :]
+
+
+def _base_model(model: "torch.nn.Module") -> "torch.nn.Module":
     target = getattr(model, "_peft_model", model)  # the LoRA reference wraps the peft policy
-    if hasattr(target, "get_base_model"):
-        target = target.get_base_model()
+    return target.get_base_model() if hasattr(target, "get_base_model") else target
+
+
+def _checkpointing(model: "torch.nn.Module") -> bool:
+    # transformers 5.x: is_activation_checkpointing (is_gradient_checkpointing is deprecated)
+    for name in ("is_activation_checkpointing", "is_gradient_checkpointing"):
+        if hasattr(type(model), name) or hasattr(model, name):
+            return bool(getattr(model, name))
+    return False
+
+
+def _forward_accepts(model: "torch.nn.Module", argument: str) -> bool:
     try:
-        return "logits_to_keep" in inspect.signature(target.forward).parameters
+        return argument in inspect.signature(_base_model(model).forward).parameters
     except (TypeError, ValueError):
         return False
+
+
+def _cache_argument(model: "torch.nn.Module") -> str | None:
+    """The forward's KV-cache argument: transformers 5.x ``cache``, earlier ``past_key_values``."""
+    for argument in ("cache", "past_key_values"):
+        if _forward_accepts(model, argument):
+            return argument
+    return None

@@ -182,10 +182,11 @@ def _broadcast_parameters(model: "torch.nn.Module") -> None:
         dist.broadcast(tensor, src=0)
 
 
-def _engine_kwargs(config: "TrainConfig") -> dict[str, int]:
-    if config.rollout.engine == "transformers" and config.rollout.generation_batch_size:
-        return {"max_batch_size": config.rollout.generation_batch_size}
-    return {}
+def _engine_kwargs(config: "TrainConfig") -> dict[str, int | bool]:
+    if config.rollout.engine != "transformers":
+        return {}
+    return {"max_batch_size": config.rollout.generation_batch_size or None,
+            "share_prompts": config.rollout.share_prompt_prefix}
 
 
 __all__ = ["TrainingRun", "build_run", "load_training_tasks", "lr_lambda", "seed_everything"]

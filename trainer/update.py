@@ -69,12 +69,13 @@ def micro_batch(batch: "RolloutBatch", token_adv: "torch.Tensor | None", rows: l
 
 
 def micro_logprobs(model: "torch.nn.Module", micro: MicroBatch, temperature: float,
-                   with_entropy: bool = False) -> "tuple[torch.Tensor, float | None]":
+                   with_entropy: bool = False, share_prefix: bool = False) -> "tuple[torch.Tensor, float | None]":
     """Log-probs ``(b, L - start)`` of a micro-batch's tokens from column ``start`` on
-    (:func:`calibrl.trainer.policy.completion_logprobs`), and optionally the mean entropy
-    over its generated tokens."""
+    (:func:`calibrl.trainer.policy.completion_logprobs`; ``share_prefix``: a group's prompt
+    runs once), and optionally the mean entropy over its generated tokens."""
     logp, entropy = completion_logprobs(model, micro.input_ids, micro.attention_mask, start=micro.start,
-                                        temperature=temperature, entropy_mask=micro.mask if with_entropy else None)
+                                        temperature=temperature, entropy_mask=micro.mask if with_entropy else None,
+                                        share_prefix=share_prefix)
     if entropy is None:
         return logp, None
     count = float(micro.mask.to(entropy.dtype).sum())
@@ -156,6 +157,9 @@ class PolicyUpdate:
         self.optimizer, self.scheduler, self.ctx, self.autocast = optimizer, scheduler, ctx, autocast
         self.max_completion_length = max_completion_length
         self.params = [p for p in model.parameters() if p.requires_grad]
+        # FSDP2 frees the gathered weights after each forward pass: one pass per micro-batch there
+        sharded = ctx.distributed and config.distributed.strategy == "fsdp"
+        self.share_prefix = config.rollout.share_prompt_prefix and not sharded
 
     def behaviour_logprobs(self, batch: "RolloutBatch") -> "torch.Tensor":
         """``(B, L)`` log-probs of the sampled tokens under the current weights, in
@@ -169,7 +173,8 @@ class PolicyUpdate:
             for rows in micro_batches(len(batch), self.config.gradient_accumulation_steps):
                 micro = micro_batch(batch, None, rows)
                 with torch.no_grad(), self.autocast:
-                    logp, _ = micro_logprobs(self.model, micro, self.config.rollout.temperature)
+                    logp, _ = micro_logprobs(self.model, micro, self.config.rollout.temperature,
+                                             share_prefix=self.share_prefix)
                 old[rows[0] : rows[-1] + 1, micro.start : micro.start + logp.shape[1]] = logp.float()
         finally:
             self.model.train(was_training)
@@ -187,11 +192,12 @@ class PolicyUpdate:
             ref_logp, micro = None, micro_batch(batch, None, rows)
             if self.reference is not None:
                 with torch.no_grad(), self.autocast:
-                    ref_logp, _ = micro_logprobs(self.reference, micro, temperature)
+                    ref_logp, _ = micro_logprobs(self.reference, micro, temperature, share_prefix=self.share_prefix)
             ref_logps.append(ref_logp)
             masks.append(micro.mask)
         with self.autocast:
-            first = micro_logprobs(self.model, micro_batch(batch, None, parts[0]), temperature, with_entropy=True)
+            first = micro_logprobs(self.model, micro_batch(batch, None, parts[0]), temperature, with_entropy=True,
+                                   share_prefix=self.share_prefix)
         return EarlyForward(parts, ref_logps, first, reference_perplexity(ref_logps, masks))
 
     def apply(self, training: "TrainingBatch", early: EarlyForward) -> UpdateResult:
@@ -219,7 +225,8 @@ class PolicyUpdate:
                 logp, entropy = early.first
             else:
                 with self.autocast:
-                    logp, entropy = micro_logprobs(self.model, micro, config.rollout.temperature, with_entropy=True)
+                    logp, entropy = micro_logprobs(self.model, micro, config.rollout.temperature, with_entropy=True,
+                                                    share_prefix=self.share_prefix)
             old_logp = logp.detach() if micro.old_logp is None else micro.old_logp
             loss, metrics = policy_loss_for(config.loss, self.max_completion_length, logp, old_logp,
                                             micro.token_adv, micro.mask, ref_logp)

@@ -260,13 +260,14 @@ def _train(name: str, base: pathlib.Path, files: Any, domain: Any, services: _Se
     from calibrl.demo.fresh_grades import FreshGrader
     from calibrl.judge_server.authoring.feedback import read_feedback, write_feedback
     from calibrl.sme.items import read_items
+    from calibrl.demo.training import RECORDED_FORWARD
     from calibrl.trainer.config import load_train_config
     from calibrl.trainer.loop import train
 
     rubric_id = RUBRIC_IDS[name]
     run_dir = out / "runs" / name
     config = load_train_config(None, [
-        f"policy.path={base}", "policy.device=cpu", f"tasks.path={files.train_tasks}", f"seed={seed}",
+        RECORDED_FORWARD, f"policy.path={base}", "policy.device=cpu", f"tasks.path={files.train_tasks}", f"seed={seed}",
         f"services.index_dir={services.index_dir}",
         f"steps={settings.steps}", f"output_dir={run_dir}", "checkpoint_every=0", "keep_checkpoints=1",
         f"loss.beta={settings.kl_beta}", f"optimizer.lr={settings.lr}", "max_grad_norm=0.5",

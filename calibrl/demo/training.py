@@ -469,6 +469,12 @@ def _evaluate(clients: Clients, models: list[str], tasks: list["Task"], eval_set
                            names=names, raw_query_baseline=raw_query)
 
 
+# The demo's and the study's records were made with every rollout running its whole prompt. Sharing a
+# group's prompt (the trainer's default) moves log-probs by float rounding, which a run of many steps
+# amplifies: these runs keep the forward their records were made with, so that they reproduce them.
+RECORDED_FORWARD = "rollout.share_prompt_prefix=false"
+
+
 def train_one(overrides: list[str], clients: Clients,
               report_to: Sequence[str]) -> tuple[list[dict[str, float | str]], float, "Tracker"]:
     """Train one run in this process; returns its metrics, its seconds and its trackers (still open)."""
@@ -477,7 +483,7 @@ def train_one(overrides: list[str], clients: Clients,
     from calibrl.trainer.config import load_train_config
     from calibrl.trainer.loop import train
 
-    config = load_train_config(None, [*overrides, f"report_to={','.join(report_to) or 'none'}",
+    config = load_train_config(None, [RECORDED_FORWARD, *overrides, f"report_to={','.join(report_to) or 'none'}",
                                       "tracking_project=calibrl-demo"])
     tracker = open_trackers(config.trackers(), config.run_dir, project=config.tracking_project,
                             config=to_dict(config))
