@@ -221,3 +221,27 @@ def test_prompt_template_file_is_read_at_load_and_saved_as_text(tmp_path, monkey
     assert load_train_config(saved) == config
     with pytest.raises(ConfigError, match=r"rollout.chat_template: 'maybe' is not one of \['auto', 'on', 'off'\]"):
         load_train_config(None, [*REQUIRED, "rollout.chat_template=maybe"])
+
+
+def test_the_demo_and_study_runs_keep_the_forward_their_records_were_made_with(tmp_path):
+    """A group's prompt runs once by default; the demo's, the study's and the living-rubric runs
+    turn it off, because their published records were made with the one-pass forward."""
+    import inspect
+    import types
+
+    from calibrl.demo import living_rubric, training
+    from calibrl.demo.search_design import FULL_SEARCH, RECORDED_FORWARD, train_overrides
+    from calibrl.demo.settings import FULL
+
+    assert load_train_config(None, ["policy.path=p", "tasks.path=t", "services.retrieval=x:1",
+                                    "services.judge=none", "reward.w_rubric=0"]).rollout.share_prompt_prefix
+    search = train_overrides(FULL_SEARCH, "grpo", policy="p", tasks="t", output_dir=tmp_path, retrieval="x:1", seed=6)
+    run = types.SimpleNamespace(settings=FULL, seed=6, out=tmp_path)
+    clients = types.SimpleNamespace(retrieval_target="x:1")
+    arm = types.SimpleNamespace(name="dense")
+    rewrite = training._rewrite_overrides(run, arm, tmp_path, tmp_path, clients, False)
+    for overrides in (search, rewrite):
+        config = load_train_config(None, [*overrides, "services.judge=none", "reward.w_rubric=0"])
+        assert config.rollout.share_prompt_prefix is False
+    assert "RECORDED_FORWARD" in inspect.getsource(living_rubric._train)
+    assert RECORDED_FORWARD == "rollout.share_prompt_prefix=false"

@@ -260,7 +260,7 @@ def _train(name: str, base: pathlib.Path, files: Any, domain: Any, services: _Se
     from calibrl.demo.fresh_grades import FreshGrader
     from calibrl.judge_server.authoring.feedback import read_feedback, write_feedback
     from calibrl.sme.items import read_items
-    from calibrl.demo.training import RECORDED_FORWARD
+    from calibrl.demo.search_design import RECORDED_FORWARD
     from calibrl.trainer.config import load_train_config
     from calibrl.trainer.loop import train
 

@@ -105,6 +105,12 @@ def describe_design(design: SearchDesign) -> str:
             f"and the fund's style word in {design.careless_second:.0%} of its second queries")
 
 
+# The demo's and the study's records were made with every rollout running its whole prompt. Sharing a
+# group's prompt (the trainer's default) moves log-probs by float rounding, which a run of many steps
+# amplifies: their runs keep the forward their records were made with, so that they reproduce them.
+RECORDED_FORWARD = "rollout.share_prompt_prefix=false"
+
+
 def train_overrides(design: SearchDesign, arm: str, *, policy: str | pathlib.Path, tasks: str | pathlib.Path,
                     output_dir: str | pathlib.Path, retrieval: str, seed: int, progress: bool = False,
                     extra: Sequence[str] = ()) -> list[str]:
@@ -113,6 +119,7 @@ def train_overrides(design: SearchDesign, arm: str, *, policy: str | pathlib.Pat
     if arm not in ARMS:
         raise ValueError(f"arm={arm!r}: must be one of {sorted(ARMS)}")
     return [
+        RECORDED_FORWARD,
         f"policy.path={policy}", "policy.device=cpu", f"tasks.path={tasks}", f"seed={seed}", f"steps={design.steps}",
         f"services.retrieval={retrieval}", f"reward.mode={RETRIEVAL_MODE}", f"output_dir={output_dir}",
         f"checkpoint_every={max(1, design.steps // design.checkpoints)}", "keep_checkpoints=0", "max_grad_norm=0.5",

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable, Mapping, Sequence
 
 from calibrl.demo.arms import AGENTS, ARMS, Agent, AgentKind, Arm, arm_fields, labels
-from calibrl.demo.search_design import describe_design
+from calibrl.demo.search_design import RECORDED_FORWARD, describe_design
 from calibrl.demo.search_design import eval_settings as search_eval_settings
 from calibrl.demo.search_design import train_overrides as search_train_overrides
 from calibrl.demo.settings import (CONCURRENT_PAIR, RETRIEVAL_MODE, RUBRIC_ID, STEP_RUBRIC, STEP_RUBRIC_ID,
@@ -190,6 +190,7 @@ def _rewrite_overrides(run: RunContext, arm: Arm, policy: pathlib.Path, tasks: p
                        progress: bool) -> list[str]:
     settings, steps = run.settings, run.settings.rewrite_steps
     return [
+        RECORDED_FORWARD,
         f"policy.path={policy}", "policy.device=cpu", f"tasks.path={tasks}", f"seed={run.seed}", f"steps={steps}",
         f"services.retrieval={clients.retrieval_target}", f"reward.mode={RETRIEVAL_MODE}",
         f"output_dir={run.out / 'runs' / arm.name}", f"checkpoint_every={max(1, steps // settings.checkpoints)}",
@@ -469,12 +470,6 @@ def _evaluate(clients: Clients, models: list[str], tasks: list["Task"], eval_set
                            names=names, raw_query_baseline=raw_query)
 
 
-# The demo's and the study's records were made with every rollout running its whole prompt. Sharing a
-# group's prompt (the trainer's default) moves log-probs by float rounding, which a run of many steps
-# amplifies: these runs keep the forward their records were made with, so that they reproduce them.
-RECORDED_FORWARD = "rollout.share_prompt_prefix=false"
-
-
 def train_one(overrides: list[str], clients: Clients,
               report_to: Sequence[str]) -> tuple[list[dict[str, float | str]], float, "Tracker"]:
     """Train one run in this process; returns its metrics, its seconds and its trackers (still open)."""
@@ -483,7 +478,7 @@ def train_one(overrides: list[str], clients: Clients,
     from calibrl.trainer.config import load_train_config
     from calibrl.trainer.loop import train
 
-    config = load_train_config(None, [RECORDED_FORWARD, *overrides, f"report_to={','.join(report_to) or 'none'}",
+    config = load_train_config(None, [*overrides, f"report_to={','.join(report_to) or 'none'}",
                                       "tracking_project=calibrl-demo"])
     tracker = open_trackers(config.trackers(), config.run_dir, project=config.tracking_project,
                             config=to_dict(config))
