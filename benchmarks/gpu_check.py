@@ -16,7 +16,9 @@ that raises is recorded with its traceback and the others still run):
 4. **trainer**: the CalibAdv advantages (``trainer.advantages``), the policy log-probs
    (``trainer.update.micro_logprobs``) and the clipped loss (``trainer.update.policy_loss_for``)
    of one fixed batch, loss and gradient on the device against the CPU; bf16 autocast
-   (``trainer.update.autocast_for``, recorded only); the time of one optimizer step.
+   (``trainer.update.autocast_for``, recorded only); the time of one optimizer step; a
+   group's prompt run once (``rollout.share_prompt_prefix``) against the one-pass forward on
+   the device (log-probs and gradient, the greedy tokens of a shared prefill, the time of both).
 
 Float tolerances (float32 comparisons run with TF32 off, recorded under ``environment``):
 
@@ -70,6 +72,7 @@ CHECKS = ("embedder", "dense_search", "trainer", "judge")  # the judge last: a C
 FP32_REL_TOL = 1e-4  # ||a - b|| / ||b||, float32 on the device vs float32 on the CPU, TF32 off
 SEARCH_SCORE_TOL = 1e-5  # |float32 score - float64 score| of unit vectors
 ADVANTAGE_TOL = 1e-9  # |token_adv_device - token_adv_cpu|: computed in float64
+GROUP_SIZE = 8  # trainer: rollouts per prompt of the shared-prompt check
 LOSS_FLOOR = 1e-2  # relative loss error is taken against max(|loss_cpu|, LOSS_FLOOR)
 
 START = time.perf_counter()
@@ -717,6 +720,97 @@ def _step_seconds(device: str, sizes: Sizes, precision: str) -> float:
     return median_seconds(step, device, sizes.step_repeats, warmup=2)  # the first steps allocate AdamW's state
 
 
+def _grouped_batch(vocab: int, groups: int, prompt: int, completion: int, seed: int) -> tuple[Any, Any]:
+    """``groups`` left-padded prompts of ``prompt`` columns, each repeated ``GROUP_SIZE`` times, then
+    right-padded completions of up to ``completion`` tokens: a GRPO batch's layout."""
+    import torch
+
+    generator = torch.Generator().manual_seed(seed)
+    prompts = torch.randint(3, vocab, (groups, prompt), generator=generator)
+    prompt_mask = torch.ones((groups, prompt), dtype=torch.long)
+    for group in range(groups):
+        pad = (group * 7) % (prompt // 2)
+        prompts[group, :pad], prompt_mask[group, :pad] = 0, 0
+    rows = groups * GROUP_SIZE
+    input_ids = torch.cat([prompts.repeat_interleave(GROUP_SIZE, 0),
+                           torch.randint(3, vocab, (rows, completion), generator=generator)], dim=1)
+    attention_mask = torch.cat([prompt_mask.repeat_interleave(GROUP_SIZE, 0),
+                                torch.ones((rows, completion), dtype=torch.long)], dim=1)
+    for row in range(rows):
+        length = completion - (row * 3) % (completion // 2)
+        input_ids[row, prompt + length:], attention_mask[row, prompt + length:] = 0, 0
+    return input_ids, attention_mask
+
+
+def _shared_logp_and_gradient(model: Any, input_ids: Any, attention_mask: Any, start: int, share: bool,
+                              autocast: Any) -> tuple[Any, Any]:
+    """The completion tokens' log-probs and the gradient of their sum (float64, on the CPU)."""
+    import torch
+
+    from calibrl.trainer.policy import completion_logprobs
+
+    model.zero_grad(set_to_none=True)
+    with autocast:
+        logp, _ = completion_logprobs(model, input_ids, attention_mask, start=start, share_prefix=share)
+    completion = attention_mask[:, start:].bool()
+    (logp.float() * completion).sum().backward()
+    gradient = torch.cat([p.grad.reshape(-1).double().cpu() for p in model.parameters() if p.grad is not None])
+    return logp.detach().double().cpu()[completion.cpu()], gradient
+
+
+def check_shared_prompt(device: str, sizes: Sizes) -> dict[str, Any]:
+    """``rollout.share_prompt_prefix`` on the device: a group's prompt run once against the one-pass
+    forward (log-probs and gradient in float32, held to FP32_REL_TOL; bf16 autocast recorded), the
+    engine's shared prefill against a per-row prefill (greedy tokens), and the time of a forward and
+    backward of the larger model both ways."""
+    import contextlib
+
+    import torch
+
+    from calibrl.testing import build_model, build_tokenizer
+    from calibrl.trainer.config import TrainConfig
+    from calibrl.trainer.engines import TransformersEngine
+    from calibrl.trainer.policy import Policy
+    from calibrl.trainer.update import autocast_for
+
+    tokenizer = build_tokenizer()
+    prompt, completion = 3 * sizes.policy_tokens // 4, sizes.policy_tokens // 4
+    input_ids, attention_mask = _grouped_batch(len(tokenizer), sizes.policy_batch, prompt, completion, seed=6)
+    input_ids, attention_mask = input_ids.to(device), attention_mask.to(device)
+    model = build_model(tokenizer, seed=0, hidden=64, layers=2).to(device).train()
+    numbers: dict[str, Any] = {}
+    for precision, autocast in (("fp32", contextlib.nullcontext()), ("bf16", autocast_for(TrainConfig(precision="bf16"), device))):
+        plain = _shared_logp_and_gradient(model, input_ids, attention_mask, prompt, False, autocast)
+        shared = _shared_logp_and_gradient(model, input_ids, attention_mask, prompt, True, autocast)
+        numbers[f"shared_{precision}_logp_relative_error"] = relative_error(shared[0], plain[0])
+        numbers[f"shared_{precision}_gradient_relative_error"] = relative_error(shared[1], plain[1])
+
+    log("trainer: shared prefill, greedy tokens with and without")
+    policy = Policy(model.eval(), tokenizer, torch.device(device), "tiny")
+    prompts = [row[mask.bool()].tolist() for row, mask in zip(input_ids[:, :prompt].cpu(), attention_mask[:, :prompt].cpu())]
+    greedy = {share: TransformersEngine(policy, share_prompts=share).generate(prompts, max_new_tokens=completion,
+                                                                             temperature=0.0, top_p=1.0)
+              for share in (False, True)}
+    numbers["shared_prefill_greedy_rows_differing"] = sum(a != b for a, b in zip(greedy[False], greedy[True]))
+    numbers["shared_prefill_rows"] = len(prompts)
+
+    log(f"trainer: forward and backward of hidden {sizes.step_hidden}, {sizes.step_layers} layers, "
+        f"{sizes.step_batch} prompts x {GROUP_SIZE} rollouts, with and without a shared prompt")
+    large = build_model(tokenizer, seed=3, hidden=sizes.step_hidden, layers=sizes.step_layers,
+                        context=max(512, sizes.step_tokens)).to(device).train()
+    prompt, completion = 3 * sizes.step_tokens // 4, sizes.step_tokens // 4
+    ids, mask = _grouped_batch(len(tokenizer), sizes.step_batch, prompt, completion, seed=7)
+    ids, mask = ids.to(device), mask.to(device)
+    for share in (False, True):
+        numbers[f"shared_step_s_{'on' if share else 'off'}"] = median_seconds(
+            lambda: _shared_logp_and_gradient(large, ids, mask, prompt, share, contextlib.nullcontext()),
+            device, sizes.step_repeats, warmup=1)
+    numbers["shared_step_speedup"] = numbers["shared_step_s_off"] / numbers["shared_step_s_on"]
+    numbers["shared_step_shape"] = {"prompts": sizes.step_batch, "rollouts_each": GROUP_SIZE, "prompt": prompt,
+                                    "completion": completion}
+    return numbers
+
+
 def check_trainer(device: str, sizes: Sizes, workdir: pathlib.Path) -> dict[str, Any]:
     import contextlib
 
@@ -775,18 +869,29 @@ def check_trainer(device: str, sizes: Sizes, workdir: pathlib.Path) -> dict[str,
     numbers["step_s_cpu_fp32"] = _step_seconds("cpu", sizes, "fp32")
     numbers["speedup_device_fp32_over_cpu"] = numbers["step_s_cpu_fp32"] / numbers["step_s_device_fp32"]
 
+    log("trainer: a group's prompt run once vs the one-pass forward, on the device")
+    numbers.update(check_shared_prompt(device, sizes))
+
     passed = (numbers["advantage_max_abs_diff_vs_cpu"] <= ADVANTAGE_TOL
               and numbers["loss_relative_error"] <= FP32_REL_TOL
               and numbers["grad_norm_relative_error"] <= FP32_REL_TOL
-              and numbers["gradient_relative_error"] <= FP32_REL_TOL)
+              and numbers["gradient_relative_error"] <= FP32_REL_TOL
+              and numbers["shared_fp32_logp_relative_error"] <= FP32_REL_TOL
+              and numbers["shared_fp32_gradient_relative_error"] <= FP32_REL_TOL
+              and numbers["shared_prefill_greedy_rows_differing"] == 0)
     summary = (f"loss rel {numbers['loss_relative_error']:.1e}, grad rel {numbers['gradient_relative_error']:.1e}; "
                f"step {numbers['step_s_device_fp32']:.3f}s fp32 / {numbers['step_s_device_bf16_autocast']:.3f}s bf16 "
-               f"vs cpu {numbers['step_s_cpu_fp32']:.3f}s")
+               f"vs cpu {numbers['step_s_cpu_fp32']:.3f}s; shared prompt: logp rel "
+               f"{numbers['shared_fp32_logp_relative_error']:.1e}, grad rel "
+               f"{numbers['shared_fp32_gradient_relative_error']:.1e}, forward+backward "
+               f"{numbers['shared_step_speedup']:.2f}x")
     return {"passed": passed, "numbers": numbers, "summary": summary,
             "tolerances": {"advantage_max_abs_diff_vs_cpu": ADVANTAGE_TOL,
                            "loss_relative_error": f"{FP32_REL_TOL} of max(|loss_cpu|, {LOSS_FLOOR})",
                            "grad_norm_relative_error": FP32_REL_TOL, "gradient_relative_error": FP32_REL_TOL,
-                           "bf16": "recorded only"}}
+                           "shared_fp32_logp_relative_error": FP32_REL_TOL,
+                           "shared_fp32_gradient_relative_error": FP32_REL_TOL,
+                           "shared_prefill_greedy_rows_differing": 0, "bf16": "recorded only"}}
 
 
 CHECK_FUNCTIONS: dict[str, Callable[[str, Sizes, pathlib.Path], dict[str, Any]]] = {
@@ -928,7 +1033,29 @@ def build_tables(record: dict[str, Any]) -> list[dict[str, Any]]:
         {"title": f"Speed on {device} against the same machine's {cpu_cores} CPU cores (float32)", "rows": speed,
          "header": ["path", "GPU", "CPU", "GPU / CPU"]},
         {"title": "bfloat16 (recorded, not judged)", "rows": bf16, "header": ["figure", "on the device", "on the CPU"]},
+        *shared_prompt_table(trainer, device),
     ]
+
+
+def shared_prompt_table(trainer: dict[str, Any], device: str) -> list[dict[str, Any]]:
+    """The shared-prompt figures of the trainer check, when the record has them."""
+    if _number(trainer, "shared_step_speedup") is None:
+        return []
+    shape = _number(trainer, "shared_step_shape") or {}
+    rows = [
+        ["log-probs, float32, relative", _g(_number(trainer, "shared_fp32_logp_relative_error")), _g(FP32_REL_TOL)],
+        ["gradient, float32, relative", _g(_number(trainer, "shared_fp32_gradient_relative_error")), _g(FP32_REL_TOL)],
+        ["log-probs, bf16 autocast, relative", _g(_number(trainer, "shared_bf16_logp_relative_error")), "recorded"],
+        ["gradient, bf16 autocast, relative", _g(_number(trainer, "shared_bf16_gradient_relative_error")), "recorded"],
+        ["greedy rows that differ, shared prefill vs per-row",
+         f"{_number(trainer, 'shared_prefill_greedy_rows_differing')} of {_number(trainer, 'shared_prefill_rows')}", "0"],
+        [f"forward + backward s, {shape.get('prompts')} prompts x {shape.get('rollouts_each')} rollouts, "
+         f"{shape.get('prompt')} + {shape.get('completion')} tokens: shared / whole prompt",
+         f"{_g(_number(trainer, 'shared_step_s_on'))} / {_g(_number(trainer, 'shared_step_s_off'))} "
+         f"({_g(_number(trainer, 'shared_step_speedup'))}x)", "-"],
+    ]
+    return [{"title": f"A group's prompt run once (rollout.share_prompt_prefix) against the one-pass forward, on {device}",
+             "rows": rows, "header": ["figure", "value", "allowed"]}]
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -24,7 +24,11 @@ def test_the_cpu_dry_run_passes_its_checks_and_writes_a_record(tmp_path):
     assert record["passed"] is True and set(record["checks"]) == {"dense_search", "trainer"}
     trainer = record["checks"]["trainer"]["numbers"]
     assert trainer["loss_relative_error"] == 0.0  # CPU against CPU: the same arithmetic
-    assert [table["title"].split(" ")[0] for table in record["tables"]] == ["cpu", "Speed", "bfloat16"]
+    assert [table["title"].split(" ")[0] for table in record["tables"]] == ["cpu", "Speed", "bfloat16", "A"]
+    # A group's prompt run once: the same log-probs and gradient as the one-pass forward within the
+    # check's float32 tolerance, and the same greedy tokens from a shared prefill.
+    assert trainer["shared_fp32_logp_relative_error"] <= 1e-4 and trainer["shared_fp32_gradient_relative_error"] <= 1e-4
+    assert trainer["shared_prefill_greedy_rows_differing"] == 0 and trainer["shared_prefill_rows"] > 0
 
 
 def test_the_committed_record_s_tables_come_from_its_numbers(tmp_path):
