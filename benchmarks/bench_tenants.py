@@ -358,26 +358,30 @@ def _overload_request(service: str, index: int, i: int):
 
 
 async def probe(service: str, address: str, seconds: float, out: pathlib.Path) -> None:
-    """From its own process (a client not overloaded itself): one call of the overload's kind
-    every 100 ms; each call's code and latency, written to ``out``."""
+    """From its own process (a client not overloaded itself): connects, then one call of the
+    overload's kind every 100 ms on that connection, as a trainer's long-lived channel makes
+    them; the connection's set-up time and each call's code and latency, written to ``out``."""
     import grpc
 
     rows = []
     async with grpc.aio.insecure_channel(address, options=OWN_CONNECTION) as channel:
         call = _stubs(channel, channel)["search" if service == "retrieval" else "judge"]
+        started = time.perf_counter()
+        await asyncio.wait_for(channel.channel_ready(), timeout=seconds)
+        connect_ms = (time.perf_counter() - started) * 1000
         end, i = time.perf_counter() + seconds, 0
         while time.perf_counter() < end:
+            request = _overload_request(service, 10_000, i)  # built first: only the call is timed
             started = time.perf_counter()
             try:
-                await call(_overload_request(service, 10_000, i),
-                           metadata=_key("crowd") if service == "retrieval" else [], timeout=5)
+                await call(request, metadata=_key("crowd") if service == "retrieval" else [], timeout=5)
                 code = "OK"
             except grpc.aio.AioRpcError as exc:
                 code = exc.code().name
-            rows.append((code, (time.perf_counter() - started) * 1000))
+            rows.append((code, (time.perf_counter() - started) * 1000, time.time()))
             i += 1
             await asyncio.sleep(max(0.0, 0.1 - (time.perf_counter() - started)))
-    out.write_text(json.dumps(rows))
+    out.write_text(json.dumps({"connect_ms": connect_ms, "calls": rows}))
 
 
 def _start_probe(service: str, address: str, seconds: float, out: pathlib.Path,
@@ -431,6 +435,12 @@ def _busy_processes(count: int, seconds: float) -> list[subprocess.Popen]:
     return [subprocess.Popen([sys.executable, "-c", spin]) for _ in range(count)]
 
 
+# The overload's onset: 200 callers start at once, are shed together and come back after their
+# pushback in a wave; a call that arrives with that wave waits behind it for the server to read it.
+# The probes' shed times count from SETTLE_S into the phase; the onset's worst is reported beside them.
+SETTLE_S = 5.0
+
+
 async def overload(address: str, service: str, process: subprocess.Popen, callers: int, seconds: float,
                    deadline_s: float, busy: int = 0, metrics_port: int = 0) -> dict:
     """``callers`` concurrent callers (50 channels: each its own tenant without keys; one
@@ -442,6 +452,7 @@ async def overload(address: str, service: str, process: subprocess.Popen, caller
     server_before = _server_figures(metrics_port)
     load_before = round(os.getloadavg()[0], 2)
     spinners = _busy_processes(busy, seconds + 1)
+    phase_start = time.time()  # the probes' sheds before phase_start + SETTLE_S are the onset's (see SETTLE_S)
     probe_dir = pathlib.Path(tempfile.mkdtemp(prefix="bench-probe-"))
     probe_out, high_out = probe_dir / "probe.json", probe_dir / "probe-high.json"
     prober = _start_probe(service, address, seconds - 5, probe_out)
@@ -484,18 +495,24 @@ async def overload(address: str, service: str, process: subprocess.Popen, caller
     for spinner in spinners:
         spinner.wait()
     prober.wait()
-    probed = json.loads(probe_out.read_text())
-    probe_shed = [ms for code, ms in probed if code == "RESOURCE_EXHAUSTED"]
+    probe_record = json.loads(probe_out.read_text())
+    probed = probe_record["calls"]
+    settled = phase_start + SETTLE_S
+    probe_shed = [ms for code, ms, at in probed if code == "RESOURCE_EXHAUSTED" and at >= settled]
+    onset_shed = [ms for code, ms, at in probed if code == "RESOURCE_EXHAUSTED" and at < settled]
     high_shed: list[float] = []
     if high is not None:
         high.wait()
-        high_shed = [ms for code, ms in json.loads(high_out.read_text()) if code == "RESOURCE_EXHAUSTED"]
+        high_shed = [ms for code, ms, at in json.loads(high_out.read_text())["calls"]
+                     if code == "RESOURCE_EXHAUSTED" and at >= settled]
     await asyncio.sleep(2.0)
     result = {"service": service, "callers": callers, "seconds": seconds, "deadline_s": deadline_s,
               "busy_processes": busy, "load1_before": load_before, "codes": codes,
               "client_deadline_exceeded": codes.get("DEADLINE_EXCEEDED", 0),
               **{f"server_{k}": v - server_before[k] for k, v in _server_figures(metrics_port).items()},
-              "probe_codes": {c: sum(1 for code, _ in probed if code == c) for c in {code for code, _ in probed}},
+              "probe_connect_ms": round(probe_record["connect_ms"], 1),
+              "probe_codes": {c: sum(1 for code, *_ in probed if code == c) for c in {code for code, *_ in probed}},
+              "probe_onset_shed_max_ms": round(max(onset_shed), 1) if onset_shed else None,
               "probe_shed_p50_ms": round(_percentile(probe_shed, 0.5), 1) if probe_shed else None,
               "probe_shed_p99_ms": round(_percentile(probe_shed, 0.99), 1) if probe_shed else None,
               "probe_high_shed_p50_ms": round(_percentile(high_shed, 0.5), 1) if high_shed else None,
