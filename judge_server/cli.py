@@ -75,7 +75,7 @@ def serve(argv: list[str]) -> int:
 
     import asyncio
 
-    from calibrl.serving import serve_until_signal, stop_on_signals
+    from calibrl.serving import freeze_loaded_objects, serve_until_signal, stop_on_signals
     from calibrl.judge_server.server import start
     from calibrl.threads import apply_thread_policy
 
@@ -88,6 +88,7 @@ def serve(argv: list[str]) -> int:
     async def run() -> None:
         stop_requested = stop_on_signals()  # before the port is announced: a SIGTERM from then on drains
         running = await start(config)
+        freeze_loaded_objects()
         print(f"judge server listening on {config.serving.host}:{running.port}", flush=True)
         await serve_until_signal(running, config.serving.grace_seconds, stop_requested)
 

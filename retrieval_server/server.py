@@ -20,7 +20,7 @@ from typing import Any
 from calibrl.batching import MicroBatcher
 from calibrl.config import validate
 from calibrl.security import tenant_weights
-from calibrl.serving import RunningServer, serve_until_signal, start_server, stop_on_signals
+from calibrl.serving import RunningServer, freeze_loaded_objects, serve_until_signal, start_server, stop_on_signals
 from calibrl.v1 import retrieval_pb2_grpc as pb_grpc
 from calibrl.retrieval_server.config import RetrievalServerConfig
 from calibrl.retrieval_server.retriever import Retriever
@@ -95,6 +95,7 @@ async def serve(config: RetrievalServerConfig) -> None:
         torch.set_num_threads(config.torch_threads)
     stop_requested = stop_on_signals()  # before the port is announced: a SIGTERM from then on drains
     running = await start(config)
+    freeze_loaded_objects()
     log.info(
         "retrieval index %s: %d passages, dense %s, default mode %s",
         config.index_dir, running.retriever.doc_count, running.retriever.dense_index_type,
