@@ -21,6 +21,9 @@ format              share of format checks passed (non-empty, single line, no
 invented_entities   1 - min(1, invented / max_invented); invented = entity-like tokens
                     of the output found neither in the query, the glossary nor the
                     retrieved texts. Meant as a penalty criterion.
+glossary_terms      n = distinct glossary terms the output names: n / min_terms below
+                    min_terms, 1 up to max_terms, then falling linearly to 0 at twice
+                    max_terms (max_terms 0: no upper bound)
 compliance_leak     0 when any compliance pattern (card number with a valid Luhn check,
                     account number, SSN, IBAN, e-mail, or the rubric's own regexes)
                     matches the output, else 1. Meant as a penalty criterion.
@@ -200,6 +203,22 @@ def invented_entities(items: Sequence[JudgeItem], params: ScorerParams, context:
     return [_clip01(1.0 - len(invented_entity_list(item, glossary)) / max_invented) for item in items]
 
 
+def glossary_terms(items: Sequence[JudgeItem], params: ScorerParams, context: ScorerContext) -> list[float]:
+    glossary = list({" ".join(t.lower().split()): t for t in _glossary(params, context) if t.strip()}.values())
+    low, high = int(params["min_terms"]), int(params["max_terms"])
+    scores = []
+    for item in items:
+        contains = _term_finder(item.output)
+        named = sum(1 for term in glossary if contains(term))
+        if named < low:
+            scores.append(named / low)
+        elif high and named > high:
+            scores.append(_clip01((2 * high - named) / high))
+        else:
+            scores.append(1.0)
+    return scores
+
+
 def _luhn_ok(digits: str) -> bool:
     total = 0
     for i, ch in enumerate(reversed(digits)):
@@ -281,6 +300,7 @@ SCORERS: dict[str, ScorerSpec] = {
         {"single_line": True, "forbidden_prefixes": ["rewrite:", "rewritten query:", "query:"], "must_match": ""},
     ),
     "invented_entities": ScorerSpec(invented_entities, {"glossary": [], "max_invented": 1}),
+    "glossary_terms": ScorerSpec(glossary_terms, {"glossary": [], "min_terms": 1, "max_terms": 4}),
     "compliance_leak": ScorerSpec(compliance_leak, {"patterns": {}, "use_default_patterns": True, "luhn": True}),
     "revealed_entity": ScorerSpec(revealed_entity, {}),
     "repeated_query": ScorerSpec(repeated_query, {"threshold": REPEAT_SIMILARITY}),
@@ -317,6 +337,10 @@ def check_params(scorer: str, params: ScorerParams) -> str | None:
         return f"length needs 0 < min_words <= max_words, got {merged['min_words']}, {merged['max_words']}"
     if scorer == "invented_entities" and merged["max_invented"] < 1:
         return f"invented_entities.max_invented must be >= 1, got {merged['max_invented']}"
+    if scorer == "glossary_terms" and not (merged["min_terms"] >= 0 and merged["max_terms"] >= 0
+                                           and (merged["max_terms"] == 0 or merged["min_terms"] <= merged["max_terms"])):
+        return ("glossary_terms needs min_terms >= 0, max_terms >= 0 and min_terms <= max_terms (max_terms 0: no "
+                f"upper bound), got {merged['min_terms']}, {merged['max_terms']}")
     if scorer == "repeated_query" and not 0.0 < merged["threshold"] <= 1.0:
         return f"repeated_query.threshold must be in (0, 1], got {merged['threshold']}"
     regexes = []

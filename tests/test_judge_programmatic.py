@@ -84,11 +84,33 @@ def test_specificity_length_format():
     assert run("format", [item("q", "VTSAX fees"), item("q", "fees")], must_match=r"[A-Z]{5} .*") == [1.0, 0.75]
 
 
+def test_glossary_terms_counts_distinct_terms_between_bounds():
+    items = [
+        item("q", "fees"),                                                       # none named
+        item("q", "VTSAX expense ratio"),                                        # 2
+        item("q", "vtsax Expense  Ratio of the Total Stock Market Index Fund"),  # 3: case and spacing folded
+        item("q", "VTSAX VTSAX expense ratio expense ratio"),                    # repeats count once
+    ]
+    assert run("glossary_terms", items, min_terms=3, max_terms=0) == [0.0, pytest.approx(2 / 3), 1.0,
+                                                                       pytest.approx(2 / 3)]
+    # above max_terms the score falls linearly to 0 at twice max_terms
+    assert run("glossary_terms", items, min_terms=1, max_terms=2) == [0.0, 1.0, 0.5, 1.0]
+    assert run("glossary_terms", items, min_terms=1, max_terms=1) == [0.0, 0.0, 0.0, 0.0]
+    # the criterion's own glossary adds to the rubric's; a term given twice counts once
+    assert run("glossary_terms", [item("q", "Morningstar VTSAX")], glossary=["Morningstar", "vtsax"],
+               min_terms=2) == [1.0]
+    assert run("glossary_terms", [item("q", "VTSAX")], P.ScorerContext(), min_terms=1) == [0.0]
+
+
 def test_check_params_messages():
     assert P.check_params("length", {"min_words": 10, "max_words": 5}) == (
         "length needs 0 < min_words <= max_words, got 10, 5")
     assert "must be like 0.3" in P.check_params("intent_similarity", {"floor": "low"})
     assert P.check_params("specificity", {"min_terms": 2}) is None
+    assert P.check_params("glossary_terms", {"min_terms": 5, "max_terms": 3}) == (
+        "glossary_terms needs min_terms >= 0, max_terms >= 0 and min_terms <= max_terms (max_terms 0: no upper "
+        "bound), got 5, 3")
+    assert P.check_params("glossary_terms", {"min_terms": 5, "max_terms": 0}) is None
 
 
 def test_minilm_intent_similarity_offline():

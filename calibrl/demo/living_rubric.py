@@ -53,7 +53,7 @@ import math
 import pathlib
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any, Sequence
 
 from calibrl.demo.living_rubric_report import report_markdown, run_records, write_figures
@@ -63,38 +63,46 @@ RETRIEVAL_MODE = "bm25"
 WEAK_RUBRIC = """\
 id: {id}
 version: "1"
-description: The demo's weak rewriter rubric; it pays for piling content words.
+description: The demo's weak rewriter rubric; it pays for naming the catalogue's terms, the more the better.
+glossary: {glossary}
 criteria:
-  - name: stuffing_pays
+  - name: names_catalogue_terms
     kind: programmatic
-    scorer: specificity
-    params: {{min_terms: 14}}
-    weight: 0.7
+    scorer: glossary_terms
+    params: {{min_terms: 8, max_terms: 0}}
+    weight: 0.5
   - name: keeps_entities
     kind: programmatic
     scorer: entity_coverage
-    weight: 0.3
+    weight: 0.5
 """
 
-
-# The judge's own programmatic scorers a next version is built from (name: the criterion's YAML);
-# version 1's content-word criterion is not among them. Each candidate is one of them or two,
-# equally weighted; the fresh grades choose.
+# The judge's programmatic scorers a next version is built from (name: the criterion's YAML): every
+# scorer that reads a rewrite and its query alone (not a search step's context, not a compliance
+# pattern), at its registered defaults. Each candidate is one of them or two, equally weighted, and
+# keeps the rubric's glossary; the fresh grades choose.
 CANDIDATE_CRITERIA = {
     "keeps_entities": {"kind": "programmatic", "scorer": "entity_coverage"},
     "keeps_intent": {"kind": "programmatic", "scorer": "intent_similarity"},
-    "specific": {"kind": "programmatic", "scorer": "specificity", "params": {"min_terms": 8}},
+    "specific": {"kind": "programmatic", "scorer": "specificity"},
+    "within_length": {"kind": "programmatic", "scorer": "length"},
+    "well_formed": {"kind": "programmatic", "scorer": "format"},
     "no_new_names": {"kind": "programmatic", "scorer": "invented_entities"},
+    "catalogue_terms": {"kind": "programmatic", "scorer": "glossary_terms"},
 }
 # A candidate is chosen on the grades of the rollouts of the last SELECTION_REVIEWS review windows
 # before the alarm: what the experts say about what the policy writes now.
 SELECTION_REVIEWS = 2
 # The exploit's onset, read from a run's metrics (exploit_onset): the first step from which the
 # rollouts' mean generated length stays above LENGTH_RISE x its mean over the first review window
-# for ONSET_SUSTAIN steps. Fixed in code, not fitted to the run it reads: piling content words
-# makes rewrites longer.
+# for ONSET_SUSTAIN steps. Fixed in code, not fitted to the run it reads: piling terms makes
+# rewrites longer.
 LENGTH_RISE = 1.25
 ONSET_SUSTAIN = 3
+# The training tasks' (product, topic) pairs set aside to choose the demo's sizes on (never trained
+# on): a pair goes to validation when the first 8 bytes of sha256("<product>/<topic>"), read as a
+# fraction of 2**64, fall below VALIDATION_FRACTION. The held-out (test) pairs are the domain's own.
+VALIDATION_FRACTION = 0.25
 
 
 @dataclass(frozen=True)
@@ -123,8 +131,26 @@ QUICK = LivingSettings(steps=6, review_every=2, review_n=8, drift_min_items=6, w
                        prompts_per_step=4, heldout_limit=24, resamples=2000)
 
 
-def weak_rubric(rubric_id: str) -> str:
-    return WEAK_RUBRIC.format(id=rubric_id)
+def weak_rubric(rubric_id: str, glossary: Sequence[str] = ()) -> str:
+    """Version 1 of the demo's rewriter rubric, with the domain's ``glossary`` (its catalogue terms)."""
+    return WEAK_RUBRIC.format(id=rubric_id, glossary=json.dumps(list(glossary)))
+
+
+def is_validation_pair(product: str, topic: str) -> bool:
+    """Whether a training (product, topic) pair is set aside for validation (:data:`VALIDATION_FRACTION`)."""
+    import hashlib
+
+    digest = hashlib.sha256(f"{product}/{topic}".encode("utf-8")).digest()
+    return int.from_bytes(digest[:8], "big") / 2**64 < VALIDATION_FRACTION
+
+
+def task_splits(domain: Any) -> dict[str, list[Any]]:
+    """The rewrite tasks by split: ``train`` (the runs train on them), ``validation`` (training pairs
+    set aside, :func:`is_validation_pair`) and ``heldout`` (the domain's held-out pairs: the test split)."""
+    train = domain.tasks("train")
+    return {"train": [t for t in train if not is_validation_pair(t.entity_key, t.aspect_key)],
+            "validation": [t for t in train if is_validation_pair(t.entity_key, t.aspect_key)],
+            "heldout": domain.tasks("heldout")}
 
 
 def candidate_versions(text: str) -> list[tuple[tuple[str, ...], str]]:
@@ -136,6 +162,7 @@ def candidate_versions(text: str) -> list[tuple[tuple[str, ...], str]]:
 
     data = yaml.safe_load(text)
     current = tuple(sorted(c["name"] for c in data["criteria"]))
+    glossary = {"glossary": data["glossary"]} if data.get("glossary") else {}
     version = str(int(data["version"]) + 1)
     candidates = []
     for size in (1, 2):
@@ -145,7 +172,7 @@ def candidate_versions(text: str) -> list[tuple[tuple[str, ...], str]]:
             criteria = [{"name": n, **CANDIDATE_CRITERIA[n], "weight": round(1 / size, 4)} for n in names]
             candidate = {"id": data["id"], "version": version,
                          "description": f"The rewriter rubric, version {version}: {', '.join(names)}, chosen on "
-                                        "fresh expert grades.", "criteria": criteria}
+                                        "fresh expert grades.", **glossary, "criteria": criteria}
             candidates.append((names, yaml.safe_dump(candidate, sort_keys=False)))
     return candidates
 
@@ -167,8 +194,9 @@ def exploit_onset(metrics: Sequence[dict[str, Any]], baseline_steps: int, rise: 
 
 
 def run_living_rubric(out: pathlib.Path, settings: LivingSettings = LivingSettings(), seed: int = 6,
-                      progress: bool = False) -> dict[str, Any]:
-    """Every stage (module doc); writes ``out/results.json``, the figures and ``out/report.md``."""
+                      progress: bool = False, read_test: bool = True) -> dict[str, Any]:
+    """Every stage (module doc); writes ``out/results.json``, the figures and ``out/report.md``.
+    ``read_test`` False: the held-out (test) tasks are not evaluated, only the validation tasks."""
     import torch
 
     from calibrl.demo.domain import generate_domain, write_domain
@@ -186,6 +214,10 @@ def run_living_rubric(out: pathlib.Path, settings: LivingSettings = LivingSettin
 
     domain = generate_domain(seed)
     files = write_domain(domain, out / "data")
+    splits = task_splits(domain)
+    split_files = {name: out / "data" / f"living_{name}.jsonl" for name in splits}
+    for name, tasks in splits.items():
+        split_files[name].write_text("".join(json.dumps(t.record()) + "\n" for t in tasks), encoding="utf-8")
     index_dir = out / "index"
     build = IndexBuild(files.corpus, index_dir, out / "logs" / "index_build.log")  # beside the warm start
     try:
@@ -201,19 +233,26 @@ def run_living_rubric(out: pathlib.Path, settings: LivingSettings = LivingSettin
 
     rubrics = out / "rubrics"
     rubrics.mkdir(exist_ok=True)
+    glossary = domain.glossary_terms()
     for rubric_id in RUBRIC_IDS.values():
-        (rubrics / f"{rubric_id}.yaml").write_text(weak_rubric(rubric_id), encoding="utf-8")
+        (rubrics / f"{rubric_id}.yaml").write_text(weak_rubric(rubric_id, glossary), encoding="utf-8")
     with _Services(rubrics, index_dir) as services:
         runs = {}
         for name in ("uncorrected", "corrected"):
-            runs[name] = _train(name, base, files, domain, services, out, settings, seed, progress)
+            runs[name] = _train(name, base, split_files["train"], domain, services, out, settings, seed, progress)
+            runs[name]["version_1"] = weak_rubric(runs[name]["rubric_id"], glossary)
             stage(f"train {name}")
-        heldout = _heldout(domain, files, out, base, runs, services, settings)
-        stage("held-out evaluation")
+        evaluations = {"validation": _evaluate(domain, splits["validation"], out, base, runs, services, settings)}
+        stage("validation evaluation")
+        evaluations["heldout"] = (_evaluate(domain, splits["heldout"][: settings.heldout_limit or None], out, base,
+                                            runs, services, settings) if read_test else None)
+        if read_test:
+            stage("held-out evaluation")
     for name, run in runs.items():
         run["onset"] = exploit_onset(run_records(out, name)["metrics"], settings.review_every)
-    results = {"settings": asdict(settings), "seed": seed, "runs": runs, "heldout": heldout, "timings": timings,
-               "check": check_published(out, runs, settings), "selection_reviews": SELECTION_REVIEWS}
+    results = {"settings": asdict(settings), "seed": seed, "runs": runs, **evaluations, "timings": timings,
+               "check": check_published(out, runs, settings), "selection_reviews": SELECTION_REVIEWS,
+               "split_sizes": {name: len(tasks) for name, tasks in splits.items()}}
     (out / "results.json").write_text(json.dumps(results, indent=1, sort_keys=True) + "\n", encoding="utf-8")
     figures = write_figures(out)
     (out / "report.md").write_text(report_markdown(out, figures), encoding="utf-8")
@@ -255,7 +294,7 @@ class _Services:
         self.background.close()
 
 
-def _train(name: str, base: pathlib.Path, files: Any, domain: Any, services: _Services, out: pathlib.Path,
+def _train(name: str, base: pathlib.Path, train_tasks: pathlib.Path, domain: Any, services: _Services, out: pathlib.Path,
            settings: LivingSettings, seed: int, progress: bool) -> dict[str, Any]:
     from calibrl.demo.fresh_grades import FreshGrader
     from calibrl.judge_server.authoring.feedback import read_feedback, write_feedback
@@ -267,7 +306,7 @@ def _train(name: str, base: pathlib.Path, files: Any, domain: Any, services: _Se
     rubric_id = RUBRIC_IDS[name]
     run_dir = out / "runs" / name
     config = load_train_config(None, [
-        RECORDED_FORWARD, f"policy.path={base}", "policy.device=cpu", f"tasks.path={files.train_tasks}", f"seed={seed}",
+        RECORDED_FORWARD, f"policy.path={base}", "policy.device=cpu", f"tasks.path={train_tasks}", f"seed={seed}",
         f"services.index_dir={services.index_dir}",
         f"steps={settings.steps}", f"output_dir={run_dir}", "checkpoint_every=0", "keep_checkpoints=1",
         f"loss.beta={settings.kl_beta}", f"optimizer.lr={settings.lr}", "max_grad_norm=0.5",
@@ -391,27 +430,31 @@ def check_published(out: pathlib.Path, runs: dict[str, Any], settings: LivingSet
                            "version": parse_rubric(fix["best_text"]).version, "alarm_step": fix["step"],
                            "hash": parse_rubric(fix["best_text"]).hash, "run": name, "after_step": after,
                            "items": len(later), "expert_pass": sum(r.expert_pass(4) for r in later),
-                           "kappa_v1": rubric_kappa(weak_rubric(run["rubric_id"]), later, settings),
+                           "kappa_v1": rubric_kappa(run["version_1"], later, settings),
                            "kappa_candidate": rubric_kappa(fix["best_text"], later, settings)})
     return checks
 
 
-def _heldout(domain: Any, files: Any, out: pathlib.Path, base: pathlib.Path, runs: dict[str, Any],
-             services: _Services, settings: LivingSettings) -> dict[str, Any]:
-    from calibrl.demo.cli import rewrite_clusters
+def _evaluate(domain: Any, tasks: Sequence[Any], out: pathlib.Path, base: pathlib.Path, runs: dict[str, Any],
+              services: _Services, settings: LivingSettings) -> dict[str, Any]:
+    """Greedy rewrites of ``tasks`` by the base and each run's final policy, searched with BM25 (hit@1),
+    and the corrected-minus-uncorrected difference, resampled by (product, topic) cluster."""
     from calibrl.demo.rewrite_analysis import greedy_rewrite_hits
     from calibrl.stats import paired_difference
     from calibrl.trainer.eval import EvalSettings
     from calibrl.trainer.tasks import load_tasks
 
-    tasks = load_tasks(files.heldout_tasks)[: settings.heldout_limit or None]
+    path = out / "data" / "living_evaluated.jsonl"
+    path.write_text("".join(json.dumps(t.record()) + "\n" for t in tasks), encoding="utf-8")
+    loaded = load_tasks(path)
+    path.unlink()
     eval_settings = EvalSettings(top_k=1, mode=RETRIEVAL_MODE, max_new_tokens=settings.max_new_tokens, device="cpu")
     models = {"base": str(base)}
     for name, run in runs.items():
         models[name] = str(_latest_checkpoint(out / run["run_dir"]))
-    hits = {name: greedy_rewrite_hits(model, tasks, services.retrieval, eval_settings, services.background.run)
+    hits = {name: greedy_rewrite_hits(model, loaded, services.retrieval, eval_settings, services.background.run)
             for name, model in models.items()}
-    clusters = [list(c) for c in rewrite_clusters(domain, tasks)]
+    clusters = [[t.entity_key, t.aspect_key] for t in tasks]
     diff = paired_difference(hits["corrected"], hits["uncorrected"], clusters=[tuple(c) for c in clusters],
                              resamples=settings.resamples, seed=0)
     return {"tasks": [t.task_id for t in tasks], "clusters": clusters, "hits": hits, "top_k": 1,
@@ -433,7 +476,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=6, help="seed of the domain, the policies and the runs (6)")
     parser.add_argument("--quick", action="store_true", help="a smoke run with few steps (about a minute)")
     parser.add_argument("--progress", action="store_true", help="progress bars")
+    parser.add_argument("--validation-only", action="store_true",
+                        help="evaluate the validation tasks only, not the held-out (test) tasks: for choosing sizes")
+    parser.add_argument("--w-rubric", type=float, default=None,
+                        help=f"the rubric's weight in the reward (default {LivingSettings.w_rubric})")
     args = parser.parse_args(list(argv) if argv is not None else None)
+    if args.w_rubric is not None and not 0.0 < args.w_rubric < 1.0:
+        parser.error(f"--w-rubric must be in (0, 1), got {args.w_rubric}")
     out = pathlib.Path(args.out)
     if out.exists() and any(out.iterdir()):
         print(f"error: --out {out} is not empty; give a new folder", file=sys.stderr)
@@ -441,13 +490,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     from calibrl.errors import CalibrlError
 
     try:
-        results = run_living_rubric(out, QUICK if args.quick else LivingSettings(), seed=args.seed,
-                                    progress=args.progress)
+        settings = QUICK if args.quick else LivingSettings()
+        if args.w_rubric is not None:
+            settings = replace(settings, w_rubric=args.w_rubric)
+        results = run_living_rubric(out, settings, seed=args.seed, progress=args.progress,
+                                    read_test=not args.validation_only)
     except CalibrlError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
-    diff = results["heldout"]["difference"]
-    print(f"report: {out / 'report.md'}; held-out hit@1 corrected - uncorrected {diff['estimate']:+.3f} [{diff['low']:+.3f}, {diff['high']:+.3f}]")
+    split = "validation" if args.validation_only else "heldout"
+    diff = results[split]["difference"]
+    print(f"report: {out / 'report.md'}; {split} hit@1 corrected - uncorrected {diff['estimate']:+.3f} "
+          f"[{diff['low']:+.3f}, {diff['high']:+.3f}]")
     return 0
 
 

@@ -66,11 +66,15 @@ def write_figures(out: pathlib.Path) -> list[str]:
     fig.savefig(out / "training.png", dpi=110)
     plt.close(fig)
 
-    heldout = results["heldout"]
-    names = list(heldout["hits"])
-    fig, axis = plt.subplots(figsize=(5, 3))
-    axis.bar(names, [sum(h) / len(h) for h in heldout["hits"].values()], color=["grey", "tab:red", "tab:blue"][:len(names)])
-    axis.set_ylabel(f"held-out hit@{heldout['top_k']}")
+    splits = [(label, results[key]) for key, label in (("validation", "validation"), ("heldout", "held-out"))
+              if results.get(key)]
+    fig, axes = plt.subplots(1, len(splits), figsize=(4 * len(splits) + 1, 3), sharey=True, squeeze=False)
+    for axis, (label, evaluation) in zip(axes[0], splits):
+        names = list(evaluation["hits"])
+        axis.bar(names, [sum(h) / len(h) for h in evaluation["hits"].values()],
+                 color=["grey", "tab:red", "tab:blue"][:len(names)])
+        axis.set_title(f"{label} ({len(evaluation['tasks'])} tasks)", fontsize=9)
+        axis.set_ylabel(f"hit@{evaluation['top_k']}")
     fig.tight_layout()
     fig.savefig(out / "heldout.png", dpi=110)
     plt.close(fig)
@@ -82,7 +86,7 @@ def report_markdown(out: pathlib.Path, figures: Sequence[str]) -> str:
     from calibrl.stats import describe_difference
 
     results = json.loads((out / "results.json").read_text(encoding="utf-8"))
-    heldout, settings = results["heldout"], results["settings"]
+    settings = results["settings"]
     lines = ["# The living rubric", "",
              f"Seed {results['seed']}; {settings['steps']} steps per run, review every {settings['review_every']} "
              f"steps ({settings['review_n']} rollouts), drift gate kappa >= {settings['min_kappa']}, rubric weight "
@@ -144,13 +148,24 @@ def report_markdown(out: pathlib.Path, figures: Sequence[str]) -> str:
                          f"grades ({check['expert_pass']} passed by the experts): kappa version 1 "
                          f"{_num(check['kappa_v1'])}, {'version ' + check['version'] if check['published'] else 'the candidate'} "
                          f"{_num(check['kappa_candidate'])}.")
-    lines += ["", "## Held-out retrieval", "",
-              f"{len(heldout['tasks'])} held-out tasks, greedy rewrites searched with BM25, hit@{heldout['top_k']}:", ""]
-    for name, hits in heldout["hits"].items():
-        lines.append(f"- {name}: {sum(hits) / len(hits):.3f}")
-    diff = heldout["difference"]
-    lines += ["", describe_difference(diff["a"], diff["b"], diff, f"points of hit@{heldout['top_k']}") +
-              f" (paired bootstrap over {len(set(map(tuple, heldout['clusters'])))} (product, topic) clusters).", ""]
+    sizes = results.get("split_sizes", {})
+    for key, title in (("validation", "Validation retrieval"), ("heldout", "Held-out retrieval")):
+        evaluation = results.get(key)
+        lines += ["", f"## {title}", ""]
+        if not evaluation:
+            lines += ["Not read in this run (`--validation-only`): the held-out tasks are the test split.", ""]
+            continue
+        what = ("validation tasks (training (product, topic) pairs set aside, never trained on; "
+                f"the runs trained on the other {sizes['train']})" if key == "validation" and "train" in sizes
+                else f"{title.split()[0].lower()} tasks")
+        lines += [f"{len(evaluation['tasks'])} {what}, greedy rewrites searched with BM25, hit@{evaluation['top_k']}:",
+                  ""]
+        for name, hits in evaluation["hits"].items():
+            lines.append(f"- {name}: {sum(hits) / len(hits):.3f}")
+        diff = evaluation["difference"]
+        lines += ["", describe_difference(diff["a"], diff["b"], diff, f"points of hit@{evaluation['top_k']}") +
+                  f" (paired bootstrap over {len(set(map(tuple, evaluation['clusters'])))} (product, topic) clusters).",
+                  ""]
     lines += [f"![{name}]({name})" for name in figures]
     return "\n".join(lines) + "\n"
 
