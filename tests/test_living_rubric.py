@@ -25,8 +25,8 @@ def test_the_experts_import_no_judge_code_and_share_no_rule_with_the_rubric():
     top_level = [node for node in ast.parse(SOURCE).body if isinstance(node, (ast.Import, ast.ImportFrom))]
     modules = [n.module if isinstance(n, ast.ImportFrom) else n.names[0].name for n in top_level]
     assert not [m for m in modules if "judge_server" in (m or "")], modules
-    rubrics = [parse_rubric(living_rubric.weak_rubric("r"))]
-    rubrics += [parse_rubric(text) for _, text in living_rubric.candidate_versions(living_rubric.weak_rubric("r"))]
+    weak = living_rubric.weak_rubric("r", generate_domain(6).glossary_terms())
+    rubrics = [parse_rubric(weak)] + [parse_rubric(text) for _, text in living_rubric.candidate_versions(weak)]
     for criterion in (c for rubric in rubrics for c in rubric.criteria):  # no scorer, name or parameter of a rubric
         assert criterion.scorer not in SOURCE and criterion.name not in SOURCE
         numbers = [v for v in criterion.params.values() if isinstance(v, (int, float))]  # the rubric's own
@@ -49,7 +49,15 @@ def test_the_experts_grade_by_the_rank_of_the_passage_they_find():
 
 
 def test_the_candidates_are_the_judges_scorers_one_or_two_equally_weighted_never_version_1():
-    weak = living_rubric.weak_rubric("r")
+    from calibrl.judge_server import programmatic
+
+    # every scorer that reads a rewrite and its query alone, at its registered defaults
+    search_step_or_compliance = {"revealed_entity", "repeated_query", "compliance_leak"}
+    assert sorted(c["scorer"] for c in living_rubric.CANDIDATE_CRITERIA.values()) == sorted(
+        set(programmatic.SCORERS) - search_step_or_compliance)
+    assert not [c for c in living_rubric.CANDIDATE_CRITERIA.values() if "params" in c]
+    glossary = generate_domain(6).glossary_terms()
+    weak = living_rubric.weak_rubric("r", glossary)
     candidates = living_rubric.candidate_versions(weak)
     pool = set(living_rubric.CANDIDATE_CRITERIA)
     assert len(candidates) == len(pool) + len(pool) * (len(pool) - 1) // 2
@@ -57,9 +65,23 @@ def test_the_candidates_are_the_judges_scorers_one_or_two_equally_weighted_never
         rubric = parse_rubric(text)
         assert rubric.id == "r" and rubric.version == "2" and [c.name for c in rubric.criteria] == list(names)
         assert {c.weight for c in rubric.criteria} == {round(1 / len(names), 4)}
-        assert "stuffing_pays" not in names
+        assert "stuffing_pays" not in names and sorted(rubric.glossary) == sorted(glossary)  # the glossary is kept
     # a version already made of one candidate set is not offered again
     assert not [n for n, _ in living_rubric.candidate_versions(candidates[0][1]) if n == candidates[0][0]]
+
+
+def test_the_validation_pairs_are_training_pairs_set_aside_by_hash():
+    domain = generate_domain(6)
+    splits = living_rubric.task_splits(domain)
+    pairs = {name: {(t.entity_key, t.aspect_key) for t in tasks} for name, tasks in splits.items()}
+    assert pairs["train"] and pairs["validation"] and pairs["heldout"]
+    assert not (pairs["train"] & pairs["validation"]) and not (pairs["heldout"] & (pairs["train"] | pairs["validation"]))
+    assert len(splits["train"]) + len(splits["validation"]) == len(domain.tasks("train"))
+    assert splits["heldout"] == domain.tasks("heldout")
+    assert all(living_rubric.is_validation_pair(*p) for p in pairs["validation"])
+    # the share of pairs set aside is near VALIDATION_FRACTION (a hash, not a count)
+    share = len(pairs["validation"]) / (len(pairs["train"]) + len(pairs["validation"]))
+    assert abs(share - living_rubric.VALIDATION_FRACTION) < 0.15
 
 
 def test_the_exploit_onset_is_read_from_the_step_lengths():
@@ -80,7 +102,7 @@ def _grade(query, output, grade, n):
     return FeedbackRecord(query, output, grade=grade, id=f"s{n}-t{n}-0@expert")
 
 
-def test_a_candidate_that_keeps_the_request_beats_version_1_on_graded_stuffing():
+def test_a_candidate_beats_version_1_on_graded_stuffing():
     """The exploit by hand: rewrites that pile catalogue words (version 1 pays) fail with the
     experts, rewrites that restate the request pass. Some candidate must agree better."""
     piles = ["Harbor Bond Index Fund Granite Value Fund risk rating benchmark minimum initial investment expense ratio",
@@ -94,10 +116,11 @@ def test_a_candidate_that_keeps_the_request_beats_version_1_on_graded_stuffing()
         records.append(_grade(query, good, 5, 2 * n))
         records.append(_grade(query, piles[n % 3], 1, 2 * n + 1))
     settings = living_rubric.LivingSettings()
-    v1 = living_rubric.rubric_kappa(living_rubric.weak_rubric("r"), records, settings)
-    best = max(living_rubric.rubric_kappa(text, records, settings)
-               for _, text in living_rubric.candidate_versions(living_rubric.weak_rubric("r")))
-    assert v1 is not None and v1 <= 0.0 < best
+    weak = living_rubric.weak_rubric("r", generate_domain(6).glossary_terms())
+    v1 = living_rubric.rubric_kappa(weak, records, settings)
+    kappas = {names: living_rubric.rubric_kappa(text, records, settings)
+              for names, text in living_rubric.candidate_versions(weak)}
+    assert v1 is not None and v1 <= 0.0 < max(k for k in kappas.values() if k is not None)
     assert living_rubric.rollout_step(records[-1].id) == 17
 
 
@@ -150,16 +173,25 @@ def test_a_quick_run_goes_end_to_end_from_records(tmp_path, capsys):
                                                            living_rubric.QUICK.review_every)
     assert not any(e["event"] == "rubric_changed" for e in living_rubric.run_records(out, "uncorrected")["events"])
 
-    # the held-out comparison is paired over the same tasks, and the report quotes the records
-    heldout = results["heldout"]
-    assert len({len(h) for h in heldout["hits"].values()} | {len(heldout["tasks"])}) == 1
-    difference = [a - b for a, b in zip(heldout["hits"]["corrected"], heldout["hits"]["uncorrected"])]
-    assert heldout["difference"]["estimate"] == pytest.approx(sum(difference) / len(difference), abs=1e-12)
-    assert heldout["difference"]["low"] <= heldout["difference"]["estimate"] <= heldout["difference"]["high"]
+    # each comparison is paired over the same tasks, and the report quotes the records
+    splits = living_rubric.task_splits(generate_domain(6))  # the default seed
+    assert results["validation"]["tasks"] == [t.task_id for t in splits["validation"]]
+    assert results["heldout"]["tasks"] == [t.task_id for t in splits["heldout"]][: living_rubric.QUICK.heldout_limit]
     report = (out / "report.md").read_text()
-    for name, hits in heldout["hits"].items():
-        assert f"- {name}: {sum(hits) / len(hits):.3f}" in report
+    for key in ("validation", "heldout"):
+        evaluation = results[key]
+        assert len({len(h) for h in evaluation["hits"].values()} | {len(evaluation["tasks"])}) == 1
+        difference = [a - b for a, b in zip(evaluation["hits"]["corrected"], evaluation["hits"]["uncorrected"])]
+        assert evaluation["difference"]["estimate"] == pytest.approx(sum(difference) / len(difference), abs=1e-12)
+        assert evaluation["difference"]["low"] <= evaluation["difference"]["estimate"] <= evaluation["difference"]["high"]
+        for name, hits in evaluation["hits"].items():
+            assert f"- {name}: {sum(hits) / len(hits):.3f}" in report
     assert "![training.png](training.png)" in report
+    # a run that does not read the test split says so, and draws the validation tasks only
+    results["heldout"] = None
+    (out / "results.json").write_text(json.dumps(results), encoding="utf-8")
+    living_rubric.write_figures(out)
+    assert "Not read in this run (`--validation-only`)" in living_rubric.report_markdown(out, [])
     assert living_rubric.main(["--quick", "--out", str(out)]) == 2  # never overwrites a folder
     assert "is not empty" in capsys.readouterr().err
 

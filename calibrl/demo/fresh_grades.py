@@ -7,7 +7,7 @@ grade follows the gold passage's rank:
 
     rank 1 -> 5,   rank 2 -> 4,   rank 3 to 6 -> 3,   lower, or not found -> 1
 
-No word list, count, length or pattern of the text enters a grade, and nothing here is imported
+No word list, count, size or pattern of the text enters a grade, and nothing here is imported
 from the judge (``calibrl.judge_server``) or shared with a rubric: the judge's weakness in the demo
 (a criterion that pays for piling content words) is invisible to these experts except through
 what it does to the search. ``tests/test_living_rubric.py`` checks that this module imports no
@@ -53,7 +53,7 @@ class FreshGrader:
 
     def feedback(self, items: Sequence["SampleItem"]) -> list:
         """One feedback record per item, with the id the review page would give it (``<item id>@<reviewer>``)."""
-        from calibrl.judge_server.authoring.feedback import FeedbackRecord  # the file format, not the judge
+        from calibrl.judge_server.authoring.feedback import FeedbackRecord  # the records' file layout, not the judge
 
         records = []
         for item in items:

@@ -9,7 +9,9 @@ The story, on the built-in domain (:mod:`calibrl.demo.domain`, nothing downloade
 1. **A weak rubric.** Version 1 of the rewriter's rubric pays mostly for content words
    (``specificity`` with a high ``min_terms``). On the base policy's rewrites it roughly agrees with
    the experts (specific queries are the ones that find their passage); piling up names and terms
-   raises it whether or not the rewrite still finds what the user asked for.
+   raises it whether or not the rewrite still finds what the user asked for. The rubric carries a
+   high weight in the reward (:attr:`LivingSettings.w_rubric`), as when a team trusts its judge:
+   the policy follows the judge more than the search.
 2. **Two runs from one base policy, same seed.** The *uncorrected* run trains on that rubric to
    its end (``review.on_alarm=warn``); the *corrected* run trains on a second id served by the
    same judge server, with ``review.on_alarm=downweight``.
@@ -32,11 +34,14 @@ The story, on the built-in domain (:mod:`calibrl.demo.domain`, nothing downloade
    first step it scores. Otherwise the run goes on with the lowered weight and the next alarm tries
    again on newer grades. The grades of later rollouts, which chose nothing, check the published version against
    version 1 in both runs (:func:`check_published`).
-5. **Held-out retrieval.** The base, uncorrected and corrected policies' greedy rewrites of the
+5. **Retrieval.** The base, uncorrected and corrected policies' greedy rewrites of the
    held-out tasks are searched (BM25, hit@1); the corrected-minus-uncorrected difference gets a
    paired bootstrap interval that resamples whole (product, topic) clusters
-   (:func:`calibrl.stats.paired_difference`). The sizes (:class:`LivingSettings`) were chosen on
-   training tasks and the runs' training records only, never on the held-out tasks.
+   (:func:`calibrl.stats.paired_difference`); so is every policy on the *validation* tasks, training
+   (product, topic) pairs set aside (:func:`task_splits`) that the runs never train on. The sizes
+   (:class:`LivingSettings`) were chosen on the training records and the validation tasks by rules
+   written before the runs that applied them (experiments/LOG.md, L2); ``--validation-only`` runs
+   leave the held-out (test) tasks unread.
 
 Everything the report and figures show is read from the run records (``metrics.jsonl``,
 ``review/drift.jsonl``, ``rubric_versions.jsonl``) and ``results.json`` by
@@ -63,18 +68,18 @@ RETRIEVAL_MODE = "bm25"
 WEAK_RUBRIC = """\
 id: {id}
 version: "1"
-description: The demo's weak rewriter rubric; it pays for naming the catalogue's terms, the more the better.
+description: The demo's weak rewriter rubric; it pays for piling content words.
 glossary: {glossary}
 criteria:
-  - name: names_catalogue_terms
+  - name: stuffing_pays
     kind: programmatic
-    scorer: glossary_terms
-    params: {{min_terms: 8, max_terms: 0}}
-    weight: 0.5
+    scorer: specificity
+    params: {{min_terms: 14}}
+    weight: 0.7
   - name: keeps_entities
     kind: programmatic
     scorer: entity_coverage
-    weight: 0.5
+    weight: 0.3
 """
 
 # The judge's programmatic scorers a next version is built from (name: the criterion's YAML): every
@@ -95,7 +100,7 @@ CANDIDATE_CRITERIA = {
 SELECTION_REVIEWS = 2
 # The exploit's onset, read from a run's metrics (exploit_onset): the first step from which the
 # rollouts' mean generated length stays above LENGTH_RISE x its mean over the first review window
-# for ONSET_SUSTAIN steps. Fixed in code, not fitted to the run it reads: piling terms makes
+# for ONSET_SUSTAIN steps. Fixed in code, not fitted to the run it reads: piling words makes
 # rewrites longer.
 LENGTH_RISE = 1.25
 ONSET_SUSTAIN = 3
