@@ -187,6 +187,10 @@ def test_a_quick_run_goes_end_to_end_from_records(tmp_path, capsys):
         for name, hits in evaluation["hits"].items():
             assert f"- {name}: {sum(hits) / len(hits):.3f}" in report
     assert "![training.png](training.png)" in report
+    # version 1 checked on the experts' grades of the base policy's rewrites of every training task
+    agreement = results["base_agreement"]
+    assert agreement["items"] == len(splits["train"]) and 0 <= agreement["expert_pass"] <= agreement["items"]
+    assert f"rewrites of the {agreement['items']} training tasks ({agreement['expert_pass']} passed)" in report
     # a run that does not read the test split says so, and draws the validation tasks only
     results["heldout"] = None
     (out / "results.json").write_text(json.dumps(results), encoding="utf-8")

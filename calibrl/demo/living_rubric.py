@@ -127,7 +127,7 @@ class LivingSettings:
     lr: float = 4e-4
     kl_beta: float = 0.08
     max_new_tokens: int = 24
-    w_rubric: float = 0.5
+    w_rubric: float = 0.7  # chosen on the validation tasks (experiments/LOG.md, L4)
     heldout_limit: int = 0  # 0: every held-out task
     resamples: int = 10_000
 
@@ -247,6 +247,8 @@ def run_living_rubric(out: pathlib.Path, settings: LivingSettings = LivingSettin
             runs[name] = _train(name, base, split_files["train"], domain, services, out, settings, seed, progress)
             runs[name]["version_1"] = weak_rubric(runs[name]["rubric_id"], glossary)
             stage(f"train {name}")
+        agreement = base_agreement(runs["uncorrected"]["version_1"], base, splits["train"], domain, settings)
+        stage("version 1 on the base policy")
         evaluations = {"validation": _evaluate(domain, splits["validation"], out, base, runs, services, settings)}
         stage("validation evaluation")
         evaluations["heldout"] = (_evaluate(domain, splits["heldout"][: settings.heldout_limit or None], out, base,
@@ -257,7 +259,7 @@ def run_living_rubric(out: pathlib.Path, settings: LivingSettings = LivingSettin
         run["onset"] = exploit_onset(run_records(out, name)["metrics"], settings.review_every)
     results = {"settings": asdict(settings), "seed": seed, "runs": runs, **evaluations, "timings": timings,
                "check": check_published(out, runs, settings), "selection_reviews": SELECTION_REVIEWS,
-               "split_sizes": {name: len(tasks) for name, tasks in splits.items()}}
+               "split_sizes": {name: len(tasks) for name, tasks in splits.items()}, "base_agreement": agreement}
     (out / "results.json").write_text(json.dumps(results, indent=1, sort_keys=True) + "\n", encoding="utf-8")
     figures = write_figures(out)
     (out / "report.md").write_text(report_markdown(out, figures), encoding="utf-8")
@@ -345,6 +347,30 @@ def _train(name: str, base: pathlib.Path, train_tasks: pathlib.Path, domain: Any
           background=services.background)
     return {"rubric_id": rubric_id, "run_dir": str(run_dir.relative_to(out)), "published": published,
             "final_policy": str((run_dir / "checkpoints").relative_to(out))}
+
+
+def base_agreement(rubric_text: str, base: pathlib.Path, tasks: Sequence[Any], domain: Any,
+                   settings: LivingSettings) -> dict[str, Any]:
+    """Version 1 validated before use: the experts grade the base policy's greedy rewrites of the
+    training tasks ``tasks``, and the trainer's drift check gives the rubric's kappa on those grades."""
+    from calibrl.demo.fresh_grades import FreshGrader
+    from calibrl.demo.rewrite_analysis import _greedy_rewrites
+    from calibrl.sme.items import SampleItem
+    from calibrl.trainer.eval import EvalSettings
+
+    path = base.parent / "data" / "living_base_agreement.jsonl"
+    path.write_text("".join(json.dumps(t.record()) + "\n" for t in tasks), encoding="utf-8")
+    from calibrl.trainer.tasks import load_tasks
+
+    loaded = load_tasks(path)
+    path.unlink()
+    rewrites = _greedy_rewrites(str(base), loaded, EvalSettings(top_k=1, mode=RETRIEVAL_MODE,
+                                                                 max_new_tokens=settings.max_new_tokens, device="cpu"))
+    items = [SampleItem(id=f"base-{t.task_id}", query=t.query, output=r, gold_doc_ids=tuple(t.gold_doc_ids))
+             for t, r in zip(tasks, rewrites)]
+    records = FreshGrader(domain.passages).feedback(items)
+    return {"items": len(records), "expert_pass": sum(r.expert_pass(4) for r in records),
+            "kappa": rubric_kappa(rubric_text, records, settings)}
 
 
 def rubric_kappa(rubric_text: str, records: Sequence[Any], settings: LivingSettings) -> float | None:

@@ -91,7 +91,13 @@ def report_markdown(out: pathlib.Path, figures: Sequence[str]) -> str:
              f"Seed {results['seed']}; {settings['steps']} steps per run, review every {settings['review_every']} "
              f"steps ({settings['review_n']} rollouts), drift gate kappa >= {settings['min_kappa']}, rubric weight "
              f"{settings['w_rubric']} (x {settings['downweight_factor']} after an alarm). A step's drift kappa is the "
-             "trainer's check over every grade so far, scored by the version serving then.", "", "## The runs", ""]
+             "trainer's check over every grade so far, scored by the version serving then.", ""]
+    agreement = results.get("base_agreement")
+    if agreement:
+        lines += [f"Version 1 before use: the experts graded the base policy's greedy rewrites of the "
+                  f"{agreement['items']} training tasks ({agreement['expert_pass']} passed); version 1's kappa on "
+                  f"those grades is {_num(agreement['kappa'])} (gate {settings['min_kappa']}).", ""]
+    lines += ["## The runs", ""]
     for name, run in results["runs"].items():
         records = run_records(out, name)
         alarms = [d["step"] for d in records["drift"] if d.get("alarm")]
@@ -150,7 +156,9 @@ def report_markdown(out: pathlib.Path, figures: Sequence[str]) -> str:
                          f"{_num(check['kappa_candidate'])}.")
     sizes = results.get("split_sizes", {})
     for key, title in (("validation", "Validation retrieval"), ("heldout", "Held-out retrieval")):
-        evaluation = results.get(key)
+        if key not in results:  # a record made before validation tasks were set aside
+            continue
+        evaluation = results[key]
         lines += ["", f"## {title}", ""]
         if not evaluation:
             lines += ["Not read in this run (`--validation-only`): the held-out tasks are the test split.", ""]
