@@ -413,14 +413,17 @@ def _free_port() -> int:
 def _server_figures(metrics_port: int) -> dict[str, float]:
     """From the server's Prometheus page: admitted calls that ran out of time there, and its
     shed calls (RESOURCE_EXHAUSTED), all and those answered within 50 ms (server-side RPC
-    duration histogram)."""
+    duration histogram); and its event loop's lag samples (a timer due every 10 ms,
+    ``calibrl.server.loop.lag``), all and those more than 50 and 250 ms late."""
     import urllib.request
 
     from prometheus_client.parser import text_string_to_metric_families
 
     with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10) as response:
         text = response.read().decode("utf-8")
-    figures = {"missed": 0.0, "shed": 0.0, "shed_within_50ms": 0.0}
+    figures = {"missed": 0.0, "shed": 0.0, "shed_within_50ms": 0.0, "loop_lag_samples": 0.0,
+               "loop_lag_over_50ms": 0.0, "loop_lag_over_250ms": 0.0}
+    lag_buckets: dict[str, float] = {}
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
             if sample.name == "calibrl_tenant_deadline_missed_total":
@@ -431,6 +434,12 @@ def _server_figures(metrics_port: int) -> dict[str, float]:
                     figures["shed"] += sample.value
                 elif float(sample.labels.get("le", "0")) == 0.05:
                     figures["shed_within_50ms"] += sample.value
+            elif sample.name == "calibrl_server_loop_lag_seconds_bucket":
+                lag_buckets[sample.labels["le"]] = lag_buckets.get(sample.labels["le"], 0.0) + sample.value
+    if "+Inf" in lag_buckets:
+        total = lag_buckets["+Inf"]
+        figures.update(loop_lag_samples=total, loop_lag_over_50ms=total - lag_buckets.get("0.05", 0.0),
+                       loop_lag_over_250ms=total - lag_buckets.get("0.25", 0.0))
     return figures
 
 
@@ -799,7 +808,11 @@ def record_tables(results: dict) -> tuple[list[dict], list[str]]:
                          f"{verdict(shed is not None and shed < SHED_MS_TARGET)}); shed p99 (probe process at "
                          f"nice -10) {cell(high)} ms (target < {SHED_MS_TARGET:g}: "
                          f"{verdict(high is not None and high < SHED_MS_TARGET)}); RSS {growth:+.1%} (target within "
-                         f"{RSS_GROWTH_TARGET:.0%}: {verdict(abs(growth) <= RSS_GROWTH_TARGET)})")
+                         f"{RSS_GROWTH_TARGET:.0%}: {verdict(abs(growth) <= RSS_GROWTH_TARGET)})"
+                         + (f"; the server's event loop ran {cell(row.get('server_loop_lag_over_50ms'))} of its "
+                            f"{cell(row.get('server_loop_lag_samples'))} 10 ms timers more than 50 ms late "
+                            f"({cell(row.get('server_loop_lag_over_250ms'))} more than 250 ms)"
+                            if row.get("server_loop_lag_samples") else ""))
     if "stops" in results:
         tables.append(rows_table("Work stops when nobody waits: calls cancelled mid-work, then the server's CPU "
                                  "sampled until quiet", results["stops"]))

@@ -138,6 +138,21 @@ async def _return_freed_memory(interval_s: float = 1.0) -> None:
         trim(0)
 
 
+LOOP_PROBE_S = 0.01  # the loop-lag timer's period (calibrl.server.loop.lag)
+
+
+async def _watch_loop_lag(period_s: float = LOOP_PROBE_S) -> None:
+    """Record, every ``period_s``, how late the event loop ran a timer due then
+    (``calibrl.server.loop.lag``): the wait of a ready call for the loop. Runs only with telemetry on."""
+    from calibrl import telemetry
+
+    loop = asyncio.get_running_loop()
+    while True:
+        due = loop.time() + period_s
+        await asyncio.sleep(period_s)
+        telemetry.record("loop_lag", max(0.0, loop.time() - due))
+
+
 def _cancelling(task: "asyncio.Future[Any]") -> Callable[[], Awaitable[None]]:
     async def cancel() -> None:
         task.cancel()
@@ -333,6 +348,8 @@ async def start_server(
             await server.stop(0)
             trimmer.cancel()
             raise
+    if telemetry.enabled():  # from the first call it serves
+        on_stop = [*on_stop, _cancelling(asyncio.ensure_future(_watch_loop_lag()))]
     for name in ["", *names]:
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)  # aio servicer: a coroutine
     log.info("serving %s on %s:%d", ", ".join(names), config.host, port)

@@ -194,6 +194,11 @@ def _instruments(meter: Any) -> dict[str, Any]:
             description="Admitted calls that ran out of time on the server, by tenant and where "
                         "(queued: expired before their last unit started; late: finished after their deadline)"
         ),
+        "loop_lag": meter.create_histogram(
+            "calibrl.server.loop.lag", unit="s",
+            description="How late the server's event loop ran a timer due every 10 ms: the time a ready call "
+                        "waits for the loop (its other ready work, a pause of the whole process)"
+        ),
         "client_retries": meter.create_counter(
             "calibrl.client.retries",
             description="Client attempts retried (by service, method and status code; SHED: pushed back by the server)"
@@ -233,6 +238,8 @@ def _views() -> list[Any]:
     return [
         View(instrument_name="calibrl.rpc.*", aggregation=ExplicitBucketHistogramAggregation(_LATENCY_BUCKETS_S)),
         View(instrument_name="calibrl.tenant.queue.time",
+             aggregation=ExplicitBucketHistogramAggregation(_LATENCY_BUCKETS_S)),
+        View(instrument_name="calibrl.server.loop.lag",
              aggregation=ExplicitBucketHistogramAggregation(_LATENCY_BUCKETS_S)),
         View(instrument_name="calibrl.batch.size", aggregation=ExplicitBucketHistogramAggregation(_BATCH_BUCKETS)),
         View(instrument_name="calibrl.judge.batch.size",

@@ -126,6 +126,29 @@ async def test_metrics_page_counts_calls_latency_batches_cache_tenants_and_refus
     assert depth == [0.0]  # the gauge, read at scrape time: nothing waits once the calls have returned
 
 
+async def test_the_loop_lag_histogram_records_a_pause_of_the_event_loop(tmp_path):
+    import asyncio
+    import time
+
+    config = server_config(make_rubrics(tmp_path / "rubrics"))
+    config.serving.telemetry = TelemetryConfig(enabled=True, prometheus_port=_free_port())
+    running = await start(config)
+    try:
+        await asyncio.sleep(0.3)  # the 10 ms timer fires about 30 times
+        before = _scrape(telemetry.prometheus_port())
+        time.sleep(0.3)  # the loop is held: the timer due meanwhile runs about 0.3 s late
+        await asyncio.sleep(0.05)
+        after = _scrape(telemetry.prometheus_port())
+    finally:
+        await running.stop(0)
+        telemetry.shutdown()
+    lag = "calibrl_server_loop_lag_seconds"
+    assert _value(before, f"{lag}_count") >= 5
+    late = [_value(page, f"{lag}_bucket", le="+Inf") - _value(page, f"{lag}_bucket", le="0.25") for page in (before, after)]
+    assert late[0] == 0 and late[1] == 1  # one timer ran more than 0.25 s late: the pause, and nothing else
+    assert _value(after, f"{lag}_sum") - _value(before, f"{lag}_sum") >= 0.29
+
+
 async def test_the_listener_closes_with_telemetry_and_a_taken_port_is_a_clear_error():
     port = _free_port()
     telemetry.configure(TelemetryConfig(enabled=True, prometheus_port=port), "test")
