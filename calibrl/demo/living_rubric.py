@@ -12,6 +12,8 @@ The story, on the built-in domain (:mod:`calibrl.demo.domain`, nothing downloade
    raises it whether or not the rewrite still finds what the user asked for. The rubric carries a
    high weight in the reward (:attr:`LivingSettings.w_rubric`), as when a team trusts its judge:
    the policy follows the judge more than the search.
+   Each run checks this before use (:func:`base_agreement`): the experts grade the base policy's
+   greedy rewrites of every training task, and the report gives version 1's kappa on them.
 2. **Two runs from one base policy, same seed.** The *uncorrected* run trains on that rubric to
    its end (``review.on_alarm=warn``); the *corrected* run trains on a second id served by the
    same judge server, with ``review.on_alarm=downweight``.
@@ -40,8 +42,8 @@ The story, on the built-in domain (:mod:`calibrl.demo.domain`, nothing downloade
    (:func:`calibrl.stats.paired_difference`); so is every policy on the *validation* tasks, training
    (product, topic) pairs set aside (:func:`task_splits`) that the runs never train on. The sizes
    (:class:`LivingSettings`) were chosen on the training records and the validation tasks by rules
-   written before the runs that applied them (experiments/LOG.md, L2); ``--validation-only`` runs
-   leave the held-out (test) tasks unread.
+   written before the runs that applied them (experiments/LOG.md, L2-L4); ``--validation-only``
+   runs leave the held-out (test) tasks unread.
 
 Everything the report and figures show is read from the run records (``metrics.jsonl``,
 ``review/drift.jsonl``, ``rubric_versions.jsonl``) and ``results.json`` by
@@ -247,7 +249,7 @@ def run_living_rubric(out: pathlib.Path, settings: LivingSettings = LivingSettin
             runs[name] = _train(name, base, split_files["train"], domain, services, out, settings, seed, progress)
             runs[name]["version_1"] = weak_rubric(runs[name]["rubric_id"], glossary)
             stage(f"train {name}")
-        agreement = base_agreement(runs["uncorrected"]["version_1"], base, splits["train"], domain, settings)
+        agreement = base_agreement(runs["uncorrected"]["version_1"], base, split_files["train"], domain, settings)
         stage("version 1 on the base policy")
         evaluations = {"validation": _evaluate(domain, splits["validation"], out, base, runs, services, settings)}
         stage("validation evaluation")
@@ -349,23 +351,19 @@ def _train(name: str, base: pathlib.Path, train_tasks: pathlib.Path, domain: Any
             "final_policy": str((run_dir / "checkpoints").relative_to(out))}
 
 
-def base_agreement(rubric_text: str, base: pathlib.Path, tasks: Sequence[Any], domain: Any,
+def base_agreement(rubric_text: str, base: pathlib.Path, tasks_path: pathlib.Path, domain: Any,
                    settings: LivingSettings) -> dict[str, Any]:
     """Version 1 validated before use: the experts grade the base policy's greedy rewrites of the
-    training tasks ``tasks``, and the trainer's drift check gives the rubric's kappa on those grades."""
+    training tasks in ``tasks_path``, and the trainer's drift check gives the rubric's kappa on those grades."""
     from calibrl.demo.fresh_grades import FreshGrader
     from calibrl.demo.rewrite_analysis import _greedy_rewrites
     from calibrl.sme.items import SampleItem
     from calibrl.trainer.eval import EvalSettings
-
-    path = base.parent / "data" / "living_base_agreement.jsonl"
-    path.write_text("".join(json.dumps(t.record()) + "\n" for t in tasks), encoding="utf-8")
     from calibrl.trainer.tasks import load_tasks
 
-    loaded = load_tasks(path)
-    path.unlink()
-    rewrites = _greedy_rewrites(str(base), loaded, EvalSettings(top_k=1, mode=RETRIEVAL_MODE,
-                                                                 max_new_tokens=settings.max_new_tokens, device="cpu"))
+    tasks = load_tasks(tasks_path)
+    rewrites = _greedy_rewrites(str(base), tasks, EvalSettings(top_k=1, mode=RETRIEVAL_MODE,
+                                                                max_new_tokens=settings.max_new_tokens, device="cpu"))
     items = [SampleItem(id=f"base-{t.task_id}", query=t.query, output=r, gold_doc_ids=tuple(t.gold_doc_ids))
              for t, r in zip(tasks, rewrites)]
     records = FreshGrader(domain.passages).feedback(items)

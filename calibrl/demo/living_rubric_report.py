@@ -83,8 +83,6 @@ def write_figures(out: pathlib.Path) -> list[str]:
 
 def report_markdown(out: pathlib.Path, figures: Sequence[str]) -> str:
     """The report, every number read from ``results.json`` and the run records."""
-    from calibrl.stats import describe_difference
-
     results = json.loads((out / "results.json").read_text(encoding="utf-8"))
     settings = results["settings"]
     lines = ["# The living rubric", "",
@@ -99,62 +97,86 @@ def report_markdown(out: pathlib.Path, figures: Sequence[str]) -> str:
                   f"those grades is {_num(agreement['kappa'])} (gate {settings['min_kappa']}).", ""]
     lines += ["## The runs", ""]
     for name, run in results["runs"].items():
-        records = run_records(out, name)
-        alarms = [d["step"] for d in records["drift"] if d.get("alarm")]
-        kappas = ", ".join(f"step {d['step']}: {d['kappa']:.2f}" for d in records["drift"] if d.get("kappa") is not None)
-        lines.append(f"- **{name}** (`{run['rubric_id']}`): drift kappa {kappas or 'no verdict (too few grades)'}; "
-                     f"alarm at step(s) {', '.join(map(str, alarms)) or 'none'}.")
-        onset = run["onset"]
-        if onset["step"] is None:
-            lines.append(f"  No exploit onset: the rollouts' mean length never stayed above {onset['threshold']:.1f} "
-                         f"tokens ({onset['rise']} x the first review window's {onset['baseline_length']:.1f}) for "
-                         f"{onset['sustain']} steps.")
-        else:
-            lead = f"the first alarm came {alarms[0] - onset['step']:+d} steps after it" if alarms else "no alarm followed"
-            lines.append(f"  Exploit onset (the rollouts' mean length above {onset['threshold']:.1f} tokens, "
-                         f"{onset['rise']} x the first review window's {onset['baseline_length']:.1f}, for "
-                         f"{onset['sustain']} steps from then): step {onset['step']}; {lead} (review every "
-                         f"{settings['review_every']} steps; a review's grades are checked on the next review step).")
-        refused = [f for f in run["published"] if not f["published"]]
-        if refused:
-            tries = "; ".join(f"step {f['step']}: {' + '.join(f.get('best_criteria', [])) or 'none'} "
-                              f"{_num(f.get('best_kappa'))} (version 1 {_num(f['kappa_before'])})" for f in refused)
-            lines.append(f"  No version was published after the alarm(s) of step(s) "
-                         f"{', '.join(str(f['step']) for f in refused)}: no candidate built from the judge's "
-                         f"programmatic scorers ({len(refused[0]['candidates'])} of them) reached the gate "
-                         f"{settings['min_kappa']} on the fresh grades of the last {results['selection_reviews']} "
-                         f"reviews. Best candidate, its kappa there: {tries}.")
-        for fix in (f for f in run["published"] if f["published"]):
-            named = ", ".join(fix["disagreeing"]) or "no criterion"
-            lines.append(f"  The alarm of step {fix['step']} named {named}. Of {len(fix['candidates'])} candidate "
-                         f"versions built from the judge's programmatic scorers, {' + '.join(fix['criteria'])} "
-                         f"agrees best with the {fix['chosen_on']['items']} fresh grades of the last "
-                         f"{results['selection_reviews']} reviews (rollouts of steps "
-                         f"{fix['chosen_on']['first_rollout_step']}-{fix['chosen_on']['last_rollout_step']}): kappa "
-                         f"{_num(fix['kappa_before'])} (version 1) -> {_num(fix['kappa_after'])}, chosen on those "
-                         f"grades. Version {fix['version']} ({fix['hash'][:12]}) was published and loaded without a "
-                         "restart.")
-        changes = [e["step"] for e in records["events"] if e["event"] == "rubric_changed"]
-        if changes:
-            scales = {m["step"]: m.get("rubric/weight_scale") for m in records["metrics"]}
-            lines.append(f"  First step scored by a new version: {', '.join(map(str, changes))} (rubric weight "
-                         f"scale there: {', '.join(str(scales.get(s)) for s in changes)}); "
-                         f"{settings['steps'] - changes[0] + 1} of {settings['steps']} steps trained on versions "
-                         "after the first.")
-    if results["check"]:
-        lines += ["", "## The next version on grades that chose nothing", "",
-                  "Grades of the rollouts after the last one a version's choice read, scored by version 1 and by "
-                  "that version with the same drift check:", ""]
-        for check in results["check"]:
-            what = (f"version {check['version']} ({' + '.join(check['criteria'])}, published at step "
-                    f"{check['alarm_step']})" if check["published"] else
-                    f"the best candidate of the alarm of step {check['alarm_step']} ({' + '.join(check['criteria'])}; "
-                    "not published)")
-            lines.append(f"- {what}, {check['run']} run, rollouts after step {check['after_step']}: {check['items']} "
-                         f"grades ({check['expert_pass']} passed by the experts): kappa version 1 "
-                         f"{_num(check['kappa_v1'])}, {'version ' + check['version'] if check['published'] else 'the candidate'} "
-                         f"{_num(check['kappa_candidate'])}.")
+        lines += _run_lines(out, name, run, results)
+    lines += _check_lines(results["check"])
+    lines += _evaluation_lines(results)
+    lines += [f"![{name}]({name})" for name in figures]
+    return "\n".join(lines) + "\n"
+
+
+def _run_lines(out: pathlib.Path, name: str, run: dict[str, Any], results: dict[str, Any]) -> list[str]:
+    """One run's drift verdicts, exploit onset, alarms and the versions published after them."""
+    settings = results["settings"]
+    records = run_records(out, name)
+    alarms = [d["step"] for d in records["drift"] if d.get("alarm")]
+    kappas = ", ".join(f"step {d['step']}: {d['kappa']:.2f}" for d in records["drift"] if d.get("kappa") is not None)
+    lines = [f"- **{name}** (`{run['rubric_id']}`): drift kappa {kappas or 'no verdict (too few grades)'}; "
+             f"alarm at step(s) {', '.join(map(str, alarms)) or 'none'}."]
+    onset = run["onset"]
+    if onset["step"] is None:
+        lines.append(f"  No exploit onset: the rollouts' mean length never stayed above {onset['threshold']:.1f} "
+                     f"tokens ({onset['rise']} x the first review window's {onset['baseline_length']:.1f}) for "
+                     f"{onset['sustain']} steps.")
+    else:
+        lead = f"the first alarm came {alarms[0] - onset['step']:+d} steps after it" if alarms else "no alarm followed"
+        lines.append(f"  Exploit onset (the rollouts' mean length above {onset['threshold']:.1f} tokens, "
+                     f"{onset['rise']} x the first review window's {onset['baseline_length']:.1f}, for "
+                     f"{onset['sustain']} steps from then): step {onset['step']}; {lead} (review every "
+                     f"{settings['review_every']} steps; a review's grades are checked on the next review step).")
+    refused = [f for f in run["published"] if not f["published"]]
+    if refused:
+        tries = "; ".join(f"step {f['step']}: {' + '.join(f.get('best_criteria', [])) or 'none'} "
+                          f"{_num(f.get('best_kappa'))} (version 1 {_num(f['kappa_before'])})" for f in refused)
+        lines.append(f"  No version was published after the alarm(s) of step(s) "
+                     f"{', '.join(str(f['step']) for f in refused)}: no candidate built from the judge's "
+                     f"programmatic scorers ({len(refused[0]['candidates'])} of them) reached the gate "
+                     f"{settings['min_kappa']} on the fresh grades of the last {results['selection_reviews']} "
+                     f"reviews. Best candidate, its kappa there: {tries}.")
+    for fix in (f for f in run["published"] if f["published"]):
+        named = ", ".join(fix["disagreeing"]) or "no criterion"
+        lines.append(f"  The alarm of step {fix['step']} named {named}. Of {len(fix['candidates'])} candidate "
+                     f"versions built from the judge's programmatic scorers, {' + '.join(fix['criteria'])} "
+                     f"agrees best with the {fix['chosen_on']['items']} fresh grades of the last "
+                     f"{results['selection_reviews']} reviews (rollouts of steps "
+                     f"{fix['chosen_on']['first_rollout_step']}-{fix['chosen_on']['last_rollout_step']}): kappa "
+                     f"{_num(fix['kappa_before'])} (version 1) -> {_num(fix['kappa_after'])}, chosen on those "
+                     f"grades. Version {fix['version']} ({fix['hash'][:12]}) was published and loaded without a "
+                     "restart.")
+    changes = [e["step"] for e in records["events"] if e["event"] == "rubric_changed"]
+    if changes:
+        scales = {m["step"]: m.get("rubric/weight_scale") for m in records["metrics"]}
+        lines.append(f"  First step scored by a new version: {', '.join(map(str, changes))} (rubric weight "
+                     f"scale there: {', '.join(str(scales.get(s)) for s in changes)}); "
+                     f"{settings['steps'] - changes[0] + 1} of {settings['steps']} steps trained on versions "
+                     "after the first.")
+    return lines
+
+
+def _check_lines(checks: Sequence[dict[str, Any]]) -> list[str]:
+    """Each next version (or best refused candidate) on later grades that chose nothing."""
+    if not checks:
+        return []
+    lines = ["", "## The next version on grades that chose nothing", "",
+             "Grades of the rollouts after the last one a version's choice read, scored by version 1 and by "
+             "that version with the same drift check:", ""]
+    for check in checks:
+        what = (f"version {check['version']} ({' + '.join(check['criteria'])}, published at step "
+                f"{check['alarm_step']})" if check["published"] else
+                f"the best candidate of the alarm of step {check['alarm_step']} ({' + '.join(check['criteria'])}; "
+                "not published)")
+        lines.append(f"- {what}, {check['run']} run, rollouts after step {check['after_step']}: {check['items']} "
+                     f"grades ({check['expert_pass']} passed by the experts): kappa version 1 "
+                     f"{_num(check['kappa_v1'])}, {'version ' + check['version'] if check['published'] else 'the candidate'} "
+                     f"{_num(check['kappa_candidate'])}.")
+    return lines
+
+
+def _evaluation_lines(results: dict[str, Any]) -> list[str]:
+    """Validation and held-out hit@k of every policy, with the paired, clustered difference."""
+    from calibrl.stats import describe_difference
+
     sizes = results.get("split_sizes", {})
+    lines: list[str] = []
     for key, title in (("validation", "Validation retrieval"), ("heldout", "Held-out retrieval")):
         if key not in results:  # a record made before validation tasks were set aside
             continue
@@ -174,8 +196,7 @@ def report_markdown(out: pathlib.Path, figures: Sequence[str]) -> str:
         lines += ["", describe_difference(diff["a"], diff["b"], diff, f"points of hit@{evaluation['top_k']}") +
                   f" (paired bootstrap over {len(set(map(tuple, evaluation['clusters'])))} (product, topic) clusters).",
                   ""]
-    lines += [f"![{name}]({name})" for name in figures]
-    return "\n".join(lines) + "\n"
+    return lines
 
 
 def _num(value: Any) -> str:
