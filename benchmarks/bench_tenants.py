@@ -809,9 +809,9 @@ def record_tables(results: dict) -> tuple[list[dict], list[str]]:
                          f"nice -10) {cell(high)} ms (target < {SHED_MS_TARGET:g}: "
                          f"{verdict(high is not None and high < SHED_MS_TARGET)}); RSS {growth:+.1%} (target within "
                          f"{RSS_GROWTH_TARGET:.0%}: {verdict(abs(growth) <= RSS_GROWTH_TARGET)})"
-                         + (f"; the server's event loop ran {cell(row.get('server_loop_lag_over_50ms'))} of its "
-                            f"{cell(row.get('server_loop_lag_samples'))} 10 ms timers more than 50 ms late "
-                            f"({cell(row.get('server_loop_lag_over_250ms'))} more than 250 ms)"
+                         + (f"; the server's event loop ran {int(row.get('server_loop_lag_over_50ms') or 0)} of its "
+                            f"{int(row['server_loop_lag_samples'])} 10 ms timers more than 50 ms late "
+                            f"({int(row.get('server_loop_lag_over_250ms') or 0)} more than 250 ms)"
                             if row.get("server_loop_lag_samples") else ""))
     if "stops" in results:
         tables.append(rows_table("Work stops when nobody waits: calls cancelled mid-work, then the server's CPU "
