@@ -40,6 +40,10 @@ latency:
   (each admitted call carries its promised wait, grown by every later call that
   goes ahead of it): an admitted call is not made to miss its deadline by the
   calls admitted after it.
+- **The workers yield to the serving threads.** With ``worker_nice`` the worker
+  threads run that much nicer than the event loop (:func:`calibrl.threads.lower_thread_priority`):
+  admitting, shedding and answering calls never waits for a core behind the
+  scoring work it queues.
 - **Abandoned work is dropped.** When a caller gives up (cancelled, disconnected,
   past its deadline) its items still queued are removed before the next unit;
   only the unit already running finishes for it.
@@ -62,6 +66,7 @@ from calibrl import telemetry
 from calibrl.admission import Shed
 from calibrl.errors import DeadlineExceeded, Unavailable
 from calibrl.security import current_tenant
+from calibrl.threads import lower_thread_priority
 
 log = logging.getLogger(__name__)
 
@@ -173,8 +178,10 @@ class _DaemonWorker(concurrent.futures.Executor):
     daemon thread does not.
     """
 
-    def __init__(self, name: str) -> None:
+    def __init__(self, name: str, nice: int = 0) -> None:
         self._jobs: queue_module.SimpleQueue = queue_module.SimpleQueue()
+        self._nice = nice
+        self.nice_in_force: int | None = None  # the thread's niceness once it runs (None: not yet)
         self._thread = threading.Thread(target=self._loop, name=f"{name}-worker", daemon=True)
         self._thread.start()
 
@@ -184,6 +191,7 @@ class _DaemonWorker(concurrent.futures.Executor):
         return future
 
     def _loop(self) -> None:
+        self.nice_in_force = lower_thread_priority(self._nice, self._thread.name)
         while True:
             job = self._jobs.get()
             if job is None:
@@ -225,6 +233,7 @@ class MicroBatcher(Generic[ItemT, ResultT]):
         executor: concurrent.futures.Executor | None = None,
         name: str = "batcher",
         short_item_cost: float = 0.0,
+        worker_nice: int = 0,
     ) -> None:
         self.name = name
         self._gauge_registered = False
@@ -236,11 +245,12 @@ class MicroBatcher(Generic[ItemT, ResultT]):
         self.max_tenant_queue_cost = max_tenant_queue_cost
         self.weights = dict(weights or {})
         self.max_wait_s = max_wait_ms / 1000.0
-        self._executor = executor or _DaemonWorker(name)
+        self.worker_nice = worker_nice
+        self._executor = executor or _DaemonWorker(name, worker_nice)
         # the short lane: a second worker that runs only items estimated at or below
         # short_item_cost, while the main one runs anything (0: no short lane)
         self.short_item_cost = short_item_cost
-        self._short_executor = _DaemonWorker(f"{name}-short") if short_item_cost > 0 else None
+        self._short_executor = _DaemonWorker(f"{name}-short", worker_nice) if short_item_cost > 0 else None
         self._busy = {"main": False, "short": False}
         self._units: set[asyncio.Task] = set()  # units in progress (tasks awaiting a worker)
         self._speed_seconds, self._speed_cost = 0.0, 0.0  # moving sums behind stats.seconds_per_cost

@@ -57,6 +57,11 @@ class ServingConfig:
     short_item_cost_s: float = option(
         0.05, "Items estimated at or below this many seconds may run on a second worker while the first runs "
               "a longer unit, so a small call never waits behind one long item in progress; 0: one worker.")
+    compute_nice: int = option(
+        10, "Niceness the batch worker threads add to the server's (0..19): the event loop and gRPC threads that "
+            "admit, shed and answer calls run ahead of the scoring they queue, so a refusal is answered at once "
+            "while the workers fill every core. On a host shared with busy processes the workers yield to "
+            "those as well; 0: the workers run at the server's priority.")
     max_tenant_queue_cost_s: float = option(
         30.0, "Estimated work one tenant may have queued; beyond it the tenant's calls are shed at once "
               "(RESOURCE_EXHAUSTED with grpc-retry-pushback-ms).")
@@ -84,6 +89,8 @@ class ServingConfig:
             raise ConfigError(f"serving.max_request_cost_s={self.max_request_cost_s}: must be >= 0 (0: no budget)")
         if self.short_item_cost_s < 0:
             raise ConfigError(f"serving.short_item_cost_s={self.short_item_cost_s}: must be >= 0 (0: one worker)")
+        if not 0 <= self.compute_nice <= 19:
+            raise ConfigError(f"serving.compute_nice={self.compute_nice}: must be in 0..19 (Linux niceness steps)")
         for name in ("max_unit_cost_s", "max_tenant_queue_cost_s"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"serving.{name}={getattr(self, name)}: must be > 0")

@@ -12,6 +12,13 @@ spinning, leaving the cores to the event loop and gRPC threads between encoder c
 runtime, so :func:`passive_openmp` runs first thing in a server's entry point; a value
 the user set wins. ONNX Runtime sessions follow it (``allow_spinning`` off when passive).
 
+Worker niceness: a server's batch workers run nicer than its event loop and gRPC
+threads (``serving.compute_nice``), so a call the server refuses at once is answered
+while every core is busy scoring: the loop does not queue for a core behind the work
+it admitted. Linux gives each thread its own niceness; it orders the server's threads
+among themselves and, on a host shared with other busy processes of the same session
+or container, makes the workers yield to those too.
+
 GIL switch interval: a server's event loop and its batcher's short lane need the GIL
 back quickly while a worker runs Python scorers over a long item; at CPython's default
 (5 ms) every hand-over can cost a small call 5 ms. :func:`responsive_gil` lowers it.
@@ -22,6 +29,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
+import threading
 
 log = logging.getLogger(__name__)
 
@@ -54,3 +62,28 @@ def responsive_gil() -> float:
     if sys.getswitchinterval() > SERVER_SWITCH_INTERVAL_S:
         sys.setswitchinterval(SERVER_SWITCH_INTERVAL_S)
     return sys.getswitchinterval()
+
+
+MAX_NICE = 19
+
+
+def lower_thread_priority(nice: int, name: str = "") -> int | None:
+    """Make the calling thread ``nice`` steps nicer (capped at :data:`MAX_NICE`; 0 leaves
+    it); returns the niceness in force, or None where threads have no niceness of their
+    own (not Linux) or the system refused, which is logged. Raising a niceness needs no
+    privilege, and threads the caller starts later inherit it."""
+    if not hasattr(os, "setpriority"):
+        log.warning("thread %s: no per-thread niceness on this platform; it runs at the process's", name)
+        return None
+    thread_id = threading.get_native_id()
+    try:
+        current = os.getpriority(os.PRIO_PROCESS, thread_id)
+        if nice:
+            os.setpriority(os.PRIO_PROCESS, thread_id, min(MAX_NICE, current + nice))
+            current = os.getpriority(os.PRIO_PROCESS, thread_id)
+    except OSError as exc:
+        log.warning("thread %s: niceness not changed (%s)", name, exc)
+        return None
+    if nice:
+        log.info("thread %s runs at niceness %d", name, current)
+    return current

@@ -242,6 +242,7 @@ async def start(config: JudgeServerConfig, judge: Judge | None = None,
                                          max_batch_cost=config.serving.max_unit_cost_s,
                                          max_tenant_queue_cost=config.serving.max_tenant_queue_cost_s,
                                          short_item_cost=config.serving.short_item_cost_s,
+                                         worker_nice=config.serving.compute_nice,
                                          weights=tenant_weights(config.serving.api_keys_file), name="judge")
     servicer = JudgeServicer(judge, batcher, tenant_of, config.serving.max_request_cost_s)
     # rubric versions without a restart (calibrl.judge_server.rubric_store)

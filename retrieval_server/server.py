@@ -69,6 +69,7 @@ async def start(config: RetrievalServerConfig, retriever: Retriever | None = Non
         max_batch_cost=config.serving.max_unit_cost_s,
         max_tenant_queue_cost=config.serving.max_tenant_queue_cost_s,
         short_item_cost=config.serving.short_item_cost_s,
+        worker_nice=config.serving.compute_nice,
         weights=tenant_weights(config.serving.api_keys_file),
         name="retrieval",
     )

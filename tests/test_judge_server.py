@@ -126,6 +126,7 @@ async def test_concurrent_callers_share_batches_and_cache(served):
         stub.Score(pb.ScoreRequest(rubric_id="rewriter", items=items(o))) for o in outputs])
     stats = running.servicer.batcher.stats
     assert stats.items == 8 and stats.batches < 8  # concurrent calls were scored together
+    assert running.servicer.batcher.worker_nice == 10  # serving.compute_nice's default reaches the workers
     reference = Judge([load_rubric(running.servicer.judge.resolve("rewriter").source_path)],
                       JudgeConfig(embedder="hashed-ngrams", allow_unvalidated=True))
     for output, response in zip(outputs, responses):

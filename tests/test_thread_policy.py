@@ -71,3 +71,70 @@ def test_a_server_lowers_the_gil_switch_interval_and_never_raises_it():
         assert responsive_gil() == pytest.approx(0.0005)  # a lower value the user chose stays
     finally:
         sys.setswitchinterval(before)
+
+
+def _niceness() -> int:
+    import os
+    import threading
+
+    return os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+
+
+def test_a_thread_made_nicer_leaves_the_others_and_stops_at_19():
+    import threading
+
+    from calibrl.threads import MAX_NICE, lower_thread_priority
+
+    base = _niceness()
+    seen: dict[str, int | None] = {}
+
+    def run(name: str, nice: int) -> None:
+        seen[name] = lower_thread_priority(nice, name)
+        seen[name + " read"] = _niceness()
+
+    for name, nice in (("three", 3), ("many", 40), ("none", 0)):
+        thread = threading.Thread(target=run, args=(name, nice))
+        thread.start()
+        thread.join()
+    assert seen["three"] == seen["three read"] == min(MAX_NICE, base + 3)
+    assert seen["many"] == seen["many read"] == MAX_NICE
+    assert seen["none"] == seen["none read"] == base
+    assert _niceness() == base  # the calling thread is untouched
+
+
+async def test_the_batcher_workers_run_nicer_than_the_event_loop():
+    import asyncio
+
+    from calibrl.batching import MicroBatcher
+
+    base = _niceness()
+    ran_at: list[int] = []
+
+    def process(key, items):
+        ran_at.append(_niceness())
+        return list(items)
+
+    batcher = MicroBatcher(process, short_item_cost=0.5, worker_nice=4, name="nice")
+    try:
+        assert await batcher.submit("k", [1, 2], costs=[0.1, 0.1]) == [1, 2]
+        for _ in range(100):  # the short lane's thread sets its niceness as it starts
+            if batcher._short_executor.nice_in_force is not None:
+                break
+            await asyncio.sleep(0.01)
+        assert ran_at and set(ran_at) == {min(19, base + 4)}
+        assert batcher._executor.nice_in_force == batcher._short_executor.nice_in_force == min(19, base + 4)
+        assert _niceness() == base  # the event loop's thread keeps its priority
+    finally:
+        await batcher.close(timeout_s=5)
+
+
+def test_compute_nice_is_checked_and_defaults_to_10():
+    from calibrl.config import load_config
+    from calibrl.judge_server.config import JudgeServerConfig
+    from calibrl.retrieval_server.config import RetrievalServerConfig
+
+    assert load_config(JudgeServerConfig, None, ["rubrics=x"]).serving.compute_nice == 10
+    assert load_config(RetrievalServerConfig, None, ["index_dir=x", "serving.compute_nice=0"]).serving.compute_nice == 0
+    for bad in ("-1", "20"):
+        with pytest.raises(ConfigError, match=f"serving.compute_nice={bad}: must be in 0..19"):
+            load_config(JudgeServerConfig, None, ["rubrics=x", f"serving.compute_nice={bad}"])
