@@ -193,10 +193,29 @@ def _evaluation_lines(results: dict[str, Any]) -> list[str]:
         for name, hits in evaluation["hits"].items():
             lines.append(f"- {name}: {sum(hits) / len(hits):.3f}")
         diff = evaluation["difference"]
-        lines += ["", describe_difference(diff["a"], diff["b"], diff, f"points of hit@{evaluation['top_k']}") +
-                  f" (paired bootstrap over {len(set(map(tuple, evaluation['clusters'])))} (product, topic) clusters).",
-                  ""]
+        unit = f"points of hit@{evaluation['top_k']}"
+        clusters = [tuple(c) for c in evaluation["clusters"]]
+        lines += ["", describe_difference(diff["a"], diff["b"], diff, unit) +
+                  f" (paired bootstrap over {len(set(clusters))} (product, topic) clusters).", ""]
+        lines += _against_base_lines(evaluation, clusters, unit, results.get("settings", {}).get("resamples"))
     return lines
+
+
+def _against_base_lines(evaluation: dict[str, Any], clusters: list[tuple], unit: str,
+                        resamples: int | None) -> list[str]:
+    """Each run against the base policy on the same tasks (the exploit's and the fix's
+    own effects), with the same paired, clustered bootstrap as the runs' difference."""
+    from calibrl.stats import DEFAULT_RESAMPLES, describe_difference, paired_difference
+
+    hits = evaluation["hits"]
+    if "base" not in hits:
+        return []
+    lines = ["Each run against the base policy on the same tasks (same bootstrap):", ""]
+    for name in (n for n in hits if n != "base"):
+        interval = paired_difference(hits[name], hits["base"], clusters=clusters,
+                                     resamples=resamples or DEFAULT_RESAMPLES, seed=0)
+        lines.append(f"- {describe_difference(name, 'base', interval, unit)}")
+    return lines + [""]
 
 
 def _num(value: Any) -> str:
