@@ -119,6 +119,16 @@ async def test_errors_map_to_status_codes_and_server_keeps_serving(served):
     assert len(ok.scores) == 1
 
 
+async def test_serving_compute_nice_reaches_the_workers(tmp_path):
+    config = server_config(make_rubrics(tmp_path / "rubrics"))
+    config.serving.compute_nice = 3
+    running = await start(config)
+    try:
+        assert running.servicer.batcher.worker_nice == 3
+    finally:
+        await running.stop(0)
+
+
 async def test_concurrent_callers_share_batches_and_cache(served):
     running, stub, _ = served
     outputs = [f"VTSAX expense ratio question number {i}" for i in range(8)]
@@ -126,7 +136,6 @@ async def test_concurrent_callers_share_batches_and_cache(served):
         stub.Score(pb.ScoreRequest(rubric_id="rewriter", items=items(o))) for o in outputs])
     stats = running.servicer.batcher.stats
     assert stats.items == 8 and stats.batches < 8  # concurrent calls were scored together
-    assert running.servicer.batcher.worker_nice == 10  # serving.compute_nice's default reaches the workers
     reference = Judge([load_rubric(running.servicer.judge.resolve("rewriter").source_path)],
                       JudgeConfig(embedder="hashed-ngrams", allow_unvalidated=True))
     for output, response in zip(outputs, responses):
