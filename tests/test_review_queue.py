@@ -106,7 +106,7 @@ def test_the_drift_check_during_training_raises_the_alarm_and_stops_the_run(trai
     retrieval, judge = trainer_world.clients()
     config = load_train_config(None, trainer_world.overrides(
         out, "steps=6", "review.every_steps=2", "review.n=6", "review.embedder=hashed-ngrams",
-        "review.drift_min_items=4", "review.on_alarm=stop", "checkpoint_every=0"))
+        "review.drift_min_items=4", "review.on_alarm=stop", "review.drift_gate=upper_bound", "checkpoint_every=0"))
 
     def grade_against_the_judge(step, metrics):
         if step == 2:
@@ -123,3 +123,4 @@ def test_the_drift_check_during_training_raises_the_alarm_and_stops_the_run(trai
     assert metrics[3]["drift/agreement"] == 0.0  # the expert disagreed on every item
     (record,) = [json.loads(line) for line in (out / "review" / "drift.jsonl").read_text().splitlines()]
     assert record["step"] == 4 and record["status"] == "alarm" and record["reason"].startswith("DRIFT:")
+    assert "on the upper_bound" in record["reason"]  # review.drift_gate reaches the check

@@ -97,3 +97,26 @@ def test_too_few_grades_give_no_verdict_and_mismatched_inputs_are_refused():
         drift_report(other, records, scores)
     with pytest.raises(ConfigError, match="min_separation=2"):
         drift_report(RUBRIC, records, scores, DriftOptions(min_separation=2))
+
+
+def test_the_upper_bound_gate_alarms_only_when_the_whole_interval_is_below():
+    agreeing, agreeing_scores = graded([good, missing])
+    exploited, exploited_scores = graded([stuffed])
+    # five stuffed rewrites among 21: the estimate is below the gate, its interval still reaches it
+    records, scores = agreeing + exploited[:5], list(agreeing_scores) + list(exploited_scores[:5])
+    on_estimate = drift_report(RUBRIC, records, scores)
+    assert on_estimate.alarm and on_estimate.kappa < 0.6 <= on_estimate.kappa_high
+    confident = drift_report(RUBRIC, records, scores, DriftOptions(gate="upper_bound"))
+    assert confident.status == "ok" and not confident.alarm
+    assert confident.reason.startswith("no drift shown on 21 freshly graded items")
+    assert "its 95% interval reaches it (gate on the upper_bound" in confident.reason
+    # every rewrite stuffed: the whole interval is below the gate, and the alarm names the criterion
+    records, scores = graded([good, stuffed])
+    report = drift_report(RUBRIC, records, scores, DriftOptions(gate="upper_bound"))
+    assert report.alarm and report.kappa_high < 0.6 and report.disagreeing[0] == "entities"
+    assert "gate min_kappa 0.6 on the upper_bound" in report.reason
+    # agreement on good grades stays ok under every gate
+    for gate in ("estimate", "lower_bound", "upper_bound"):
+        assert drift_report(RUBRIC, agreeing, agreeing_scores, DriftOptions(gate=gate)).status == "ok"
+    with pytest.raises(ConfigError, match="gate='median': must be one of estimate, lower_bound, upper_bound"):
+        drift_report(RUBRIC, records, scores, DriftOptions(gate="median"))

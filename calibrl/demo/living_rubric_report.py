@@ -81,13 +81,18 @@ def write_figures(out: pathlib.Path) -> list[str]:
     return ["training.png", "heldout.png"]
 
 
+_GATE_WORDS = {"upper_bound": " (an alarm when the kappa's whole 95% interval is below it)",
+               "lower_bound": " (an alarm unless the kappa's whole 95% interval is at or above it)"}
+
+
 def report_markdown(out: pathlib.Path, figures: Sequence[str]) -> str:
     """The report, every number read from ``results.json`` and the run records."""
     results = json.loads((out / "results.json").read_text(encoding="utf-8"))
     settings = results["settings"]
     lines = ["# The living rubric", "",
              f"Seed {results['seed']}; {settings['steps']} steps per run, review every {settings['review_every']} "
-             f"steps ({settings['review_n']} rollouts), drift gate kappa >= {settings['min_kappa']}, rubric weight "
+             f"steps ({settings['review_n']} rollouts), drift gate kappa >= {settings['min_kappa']}"
+             f"{_GATE_WORDS.get(settings.get('drift_gate', 'estimate'), '')}, rubric weight "
              f"{settings['w_rubric']} (x {settings['downweight_factor']} after an alarm). A step's drift kappa is the "
              "trainer's check over every grade so far, scored by the version serving then.", ""]
     agreement = results.get("base_agreement")

@@ -132,8 +132,9 @@ def drift(argv: Sequence[str]) -> int:
     parser.add_argument("--judge-option", action="append", default=[], metavar="KEY=VALUE",
                         help="JudgeConfig override, e.g. embedder=hashed-ngrams (repeatable)")
     parser.add_argument("--min-kappa", type=float, default=0.6, help="the gate (0.6)")
-    parser.add_argument("--gate", choices=["estimate", "lower-bound"], default="estimate",
-                        help="what must reach --min-kappa: the estimate or its interval's lower bound")
+    parser.add_argument("--gate", choices=["estimate", "lower-bound", "upper-bound"], default="estimate",
+                        help="what must reach --min-kappa: the estimate, its interval's lower bound, or its upper "
+                             "bound (an alarm only when the whole interval is below)")
     parser.add_argument("--pass-threshold", type=float, default=None,
                         help="judge pass = total >= this (default: the rubric's validation record's, else 0.6)")
     parser.add_argument("--pass-grade", type=int, default=4, help="expert pass = grade >= this without a verdict (4)")

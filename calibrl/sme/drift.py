@@ -33,6 +33,8 @@ from calibrl.judge_server.rubric import Rubric
 from calibrl.api.judge import ItemScore
 from calibrl.judge_server.authoring.validation import GATES, ValidationOptions, agreement
 
+DRIFT_GATES = (*GATES, "upper_bound")
+
 Status = Literal["ok", "alarm", "too_few"]
 
 
@@ -41,7 +43,10 @@ class DriftOptions:
     """The gate and what makes a criterion "disagree"."""
 
     min_kappa: float = 0.6  # the gate, as in validation
-    gate: str = "estimate"  # "estimate" or "lower_bound" (the interval's low end must clear min_kappa)
+    # what must reach min_kappa: "estimate", "lower_bound" (the interval's low end: the strict
+    # gate of validation) or "upper_bound" (drift only: the alarm needs the whole interval below
+    # min_kappa, so a few fresh grades that disagree by chance raise none)
+    gate: str = "estimate"
     pass_threshold: float = 0.6  # judge pass = total >= this (use the validation record's)
     pass_grade: int = 4  # expert pass = grade >= this, for records without a verdict
     flag_threshold: float = 0.5  # a criterion flags an item when its score is below this
@@ -56,13 +61,19 @@ class DriftOptions:
             raise ConfigError(f"min_separation={self.min_separation}: must be in [-1, 1]")
         if not 0.0 <= self.min_f1 <= 1.0:
             raise ConfigError(f"min_f1={self.min_f1}: must be in [0, 1]")
-        if self.gate not in GATES:
-            raise ConfigError(f"gate={self.gate!r}: must be one of {', '.join(GATES)}")
+        if self.gate not in DRIFT_GATES:
+            raise ConfigError(f"gate={self.gate!r}: must be one of {', '.join(DRIFT_GATES)}")
 
     def validation_options(self) -> ValidationOptions:
         return ValidationOptions(min_kappa=self.min_kappa, pass_threshold=self.pass_threshold,
                                  pass_grade=self.pass_grade, flag_threshold=self.flag_threshold,
-                                 min_items=max(2, self.min_items), gate=self.gate)
+                                 min_items=max(2, self.min_items), gate=self.gate if self.gate in GATES else "estimate")
+
+    def agrees(self, record: Any) -> bool:
+        """Whether the judge still agrees under this gate (``record``: the agreement's validation record)."""
+        if self.gate != "upper_bound":
+            return bool(record.passed)
+        return record.kappa_high is not None and record.kappa_high >= self.min_kappa
 
 
 @dataclass
@@ -176,7 +187,12 @@ def drift_report(rubric: Rubric, records: Sequence[FeedbackRecord], scores: Sequ
         status: Status = "too_few"
         reason = (f"{len(records)} graded items, fewer than {options.min_items_name}={options.min_items}: no verdict yet "
                   f"(kappa {kappa_text} so far)")
-    elif record.passed:
+    elif options.agrees(record) and not record.passed:  # the upper-bound gate: not shown to drift
+        status = "ok"
+        reason = (f"no drift shown on {len(records)} freshly graded items: kappa {kappa_text} is below min_kappa "
+                  f"{options.min_kappa:g}, but its 95% interval reaches it (gate on the upper_bound: the alarm "
+                  "needs the whole interval below)")
+    elif options.agrees(record):
         status = "ok"
         reason = f"the judge still agrees with the experts: {record.reason}"
     else:

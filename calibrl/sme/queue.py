@@ -64,6 +64,10 @@ class ReviewConfig:
               "log the judge's agreement with them (drift/* metrics; calibrl.sme.drift).")
     drift_min_items: int = option(10, "Fewest graded items for a drift verdict.")
     min_kappa: float = option(0.6, "The drift gate: least Cohen's kappa of judge vs experts on the graded items.")
+    drift_gate: Literal["estimate", "lower_bound", "upper_bound"] = option(
+        "estimate", "What must reach min_kappa: the kappa's estimate; its 95% interval's lower bound (an alarm "
+                    "unless the agreement is shown); or its upper bound (an alarm only when the whole interval is "
+                    "below min_kappa: a few grades that disagree by chance raise none).")
     on_alarm: Literal["warn", "stop", "downweight"] = option(
         "warn", "Below the drift gate: warn (naming the criteria that disagree); stop: also stop the run after the "
                 "step with a checkpoint, as SIGTERM does (resume it once the next rubric version is served); "
@@ -219,7 +223,8 @@ class ReviewQueue:
         scores = self._run_async(self._judge.score(self._rubric_id, [r.to_item() for r in records]))
         rubric = self._run_async(_rubric_of(self._judge, scores[0].rubric_id, scores[0].rubric_hash))
         options = DriftOptions(min_kappa=self.config.min_kappa, pass_threshold=self.config.pass_threshold,
-                               min_items=self.config.drift_min_items, min_items_name="review.drift_min_items")
+                               min_items=self.config.drift_min_items, min_items_name="review.drift_min_items",
+                               gate=self.config.drift_gate)
         report = drift_report(rubric, records, scores, options, scores[0].model_id)
         self.last_drift = report
         with (self.folder / "drift.jsonl").open("a", encoding="utf-8") as out:
