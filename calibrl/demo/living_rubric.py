@@ -121,8 +121,6 @@ class LivingSettings:
     review_n: int = 16
     drift_min_items: int = 10
     min_kappa: float = 0.6
-    # the alarm needs the drift kappa's whole 95% interval below min_kappa (experiments/LOG.md, L5)
-    drift_gate: str = "upper_bound"
     downweight_factor: float = 0.25
     group_size: int = 4
     prompts_per_step: int = 8
@@ -327,7 +325,7 @@ def _train(name: str, base: pathlib.Path, train_tasks: pathlib.Path, domain: Any
         f"reward.w_rubric={settings.w_rubric}", f"reward.rubric_id={rubric_id}", f"services.judge=127.0.0.1:{services.judge_server.port}",
         f"review.every_steps={settings.review_every}", f"review.n={settings.review_n}",
         "review.embedder=hashed-ngrams", f"review.drift_min_items={settings.drift_min_items}",
-        f"review.min_kappa={settings.min_kappa}", f"review.drift_gate={settings.drift_gate}", f"review.seed={seed}",
+        f"review.min_kappa={settings.min_kappa}", f"review.seed={seed}",
         f"review.on_alarm={'downweight' if name == 'corrected' else 'warn'}",
         f"review.downweight_factor={settings.downweight_factor}", "report_to=none",
         f"progress_bar={str(progress).lower()}"])
