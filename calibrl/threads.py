@@ -70,10 +70,11 @@ MAX_NICE = 19
 def lower_thread_priority(nice: int, name: str = "") -> int | None:
     """Make the calling thread ``nice`` steps nicer (capped at :data:`MAX_NICE`; 0 leaves
     it); returns the niceness in force, or None where threads have no niceness of their
-    own (not Linux) or the system refused, which is logged. Raising a niceness needs no
-    privilege, and threads the caller starts later inherit it."""
-    if not hasattr(os, "setpriority"):
-        log.warning("thread %s: no per-thread niceness on this platform; it runs at the process's", name)
+    own (not Linux) or the system refused (logged when a change was asked for). Raising a
+    niceness needs no privilege, and threads the caller starts later inherit it."""
+    if not sys.platform.startswith("linux"):  # elsewhere a niceness belongs to the whole process
+        if nice:
+            log.warning("thread %s: no per-thread niceness on %s; it runs at the process's", name, sys.platform)
         return None
     thread_id = threading.get_native_id()
     try:
@@ -82,7 +83,8 @@ def lower_thread_priority(nice: int, name: str = "") -> int | None:
             os.setpriority(os.PRIO_PROCESS, thread_id, min(MAX_NICE, current + nice))
             current = os.getpriority(os.PRIO_PROCESS, thread_id)
     except OSError as exc:
-        log.warning("thread %s: niceness not changed (%s)", name, exc)
+        if nice:
+            log.warning("thread %s: niceness not changed (%s)", name, exc)
         return None
     if nice:
         log.info("thread %s runs at niceness %d", name, current)
