@@ -85,6 +85,9 @@ SOLO_UNIT_COST = 0.5
 PUSHBACK_JITTER = 0.5
 # Tenants remembered (statistics, virtual times): without keys every connection is a tenant.
 MAX_TENANT_STATS = 1000
+# A call cancelled this close to its deadline, or later, was cancelled by its deadline (gRPC
+# cancels the handler when it passes; the deadline the server reads starts a little later).
+DEADLINE_CANCEL_SLACK_S = 0.05
 
 
 @dataclass(eq=False)
@@ -368,6 +371,8 @@ class MicroBatcher(Generic[ItemT, ResultT]):
         try:
             return await pending.future
         except asyncio.CancelledError:
+            if pending.deadline is not None and loop.time() >= pending.deadline - DEADLINE_CANCEL_SLACK_S:
+                self._missed(pending, "cancelled")  # gRPC cancels a call when its deadline passes
             self._forget(pending)  # the caller gave up: its queued items never run
             raise
         finally:
@@ -658,7 +663,8 @@ class MicroBatcher(Generic[ItemT, ResultT]):
 
     def _missed(self, pending: _Pending, where: str) -> None:
         """Count an admitted call that ran out of time here (``queued``: expired before its
-        last unit started; ``late``: its last unit ended after its deadline)."""
+        last unit started; ``late``: its last unit ended after its deadline; ``cancelled``:
+        the caller's deadline cancelled it while it waited or ran)."""
         self.stats.tenant(pending.tenant.name).missed += 1
         telemetry.record("deadline_missed", 1, tenant=pending.tenant.name or "none", where=where, batcher=self.name)
 

@@ -192,7 +192,8 @@ def _instruments(meter: Any) -> dict[str, Any]:
         "deadline_missed": meter.create_counter(
             "calibrl.tenant.deadline.missed",
             description="Admitted calls that ran out of time on the server, by tenant and where "
-                        "(queued: expired before their last unit started; late: finished after their deadline)"
+                        "(queued: expired before their last unit started; late: finished after their deadline; "
+                        "cancelled: cancelled by their deadline while they waited or ran)"
         ),
         "loop_lag": meter.create_histogram(
             "calibrl.server.loop.lag", unit="s",

@@ -405,3 +405,22 @@ async def test_admitted_calls_meet_their_deadlines_under_overload():
     assert sum(stats.missed for stats in batcher.stats.tenants.values()) == 0  # none finished late either
     assert max(shed_s) < 0.05
     await batcher.close()
+
+
+async def test_a_call_its_deadline_cancels_is_counted_as_missed_and_an_early_cancel_is_not():
+    """gRPC cancels a handler when the call's deadline passes: the batcher counts that call as
+    one that ran out of time on the server; a caller that gives up well before is not counted."""
+    backend = Backend()
+    batcher = MicroBatcher(backend, max_wait_ms=0)
+    first = await _hold_first_unit(batcher, backend)
+    # cancelled at its 0.3 s deadline, as gRPC does, while it waits behind the held unit
+    by_deadline = asyncio.wait_for(batcher.submit("k", [("a", 0.001)], timeout_s=0.3, tenant="a", costs=[0.001]), 0.3)
+    # cancelled by its caller 0.1 s in, with 4.9 s of its deadline left
+    early = asyncio.wait_for(batcher.submit("k", [("b", 0.001)], timeout_s=5.0, tenant="b", costs=[0.001]), 0.1)
+    results = await asyncio.gather(by_deadline, early, return_exceptions=True)
+    assert all(isinstance(r, asyncio.TimeoutError) for r in results), results
+    assert batcher.stats.tenants["a"].missed == 1
+    assert batcher.stats.tenants["b"].missed == 0
+    backend.gate.set()
+    await first
+    await batcher.close()
