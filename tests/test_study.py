@@ -357,6 +357,76 @@ def test_a_study_stopped_part_way_reports_the_runs_every_seed_finished(tmp_path)
     assert first_line and first_line in block
 
 
+def _study_folder(folder, command, plan, records, started=0.0):
+    from calibrl.studies.search_arms import SEED_RESULT, STUDY_FILE
+
+    folder.mkdir()
+    (folder / STUDY_FILE).write_text(json.dumps({"command": command, "plan": plan, "started": started,
+                                                 "machine": f"machine of {command}"}))
+    for record in records:
+        (folder / f"seed_{record['seed']}").mkdir()
+        (folder / f"seed_{record['seed']}" / SEED_RESULT).write_text(json.dumps(record))
+
+
+def test_studies_run_apart_merge_into_one_report_naming_each(tmp_path, capsys):
+    """Seeds run in two sittings give the report one study of all of them would: the same
+    summary, with each sitting's command and seeds named, and a seed neither ran named as not run."""
+    records = _hand_records(shared=False)
+    _study_folder(tmp_path / "first", "calibrl study --seeds 0,2 --out /x/first", {**PLAN, "seeds": [0, 2]},
+                  records[:1])
+    _study_folder(tmp_path / "second", "calibrl study --seeds 1 --out /x/second", {**PLAN, "seeds": [1]},
+                  records[1:])
+    out = tmp_path / "merged"
+    assert main(["--out", str(out), "--merge", str(tmp_path / "first"), "--merge", str(tmp_path / "second")]) == 0
+    merged = json.loads((out / "results.json").read_text())
+    alone = study_report.summarize({**PLAN, "seeds": [0, 1, 2]}, records)
+    assert merged["summary"] == json.loads(json.dumps(study_report._json_safe(alone)))
+    assert merged["plan"]["seeds"] == [0, 1, 2]
+    assert [(p["command"], p["seeds"]) for p in merged["parts"]] == [
+        ("calibrl study --seeds 0,2 --out /x/first", [0]), ("calibrl study --seeds 1 --out /x/second", [1])]
+    assert all((out / f"seed_{seed}" / "seed_result.json").is_file() for seed in (0, 1))
+    text = (out / "report.md").read_text()
+    assert ("Records from 2 studies of the same plan, run apart: `calibrl study --seeds 0,2 --out /x/first` for "
+            "seeds 0 (wall time ") in text and "machine of calibrl study --seeds 1 --out /x/second" in text
+    assert "normal/grpo (seed 2)" in text  # planned by the first sitting, run by neither
+    # the merged folder merges again as a report folder, keeping both sittings
+    records_3 = [dict(records[0], seed=3)]
+    _study_folder(tmp_path / "third", "calibrl study --seeds 3 --out /x/third", {**PLAN, "seeds": [3]}, records_3)
+    assert main(["--out", str(out), "--merge", str(out), "--merge", str(tmp_path / "third")]) == 0
+    again = json.loads((out / "results.json").read_text())
+    assert [p["seeds"] for p in again["parts"]] == [[0], [1], [3]] and again["plan"]["seeds"] == [0, 1, 2, 3]
+    # the docs' generated line names every sitting, without its folders
+    from calibrl.demo import results_tables
+
+    (tmp_path / "study").mkdir()
+    (tmp_path / "study" / "results.json").write_text(json.dumps(again))
+    verdict = results_tables.render_text(
+        "<!-- BEGIN generated: study-verdict -->\n<!-- END generated: study-verdict -->\n", tmp_path)
+    assert ("(`calibrl study --seeds 0,2 --out <dir>` for seeds 0; `calibrl study --seeds 1 --out <dir>` for seeds 1; "
+            "`calibrl study --seeds 3 --out <dir>` for seeds 3; seeds planned 0, 1, 2, 3") in verdict
+    assert "/x/" not in verdict
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"lr": 2e-4}, "its plan differs from"),
+    ({}, "seed 0 has records in"),
+])
+def test_a_merge_refuses_other_plans_and_a_seed_given_twice(change, message, tmp_path, capsys):
+    records = _hand_records(shared=False)
+    _study_folder(tmp_path / "a", "calibrl study --seeds 0", {**PLAN, "seeds": [0]}, records[:1])
+    _study_folder(tmp_path / "b", "calibrl study --seeds 0", {**PLAN, "seeds": [0], **change}, records[:1])
+    assert main(["--out", str(tmp_path / "out"), "--merge", str(tmp_path / "a"), "--merge", str(tmp_path / "b")]) == 1
+    err = capsys.readouterr().err
+    assert message in err and str(tmp_path / "b") in err
+    assert not (tmp_path / "out" / "results.json").exists()
+
+
+def test_a_merge_needs_study_or_report_folders(tmp_path, capsys):
+    (tmp_path / "empty").mkdir()
+    assert main(["--out", str(tmp_path / "out"), "--merge", str(tmp_path / "empty")]) == 1
+    assert "neither study.json" in capsys.readouterr().err
+
+
 def test_report_only_needs_a_study_folder(tmp_path, capsys):
     assert main(["--report-only", "--out", str(tmp_path)]) == 1
     assert "study.json is missing" in capsys.readouterr().err

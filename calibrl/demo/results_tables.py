@@ -275,8 +275,8 @@ def study_verdict(records: JsonRecord | None) -> list[str]:
 
     plan, summary = records["plan"], records["summary"]
     finished = sorted({str(seed["seed"]) for seed in records.get("seeds", [])}, key=int)
-    command = re.sub(r"--out \S+", "--out <dir>", records["command"])  # where it ran is no part of the result
-    lines = [f"Generated from `results/study/results.json` (`{command}`; seeds planned "
+    command = report.commands_text(records, hide_out=True)
+    lines = [f"Generated from `results/study/results.json` ({command}; seeds planned "
              f"{', '.join(map(str, plan['seeds']))}, with records from seeds {', '.join(finished) or 'none'}).", ""]
     if summary.get("missing_runs"):
         lines += ["Stopped part way: the figures cover the runs every seed with records finished; not run: "

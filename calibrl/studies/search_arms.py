@@ -30,7 +30,10 @@ questions) and the paired bootstrap of every pair of arms and of each arm vs the
 
 Each seed writes ``seed_<N>/seed_result.json``; ``--jobs 2`` runs two seeds at a time
 as subprocesses (``calibrl study --worker``); the parent then writes ``results.json``,
-``report.md`` and ``plots/`` (:mod:`calibrl.studies.search_arms_report`).
+``report.md`` and ``plots/`` (:mod:`calibrl.studies.search_arms_report`). A study
+too long for one sitting can run its seeds apart (``--seeds 6,7`` now, ``--seeds 8,9``
+later or elsewhere); ``calibrl study --out DIR --merge A --merge B`` then writes one
+report over all their records, naming each study's command and wall time.
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import math
 import os
 import pathlib
 import shutil
@@ -428,6 +432,76 @@ def report_only(out: pathlib.Path) -> pathlib.Path:
                                     arm_labels={a.name: a.label for a in ARMS}, machine=meta.get("machine", ""))
 
 
+def merge_reports(out: pathlib.Path, sources: Sequence[pathlib.Path]) -> pathlib.Path:
+    """One report in ``out`` over the seed records of several studies of one plan that ran
+    apart (in turns, or on several machines): each source is a study's ``--out`` or a
+    folder an earlier report was written to (``results.json`` beside its ``seed_<N>``
+    records). Only the seeds may differ between their plans, and no seed may come from two;
+    the planned seeds are all of theirs, so a seed none of them ran is named as not run.
+    The records are copied into ``out``, which then holds everything its report reads."""
+    from calibrl.studies import search_arms_report as study_report
+
+    plan: JsonObject | None = None
+    parts: list[JsonObject] = []
+    records: dict[int, tuple[JsonObject, pathlib.Path]] = {}
+    for source in sources:
+        source_plan, source_parts, paths = _study_part(source)
+        if plan is None:
+            plan = dict(source_plan)
+        differ = sorted(key for key in set(plan) | set(source_plan)
+                        if key != "seeds" and plan.get(key) != source_plan.get(key))
+        if differ:
+            raise StudyError(f"--merge {source}: its plan differs from {sources[0]}'s in {', '.join(differ)}; "
+                             "only the seeds may differ")
+        plan["seeds"] = sorted(set(plan["seeds"]) | set(source_plan["seeds"]))
+        for path in paths:
+            record = json.loads(path.read_text(encoding="utf-8"))
+            if record["seed"] in records:
+                raise StudyError(f"--merge {source}: seed {record['seed']} has records in {records[record['seed']][1]} "
+                                 f"and {path}; give each seed from one study")
+            records[record["seed"]] = (record, path)
+        parts.extend(source_parts)
+    assert plan is not None  # sources is not empty
+    out.mkdir(parents=True, exist_ok=True)
+    for seed, (_, path) in records.items():
+        target = out / f"seed_{seed}" / SEED_RESULT
+        target.parent.mkdir(parents=True, exist_ok=True)
+        if target.resolve() != path.resolve():
+            shutil.copyfile(path, target)
+    machines = sorted({part["machine"] for part in parts if part.get("machine")})
+    return study_report.write_study(
+        plan, [records[seed][0] for seed in sorted(records)], out, command=" + ".join(p["command"] for p in parts),
+        wall_s=math.fsum(p["wall_s"] for p in parts), arm_labels={a.name: a.label for a in ARMS},
+        machine=machines[0] if len(machines) == 1 else "", parts=parts)
+
+
+def _study_part(source: pathlib.Path) -> tuple[JsonObject, list[JsonObject], list[pathlib.Path]]:
+    """A merge source's plan, the studies that made its records (command, seeds, wall
+    time, machine) and its seed records' paths."""
+    meta_path, results_path = source / STUDY_FILE, source / "results.json"
+    if meta_path.is_file():  # a study's --out: its records so far, timed from its start
+        meta = json.loads(meta_path.read_text(encoding="utf-8"))
+        paths = [source / f"seed_{seed}" / SEED_RESULT for seed in meta["plan"]["seeds"]]
+        paths = [path for path in paths if path.is_file()]
+        wall = max((path.stat().st_mtime for path in paths), default=meta["started"]) - meta["started"]
+        parts = [{"command": meta["command"], "seeds": [int(path.parent.name.split("_")[1]) for path in paths],
+                  "wall_s": wall, "machine": meta.get("machine", "")}]
+        plan = meta["plan"]
+    elif results_path.is_file():  # a report folder: the studies its results.json names
+        results = json.loads(results_path.read_text(encoding="utf-8"))
+        plan = results["plan"]
+        paths = [source / f"seed_{seed}" / SEED_RESULT for seed in plan["seeds"]]
+        paths = [path for path in paths if path.is_file()]
+        parts = results.get("parts") or [{"command": results["command"], "wall_s": results["wall_s"],
+                                          "machine": results.get("machine", ""),
+                                          "seeds": [int(path.parent.name.split("_")[1]) for path in paths]}]
+    else:
+        raise StudyError(f"--merge {source}: neither {STUDY_FILE} (a study's --out) nor results.json (a report) is there")
+    if not paths:
+        raise StudyError(f"--merge {source}: no seed has written {SEED_RESULT} there")
+    return plan, parts, paths
+
+
 def _run_seeds_in_processes(plan: StudyPlan, out: pathlib.Path, jobs: int) -> list[JsonObject]:
     """``calibrl study --worker`` per seed, at most ``jobs`` at once; their seed results in seed order."""
     from calibrl.demo.services import calibrl_command, service_env
@@ -514,6 +588,9 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--report-only", action="store_true",
                         help="write the report of --out from the runs its seeds have finished so far (a study stopped "
                         "part way, or still running), and stop")
+    parser.add_argument("--merge", action="append", default=[], metavar="DIR",
+                        help="write one report in --out over the seed records of several studies of the same plan run "
+                        "apart (repeat: each DIR a study's --out or an earlier report's folder), and stop")
     parser.add_argument("--native-kernels", action="store_true",
                         help="this CPU's fastest float kernels instead of kernels pinned to AVX2 (calibrl.kernels)")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)  # one seed, no report
@@ -553,9 +630,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     plan = StudyPlan(QUICK if args.quick else FULL, seeds, heldout_limit=args.heldout_limit,
                      arms=tuple(a for a in ARMS if a.name in arms), settings=tuple(s for s in SETTINGS if s in settings))
     out = pathlib.Path(args.out)
-    if args.report_only:
+    if args.report_only or args.merge:
         try:
-            print(f"report: {report_only(out)}")
+            path = merge_reports(out, [pathlib.Path(d) for d in args.merge]) if args.merge else report_only(out)
+            print(f"report: {path}")
         except CalibrlError as exc:
             print(f"error: {exc}", file=sys.stderr)
             return 1

@@ -22,6 +22,7 @@ import itertools
 import json
 import math
 import pathlib
+import re
 from typing import Mapping, Sequence, Union
 
 from calibrl.json_types import JsonObject, JsonRecord, JsonValue
@@ -287,17 +288,21 @@ def summarize(plan: JsonRecord, records: Sequence[JsonRecord]) -> JsonObject:
 
 
 def write_study(plan: JsonRecord, records: Sequence[JsonRecord], out: pathlib.Path, *, command: str,
-                wall_s: float, arm_labels: Mapping[str, str], machine: str = "") -> pathlib.Path:
-    """Write results.json, plots/ and report.md under ``out``; returns report.md's path."""
+                wall_s: float, arm_labels: Mapping[str, str], machine: str = "",
+                parts: Sequence[JsonRecord] = ()) -> pathlib.Path:
+    """Write results.json, plots/ and report.md under ``out``; returns report.md's path.
+    ``parts``: for a report over the seeds of several studies run apart (``calibrl study
+    --merge``), each one's command, seeds, wall time and machine; ``command``, ``wall_s`` and
+    ``machine`` then summarise them."""
     summary = summarize(plan, records)
     labels = {BASE: "base search agent (untrained)", CONSTANT: "best constant answer per aspect (no search)",
               **arm_labels}
     results = {"command": command, "wall_s": wall_s, "machine": machine, "plan": dict(plan), "summary": summary,
-               "seeds": [_seed_json(r) for r in records]}
+               "seeds": [_seed_json(r) for r in records], **({"parts": [dict(p) for p in parts]} if parts else {})}
     (out / "results.json").write_text(json.dumps(_json_safe(results), indent=1), encoding="utf-8")
     plots = write_plots(plan, summary, labels, out / "plots")
     lines = [f"# calibrl study: the search agent's arms over seeds {', '.join(map(str, plan['seeds']))}", "",
-             f"Command: `{command}`; wall time {wall_s:.0f} s" + (f"; {machine}." if machine else "."), "",
+             provenance_line(results), "",
              *timing_lines(records), *settings_lines(plan, summary), "",
              "## What the data shows", "", *(f"- {line}" for line in verdict(plan, summary, labels)), ""]
     if summary["missing_runs"]:
@@ -328,6 +333,32 @@ def write_study(plan: JsonRecord, records: Sequence[JsonRecord], out: pathlib.Pa
     path = out / "report.md"
     path.write_text("\n".join(lines) + "\n", encoding="utf-8")
     return path
+
+
+def commands_text(results: JsonRecord, hide_out: bool = False) -> str:
+    """The command that made a study's records, or, for a report over several studies run
+    apart (``calibrl study --merge``), each one's with the seeds it gave. ``hide_out`` writes
+    ``--out <dir>`` for the folder: where a study ran is no part of its result."""
+    def shown(command: str) -> str:
+        return "`" + (re.sub(r"--out \S+", "--out <dir>", command) if hide_out else command) + "`"
+
+    parts = results.get("parts")
+    if not parts:
+        return shown(results["command"])
+    return "; ".join(f"{shown(part['command'])} for seeds {', '.join(map(str, part['seeds']))}" for part in parts)
+
+
+def provenance_line(results: JsonRecord) -> str:
+    """The report's line on how its records were made: command(s), wall time(s), machine(s)."""
+    parts = results.get("parts")
+    if not parts:
+        machine = results.get("machine", "")
+        return (f"Command: {commands_text(results)}; wall time {results['wall_s']:.0f} s"
+                + (f"; {machine}." if machine else "."))
+    described = [f"{commands_text({'command': part['command']})} for seeds {', '.join(map(str, part['seeds']))} "
+                 f"(wall time {part['wall_s']:.0f} s" + (f"; {part['machine']}" if part.get("machine") else "") + ")"
+                 for part in parts]
+    return f"Records from {len(parts)} studies of the same plan, run apart: " + "; ".join(described) + "."
 
 
 def timing_lines(records: Sequence[JsonRecord]) -> list[str]:
