@@ -90,7 +90,7 @@ def serve(argv: list[str]) -> int:
         running = await start(config)
         freeze_loaded_objects()
         print(f"judge server listening on {config.serving.host}:{running.port}", flush=True)
-        await serve_until_signal(running, config.serving.grace_seconds, stop_requested)
+        await serve_until_signal(running, config.serving.grace_seconds, stop_requested, exit_watchdog=True)
 
     try:
         asyncio.run(run())

@@ -150,3 +150,50 @@ def test_the_judge_exits_in_time_with_calls_that_outlive_the_grace(tmp_path):
         if process.poll() is None:
             process.kill()
             process.wait()
+
+
+# A server process whose shutdown hangs after the grace (an on_stop hook that never returns):
+# the exit watchdog still ends it, with code 0 and a log line; without it the process stays.
+HANGING_SERVER = """
+import asyncio, sys, time
+from calibrl.serving import ServingConfig, serve_until_signal, start_server, stop_on_signals
+
+async def main(watchdog):
+    stop_requested = stop_on_signals()
+    async def hang():
+        time.sleep(60)  # blocks the loop itself, as a stuck native call would
+    running = await start_server(ServingConfig(port=0, drain_seconds=0.5, grace_seconds=0.5),
+                                 lambda server: None, [], on_stop=[hang])
+    print("listening on", running.port, flush=True)
+    await serve_until_signal(running, stop_requested=stop_requested, exit_watchdog=watchdog)
+
+asyncio.run(main(sys.argv[1] == "on"))
+"""
+
+
+@pytest.mark.parametrize("watchdog", ["on", "off"])
+def test_a_shutdown_that_hangs_past_the_grace_is_ended_by_the_watchdog(watchdog):
+    from calibrl.serving import EXIT_WATCHDOG_MARGIN_S
+
+    process = subprocess.Popen([sys.executable, "-c", HANGING_SERVER, watchdog],
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        line = process.stdout.readline()
+        assert "listening on" in line, line + process.stderr.read()
+        signalled = time.monotonic()
+        process.send_signal(signal.SIGTERM)
+        try:
+            code = process.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            code = None
+        elapsed = time.monotonic() - signalled
+        if watchdog == "on":
+            assert code == 0
+            assert 0.5 + 0.5 + EXIT_WATCHDOG_MARGIN_S - 0.05 <= elapsed < 0.5 + 0.5 + 1.0, elapsed
+            assert "shutdown still running" in process.stderr.read()
+        else:
+            assert code is None, "the hook's hang should have held a process without a watchdog open"
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
