@@ -47,7 +47,7 @@ ENCODER_BACKENDS = ("torch", "onnx")
 
 def default_backend(device: str) -> str:
     """The encoder of an index build or a judge that names none: ONNX Runtime on the CPU
-    (its equal-length groups are proven invariant at start), torch on a GPU
+    (its grouped forward passes are proven invariant at start), torch on a GPU
     (docs/concepts/encoders.md)."""
     return "onnx" if device.startswith("cpu") else "torch"
 

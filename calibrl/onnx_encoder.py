@@ -1,19 +1,28 @@
-"""MiniLM (any BERT-style encoder folder) on ONNX Runtime: texts of equal token length
-run together, without padding, and a start-up self-test proves that this is invariant.
+"""MiniLM (any BERT-style encoder folder) on ONNX Runtime: texts share forward passes, and a
+start-up self-test proves that a text's vector is bitwise the same as when it runs alone.
 
 Export: the folder's weights are exported once with ``torch.onnx.export`` (a fresh
 copy of the model, eager attention, dynamic batch and length) into a cache folder keyed
-by the weights' SHA-256 and the exporter's versions (:func:`export_path`), written
-atomically; nothing is downloaded. The graph takes ``input_ids`` only: no text is ever
-padded, so the attention mask is all ones and the token types all zero.
+by the weights' SHA-256, the exporter's versions and :data:`EXPORT_FORMAT`
+(:func:`export_path`), written atomically; nothing is downloaded. The graph takes
+``input_ids`` and ``attention_mask``; token types are all zero.
 
-Grouping: a batch of texts is tokenised, texts of the same token length go through one
-forward pass (``(rows, length)``), and each row is pooled on its own. A group has no
-padding, so a row can only change with its companions if a kernel's arithmetic
-depends on the number of rows; ONNX Runtime's CPU kernels block over the inner
-dimension independently of it (measured: ``benchmarks/bench_invariance.py --probe``),
-and :func:`self_test` checks this on the machine and library that actually run:
-if any bit differs, the encoder runs one text per forward pass instead (``per-text``).
+Reference: a text alone, unpadded (mask all ones): the vector calibrl serves. Grouping,
+in the mode the self-test proved (best first):
+
+- ``padded buckets``: a text is padded at the end to its bucket length (:data:`BUCKETS`,
+  the first at or above its token count) with the mask zero there, and texts of one bucket
+  share a forward pass; each row is pooled over its own tokens only. Padding at the end
+  leaves a row's arithmetic unchanged where the kernels add the masked positions' exact
+  zeros after the real ones (measured: ``benchmarks/probe_padded_encoder.py``).
+- ``equal-length groups``: texts of the same token length share a pass, without padding;
+  a row can only change with its companions if a kernel's arithmetic depends on the
+  number of rows; ONNX Runtime's CPU kernels block over the inner dimension independently
+  of it (``benchmarks/bench_invariance.py --probe``).
+- ``per-text``: every text runs alone.
+
+:func:`self_test` checks each mode on the machine and library that actually run, against
+the reference, bit for bit; a mode with any differing bit is not used (logged).
 
 Pooling and normalisation match the torch path (mean over the tokens, L2 norm); the
 norm is computed exactly (``math.fsum`` in float64), so it never depends on a
@@ -34,12 +43,21 @@ from typing import Any, Sequence
 
 log = logging.getLogger(__name__)
 
-EXPORT_FORMAT = 1  # bump when the exported graph changes (inputs, opset, wrapper)
+EXPORT_FORMAT = 2  # bump when the exported graph changes (inputs, opset, wrapper); 2: attention_mask input
 OPSET = 17
 CACHE_ENV = "CALIBRL_CACHE_DIR"
 MAX_GROUP_TOKENS = 8192  # rows x length of one forward pass at most (memory bound)
-# Probe of the self-test: (token length, sequences) pairs; 16 rows cover the larger groups.
-PROBE_SHAPES = ((3, 6), (9, 16), (24, 6), (61, 6), (128, 4))
+# Probe of the self-test: (token length, sequences) pairs; 16 rows cover the larger groups, and
+# several lengths share a bucket (9 and 12 in 16, 50 and 61 in 64) so padded groups mix them.
+PROBE_SHAPES = ((3, 6), (9, 16), (12, 6), (24, 6), (50, 4), (61, 6), (128, 4))
+# Padded lengths of the ``padded buckets`` mode; a text longer than the last runs unpadded.
+BUCKETS = (8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512)
+MODES = ("padded buckets", "equal-length groups", "per-text")
+
+
+def bucket(length: int) -> int:
+    """The padded length of a text of ``length`` tokens (its own length past the last bucket)."""
+    return next((b for b in BUCKETS if b >= length), length)
 
 
 def _cache_roots() -> list[pathlib.Path]:
@@ -115,11 +133,11 @@ def _export(folder: str, target: pathlib.Path) -> pathlib.Path:
             super().__init__()
             self.encoder = encoder
 
-        def forward(self, input_ids: Any) -> Any:
-            return self.encoder(input_ids=input_ids).last_hidden_state
+        def forward(self, input_ids: Any, attention_mask: Any) -> Any:
+            return self.encoder(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
 
     target.parent.mkdir(parents=True, exist_ok=True)
-    sample = torch.tensor([[101, 2000, 2001, 102], [101, 2002, 2003, 102]])
+    sample = (torch.tensor([[101, 2000, 2001, 102], [101, 2002, 102, 0]]), torch.tensor([[1, 1, 1, 1], [1, 1, 1, 0]]))
     handle, staging = tempfile.mkstemp(prefix=".encoder-", suffix=".onnx", dir=target.parent)
     os.close(handle)
     try:
@@ -128,9 +146,10 @@ def _export(folder: str, target: pathlib.Path) -> pathlib.Path:
         with warnings.catch_warnings():  # the tracer's notes on shape-dependent Python branches
             warnings.simplefilter("ignore")
             torch.onnx.export(
-                _LastHiddenState(model), (sample,), staging, dynamo=False, opset_version=OPSET,
-                input_names=["input_ids"], output_names=["last_hidden_state"],
-                dynamic_axes={"input_ids": {0: "rows", 1: "tokens"}, "last_hidden_state": {0: "rows", 1: "tokens"}},
+                _LastHiddenState(model), sample, staging, dynamo=False, opset_version=OPSET,
+                input_names=["input_ids", "attention_mask"], output_names=["last_hidden_state"],
+                dynamic_axes={name: {0: "rows", 1: "tokens"}
+                              for name in ("input_ids", "attention_mask", "last_hidden_state")},
             )
         os.replace(staging, target)  # atomic: a concurrent process sees the whole file or none
     except BaseException:
@@ -168,20 +187,31 @@ def pool(hidden: Any, pooling: str, normalize: bool) -> Any:
 
 @dataclass(frozen=True)
 class SelfTest:
-    """What the start-up self-test found (see the module doc)."""
+    """What the start-up self-test found (see the module doc): per grouped mode, the rows
+    checked against the reference and how many differed."""
 
-    passed: bool
+    passed: bool  # equal-length groups
     rows_checked: int
     rows_differing: int
     threads: int
+    padded_passed: bool = False
+    padded_rows_checked: int = 0
+    padded_rows_differing: int = 0
 
     @property
     def mode(self) -> str:
-        return "equal-length groups" if self.passed else "per-text"
+        return MODES[0] if self.padded_passed else MODES[1] if self.passed else MODES[2]
 
     def describe(self) -> str:
-        verdict = "passed" if self.passed else f"FAILED ({self.rows_differing} of {self.rows_checked} rows differed)"
-        return f"self-test {verdict} at {self.threads} thread(s): {self.mode}"
+        """One line: "self-test passed at N thread(s): MODE" when padded buckets passed; what
+        failed, with its rows, otherwise."""
+        if self.padded_passed:
+            return f"self-test passed at {self.threads} thread(s): {self.mode}"
+        padded = f"padded buckets FAILED ({self.padded_rows_differing} of {self.padded_rows_checked} rows differed)"
+        if self.passed:
+            return f"self-test passed at {self.threads} thread(s) for equal-length groups, {padded}: {self.mode}"
+        return (f"self-test FAILED ({self.rows_differing} of {self.rows_checked} rows differed in equal-length groups; "
+                f"{padded}) at {self.threads} thread(s): {self.mode}")
 
 
 class OnnxRunner:
@@ -194,32 +224,52 @@ class OnnxRunner:
         self.graph = ensure_exported(folder)
         self.session = load_session(str(self.graph), threads, spinning)
         self.threads = threads
+        self._unpadded_groups = False  # the self-test checks padding alone
         self.self_test = self_test(self)
-        self.grouped = self.self_test.passed
-        if not self.grouped:
-            log.error("ONNX encoder %s: %s; every text now runs its own forward pass (slower, still "
-                      "invariant)", folder, self.self_test.describe())
+        self.mode = self.self_test.mode
+        # a padded-bucket group whose texts all have one length runs unpadded: an equal-length
+        # group, proven by the same self-test (a lone text is its own reference)
+        self._unpadded_groups = self.self_test.passed
+        if self.mode != MODES[0]:  # still invariant, but texts share fewer forward passes (slower)
+            log.log(logging.ERROR if self.mode == MODES[2] else logging.WARNING, "ONNX encoder %s: %s", folder,
+                    self.self_test.describe())
 
-    def hidden(self, ids: Any) -> Any:
-        """(rows, tokens) int64 -> (rows, tokens, dimension) float32."""
-        return self.session.run(None, {"input_ids": ids})[0]
+    @property
+    def grouped(self) -> bool:
+        """Whether texts share forward passes (any mode but ``per-text``)."""
+        return self.mode != MODES[2]
 
-    def encode_ids(self, token_ids: Sequence[Sequence[int]], grouped: bool | None = None) -> list[Any]:
-        """One unit vector per token sequence; equal lengths share a forward pass when ``grouped``."""
+    def hidden(self, ids: Any, mask: Any) -> Any:
+        """(rows, tokens) int64 ids and mask -> (rows, tokens, dimension) float32."""
+        return self.session.run(None, {"input_ids": ids, "attention_mask": mask})[0]
+
+    def encode_ids(self, token_ids: Sequence[Sequence[int]], mode: str | None = None) -> list[Any]:
+        """One unit vector per token sequence, its texts grouped as ``mode`` says (default:
+        the mode the self-test proved)."""
         import numpy as np
 
-        grouped = self.grouped if grouped is None else grouped
+        mode = self.mode if mode is None else mode
+        if mode not in MODES:
+            raise ValueError(f"mode={mode!r}: one of {MODES}")
         out: list[Any] = [None] * len(token_ids)
-        by_length: dict[int, list[int]] = {}
+        groups: dict[int, list[int]] = {}
         for row, ids in enumerate(token_ids):
-            by_length.setdefault(len(ids), []).append(row)
-        for length, rows in by_length.items():
-            step = max(1, MAX_GROUP_TOKENS // max(1, length)) if grouped else 1
+            width = bucket(len(ids)) if mode == MODES[0] else len(ids)
+            groups.setdefault(width, []).append(row)
+        for width, rows in groups.items():
+            step = max(1, MAX_GROUP_TOKENS // max(1, width)) if mode != MODES[2] else 1
             for start in range(0, len(rows), step):
                 chunk = rows[start : start + step]
-                hidden = self.hidden(np.array([token_ids[r] for r in chunk], dtype=np.int64))
+                lengths = {len(token_ids[row]) for row in chunk}
+                columns = lengths.pop() if self._unpadded_groups and len(lengths) == 1 else width
+                ids_array = np.zeros((len(chunk), columns), dtype=np.int64)
+                mask = np.zeros((len(chunk), columns), dtype=np.int64)
                 for offset, row in enumerate(chunk):
-                    out[row] = pool(hidden[offset], self.pooling, self.normalize)
+                    ids_array[offset, : len(token_ids[row])] = token_ids[row]
+                    mask[offset, : len(token_ids[row])] = 1
+                hidden = self.hidden(ids_array, mask)
+                for offset, row in enumerate(chunk):
+                    out[row] = pool(hidden[offset, : len(token_ids[row])], self.pooling, self.normalize)
         return out
 
     def tokenize(self, texts: Sequence[str]) -> list[list[int]]:
@@ -245,21 +295,26 @@ def probe_sequences(cls_id: int, sep_id: int, vocab_size: int) -> list[list[int]
 
 
 def self_test(runner: OnnxRunner) -> SelfTest:
-    """Each probe sequence alone vs in mixed equal-length groups (whole, reversed, and
-    shuffled with repeats), at the session's thread count; bitwise comparison."""
+    """Each probe sequence alone (the reference) vs in mixed groups (whole, reversed, and
+    shuffled with repeats), in each grouped mode, at the session's thread count; bitwise."""
     import random
 
     tokenizer = runner.tokenizer
     sequences = probe_sequences(tokenizer.cls_token_id or 101, tokenizer.sep_token_id or 102,
                                 int(getattr(tokenizer, "vocab_size", 30522)))
-    alone = [v.tobytes() for v in runner.encode_ids(sequences, grouped=False)]
+    alone = [v.tobytes() for v in runner.encode_ids(sequences, mode=MODES[2])]
     rng = random.Random(5678)
     orders = [list(range(len(sequences))), list(reversed(range(len(sequences))))]
     orders.append([rng.randrange(len(sequences)) for _ in range(2 * len(sequences))])
-    checked = differing = 0
-    for order in orders:
-        vectors = runner.encode_ids([sequences[i] for i in order], grouped=True)
-        checked += len(order)
-        differing += sum(1 for i, v in zip(order, vectors) if v.tobytes() != alone[i])
-    return SelfTest(differing == 0, checked, differing, runner.threads)
-
+    found = {}
+    for mode in MODES[:2]:
+        checked = differing = 0
+        for order in orders:
+            vectors = runner.encode_ids([sequences[i] for i in order], mode=mode)
+            checked += len(order)
+            differing += sum(1 for i, v in zip(order, vectors) if v.tobytes() != alone[i])
+        found[mode] = (checked, differing)
+    (padded_checked, padded_differing), (checked, differing) = found[MODES[0]], found[MODES[1]]
+    return SelfTest(differing == 0, checked, differing, runner.threads,
+                    padded_passed=padded_differing == 0, padded_rows_checked=padded_checked,
+                    padded_rows_differing=padded_differing)

@@ -1,6 +1,6 @@
-"""The ONNX Runtime encoder (calibrl.onnx_encoder): equal-length groups are bitwise the
-vector of each text alone, the start-up self-test falls back to one text per pass when a
-kernel is batch-dependent, the export is cached by weights hash, vectors agree with the
+"""The ONNX Runtime encoder (calibrl.onnx_encoder): padded buckets and equal-length groups
+are bitwise the vector of each text alone, the start-up self-test falls back to equal-length
+groups when padding moves a bit and to one text per pass when a kernel is batch-dependent, the export is cached by weights hash, vectors agree with the
 torch path to float32 rounding, and an index refuses a server with another encoder."""
 
 from __future__ import annotations
@@ -36,20 +36,44 @@ def onnx_embedder():
     return SentenceEmbedder(None, device="cpu", backend="onnx", cache_size=0)
 
 
-def test_equal_length_texts_really_share_a_forward_pass(onnx_embedder, monkeypatch):
+def test_texts_of_one_bucket_really_share_a_forward_pass(onnx_embedder, monkeypatch):
     tokenizer = onnx_embedder._tokenizer
     lengths = {len(tokenizer(t)["input_ids"]) for t in SAME_LENGTH}
     assert len(lengths) == 1, "the probe texts must have one token length"
     runner = onnx_embedder._onnx
-    assert runner.grouped and runner.self_test.passed
+    assert runner.mode == "padded buckets" and runner.self_test.passed and runner.self_test.padded_passed
     shapes = []
     real = runner.hidden
-    monkeypatch.setattr(runner, "hidden", lambda ids: (shapes.append(ids.shape), real(ids))[1])
+    monkeypatch.setattr(runner, "hidden", lambda ids, mask: (shapes.append((ids.shape, int(mask.sum()))),
+                                                             real(ids, mask))[1])
     onnx_embedder.encode(TEXTS)
-    length = lengths.pop()
-    rows = sum(1 for t in TEXTS if len(tokenizer(t)["input_ids"]) == length)
-    assert (rows, length) in shapes  # one pass for every text of that length
-    assert len(shapes) == len({len(tokenizer(t)["input_ids"]) for t in TEXTS})
+    token_counts = [len(tokenizer(t)["input_ids"]) for t in TEXTS]
+    buckets = {onnx_encoder.bucket(n) for n in token_counts}
+    assert len(buckets) < len(set(token_counts)), "the texts must have lengths that share a bucket"
+    expected = set()
+    for b in buckets:
+        members = [n for n in token_counts if onnx_encoder.bucket(n) == b]
+        width = members[0] if len(set(members)) == 1 else b  # one length: an equal-length group, unpadded
+        expected.add(((len(members), width), sum(members)))
+    assert any(len({n for n in token_counts if onnx_encoder.bucket(n) == b}) > 1 for b in buckets), \
+        "some bucket must mix lengths (a padded pass)"
+    assert set(shapes) == expected and len(shapes) == len(buckets)  # one pass per bucket; the mask covers the tokens
+
+
+def test_equal_length_mode_groups_by_token_length_without_padding(onnx_embedder, monkeypatch):
+    tokenizer = onnx_embedder._tokenizer
+    runner = onnx_embedder._onnx
+    shapes = []
+    real = runner.hidden
+    monkeypatch.setattr(runner, "hidden", lambda ids, mask: (shapes.append(ids.shape), real(ids, mask))[1])
+    ids = runner.tokenize(TEXTS)
+    vectors = runner.encode_ids(ids, mode="equal-length groups")
+    token_counts = [len(tokenizer(t)["input_ids"]) for t in TEXTS]
+    assert set(shapes) == {(token_counts.count(n), n) for n in set(token_counts)}
+    alone = runner.encode_ids(ids, mode="per-text")
+    assert [v.tobytes() for v in vectors] == [v.tobytes() for v in alone]
+    with pytest.raises(ValueError, match="mode="):
+        runner.encode_ids(ids, mode="grouped")
 
 
 def test_onnx_vectors_are_the_same_alone_and_in_any_batch(onnx_embedder):
@@ -77,8 +101,8 @@ def test_self_test_falls_back_to_one_text_per_pass_when_a_kernel_depends_on_the_
     every value moves in a pass of several rows) must be caught and never used grouped."""
     real = onnx_encoder.OnnxRunner.hidden
 
-    def batch_dependent(self, ids):
-        hidden = real(self, ids)
+    def batch_dependent(self, ids, mask):
+        hidden = real(self, ids, mask)
         return np.nextafter(hidden, np.float32(np.inf)) if len(ids) > 1 else hidden
 
     monkeypatch.setattr(onnx_encoder.OnnxRunner, "hidden", batch_dependent)
@@ -91,6 +115,32 @@ def test_self_test_falls_back_to_one_text_per_pass_when_a_kernel_depends_on_the_
     assert "FAILED" in caplog.text and "per-text" in caplog.text
     alone = [runner.encode([t])[0].tobytes() for t in SAME_LENGTH]
     assert [v.tobytes() for v in runner.encode(SAME_LENGTH)] == alone  # per text: invariant again
+
+
+def test_self_test_keeps_equal_length_groups_when_padding_moves_a_bit(onnx_embedder, monkeypatch, caplog):
+    """A kernel whose arithmetic depends on padding (simulated: the last bit of every value
+    moves in a pass with masked positions) must be caught; equal-length groups stay in use."""
+    real = onnx_encoder.OnnxRunner.hidden
+
+    def padding_dependent(self, ids, mask):
+        hidden = real(self, ids, mask)
+        return np.nextafter(hidden, np.float32(np.inf)) if not mask.all() else hidden
+
+    monkeypatch.setattr(onnx_encoder.OnnxRunner, "hidden", padding_dependent)
+    layout = onnx_embedder._layout
+    with caplog.at_level(logging.WARNING, logger="calibrl.onnx_encoder"):
+        runner = onnx_encoder.OnnxRunner(str(onnx_embedder.path), onnx_embedder._tokenizer, layout.pooling,
+                                         layout.normalize, layout.max_tokens, threads=1, spinning=False)
+    test = runner.self_test
+    assert test.passed and not test.padded_passed and test.padded_rows_differing > 0
+    assert runner.mode == "equal-length groups" and runner.grouped
+    assert "padded buckets FAILED" in caplog.text and caplog.text.rstrip().endswith(": equal-length groups")
+    alone = [runner.encode([t])[0].tobytes() for t in TEXTS]
+    assert [v.tobytes() for v in runner.encode(TEXTS)] == alone
+
+
+def test_buckets_pad_to_the_first_length_at_or_above_and_never_truncate():
+    assert [onnx_encoder.bucket(n) for n in (1, 8, 9, 16, 17, 200, 512, 600)] == [8, 8, 16, 16, 24, 256, 512, 600]
 
 
 def test_the_export_is_cached_by_weights_hash(onnx_embedder, tmp_path, monkeypatch):

@@ -29,7 +29,7 @@ class JudgeConfig:
         "minilm", "Intent-similarity embedder; hashed-ngrams is a cheap surface-overlap fallback.")
     embedder_device: str = option("cpu", "Device of the sentence embedder.")
     embedder_backend: Literal["auto", "torch", "onnx"] = option(
-        "auto", "MiniLM encoder: onnx (ONNX Runtime, equal-length groups, self-tested at start; CPU only), torch "
+        "auto", "MiniLM encoder: onnx (ONNX Runtime, texts grouped by padded length, self-tested at start; CPU only), torch "
         "(one text per forward pass), auto (onnx on the CPU, torch on a GPU). See docs/concepts/encoders.md.")
     embedder_cache_size: int = option(16384, "Texts whose MiniLM vector is kept in the exact LRU cache; 0 disables it.")
     llm_mode: Literal["prefix_cache", "flat", "generate"] = option(
