@@ -5,7 +5,7 @@ run, repeats interleaved (the fastest of each kept):
 
 - ``dense``: in-process dense search (encode + FAISS flat, top 10), queries/s:
   sentence-transformers ``encode`` (batch 32, padded) + one FAISS call (the anchor),
-  calibrl on torch (one text per forward pass), on ONNX Runtime (equal-length groups),
+  calibrl on torch (one text per forward pass), on ONNX Runtime (padded buckets when its self-test passes),
   and on ONNX with every query already in the embedding cache; at each ``--threads``.
 - ``bm25``: bm25s + PyStemmer ``retrieve`` on the same saved index (anchor) vs
   ``Retriever.search(mode=bm25)``.
@@ -83,7 +83,7 @@ def bench_dense(args, index: pathlib.Path, queries: list[str]) -> list[str]:
     lines = [f"Dense search, {len(queries)} held-out queries over {retriever.doc_count} passages, top 10, "
              f"OMP_WAIT_POLICY={os.environ['OMP_WAIT_POLICY']} (queries/s; ratio to the anchor):", "",
              "| threads | sentence-transformers + FAISS, batched | calibrl torch, per text | calibrl ONNX, "
-             "equal-length groups | calibrl ONNX, all cached |", "| --- | --- | --- | --- | --- |"]
+             "grouped as its self-test allows | calibrl ONNX, all cached |", "| --- | --- | --- | --- | --- |"]
     for threads in args.threads:
         torch.set_num_threads(threads)
         faiss.omp_set_num_threads(threads)
@@ -111,7 +111,8 @@ def bench_dense(args, index: pathlib.Path, queries: list[str]) -> list[str]:
         assert encoders["onnx"].cache.stats().misses == stats.misses, "the cached rounds must all hit"
         encoders["onnx"].cache.resize(0)
         rate = {name: len(queries) / seconds for name, seconds in best.items()}
-        print(f"dense, {threads} thread(s): " + ", ".join(f"{k} {v:.1f} q/s" for k, v in rate.items()), file=sys.stderr)
+        print(f"dense, {threads} thread(s): " + ", ".join(f"{k} {v:.1f} q/s" for k, v in rate.items())
+              + f"; ONNX grouping: {encoders['onnx'].self_test.mode}", file=sys.stderr)
         lines.append(f"| {threads} | {rate['anchor']:.1f} | " + " | ".join(
             f"{rate[name]:.1f} ({rate[name] / rate['anchor']:.2f}x)" for name in ("torch", "onnx", "cached")) + " |")
     retriever.embedder = encoders["onnx"]
