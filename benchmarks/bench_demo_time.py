@@ -81,12 +81,7 @@ def main() -> None:
     tables.insert(0, bench_record.table(
         f"Wall time per run, seconds (load average {load_before:.1f} at the start)",
         ["command", "runs", "fastest", "slowest", "target", "verdict"], summary))
-    for item in tables:
-        print(f"\n{item['title']}:\n")
-        print("| " + " | ".join(item["header"]) + " |")
-        print("|" + " --- |" * len(item["header"]))
-        for row in item["rows"]:
-            print("| " + " | ".join(str(c) for c in row) + " |")
+    bench_record.print_tables(tables)
     print()
     for note in notes:
         print(note)

@@ -84,6 +84,16 @@ def table(title: str, header: Sequence[str], rows: Sequence[Sequence[Any]]) -> d
     return {"title": title, "header": list(header), "rows": [[str(cell) for cell in row] for row in rows]}
 
 
+def print_tables(tables: Sequence[dict[str, Any]]) -> None:
+    """Print record tables as Markdown, each under its title (what a script shows as it writes them)."""
+    for item in tables:
+        print(f"\n{item['title']}:\n")
+        print("| " + " | ".join(item["header"]) + " |")
+        print("|" + " --- |" * len(item["header"]))
+        for row in item["rows"]:
+            print("| " + " | ".join(str(c) for c in row) + " |")
+
+
 def verdict(met: bool) -> str:
     """A target's verdict, as every record's notes word it."""
     return "met" if met else "not met"
