@@ -25,7 +25,7 @@ from calibrl import telemetry
 from calibrl.admission import check_budget
 from calibrl.batching import MicroBatcher
 from calibrl.security import tenant_weights
-from calibrl.serving import RunningServer, rpc_errors, start_server, tenant_of_call, time_remaining
+from calibrl.serving import BATCHER_CLOSE_S, RunningServer, rpc_errors, start_server, tenant_of_call, time_remaining
 from calibrl.v1 import judge_pb2 as pb
 from calibrl.v1 import judge_pb2_grpc
 from calibrl.judge_server import costs as cost_model
@@ -41,12 +41,6 @@ if TYPE_CHECKING:  # pragma: no cover
     from grpc.aio import ServerInterceptor, ServicerContext
 
 log = logging.getLogger(__name__)
-
-# After stop(grace) has cancelled the calls left, how long the batch in progress may take
-# before the process exits without it (its thread is a daemon). No caller waits for it any
-# more, so this is short: on a 2-core host running three times its cores in other work, the
-# exit took up to 0.8 s after the grace with 0.5 here, against the promised 1 s.
-BATCHER_CLOSE_S = 0.1
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["JudgeService"].full_name
 

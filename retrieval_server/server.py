@@ -20,19 +20,14 @@ from typing import Any
 from calibrl.batching import MicroBatcher
 from calibrl.config import validate
 from calibrl.security import tenant_weights
-from calibrl.serving import RunningServer, freeze_loaded_objects, serve_until_signal, start_server, stop_on_signals
+from calibrl.serving import (BATCHER_CLOSE_S, RunningServer, freeze_loaded_objects, serve_until_signal, start_server,
+                             stop_on_signals)
 from calibrl.v1 import retrieval_pb2_grpc as pb_grpc
 from calibrl.retrieval_server.config import RetrievalServerConfig
 from calibrl.retrieval_server.retriever import Retriever
 from calibrl.retrieval_server.servicer import SERVICE_NAME, RetrievalServicer, answer_batch
 
 log = logging.getLogger(__name__)
-
-# After stop(grace) has cancelled the calls left, how long the batch in progress may take
-# before the process exits without it (its thread is a daemon). No caller waits for it any
-# more, so this is short: on a 2-core host running three times its cores in other work, the
-# exit took up to 0.8 s after the grace with 0.5 here, against the promised 1 s.
-BATCHER_CLOSE_S = 0.1
 
 
 @dataclass

@@ -1,7 +1,8 @@
 """The ONNX Runtime encoder (calibrl.onnx_encoder): padded buckets and equal-length groups
 are bitwise the vector of each text alone, the start-up self-test falls back to equal-length
-groups when padding moves a bit and to one text per pass when a kernel is batch-dependent, the export is cached by weights hash, vectors agree with the
-torch path to float32 rounding, and an index refuses a server with another encoder."""
+groups when padding moves a bit and to one text per pass when a kernel is batch-dependent,
+the export is cached by weights hash, vectors agree with the torch path to float32 rounding,
+and an index refuses a server with another encoder."""
 
 from __future__ import annotations
 
