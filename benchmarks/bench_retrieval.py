@@ -134,6 +134,19 @@ def run_in_process(retriever, rpc: str, batches: list[list[str]], concurrency: i
     return Cell(rpc, "in-process", len(batches[0]), concurrency, len(batches), total / elapsed, p50, p99)
 
 
+def run_grouped(retriever, queries: list[str], group: int, threads: int, mode: SearchMode) -> Cell:
+    """``queries`` searched ``group`` at a time on ``threads`` threads: the best a server that
+    joins concurrent callers' queries into batches on ``threads`` workers could reach, with no
+    per-call cost at all (the ceiling of cross-caller batching on this machine)."""
+    groups = [queries[i : i + group] for i in range(0, len(queries), group)]
+    retriever.search(groups[0], top_k=10, mode=mode)  # warm-up
+    start = time.perf_counter()
+    with concurrent.futures.ThreadPoolExecutor(max_workers=threads) as pool:
+        list(pool.map(lambda g: retriever.search(g, top_k=10, mode=mode), groups))
+    elapsed = time.perf_counter() - start
+    return Cell("Search", f"in-process {threads} x {group}", 1, threads, len(groups), len(queries) / elapsed, 0.0, 0.0)
+
+
 async def run_grpc(address: str, rpc: str, batches: list[list[str]], concurrency: int, mode: SearchMode) -> Cell:
     import grpc
 
@@ -244,6 +257,13 @@ def verdicts(cells: list[Cell]) -> list[str]:
     if callers is not None:
         notes.append(f"Search over gRPC with 8 callers at batch 1: {callers:.2f}x in-process (target >= "
                      f"{CALLERS_RATIO_TARGET}x): {verdict(callers >= CALLERS_RATIO_TARGET)}")
+        ceiling = next((c for c in cells if c.path.startswith("in-process ") and c.rpc == "Search"), None)
+        if ceiling is not None:
+            local = index[("Search", "in-process", 1, 8)].queries_per_s
+            notes.append(f"ceiling of cross-caller batching for 8 callers: the same queries in process, "
+                         f"{ceiling.path.removeprefix('in-process ')} queries per call on {ceiling.concurrency} "
+                         f"threads (every worker batching its share of the 8, no per-call cost): "
+                         f"{ceiling.queries_per_s:.1f} q/s, {ceiling.queries_per_s / local:.2f}x in-process")
     return notes
 
 
@@ -299,11 +319,16 @@ def main(argv: list[str] | None = None) -> int:
         for rpc in args.rpcs.split(","):
             for batch in (int(b) for b in args.batches.split(",")):
                 for concurrency in (int(c) for c in args.concurrency.split(",")):
-                    base = (16 if args.quick else 48) if batch == 1 else (4 if args.quick else 8)
+                    base = (16 if args.quick else 200) if batch == 1 else (4 if args.quick else 8)
                     count = max(base, 2 * concurrency)
                     batches = _batches(queries, batch, count)
-                    for cell in (asyncio.run(run_grpc(address, rpc, batches, concurrency, mode)),
-                                 run_in_process(retriever, rpc, batches, concurrency, mode)):
+                    runs = [asyncio.run(run_grpc(address, rpc, batches, concurrency, mode)),
+                            run_in_process(retriever, rpc, batches, concurrency, mode)]
+                    if rpc == "Search" and batch == 1 and concurrency == 8:
+                        threads = os.cpu_count() or 1
+                        runs.append(run_grouped(retriever, [b[0] for b in batches], max(1, 8 // threads), threads,
+                                                mode))
+                    for cell in runs:
                         cells.append(cell)
                         print(f"{cell.rpc:>14} {cell.path:>10} batch {cell.batch:>3} conc {cell.concurrency:>2}: "
                               f"{cell.queries_per_s:8.1f} q/s  p50 {cell.p50_ms:8.1f} ms  p99 {cell.p99_ms:8.1f} ms",

@@ -31,6 +31,9 @@ latency:
   takes units of items estimated at or below it, in the same fair order, while the
   main worker is busy: a small call does not wait behind a long item in progress
   (and a tenant's cancelled work stops after the units in progress on both).
+  When both workers are idle and at least half the queued work of a key is short,
+  the main worker takes half of it and the short lane the rest at once: both cores
+  work on the queue instead of one running it all while the other idles.
 - **Shedding with pushback.** A call is refused at once with
   :class:`~calibrl.admission.Shed` (RESOURCE_EXHAUSTED + retry pushback) when its
   tenant's queue is full (items or cost), when its expected wait (generalised
@@ -255,6 +258,7 @@ class MicroBatcher(Generic[ItemT, ResultT]):
         self.short_item_cost = short_item_cost
         self._short_executor = _DaemonWorker(f"{name}-short", worker_nice) if short_item_cost > 0 else None
         self._busy = {"main": False, "short": False}
+        self._split_pending = False  # the main worker took half the queue: the short lane takes the rest now
         self._units: set[asyncio.Task] = set()  # units in progress (tasks awaiting a worker)
         self._speed_seconds, self._speed_cost = 0.0, 0.0  # moving sums behind stats.seconds_per_cost
         self._tenants: dict[str, _Tenant] = {}  # tenants with queued calls
@@ -508,10 +512,33 @@ class MicroBatcher(Generic[ItemT, ResultT]):
             self._last_submit = {name: self._last_submit[name] for name in recent}
         return len(recent) + sum(1 for name in self._tenants if name not in recent) >= 2
 
-    def _take_unit(self, short: bool = False) -> tuple[Hashable, list[tuple[_Pending, int, int]], float] | None:
+    def _half_for_two_lanes(self, key: Hashable) -> float | None:
+        """With both workers idle: the cost the main worker should take so that the short
+        lane takes the other half at once (both cores work on the queue instead of one
+        running it all while the other idles); None when the short lane could not take
+        that half (fewer than two items of ``key`` queued, or too few of them short)."""
+        if self._short_executor is None or self._busy["short"]:
+            return None
+        count, total, short = 0, 0.0, 0.0
+        for state in self._tenants.values():
+            for pending in state.calls:
+                if pending.key != key:
+                    continue
+                for cost in pending.costs[pending.next_index:]:
+                    count += 1
+                    total += cost
+                    short += cost if cost <= self.short_item_cost else 0.0
+        if count < 2 or short < total / 2:
+            return None
+        return total / 2
+
+    def _take_unit(self, short: bool = False,
+                   split: bool = False) -> tuple[Hashable, list[tuple[_Pending, int, int]], float] | None:
         """One bounded unit of work: items of one key, at most ``max_batch_items`` and
         (beyond the first) ``max_batch_cost``, taken item by item in fair order; for the
-        short lane only short items (None when there are none)."""
+        short lane only short items (None when there are none). With ``split`` (the main
+        worker's unit while the short lane idles) at most half the queued work of the key
+        when the short lane can take the rest (:meth:`_half_for_two_lanes`)."""
         first = self._next_call(None, short)
         if first is None:
             return None
@@ -521,6 +548,10 @@ class MicroBatcher(Generic[ItemT, ResultT]):
         limit = max(self.max_batch_cost, SOLO_UNIT_COST)
         if self._competing():
             limit = self.max_batch_cost / max(1.0, self.stats.seconds_per_cost)
+        half = self._half_for_two_lanes(key) if split else None
+        if half is not None and half < limit:
+            limit = half
+            self._split_pending = True  # the short lane takes the rest without a batching window
         self._virtual_now = max(self._virtual_now, first.tenant.finish)
         taken: dict[int, list] = {}  # id(pending) -> [pending, start, stop]
         count, cost = 0, 0.0
@@ -565,13 +596,15 @@ class MicroBatcher(Generic[ItemT, ResultT]):
                 await self._wakeup.wait()
                 continue
             cycle_started = time.perf_counter()
+            split_rest, self._split_pending = self._split_pending, False
             if (self.max_wait_s > 0 and self._queued_items < self.max_batch_items and self._windows_open
+                    and not split_rest
                     and sum(t.queued_cost for t in self._tenants.values()) < self.max_batch_cost):
                 await self._batching_window()  # nobody else is waiting for a unit's worth: let callers join
                 self._drop_abandoned(loop.time())
                 if not self._queued_items:
                     continue
-            unit = self._take_unit(short=lane == "short")
+            unit = self._take_unit(short=lane == "short", split=lane == "main")
             if unit is None:  # nothing short queued: wait for the main worker or a new call
                 if not self._busy["main"]:
                     # the main unit ended during the batching window: its wake-up is already

@@ -424,3 +424,38 @@ async def test_a_call_its_deadline_cancels_is_counted_as_missed_and_an_early_can
     backend.gate.set()
     await first
     await batcher.close()
+
+
+async def test_with_both_workers_idle_the_queue_is_split_between_them():
+    """Eight short items queued while both workers idle: the main worker takes half and the
+    short lane the other half at once, so both run together (two cores, not one); every
+    caller still gets its own results in order."""
+    backend = LongItems(long_cost=1.0)
+    backend.gate.clear()  # hold every unit, so the test sees which ran side by side
+    batcher = MicroBatcher(backend, max_batch_cost=0.05, max_wait_ms=0, short_item_cost=0.02)
+    calls = [submit(batcher, "t", 2, 0.01) for _ in range(4)]
+    deadline = time.monotonic() + 5
+    while len(backend.threads) < 2 and time.monotonic() < deadline:
+        await asyncio.sleep(0.005)
+    assert sorted(name for name, _ in backend.threads) == ["batcher-short-worker", "batcher-worker"]
+    backend.gate.set()
+    results = await asyncio.gather(*calls)
+    assert results == [["t", "t"]] * 4
+    assert sorted(len(unit) for unit in backend.units) == [4, 4]
+    await batcher.close()
+
+
+async def test_a_queue_of_long_items_is_not_split():
+    """The short lane may not run long items, so the main worker keeps a queue of them to itself."""
+    backend = LongItems(long_cost=1.0)
+    backend.gate.clear()
+    batcher = MicroBatcher(backend, max_batch_cost=0.05, max_wait_ms=0, short_item_cost=0.02)
+    calls = [submit(batcher, "t", 2, 0.04) for _ in range(2)]  # above the short lane's bound
+    while not backend.threads:
+        await asyncio.sleep(0.005)
+    await asyncio.sleep(0.05)
+    assert [name for name, _ in backend.threads] == ["batcher-worker"]
+    backend.gate.set()
+    await asyncio.gather(*calls)
+    assert all(name == "batcher-worker" for name, _ in backend.threads)
+    await batcher.close()
