@@ -47,6 +47,9 @@ latency:
   threads run that much nicer than the event loop (:func:`calibrl.threads.lower_thread_priority`):
   admitting, shedding and answering calls never waits for a core behind the
   scoring work it queues.
+- **Windows only when callers crowd.** Before a unit that would not be full, the batcher
+  waits up to ``max_wait_ms`` for more callers to join it, but only while calls arrive
+  closer together than that: a lone caller's call runs at once.
 - **Abandoned work is dropped.** When a caller gives up (cancelled, disconnected,
   past its deadline) its items still queued are removed before the next unit;
   only the unit already running finishes for it.
@@ -156,6 +159,7 @@ class BatcherStats:
     largest_batch: int = 0
     rejected: int = 0
     abandoned_items: int = 0  # items dropped from the queue because their caller gave up
+    windows: int = 0  # batching windows waited out for callers to join a unit
     batch_sizes: list[int] = field(default_factory=list)
     tenants: dict[str, TenantStats] = field(default_factory=dict)
     seconds_per_cost: float = 1.0  # measured batch seconds per unit of estimated cost (moving average)
@@ -259,6 +263,9 @@ class MicroBatcher(Generic[ItemT, ResultT]):
         self._short_executor = _DaemonWorker(f"{name}-short", worker_nice) if short_item_cost > 0 else None
         self._busy = {"main": False, "short": False}
         self._split_pending = False  # the main worker took half the queue: the short lane takes the rest now
+        # time.monotonic() of the latest call and its gap to the one before: a batching window
+        # opens only while calls arrive closer together than the window (a lone caller never waits)
+        self._last_arrival, self._arrival_gap_s = -math.inf, math.inf
         self._units: set[asyncio.Task] = set()  # units in progress (tasks awaiting a worker)
         self._speed_seconds, self._speed_cost = 0.0, 0.0  # moving sums behind stats.seconds_per_cost
         self._tenants: dict[str, _Tenant] = {}  # tenants with queued calls
@@ -355,8 +362,10 @@ class MicroBatcher(Generic[ItemT, ResultT]):
             if not self._windows_open:
                 self._window_cut.set()
             self._worker = loop.create_task(self._run())
+        now = time.monotonic()
+        self._arrival_gap_s, self._last_arrival = now - self._last_arrival, now
         self._last_submit.pop(name, None)
-        self._last_submit[name] = time.monotonic()
+        self._last_submit[name] = now
         state = self._tenants.get(name)
         if state is None:  # back from idle: start at the current virtual time, no banked credit
             state = self._tenants[name] = _Tenant(name, self.weights.get(name, 1.0))
@@ -598,7 +607,7 @@ class MicroBatcher(Generic[ItemT, ResultT]):
             cycle_started = time.perf_counter()
             split_rest, self._split_pending = self._split_pending, False
             if (self.max_wait_s > 0 and self._queued_items < self.max_batch_items and self._windows_open
-                    and not split_rest
+                    and not split_rest and self._arrival_gap_s < self.max_wait_s
                     and sum(t.queued_cost for t in self._tenants.values()) < self.max_batch_cost):
                 await self._batching_window()  # nobody else is waiting for a unit's worth: let callers join
                 self._drop_abandoned(loop.time())
@@ -705,6 +714,7 @@ class MicroBatcher(Generic[ItemT, ResultT]):
         """Wait ``max_wait_s`` for concurrent callers to join the batch, or less if
         :meth:`end_windows` is called meanwhile."""
         assert self._window_cut is not None
+        self.stats.windows += 1
         try:
             await asyncio.wait_for(self._window_cut.wait(), self.max_wait_s)
         except asyncio.TimeoutError:

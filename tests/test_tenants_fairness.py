@@ -459,3 +459,31 @@ async def test_a_queue_of_long_items_is_not_split():
     await asyncio.gather(*calls)
     assert all(name == "batcher-worker" for name, _ in backend.threads)
     await batcher.close()
+
+
+async def test_a_lone_caller_does_not_wait_out_batching_windows():
+    """Calls one after another, further apart than the window: no other caller could join,
+    so none waits for one."""
+    backend = Backend()
+    batcher = MicroBatcher(backend, max_wait_ms=20)
+    for _ in range(3):
+        await asyncio.sleep(0.05)  # a caller that waits for each answer, then thinks
+        assert await submit(batcher, "t", 1, 0.01) == ["t"]
+    assert batcher.stats.windows == 0
+    await batcher.close()
+
+
+async def test_calls_arriving_together_still_share_a_unit():
+    """Three calls 10 ms apart: the first runs at once (nothing told the batcher more were
+    coming); the second came soon after it, so the batcher waits out a window and the third
+    joins it in one unit."""
+    backend = Backend()
+    batcher = MicroBatcher(backend, max_wait_ms=300)
+    calls = []
+    for n in range(3):
+        calls.append(submit(batcher, f"t{n}", 1, 0.01))
+        await asyncio.sleep(0.01)
+    assert await asyncio.gather(*calls) == [["t0"], ["t1"], ["t2"]]
+    assert [len(unit) for unit in backend.units] == [1, 2]
+    assert batcher.stats.windows == 1
+    await batcher.close()
