@@ -856,6 +856,9 @@ def main() -> None:
     parser.add_argument("--overload-seconds", type=float, default=60.0, help="length of the overload phase")
     parser.add_argument("--busy", type=int, default=2,
                         help="overload again with this many processes spinning on the cores (0: not)")
+    parser.add_argument("--services", default="retrieval,judge", help="services of the overload phases")
+    parser.add_argument("--overload-busy", default="",
+                        help="busy-process counts of the overload phases (default: 0 and --busy)")
     parser.add_argument("--deadline", type=float, default=5.0, help="deadline of each overload call, seconds")
     parser.add_argument("--retrieval-args", default="", help="extra key=value overrides of the retrieval server")
     parser.add_argument("--judge-args", default="", help="extra key=value overrides of the judge server")
@@ -922,12 +925,14 @@ async def _served(args, work: pathlib.Path, index: pathlib.Path, only: set[str])
             results["fair_weighted"] = await fair_shares(index, keys, {"w1": 1, "w2": 2, "w4": 4}, args.seconds)
         if "overload" in only:
             results["overload"] = []
-            for busy in sorted({0, args.busy}):
-                results["overload"] += [
-                    await overload(retrieval_address, "retrieval", retrieval, args.callers, args.overload_seconds,
-                                   args.deadline, busy, ports["retrieval"]),
-                    await overload(judge_address, "judge", judge, args.callers, args.overload_seconds,
-                                   args.deadline, busy, ports["judge"])]
+            counts = sorted({int(n) for n in args.overload_busy.split(",")} if args.overload_busy else {0, args.busy})
+            servers = {"retrieval": (retrieval_address, retrieval), "judge": (judge_address, judge)}
+            for busy in counts:
+                for service in args.services.split(","):
+                    address, process = servers[service]
+                    results["overload"].append(await overload(address, service, process, args.callers,
+                                                              args.overload_seconds, args.deadline, busy,
+                                                              ports[service]))
         if "stops" in only:
             results["stops"] = [await work_stops(retrieval_address, "retrieval", retrieval),
                                 await work_stops(judge_address, "judge", judge)]

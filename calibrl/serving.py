@@ -63,7 +63,8 @@ class ServingConfig:
            "admit, shed and answer calls run ahead of the scoring they queue, so a refusal is answered sooner "
            "while the workers fill every core. For a server with cores of its own (a container's CPU share): "
            "where busy processes share its cores the workers yield to those too, and calls admitted before "
-           "they started can miss their deadlines; 0: the workers run at the server's priority.")
+           "they started can miss their deadlines; 0: the workers run at the server's priority (the judge's "
+           "default is 5).")
     max_tenant_queue_cost_s: float = option(
         30.0, "Estimated work one tenant may have queued; beyond it the tenant's calls are shed at once "
               "(RESOURCE_EXHAUSTED with grpc-retry-pushback-ms).")
