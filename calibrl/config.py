@@ -175,12 +175,33 @@ def from_dict(cls: type[T], data: dict[str, Any], where: str = "") -> T:
             close = difflib.get_close_matches(key, sorted(names), n=1)
             hint = f"; did you mean {close[0]!r}?" if close else f"; valid keys: {sorted(names)}"
             raise ConfigError(f"{path}: unknown key{hint}")
-        kwargs[key] = _coerce(value, hints[key], path)
+        kwargs[key] = _coerce(_over_field_default(cls, key, hints[key], value), hints[key], path)
     for f in dataclasses.fields(cls):  # type: ignore[arg-type]
         if f.name not in kwargs and f.default is _MISSING and f.default_factory is _MISSING:  # type: ignore[misc]
             path = f"{where}.{f.name}" if where else f.name
             raise ConfigError(f"{path}: required, no default ({f.metadata.get('doc', '')})")
     return cls(**kwargs)
+
+
+def _over_field_default(cls: type, name: str, hint: Any, value: Any) -> Any:
+    """A section given in part keeps the rest of its field's own default: with ``serving:
+    {port: 0}`` (or ``serving.port=0``) a judge's serving section keeps the judge's defaults
+    (its ``default_factory``), not the section class's."""
+    field = next(f for f in dataclasses.fields(cls) if f.name == name)  # type: ignore[arg-type]
+    if (not isinstance(value, dict) or field.default_factory is _MISSING  # type: ignore[misc]
+            or not (isinstance(hint, type) and dataclasses.is_dataclass(hint))):
+        return value
+    default = field.default_factory()  # type: ignore[misc]
+    if type(default) is not hint:
+        return value
+    return _merged(to_dict(default), value)
+
+
+def _merged(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for key, value in over.items():
+        out[key] = _merged(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
+    return out
 
 
 def to_dict(config: Any) -> dict[str, Any]:
