@@ -31,9 +31,6 @@ latency:
   takes units of items estimated at or below it, in the same fair order, while the
   main worker is busy: a small call does not wait behind a long item in progress
   (and a tenant's cancelled work stops after the units in progress on both).
-  When both workers are idle and at least half the queued work of a key is short,
-  the main worker takes half of it and the short lane the rest at once: both cores
-  work on the queue instead of one running it all while the other idles.
 - **Shedding with pushback.** A call is refused at once with
   :class:`~calibrl.admission.Shed` (RESOURCE_EXHAUSTED + retry pushback) when its
   tenant's queue is full (items or cost), when its expected wait (generalised
@@ -47,9 +44,6 @@ latency:
   threads run that much nicer than the event loop (:func:`calibrl.threads.lower_thread_priority`):
   admitting, shedding and answering calls never waits for a core behind the
   scoring work it queues.
-- **Windows only when callers crowd.** Before a unit that would not be full, the batcher
-  waits up to ``max_wait_ms`` for more callers to join it, but only while calls arrive
-  closer together than that: a lone caller's call runs at once.
 - **Abandoned work is dropped.** When a caller gives up (cancelled, disconnected,
   past its deadline) its items still queued are removed before the next unit;
   only the unit already running finishes for it.
@@ -159,7 +153,6 @@ class BatcherStats:
     largest_batch: int = 0
     rejected: int = 0
     abandoned_items: int = 0  # items dropped from the queue because their caller gave up
-    windows: int = 0  # batching windows waited out for callers to join a unit
     batch_sizes: list[int] = field(default_factory=list)
     tenants: dict[str, TenantStats] = field(default_factory=dict)
     seconds_per_cost: float = 1.0  # measured batch seconds per unit of estimated cost (moving average)
@@ -262,10 +255,6 @@ class MicroBatcher(Generic[ItemT, ResultT]):
         self.short_item_cost = short_item_cost
         self._short_executor = _DaemonWorker(f"{name}-short", worker_nice) if short_item_cost > 0 else None
         self._busy = {"main": False, "short": False}
-        self._split_pending = False  # the main worker took half the queue: the short lane takes the rest now
-        # time.monotonic() of the latest call and its gap to the one before: a batching window
-        # opens only while calls arrive closer together than the window (a lone caller never waits)
-        self._last_arrival, self._arrival_gap_s = -math.inf, math.inf
         self._units: set[asyncio.Task] = set()  # units in progress (tasks awaiting a worker)
         self._speed_seconds, self._speed_cost = 0.0, 0.0  # moving sums behind stats.seconds_per_cost
         self._tenants: dict[str, _Tenant] = {}  # tenants with queued calls
@@ -362,10 +351,8 @@ class MicroBatcher(Generic[ItemT, ResultT]):
             if not self._windows_open:
                 self._window_cut.set()
             self._worker = loop.create_task(self._run())
-        now = time.monotonic()
-        self._arrival_gap_s, self._last_arrival = now - self._last_arrival, now
         self._last_submit.pop(name, None)
-        self._last_submit[name] = now
+        self._last_submit[name] = time.monotonic()
         state = self._tenants.get(name)
         if state is None:  # back from idle: start at the current virtual time, no banked credit
             state = self._tenants[name] = _Tenant(name, self.weights.get(name, 1.0))
@@ -521,33 +508,10 @@ class MicroBatcher(Generic[ItemT, ResultT]):
             self._last_submit = {name: self._last_submit[name] for name in recent}
         return len(recent) + sum(1 for name in self._tenants if name not in recent) >= 2
 
-    def _half_for_two_lanes(self, key: Hashable) -> float | None:
-        """With both workers idle: the cost the main worker should take so that the short
-        lane takes the other half at once (both cores work on the queue instead of one
-        running it all while the other idles); None when the short lane could not take
-        that half (fewer than two items of ``key`` queued, or too few of them short)."""
-        if self._short_executor is None or self._busy["short"]:
-            return None
-        count, total, short = 0, 0.0, 0.0
-        for state in self._tenants.values():
-            for pending in state.calls:
-                if pending.key != key:
-                    continue
-                for cost in pending.costs[pending.next_index:]:
-                    count += 1
-                    total += cost
-                    short += cost if cost <= self.short_item_cost else 0.0
-        if count < 2 or short < total / 2:
-            return None
-        return total / 2
-
-    def _take_unit(self, short: bool = False,
-                   split: bool = False) -> tuple[Hashable, list[tuple[_Pending, int, int]], float] | None:
+    def _take_unit(self, short: bool = False) -> tuple[Hashable, list[tuple[_Pending, int, int]], float] | None:
         """One bounded unit of work: items of one key, at most ``max_batch_items`` and
         (beyond the first) ``max_batch_cost``, taken item by item in fair order; for the
-        short lane only short items (None when there are none). With ``split`` (the main
-        worker's unit while the short lane idles) at most half the queued work of the key
-        when the short lane can take the rest (:meth:`_half_for_two_lanes`)."""
+        short lane only short items (None when there are none)."""
         first = self._next_call(None, short)
         if first is None:
             return None
@@ -557,10 +521,6 @@ class MicroBatcher(Generic[ItemT, ResultT]):
         limit = max(self.max_batch_cost, SOLO_UNIT_COST)
         if self._competing():
             limit = self.max_batch_cost / max(1.0, self.stats.seconds_per_cost)
-        half = self._half_for_two_lanes(key) if split else None
-        if half is not None and half < limit:
-            limit = half
-            self._split_pending = True  # the short lane takes the rest without a batching window
         self._virtual_now = max(self._virtual_now, first.tenant.finish)
         taken: dict[int, list] = {}  # id(pending) -> [pending, start, stop]
         count, cost = 0, 0.0
@@ -605,15 +565,13 @@ class MicroBatcher(Generic[ItemT, ResultT]):
                 await self._wakeup.wait()
                 continue
             cycle_started = time.perf_counter()
-            split_rest, self._split_pending = self._split_pending, False
             if (self.max_wait_s > 0 and self._queued_items < self.max_batch_items and self._windows_open
-                    and not split_rest and self._arrival_gap_s < self.max_wait_s
                     and sum(t.queued_cost for t in self._tenants.values()) < self.max_batch_cost):
                 await self._batching_window()  # nobody else is waiting for a unit's worth: let callers join
                 self._drop_abandoned(loop.time())
                 if not self._queued_items:
                     continue
-            unit = self._take_unit(short=lane == "short", split=lane == "main")
+            unit = self._take_unit(short=lane == "short")
             if unit is None:  # nothing short queued: wait for the main worker or a new call
                 if not self._busy["main"]:
                     # the main unit ended during the batching window: its wake-up is already
@@ -714,7 +672,6 @@ class MicroBatcher(Generic[ItemT, ResultT]):
         """Wait ``max_wait_s`` for concurrent callers to join the batch, or less if
         :meth:`end_windows` is called meanwhile."""
         assert self._window_cut is not None
-        self.stats.windows += 1
         try:
             await asyncio.wait_for(self._window_cut.wait(), self.max_wait_s)
         except asyncio.TimeoutError:

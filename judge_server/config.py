@@ -31,9 +31,7 @@ class JudgeServerConfig:
     rubrics: str = option("", "Folder of rubric YAML files (each with its <file>.validation.json).")
     judge: JudgeConfig = option(factory=JudgeConfig, doc="The judge: backend, limits, cache.")
     serving: ServingConfig = option(factory=_judge_serving, doc="Network settings.")
-    max_wait_ms: float = option(
-        5.0, "How long a batch waits for concurrent callers to join, while calls arrive closer together "
-             "than this (a lone caller never waits).")
+    max_wait_ms: float = option(5.0, "How long a batch waits for concurrent callers to join.")
     max_batch_items: int = option(
         16, "Most items scored together in one batch (all callers); a large request is split, so other "
             "callers wait for at most one such batch.")

@@ -47,9 +47,7 @@ class RetrievalServerConfig:
     verify_checksums: bool = option(True, "Check every index file against the manifest's sha256 at start.")
     batch_max_items: int = option(
         32, "Most queries in one batch: a large request is split, so other callers wait for at most one such batch.")
-    batch_max_wait_ms: float = option(
-        2.0, "How long the batcher waits for more callers before a batch runs, while calls arrive closer "
-             "together than this (a lone caller never waits).")
+    batch_max_wait_ms: float = option(2.0, "How long the batcher waits for more callers before a batch runs.")
     batch_max_queue_items: int = option(4096, "Queued queries beyond which calls get RESOURCE_EXHAUSTED.")
     serving: ServingConfig = option(factory=ServingConfig, doc="Network settings (host, port, grace, sizes).")
 
