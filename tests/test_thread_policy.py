@@ -140,22 +140,3 @@ def test_compute_nice_is_checked_off_for_retrieval_and_5_for_the_judge_by_defaul
     for bad in ("-1", "20"):
         with pytest.raises(ConfigError, match=f"serving.compute_nice={bad}: must be in 0..19"):
             load_config(JudgeServerConfig, None, ["rubrics=x", f"serving.compute_nice={bad}"])
-
-
-def test_a_judge_serving_section_given_in_part_keeps_the_judges_defaults(tmp_path):
-    """`calibrl serve judge --port 0` sets serving.port; the judge's own serving defaults
-    (port 50052, units of 0.1 s, workers at niceness 5) must survive it, from an override
-    and from a YAML file alike."""
-    from calibrl.config import load_config
-    from calibrl.judge_server.config import JudgeServerConfig
-
-    from_override = load_config(JudgeServerConfig, None, ["rubrics=x", "serving.port=0",
-                                                         "serving.telemetry.enabled=true"])
-    path = tmp_path / "judge.yaml"
-    path.write_text("rubrics: x\nserving:\n  host: 0.0.0.0\n  telemetry:\n    enabled: true\n")
-    from_file = load_config(JudgeServerConfig, path)
-    for config in (from_override, from_file):
-        assert (config.serving.compute_nice, config.serving.max_unit_cost_s) == (5, 0.1)
-        assert config.serving.telemetry.enabled
-    assert from_override.serving.port == 0 and from_file.serving.port == 50052
-    assert from_file.serving.host == "0.0.0.0"
