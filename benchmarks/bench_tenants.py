@@ -411,7 +411,8 @@ def _free_port() -> int:
 
 
 def _server_figures(metrics_port: int) -> dict[str, float]:
-    """From the server's Prometheus page: admitted calls that ran out of time there, and its
+    """From the server's Prometheus page: admitted calls that ran out of time there, and those
+    it refused after admission because it slowed (``revoked``, counted among the shed); its
     shed calls (RESOURCE_EXHAUSTED), all and those answered within 50 ms (server-side RPC
     duration histogram); and its event loop's lag samples (a timer due every 10 ms,
     ``calibrl.server.loop.lag``), all and those more than 50 and 250 ms late."""
@@ -421,13 +422,15 @@ def _server_figures(metrics_port: int) -> dict[str, float]:
 
     with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10) as response:
         text = response.read().decode("utf-8")
-    figures = {"missed": 0.0, "shed": 0.0, "shed_within_50ms": 0.0, "loop_lag_samples": 0.0,
+    figures = {"missed": 0.0, "revoked": 0.0, "shed": 0.0, "shed_within_50ms": 0.0, "loop_lag_samples": 0.0,
                "loop_lag_over_50ms": 0.0, "loop_lag_over_250ms": 0.0}
     lag_buckets: dict[str, float] = {}
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
             if sample.name == "calibrl_tenant_deadline_missed_total":
                 figures["missed"] += sample.value
+            elif sample.name == "calibrl_tenant_refusals_total" and sample.labels.get("reason") == "slowed":
+                figures["revoked"] += sample.value
             elif (sample.name == "calibrl_rpc_server_duration_seconds_bucket"
                   and sample.labels.get("code") == "RESOURCE_EXHAUSTED"):
                 if sample.labels.get("le") == "+Inf":

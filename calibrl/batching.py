@@ -40,6 +40,13 @@ latency:
   (each admitted call carries its promised wait, grown by every later call that
   goes ahead of it): an admitted call is not made to miss its deadline by the
   calls admitted after it.
+- **A slowdown is not waited out.** When the server slows after calls were admitted
+  (a neighbour took the cores), a queued call that could no longer finish by its
+  deadline at the new pace, after the work ahead of it counted as admission counts
+  it, is refused then (the same :class:`~calibrl.admission.Shed` with pushback,
+  counted as ``revoked``) instead of waiting out its deadline in the queue. The pace
+  is taken from two units (one stalled unit refuses nothing), and the queue is
+  checked between units and while a unit runs past its expected time.
 - **The workers yield to the serving threads.** With ``worker_nice`` the worker
   threads run that much nicer than the event loop (:func:`calibrl.threads.lower_thread_priority`):
   admitting, shedding and answering calls never waits for a core behind the
@@ -52,6 +59,7 @@ latency:
 from __future__ import annotations
 
 import asyncio
+import collections
 import concurrent.futures
 import logging
 import math
@@ -81,6 +89,9 @@ CONTENTION_WINDOW_S = 1.0
 # A tenant alone gets larger units (batches are cheapest large), still bounded so that work
 # stops soon after its caller gives up.
 SOLO_UNIT_COST = 0.5
+# Queued calls are refused for a slowdown at the faster of two paces (one stalled unit is not a
+# slowdown): the last unit's and the unit in progress's so far, or the last two units'.
+REVOKE_MIN_PACES = 2
 # A shed call's pushback is stretched by a random share of up to this (never shortened).
 PUSHBACK_JITTER = 0.5
 # Tenants remembered (statistics, virtual times): without keys every connection is a tenant.
@@ -141,6 +152,8 @@ class TenantStats:
     shed: int = 0
     cancelled_items: int = 0  # queued items dropped because the caller gave up or ran out of time
     missed: int = 0  # admitted calls that ran out of time on the server (expired queued, or done late)
+    late: int = 0  # of the missed calls, those whose last unit was running when the deadline passed
+    revoked: int = 0  # admitted calls refused before their deadline when the server slowed (shed, not missed)
     queue_seconds: list[float] = field(default_factory=list)  # submit -> first unit started, per call
 
 
@@ -257,6 +270,7 @@ class MicroBatcher(Generic[ItemT, ResultT]):
         self._busy = {"main": False, "short": False}
         self._units: set[asyncio.Task] = set()  # units in progress (tasks awaiting a worker)
         self._speed_seconds, self._speed_cost = 0.0, 0.0  # moving sums behind stats.seconds_per_cost
+        self._recent_paces: collections.deque[float] = collections.deque(maxlen=2)  # s per cost of the last units
         self._tenants: dict[str, _Tenant] = {}  # tenants with queued calls
         self._finish_of: dict[str, float] = {}  # virtual finish time of every tenant seen (bounded below)
         self._virtual_now = 0.0
@@ -291,9 +305,12 @@ class MicroBatcher(Generic[ItemT, ResultT]):
                       if own_state is not None else 0.0)
         others = sum(min(t.queued_cost, own * t.weight / weight)
                      for name, t in self._tenants.items() if name != tenant)
-        running_s = max(0.0, self._running_cost * self.stats.seconds_per_cost
-                        - (time.perf_counter() - self._running_since))
-        return (own + others) * self.stats.seconds_per_cost + running_s
+        spc = self.stats.seconds_per_cost
+        return (own + others) * spc + self._running_left_s(spc)
+
+    def _running_left_s(self, spc: float) -> float:
+        """Seconds the unit in progress still needs at ``spc`` seconds per unit of cost."""
+        return max(0.0, self._running_cost * spc - (time.perf_counter() - self._running_since))
 
     def _delays(self, tenant: str, cost: float) -> tuple[list[tuple[_Pending, float]], _Pending | None]:
         """How much a new call of ``tenant`` costing ``cost`` would delay each call admitted
@@ -447,12 +464,16 @@ class MicroBatcher(Generic[ItemT, ResultT]):
         pushback = max(0.01, 0.25 * wait_s, retry_after) * (1.0 + PUSHBACK_JITTER * self._jitter.random())
         raise Shed(message, retry_after_s=pushback)
 
-    def _forget(self, pending: _Pending) -> None:
+    def _forget(self, pending: _Pending, abandoned: bool = True) -> None:
+        """Remove a call's queued items (``abandoned``: its caller gave up or it failed; else
+        the server refused it, and they are not counted as cancelled)."""
         state = pending.tenant
         if pending not in state.calls:
             return
         state.calls.remove(pending)
         self._unqueue(pending, pending.waiting, pending.waiting_cost)
+        if not abandoned:
+            return
         self.stats.abandoned_items += pending.waiting
         self.stats.tenant(state.name).cancelled_items += pending.waiting
         telemetry.record("cancelled_items", pending.waiting, tenant=state.name or "none", batcher=self.name)
@@ -478,6 +499,52 @@ class MicroBatcher(Generic[ItemT, ResultT]):
                         f"deadline passed with {pending.waiting} of {len(pending.items)} items not yet started"))
                 if pending.future.done():
                     self._forget(pending)
+
+    def _revoke_doomed(self, now: float) -> None:
+        """Refuse now each queued call admitted for its deadline that could no longer
+        finish by it at the current speed: after the unit in progress, the work ahead of it
+        in its own tenant's order (least work left first) and the other tenants' backlogs up
+        to their shares meanwhile (as admission counts them). A refused call's cost no
+        longer counts ahead of its tenant's calls after it. The pace (seconds per unit of
+        cost) is the faster of two: the last unit's and the unit in progress's so far, or
+        the last two units' when none is in progress. It follows a slowdown within a unit
+        or two, and one stalled unit refuses nothing."""
+        paces = list(self._recent_paces)
+        if self._running_cost > 0 and paces:
+            paces = [paces[-1], (time.perf_counter() - self._running_since) / self._running_cost]
+        if len(paces) < REVOKE_MIN_PACES:
+            return
+        spc = min(paces)
+        running_s = self._running_left_s(spc)
+        backlogs = [(state.name, state.queued_cost, state.weight) for state in self._tenants.values()]
+        for state in list(self._tenants.values()):
+            waiting = sorted((p for p in state.calls if p.waiting and not p.future.done()),
+                             key=lambda p: p.waiting_cost)  # sorted() is stable: then arrival order
+            ahead = 0.0
+            for pending in waiting:
+                own = ahead + pending.waiting_cost
+                others = sum(min(queued, own * weight / state.weight)
+                             for name, queued, weight in backlogs if name != state.name)
+                done_by = now + running_s + (own + others) * spc
+                if pending.timeout_s is None or pending.deadline is None or done_by <= pending.deadline:
+                    ahead += pending.waiting_cost
+                    continue
+                self._revoke(pending, running_s + (ahead + others) * spc, done_by - now)
+
+    def _revoke(self, pending: _Pending, retry_after_s: float, expected_s: float) -> None:
+        self.stats.rejected += 1
+        tenant_stats = self.stats.tenant(pending.tenant.name)
+        tenant_stats.shed += 1
+        tenant_stats.revoked += 1
+        tenant = pending.tenant.name or "none"
+        telemetry.record("refusals", 1, tenant=tenant, reason="slowed", batcher=self.name)
+        telemetry.record("cost_refused", float(sum(pending.costs)), tenant=tenant, reason="slowed", batcher=self.name)
+        left = pending.deadline - asyncio.get_running_loop().time() if pending.deadline is not None else 0.0
+        pushback = max(0.01, retry_after_s) * (1.0 + PUSHBACK_JITTER * self._jitter.random())
+        pending.future.set_exception(Shed(
+            f"the server slowed down after admitting this call: it could not be done before its deadline "
+            f"({expected_s:.2f} s at the earliest at the current speed, {left:.2f} s left)", retry_after_s=pushback))
+        self._forget(pending, abandoned=False)
 
     def _next_call(self, key: Hashable | None, short: bool = False) -> _Pending | None:
         """The call that gets the next item: of the tenant furthest behind (least virtual
@@ -556,13 +623,14 @@ class MicroBatcher(Generic[ItemT, ResultT]):
         loop = asyncio.get_running_loop()
         while True:
             self._drop_abandoned(loop.time())
+            self._revoke_doomed(loop.time())
             lane = ("main" if not self._busy["main"] else
                     "short" if self._short_executor is not None and not self._busy["short"] else None)
             if not self._queued_items or lane is None:
                 if self._closing and not self._queued_items and not self._units:
                     return
                 self._wakeup.clear()
-                await self._wakeup.wait()
+                await self._wait_for_wakeup()
                 continue
             cycle_started = time.perf_counter()
             if (self.max_wait_s > 0 and self._queued_items < self.max_batch_items and self._windows_open
@@ -579,7 +647,7 @@ class MicroBatcher(Generic[ItemT, ResultT]):
                     # may never come
                     continue
                 self._wakeup.clear()
-                await self._wakeup.wait()
+                await self._wait_for_wakeup()
                 continue
             key, slices, cost = unit
             self._record_queue_times(slices, loop.time())
@@ -590,6 +658,19 @@ class MicroBatcher(Generic[ItemT, ResultT]):
             task = loop.create_task(self._run_unit(lane, key, slices, cost, cycle_started))
             self._units.add(task)
             task.add_done_callback(self._units.discard)
+
+    async def _wait_for_wakeup(self) -> None:
+        """Wait for a new call or a unit's end; while calls wait behind a unit in progress,
+        also wake each time the unit has run as long again as it was expected to, so
+        that a slowdown is seen (:meth:`_revoke_doomed`) before the unit ends."""
+        assert self._wakeup is not None
+        if not (self._queued_items and self._running_cost > 0):
+            await self._wakeup.wait()
+            return
+        try:
+            await asyncio.wait_for(self._wakeup.wait(), max(0.005, self._running_cost * self.stats.seconds_per_cost))
+        except asyncio.TimeoutError:
+            pass
 
     async def _run_unit(self, lane: str, key: Hashable, slices: list[tuple[_Pending, int, int]], cost: float,
                         cycle_started: float) -> None:
@@ -645,6 +726,7 @@ class MicroBatcher(Generic[ItemT, ResultT]):
             # fixed overheads do not swing the rate)
             if not self._speed_cost:  # the first measurement replaces the prior of 1
                 self._speed_seconds, self._speed_cost = seconds, cost
+            self._recent_paces.append(seconds / cost)
             self._speed_seconds = 0.8 * self._speed_seconds + 0.2 * seconds
             self._speed_cost = 0.8 * self._speed_cost + 0.2 * cost
             self.stats.seconds_per_cost = min(100.0, max(1e-4, self._speed_seconds / self._speed_cost))
@@ -665,7 +747,14 @@ class MicroBatcher(Generic[ItemT, ResultT]):
         """Count an admitted call that ran out of time here (``queued``: expired before its
         last unit started; ``late``: its last unit ended after its deadline; ``cancelled``:
         the caller's deadline cancelled it while it waited or ran)."""
-        self.stats.tenant(pending.tenant.name).missed += 1
+        stats = self.stats.tenant(pending.tenant.name)
+        stats.missed += 1
+        stats.late += where == "late"
+        now = asyncio.get_running_loop().time()
+        log.info("%s: an admitted call of tenant %r missed its deadline (%s): %d items, %.2f s of work, waited "
+                 "%.2f s, promised %.2f s, deadline %.2f s, %.4f s per unit of cost now", self.name,
+                 pending.tenant.name or "anonymous", where, len(pending.items), float(sum(pending.costs)),
+                 now - pending.enqueued, pending.promised_s, pending.timeout_s or 0.0, self.stats.seconds_per_cost)
         telemetry.record("deadline_missed", 1, tenant=pending.tenant.name or "none", where=where, batcher=self.name)
 
     async def _batching_window(self) -> None:

@@ -59,12 +59,12 @@ class ServingConfig:
         0.05, "Items estimated at or below this many seconds may run on a second worker while the first runs "
               "a longer unit, so a small call never waits behind one long item in progress; 0: one worker.")
     compute_nice: int = option(
-        0, "Niceness the batch worker threads add to the server's (0..19): the event loop and gRPC threads that "
+        5, "Niceness the batch worker threads add to the server's (0..19): the event loop and gRPC threads that "
            "admit, shed and answer calls run ahead of the scoring they queue, so a refusal is answered sooner "
-           "while the workers fill every core. For a server with cores of its own (a container's CPU share): "
-           "where busy processes share its cores the workers yield to those too, and calls admitted before "
-           "they started can miss their deadlines; 0: the workers run at the server's priority (the judge's "
-           "default is 5).")
+           "while the workers fill every core. Where busy processes share the server's cores the workers yield "
+           "to those too: the server serves fewer calls then, and a call admitted before they started that can "
+           "no longer meet its deadline is refused with pushback. 0: the workers run at the server's priority "
+           "(for a server whose cores are shared with other work that should not come first).")
     max_tenant_queue_cost_s: float = option(
         30.0, "Estimated work one tenant may have queued; beyond it the tenant's calls are shed at once "
               "(RESOURCE_EXHAUSTED with grpc-retry-pushback-ms).")

@@ -170,8 +170,9 @@ def _instruments(meter: Any) -> dict[str, Any]:
         ),
         "refusals": meter.create_counter(
             "calibrl.tenant.refusals",
-            description="Calls refused before any work, by tenant and reason "
-            "(unauthenticated, request_size, rate_limit, queue_full, tenant_queue_full, deadline)",
+            description="Calls refused, by tenant and reason: before any work (unauthenticated, request_size, "
+            "rate_limit, queue_full, tenant_queue_full, deadline), or after admission when the server slowed and "
+            "they could no longer meet their deadline (slowed)",
         ),
         "queue_time": meter.create_histogram(
             "calibrl.tenant.queue.time", unit="s",

@@ -13,7 +13,7 @@ runtime, so :func:`passive_openmp` runs first thing in a server's entry point; a
 the user set wins. ONNX Runtime sessions follow it (``allow_spinning`` off when passive).
 
 Worker niceness: a server's batch workers can run nicer than its event loop and gRPC
-threads (``serving.compute_nice``: 0 for retrieval, 5 for the judge by default), so a
+threads (``serving.compute_nice``, 5 by default), so a
 call the server refuses at once is answered while every core is busy scoring: the loop
 does not queue for a core behind the work it admitted. Linux gives each thread its own
 niceness; it orders the server's threads among themselves and, on a host shared with

@@ -17,11 +17,8 @@ from calibrl.serving import ServingConfig
 
 
 def _judge_serving() -> ServingConfig:
-    # a judge item is scored alone (batch-invariant), so larger units cost little fairness; its
-    # scoring holds the interpreter lock for long stretches of Python, so its workers run nicer
-    # than the serving threads (refusals answered within 50 ms beside busy processes:
-    # benchmarks/README.md, many tenants)
-    return ServingConfig(port=50052, max_unit_cost_s=0.1, compute_nice=5)
+    # a judge item is scored alone (batch-invariant), so larger units cost little fairness
+    return ServingConfig(port=50052, max_unit_cost_s=0.1)
 
 
 @dataclass

@@ -424,3 +424,58 @@ async def test_a_call_its_deadline_cancels_is_counted_as_missed_and_an_early_can
     backend.gate.set()
     await first
     await batcher.close()
+
+
+@pytest.mark.parametrize("revoke", [True, False])
+async def test_calls_admitted_before_a_slowdown_are_refused_in_time_not_left_to_miss(monkeypatch, revoke):
+    """Four tenants x 25 callers send 5-item calls with 1 s deadlines; after 1 s the
+    backend runs 5x slower (a neighbour took the cores). With the rule, calls admitted at
+    the old speed that can no longer finish are refused before their deadline, with
+    pushback, and none runs out of time in the queue; only a call whose last items were
+    in a unit that ran before the slowdown was measured (two units: the rule needs two
+    slow paces) can end late. Without the rule (the control) calls expire in the queue."""
+    import calibrl.batching as batching
+
+    if not revoke:
+        monkeypatch.setattr(batching, "REVOKE_MIN_PACES", 10**9)
+    backend = Backend(seconds_per_cost=0.2)
+    batcher = MicroBatcher(backend, max_batch_cost=0.05, max_wait_ms=0, max_queue_items=100_000)
+    outcomes: dict[str, int] = {"ok": 0, "shed": 0, "missed": 0}
+    revoked_s: list[float] = []
+    stop = asyncio.Event()
+
+    async def caller(tenant):
+        while not stop.is_set():
+            started = time.monotonic()
+            try:
+                await submit(batcher, tenant, 5, 0.01, timeout_s=1.0)
+                outcomes["ok"] += 1
+            except Shed as shed:
+                outcomes["shed"] += 1
+                if "slowed down" in str(shed):
+                    revoked_s.append(time.monotonic() - started)
+                    assert shed.retry_after_s > 0
+                await asyncio.sleep(min(0.1, shed.retry_after_s))
+            except DeadlineExceeded:
+                outcomes["missed"] += 1
+
+    tasks = [asyncio.ensure_future(caller(f"t{t}")) for t in range(4) for _ in range(25)]
+    await asyncio.sleep(1.0)
+    backend.seconds_per_cost = 1.0
+    await asyncio.sleep(2.5)
+    stop.set()
+    await asyncio.gather(*tasks)
+    missed = sum(stats.missed for stats in batcher.stats.tenants.values())
+    late = sum(stats.late for stats in batcher.stats.tenants.values())
+    revoked = sum(stats.revoked for stats in batcher.stats.tenants.values())
+    assert outcomes["ok"] > 20, outcomes
+    if revoke:
+        assert outcomes["missed"] == 0 and missed == late, (outcomes, missed, late)
+        # two units of at most 0.05 s measured before the slowdown (0.25 of cost, 25 items):
+        # the calls they finished or took items of
+        assert late <= 2 * (25 // 5 + 1), late
+        assert revoked == len(revoked_s) > 0
+        assert max(revoked_s) < 1.0  # answered before the caller's deadline
+    else:
+        assert missed - late > 0 and outcomes["missed"] > 0 and revoked == 0, (outcomes, missed, late)
+    await batcher.close()

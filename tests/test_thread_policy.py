@@ -128,14 +128,14 @@ async def test_the_batcher_workers_run_nicer_than_the_event_loop():
         await batcher.close(timeout_s=5)
 
 
-def test_compute_nice_is_checked_off_for_retrieval_and_5_for_the_judge_by_default():
+def test_compute_nice_is_checked_and_5_for_both_servers_by_default():
     from calibrl.config import load_config
     from calibrl.judge_server.config import JudgeServerConfig
     from calibrl.retrieval_server.config import RetrievalServerConfig
 
     assert load_config(JudgeServerConfig, None, ["rubrics=x"]).serving.compute_nice == 5
     assert load_config(JudgeServerConfig, None, ["rubrics=x", "serving.compute_nice=0"]).serving.compute_nice == 0
-    assert load_config(RetrievalServerConfig, None, ["index_dir=x"]).serving.compute_nice == 0
+    assert load_config(RetrievalServerConfig, None, ["index_dir=x"]).serving.compute_nice == 5
     assert load_config(RetrievalServerConfig, None, ["index_dir=x", "serving.compute_nice=10"]).serving.compute_nice == 10
     for bad in ("-1", "20"):
         with pytest.raises(ConfigError, match=f"serving.compute_nice={bad}: must be in 0..19"):
