@@ -804,7 +804,9 @@ def record_tables(results: dict) -> tuple[list[dict], list[str]]:
             shed = row.get("probe_shed_p99_ms")
             high = row.get("probe_high_shed_p99_ms")
             notes.append(f"{row['service']}, {row['callers']} callers, {row['busy_processes']} busy processes: "
-                         f"admitted calls that missed their deadline (server) {cell(late)}; client-seen "
+                         f"admitted calls that missed their deadline (server) {cell(late)}; admitted calls "
+                         f"refused with pushback when the server slowed (server) {cell(row.get('server_revoked'))}; "
+                         f"client-seen "
                          f"DEADLINE_EXCEEDED {row['client_deadline_exceeded']}; shed calls answered within 50 ms "
                          f"(server) {'-' if fast is None else f'{fast:.1%}'}; shed p99 (probe process) "
                          f"{cell(shed)} ms (target < {SHED_MS_TARGET:g}: "
