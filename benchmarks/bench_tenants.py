@@ -378,12 +378,14 @@ async def probe(service: str, address: str, seconds: float, out: pathlib.Path) -
         while time.perf_counter() < end:
             request = _overload_request(service, 10_000, i)  # built first: only the call is timed
             started = time.perf_counter()
+            revoked = False
             try:
                 await call(request, metadata=_key("crowd") if service == "retrieval" else [], timeout=PROBE_DEADLINE_S)
                 code = "OK"
             except grpc.aio.AioRpcError as exc:
                 code = exc.code().name
-            rows.append((code, (time.perf_counter() - started) * 1000, time.time()))
+                revoked = "slowed down after admitting" in (exc.details() or "")
+            rows.append((code, (time.perf_counter() - started) * 1000, time.time(), revoked))
             i += 1
             await asyncio.sleep(max(0.0, 0.1 - (time.perf_counter() - started)))
     out.write_text(json.dumps({"connect_ms": connect_ms, "calls": rows}))
@@ -515,13 +517,18 @@ async def overload(address: str, service: str, process: subprocess.Popen, caller
     probe_record = json.loads(probe_out.read_text())
     probed = probe_record["calls"]
     settled = phase_start + SETTLE_S
-    probe_shed = [ms for code, ms, at in probed if code == "RESOURCE_EXHAUSTED" and at >= settled]
-    onset_shed = [ms for code, ms, at in probed if code == "RESOURCE_EXHAUSTED" and at < settled]
+    # shed at admission (the target's refusals); a call refused after admission because the server
+    # slowed had waited in the queue first, and is reported apart
+    probe_shed = [ms for code, ms, at, revoked in probed if code == "RESOURCE_EXHAUSTED" and at >= settled
+                  and not revoked]
+    onset_shed = [ms for code, ms, at, revoked in probed if code == "RESOURCE_EXHAUSTED" and at < settled
+                  and not revoked]
+    probe_revoked = [ms for code, ms, at, revoked in probed if revoked]
     high_shed: list[float] = []
     if high is not None:
         high.wait()
-        high_shed = [ms for code, ms, at in json.loads(high_out.read_text())["calls"]
-                     if code == "RESOURCE_EXHAUSTED" and at >= settled]
+        high_shed = [ms for code, ms, at, revoked in json.loads(high_out.read_text())["calls"]
+                     if code == "RESOURCE_EXHAUSTED" and at >= settled and not revoked]
     await asyncio.sleep(2.0)
     result = {"service": service, "callers": callers, "seconds": seconds, "deadline_s": deadline_s,
               "busy_processes": busy, "load1_before": load_before, "codes": codes,
@@ -529,6 +536,8 @@ async def overload(address: str, service: str, process: subprocess.Popen, caller
               **{f"server_{k}": v - server_before[k] for k, v in _server_figures(metrics_port).items()},
               "probe_connect_ms": round(probe_record["connect_ms"], 1),
               "probe_codes": {c: sum(1 for code, *_ in probed if code == c) for c in {code for code, *_ in probed}},
+              "probe_revoked": len(probe_revoked),
+              "probe_revoked_max_ms": round(max(probe_revoked), 1) if probe_revoked else None,
               "probe_onset_shed_max_ms": round(max(onset_shed), 1) if onset_shed else None,
               "probe_shed_p50_ms": round(_percentile(probe_shed, 0.5), 1) if probe_shed else None,
               "probe_shed_p99_ms": round(_percentile(probe_shed, 0.99), 1) if probe_shed else None,

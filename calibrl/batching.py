@@ -41,9 +41,9 @@ latency:
   goes ahead of it): an admitted call is not made to miss its deadline by the
   calls admitted after it.
 - **A slowdown is not waited out.** When the server slows after calls were admitted
-  (a neighbour took the cores), a queued call that could no longer finish by its
-  deadline at the new pace, after the work ahead of it counted as admission counts
-  it, is refused then (the same :class:`~calibrl.admission.Shed` with pushback,
+  (a neighbour took the cores) by more than the margin their admission left, a
+  queued call that could no longer finish by its deadline at the new pace, after the
+  work ahead of it counted as admission counts it, is refused then (the same :class:`~calibrl.admission.Shed` with pushback,
   counted as ``revoked``) instead of waiting out its deadline in the queue. The pace
   is taken from two units (one stalled unit refuses nothing), and the queue is
   checked between units and while a unit runs past its expected time.
@@ -125,6 +125,7 @@ class _Pending(Generic[ItemT, ResultT]):
     left_cost: float = -1.0  # estimated cost of the items not yet handed to a batch (set at submit)
     timeout_s: float | None = None  # set when admitted for its deadline: later admissions keep it
     promised_s: float = 0.0  # expected seconds from enqueued to done, grown by every later call ahead of it
+    admitted_pace: float = 0.0  # seconds per unit of cost its admission assumed
 
     @property
     def waiting_cost(self) -> float:
@@ -376,7 +377,8 @@ class MicroBatcher(Generic[ItemT, ResultT]):
             state.finish = max(self._finish_of.get(name, 0.0), self._virtual_now)
         pending = _Pending(key=key, tenant=state, items=items, costs=costs, future=loop.create_future(),
                            enqueued=loop.time(), deadline=deadline, results=[None] * len(items),
-                           timeout_s=timeout_s if estimated else None, promised_s=wait_s)
+                           timeout_s=timeout_s if estimated else None, promised_s=wait_s,
+                           admitted_pace=self.stats.seconds_per_cost)
         state.calls.append(pending)
         state.queued_items += len(items)
         state.queued_cost += cost
@@ -504,8 +506,11 @@ class MicroBatcher(Generic[ItemT, ResultT]):
         """Refuse now each queued call admitted for its deadline that could no longer
         finish by it at the current speed: after the unit in progress, the work ahead of it
         in its own tenant's order (least work left first) and the other tenants' backlogs up
-        to their shares meanwhile (as admission counts them). A refused call's cost no
-        longer counts ahead of its tenant's calls after it. The pace (seconds per unit of
+        to their shares meanwhile (as admission counts them). Only a call whose admission
+        assumed a pace faster by more than ``DEADLINE_SAFETY`` is refused: admission left
+        that margin, so a pace that moves less (the cost model's error, a busy moment)
+        refuses nothing. A refused call's cost no longer counts ahead of its tenant's calls
+        after it. The pace (seconds per unit of
         cost) is the faster of two: the last unit's and the unit in progress's so far, or
         the last two units' when none is in progress. It follows a slowdown within a unit
         or two, and one stalled unit refuses nothing."""
@@ -526,7 +531,8 @@ class MicroBatcher(Generic[ItemT, ResultT]):
                 others = sum(min(queued, own * weight / state.weight)
                              for name, queued, weight in backlogs if name != state.name)
                 done_by = now + running_s + (own + others) * spc
-                if pending.timeout_s is None or pending.deadline is None or done_by <= pending.deadline:
+                if (pending.timeout_s is None or pending.deadline is None or done_by <= pending.deadline
+                        or spc <= DEADLINE_SAFETY * pending.admitted_pace):  # within the margin it was given
                     ahead += pending.waiting_cost
                     continue
                 self._revoke(pending, running_s + (ahead + others) * spc, done_by - now)

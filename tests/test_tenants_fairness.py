@@ -479,3 +479,39 @@ async def test_calls_admitted_before_a_slowdown_are_refused_in_time_not_left_to_
     else:
         assert missed - late > 0 and outcomes["missed"] > 0 and revoked == 0, (outcomes, missed, late)
     await batcher.close()
+
+
+async def test_a_pace_that_moves_within_the_admission_margin_refuses_no_admitted_call():
+    """The backend's pace swings by 1.4x, five units fast then five slow (less than the
+    1.5x margin that admission leaves) under overload: no admitted call is refused for a
+    slowdown, and none runs out of time."""
+    backend = Backend(seconds_per_cost=0.2)
+    paces = iter(([0.2] * 5 + [0.28] * 5) * 10_000)
+
+    def swinging(key, items):
+        backend.seconds_per_cost = next(paces)
+        return backend(key, items)
+
+    batcher = MicroBatcher(swinging, max_batch_cost=0.05, max_wait_ms=0, max_queue_items=100_000)
+    outcomes: dict[str, int] = {"ok": 0, "shed": 0, "missed": 0}
+    stop = asyncio.Event()
+
+    async def caller(tenant):
+        while not stop.is_set():
+            try:
+                await submit(batcher, tenant, 5, 0.01, timeout_s=1.0)
+                outcomes["ok"] += 1
+            except Shed as shed:
+                outcomes["shed"] += 1
+                await asyncio.sleep(min(0.1, shed.retry_after_s))
+            except DeadlineExceeded:
+                outcomes["missed"] += 1
+
+    tasks = [asyncio.ensure_future(caller(f"t{t}")) for t in range(4) for _ in range(25)]
+    await asyncio.sleep(2.0)
+    stop.set()
+    await asyncio.gather(*tasks)
+    assert outcomes["ok"] > 20 and outcomes["shed"] > 20, outcomes
+    assert sum(stats.revoked for stats in batcher.stats.tenants.values()) == 0
+    assert outcomes["missed"] == 0 and sum(stats.missed for stats in batcher.stats.tenants.values()) == 0
+    await batcher.close()
