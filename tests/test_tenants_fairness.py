@@ -61,6 +61,35 @@ def jain(values):
     return sum(values) ** 2 / (len(values) * sum(v * v for v in values))
 
 
+async def overload(batcher, tenants, per_tenant, timeout_s, max_sleep, meanwhile):
+    """``per_tenant`` callers of each of ``tenants`` tenants send 5-item calls (0.01 each)
+    with ``timeout_s`` deadlines until ``meanwhile()`` returns, a shed caller sleeping its
+    pushback (at most ``max_sleep``): the outcomes, and (seconds to the answer, the Shed)
+    of each shed call."""
+    outcomes: dict[str, int] = {"ok": 0, "shed": 0, "missed": 0}
+    sheds: list[tuple[float, Shed]] = []
+    stop = asyncio.Event()
+
+    async def caller(tenant):
+        while not stop.is_set():
+            started = time.monotonic()
+            try:
+                await submit(batcher, tenant, 5, 0.01, timeout_s=timeout_s)
+                outcomes["ok"] += 1
+            except Shed as shed:
+                outcomes["shed"] += 1
+                sheds.append((time.monotonic() - started, shed))
+                await asyncio.sleep(min(max_sleep, shed.retry_after_s))
+            except DeadlineExceeded:
+                outcomes["missed"] += 1
+
+    tasks = [asyncio.ensure_future(caller(f"t{t}")) for t in range(tenants) for _ in range(per_tenant)]
+    await meanwhile()
+    stop.set()
+    await asyncio.gather(*tasks)
+    return outcomes, sheds
+
+
 def test_budget_names_the_field_the_cost_and_the_limit():
     assert check_budget("items", [0.2, 0.3], 1.0, "max_request_cost_s") == pytest.approx(0.5)
     assert check_budget("items", [5.0], 0.0, "max_request_cost_s") == 5.0  # 0: no budget
@@ -379,27 +408,8 @@ async def test_admitted_calls_meet_their_deadlines_under_overload():
     in time; none is admitted and then runs out of time in the queue."""
     backend = Backend(seconds_per_cost=1.0)
     batcher = MicroBatcher(backend, max_batch_cost=0.05, max_wait_ms=0, max_queue_items=100_000)
-    outcomes: dict[str, int] = {"ok": 0, "shed": 0, "missed": 0}
-    shed_s: list[float] = []
-    stop = asyncio.Event()
-
-    async def caller(tenant):
-        while not stop.is_set():
-            started = time.monotonic()
-            try:
-                await submit(batcher, tenant, 5, 0.01, timeout_s=0.4)
-                outcomes["ok"] += 1
-            except Shed as shed:
-                outcomes["shed"] += 1
-                shed_s.append(time.monotonic() - started)
-                await asyncio.sleep(min(0.2, shed.retry_after_s))
-            except DeadlineExceeded:
-                outcomes["missed"] += 1
-
-    tasks = [asyncio.ensure_future(caller(f"t{t}")) for t in range(12) for _ in range(3)]
-    await asyncio.sleep(2.5)
-    stop.set()
-    await asyncio.gather(*tasks)
+    outcomes, sheds = await overload(batcher, 12, 3, 0.4, 0.2, lambda: asyncio.sleep(2.5))
+    shed_s = [seconds for seconds, _ in sheds]
     assert outcomes["ok"] > 20 and outcomes["shed"] > 20, outcomes
     assert outcomes["missed"] == 0, outcomes
     assert sum(stats.missed for stats in batcher.stats.tenants.values()) == 0  # none finished late either
@@ -440,31 +450,15 @@ async def test_calls_admitted_before_a_slowdown_are_refused_in_time_not_left_to_
         monkeypatch.setattr(batching, "REVOKE_MIN_PACES", 10**9)
     backend = Backend(seconds_per_cost=0.2)
     batcher = MicroBatcher(backend, max_batch_cost=0.05, max_wait_ms=0, max_queue_items=100_000)
-    outcomes: dict[str, int] = {"ok": 0, "shed": 0, "missed": 0}
-    revoked_s: list[float] = []
-    stop = asyncio.Event()
 
-    async def caller(tenant):
-        while not stop.is_set():
-            started = time.monotonic()
-            try:
-                await submit(batcher, tenant, 5, 0.01, timeout_s=1.0)
-                outcomes["ok"] += 1
-            except Shed as shed:
-                outcomes["shed"] += 1
-                if "slowed down" in str(shed):
-                    revoked_s.append(time.monotonic() - started)
-                    assert shed.retry_after_s > 0
-                await asyncio.sleep(min(0.1, shed.retry_after_s))
-            except DeadlineExceeded:
-                outcomes["missed"] += 1
+    async def slow_down_after_1s():
+        await asyncio.sleep(1.0)
+        backend.seconds_per_cost = 1.0
+        await asyncio.sleep(2.5)
 
-    tasks = [asyncio.ensure_future(caller(f"t{t}")) for t in range(4) for _ in range(25)]
-    await asyncio.sleep(1.0)
-    backend.seconds_per_cost = 1.0
-    await asyncio.sleep(2.5)
-    stop.set()
-    await asyncio.gather(*tasks)
+    outcomes, sheds = await overload(batcher, 4, 25, 1.0, 0.1, slow_down_after_1s)
+    revoked_s = [seconds for seconds, shed in sheds if "slowed down" in str(shed)]
+    assert all(shed.retry_after_s > 0 for _, shed in sheds)
     missed = sum(stats.missed for stats in batcher.stats.tenants.values())
     late = sum(stats.late for stats in batcher.stats.tenants.values())
     revoked = sum(stats.revoked for stats in batcher.stats.tenants.values())
@@ -493,24 +487,7 @@ async def test_a_pace_that_moves_within_the_admission_margin_refuses_no_admitted
         return backend(key, items)
 
     batcher = MicroBatcher(swinging, max_batch_cost=0.05, max_wait_ms=0, max_queue_items=100_000)
-    outcomes: dict[str, int] = {"ok": 0, "shed": 0, "missed": 0}
-    stop = asyncio.Event()
-
-    async def caller(tenant):
-        while not stop.is_set():
-            try:
-                await submit(batcher, tenant, 5, 0.01, timeout_s=1.0)
-                outcomes["ok"] += 1
-            except Shed as shed:
-                outcomes["shed"] += 1
-                await asyncio.sleep(min(0.1, shed.retry_after_s))
-            except DeadlineExceeded:
-                outcomes["missed"] += 1
-
-    tasks = [asyncio.ensure_future(caller(f"t{t}")) for t in range(4) for _ in range(25)]
-    await asyncio.sleep(2.0)
-    stop.set()
-    await asyncio.gather(*tasks)
+    outcomes, _ = await overload(batcher, 4, 25, 1.0, 0.1, lambda: asyncio.sleep(2.0))
     assert outcomes["ok"] > 20 and outcomes["shed"] > 20, outcomes
     assert sum(stats.revoked for stats in batcher.stats.tenants.values()) == 0
     assert outcomes["missed"] == 0 and sum(stats.missed for stats in batcher.stats.tenants.values()) == 0
