@@ -45,6 +45,8 @@ def main() -> None:
     parser.add_argument("--out", default="", help="working folder (default: a temporary one)")
     parser.add_argument("--hidden", type=int, default=0, help="agent hidden size (default: the design's)")
     parser.add_argument("--layers", type=int, default=0, help="agent layers (default: the design's)")
+    parser.add_argument("--warm-lr", type=float, default=3e-3,
+                        help="the warm start's peak learning rate (default: the design's)")
     parser.add_argument("--dump", type=int, default=0,
                         help="also write the first N greedy records of each split to <out>/records_<steps>_<split>.jsonl")
     args = parser.parse_args()
@@ -90,11 +92,11 @@ def main() -> None:
                     design = FULL.search.with_overrides(**changes)
                     started = time.perf_counter()
                     agent = study.build_base_agent(replace(FULL, search=design), domain, out / f"warm_{warm_steps}",
-                                                   clients, args.seed, False, spec)
+                                                   clients, args.seed, False, spec, warm_lr=args.warm_lr)
                     row: dict = {"seed": args.seed, "warm_steps": warm_steps, "hidden": spec.hidden_size,
                                  "layers": spec.num_layers, "careless_first": design.careless_first,
                                  "careless_second": design.careless_second,
-                                 "fresh_values": design.fresh_values,
+                                 "fresh_values": design.fresh_values, "warm_lr": args.warm_lr,
                                  "warm_s": round(time.perf_counter() - started, 1)}
                     for name, tasks in splits.items():
                         records = greedy_search_records(str(agent), tasks, clients.retrieval, eval_settings(design),

@@ -561,15 +561,15 @@ def build_base_policies(
 
 def _warm_start_and_save(folder: pathlib.Path, tokenizer: "PreTrainedTokenizerFast", spec: PolicySpec,
                          examples: Sequence[Example], steps: int, batch_size: int, seed: int,
-                         threads: int | None = None, progress: bool = False) -> WarmStartResult:
-    """A fresh model from ``spec``, warm-started and saved with ``tokenizer`` as ``folder``
-    (``threads``: torch's thread count, set first in a spawned process)."""
+                         threads: int | None = None, progress: bool = False, lr: float = 3e-3) -> WarmStartResult:
+    """A fresh model from ``spec``, warm-started (peak learning rate ``lr``) and saved with
+    ``tokenizer`` as ``folder`` (``threads``: torch's thread count, set first in a spawned process)."""
     if threads is not None:
         import torch
 
         torch.set_num_threads(threads)
     model = build_model(tokenizer, spec, seed)
-    result = warm_start(model, tokenizer, examples, steps=steps, batch_size=batch_size, seed=seed,
+    result = warm_start(model, tokenizer, examples, steps=steps, batch_size=batch_size, lr=lr, seed=seed,
                         progress=progress, desc=f"warm start {folder.name}")
     folder.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(folder)
@@ -589,14 +589,16 @@ def build_base_agent(
     teacher: AgentTeacher = AgentTeacher(),
     seed: int = 0,
     progress: bool = True,
+    lr: float = 3e-3,
 ) -> tuple[pathlib.Path, WarmStartResult]:
-    """Warm-start the base search agent alone, saved as ``out_dir/base_agent``; with no
-    ``tokenizer``, one is trained on the domain and the agent's examples."""
+    """Warm-start the base search agent alone (peak learning rate ``lr``), saved as
+    ``out_dir/base_agent``; with no ``tokenizer``, one is trained on the domain and the
+    agent's examples."""
     out = pathlib.Path(out_dir) / "base_agent"
     trajectories = search_examples(domain, search_many, teacher, seed)
     if tokenizer is None:
         tokenizer = train_tokenizer(tokenizer_corpus(domain, trajectories), spec.vocab_size)
-    return out, _warm_start_and_save(out, tokenizer, spec, trajectories, steps, 8, seed, progress=progress)
+    return out, _warm_start_and_save(out, tokenizer, spec, trajectories, steps, 8, seed, progress=progress, lr=lr)
 
 
 __all__ = [

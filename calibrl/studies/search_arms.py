@@ -273,12 +273,13 @@ def _train_and_score(plan: StudyPlan, seed: int, out: pathlib.Path, domain: "Dom
 
 
 def build_base_agent(demo: "DemoSettings", domain: "Domain", out: pathlib.Path, clients: "Clients", seed: int,
-                     progress: bool, spec: "PolicySpec | None" = None) -> pathlib.Path:
+                     progress: bool, spec: "PolicySpec | None" = None, warm_lr: float = 3e-3) -> pathlib.Path:
     """The demo's base search agent of this seed, without the demo's rewriter: the same
     tokenizer (trained on the rewrite and search examples, as ``build_base_policies``
     trains it), the same seeded model and the same warm start; the rewriter's own
     warm start (which the agent does not depend on) is skipped. ``spec``: another policy
-    size (a probe's; default the design's ``agent_spec()``)."""
+    size (a probe's; default the design's ``agent_spec()``); ``warm_lr``: the warm start's
+    peak learning rate (a probe's; default the design's, 3e-3)."""
     from calibrl.demo.policy import (
         RewriteMix,
         rewrite_examples,
@@ -298,7 +299,8 @@ def build_base_agent(demo: "DemoSettings", domain: "Domain", out: pathlib.Path, 
     trajectories = search_examples(domain, search_many, design.teacher(), seed)
     tokenizer = train_tokenizer(tokenizer_corpus(domain, rewrites + trajectories), spec.vocab_size)
     agent, _ = warm_start_agent(domain, out / "policies", search_many, tokenizer=tokenizer, spec=spec,
-                                steps=design.warm_steps, teacher=design.teacher(), seed=seed, progress=progress)
+                                steps=design.warm_steps, teacher=design.teacher(), seed=seed, progress=progress,
+                                lr=warm_lr)
     return agent
 
 
