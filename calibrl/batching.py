@@ -43,10 +43,11 @@ latency:
 - **A slowdown is not waited out.** When the server slows after calls were admitted
   (a neighbour took the cores) by more than the margin their admission left, a
   queued call that could no longer finish by its deadline at the new pace, after the
-  work ahead of it counted as admission counts it, is refused then (the same :class:`~calibrl.admission.Shed` with pushback,
-  counted as ``revoked``) instead of waiting out its deadline in the queue. The pace
-  is taken from two units (one stalled unit refuses nothing), and the queue is
-  checked between units and while a unit runs past its expected time.
+  work ahead of it counted as admission counts it, is refused then (the same
+  :class:`~calibrl.admission.Shed` with pushback, counted as ``revoked``) instead of
+  waiting out its deadline in the queue. The pace is taken from two units (one
+  stalled unit refuses nothing), and the queue is checked between units and while a
+  unit runs past its expected time.
 - **The workers yield to the serving threads.** With ``worker_nice`` the worker
   threads run that much nicer than the event loop (:func:`calibrl.threads.lower_thread_priority`):
   admitting, shedding and answering calls never waits for a core behind the
@@ -510,10 +511,9 @@ class MicroBatcher(Generic[ItemT, ResultT]):
         assumed a pace faster by more than ``DEADLINE_SAFETY`` is refused: admission left
         that margin, so a pace that moves less (the cost model's error, a busy moment)
         refuses nothing. A refused call's cost no longer counts ahead of its tenant's calls
-        after it. The pace (seconds per unit of
-        cost) is the faster of two: the last unit's and the unit in progress's so far, or
-        the last two units' when none is in progress. It follows a slowdown within a unit
-        or two, and one stalled unit refuses nothing."""
+        after it. The pace (seconds per unit of cost) is the faster of two: the last unit's
+        and the unit in progress's so far, or the last two units' when none is in progress.
+        It follows a slowdown within a unit or two, and one stalled unit refuses nothing."""
         paces = list(self._recent_paces)
         if self._running_cost > 0 and paces:
             paces = [paces[-1], (time.perf_counter() - self._running_since) / self._running_cost]
