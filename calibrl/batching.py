@@ -454,18 +454,22 @@ class MicroBatcher(Generic[ItemT, ResultT]):
             for pending, delay in delays:
                 pending.promised_s += delay
             return wait_s
-        self.stats.rejected += 1
-        tenant_stats = self.stats.tenant(tenant)
-        tenant_stats.shed += 1
-        telemetry.record("refusals", 1, tenant=tenant or "none", reason=reason, batcher=self.name)
-        telemetry.record("cost_refused", cost, tenant=tenant or "none", reason=reason, batcher=self.name)
         # come back when this tenant's backlog (at its share) would have drained enough; never
         # sooner than a quarter of the wait, so an estimate near the line is not retried in a loop
-        # a random stretch of up to PUSHBACK_JITTER spreads the retries of callers shed together
-        # (they were told the same wait): returning at once, they would queue behind each other
-        # in the transport before any is seen, the probe's shed call among them
-        pushback = max(0.01, 0.25 * wait_s, retry_after) * (1.0 + PUSHBACK_JITTER * self._jitter.random())
-        raise Shed(message, retry_after_s=pushback)
+        raise self._refusal(tenant, cost, reason, message, max(0.25 * wait_s, retry_after))
+
+    def _refusal(self, tenant: str, cost: float, reason: str, message: str, retry_after_s: float) -> Shed:
+        """Count a refused call of ``tenant`` (statistics and metrics, by ``reason``) and
+        return its :class:`Shed`, whose pushback is ``retry_after_s`` (at least 10 ms)
+        stretched by a random share of up to ``PUSHBACK_JITTER``: callers refused together
+        (told the same wait) that returned at once would queue behind each other in the
+        transport before any is seen."""
+        self.stats.rejected += 1
+        self.stats.tenant(tenant).shed += 1
+        telemetry.record("refusals", 1, tenant=tenant or "none", reason=reason, batcher=self.name)
+        telemetry.record("cost_refused", cost, tenant=tenant or "none", reason=reason, batcher=self.name)
+        pushback = max(0.01, retry_after_s) * (1.0 + PUSHBACK_JITTER * self._jitter.random())
+        return Shed(message, retry_after_s=pushback)
 
     def _forget(self, pending: _Pending, abandoned: bool = True) -> None:
         """Remove a call's queued items (``abandoned``: its caller gave up or it failed; else
@@ -544,18 +548,13 @@ class MicroBatcher(Generic[ItemT, ResultT]):
                 self._revoke(pending, running_s + (ahead + others) * spc, done_by - now)
 
     def _revoke(self, pending: _Pending, retry_after_s: float, expected_s: float) -> None:
-        self.stats.rejected += 1
-        tenant_stats = self.stats.tenant(pending.tenant.name)
-        tenant_stats.shed += 1
-        tenant_stats.revoked += 1
-        tenant = pending.tenant.name or "none"
-        telemetry.record("refusals", 1, tenant=tenant, reason="slowed", batcher=self.name)
-        telemetry.record("cost_refused", float(sum(pending.costs)), tenant=tenant, reason="slowed", batcher=self.name)
+        tenant = pending.tenant.name
+        self.stats.tenant(tenant).revoked += 1
         left = pending.deadline - asyncio.get_running_loop().time() if pending.deadline is not None else 0.0
-        pushback = max(0.01, retry_after_s) * (1.0 + PUSHBACK_JITTER * self._jitter.random())
-        pending.future.set_exception(Shed(
+        pending.future.set_exception(self._refusal(
+            tenant, float(sum(pending.costs)), "slowed",
             f"the server slowed down after admitting this call: it could not be done before its deadline "
-            f"({expected_s:.2f} s at the earliest at the current speed, {left:.2f} s left)", retry_after_s=pushback))
+            f"({expected_s:.2f} s at the earliest at the current speed, {left:.2f} s left)", retry_after_s))
         self._forget(pending, abandoned=False)
 
     def _next_call(self, key: Hashable | None, short: bool = False) -> _Pending | None:
