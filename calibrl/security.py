@@ -45,6 +45,7 @@ import yaml
 from calibrl import telemetry
 from calibrl.client_tls import channel_credentials
 from calibrl.errors import ConfigError
+from calibrl.serving import end_call
 
 _current_tenant: contextvars.ContextVar[str | None] = contextvars.ContextVar("calibrl_tenant", default=None)
 
@@ -205,10 +206,9 @@ class AuthInterceptor(_make_interceptor_base()):  # type: ignore[misc]
         async def guarded(request: Any, context: Any) -> Any:
             if isinstance(request, _Oversize):
                 telemetry.record("refusals", 1, tenant=tenant.name, reason="request_size", method=method)
-                await context.abort(
-                    grpc.StatusCode.RESOURCE_EXHAUSTED,
-                    f"request: {request.size} bytes, above tenant {tenant.name!r} limit of {limit} bytes",
-                )
+                await end_call(context, grpc.StatusCode.RESOURCE_EXHAUSTED,
+                               f"request: {request.size} bytes, above tenant {tenant.name!r} limit of {limit} bytes")
+                return None
             token = _current_tenant.set(tenant.name)
             try:
                 return await inner(request, context)
@@ -237,7 +237,7 @@ def _refusal(code: Any, details: str, trailing_metadata: tuple = ()) -> Any:
     import grpc
 
     async def refuse(request_iterator: Any, context: Any) -> Any:
-        await context.abort(code, details, trailing_metadata=trailing_metadata)
+        await end_call(context, code, details, trailing_metadata)
 
     return grpc.stream_unary_rpc_method_handler(refuse)
 

@@ -101,6 +101,29 @@ class ServingConfig:
             raise ConfigError(f"serving.max_message_mb={self.max_message_mb}: must be > 0")
 
 
+async def end_call(context: Any, code: Any, details: str, trailing_metadata: tuple = ()) -> None:
+    """Give a refused call its final status; the handler returns None right after.
+
+    A refusal with retry pushback (``grpc-retry-pushback-ms``: a shed call) ends with
+    ``context.abort``, which answers with trailers only: the one response a client's gRPC
+    retry policy (:data:`RETRY_SERVICE_CONFIG`) may retry. Every other refusal is final
+    and ends without raising (status, details and trailers set; grpc.aio then sends an
+    empty message before them, so a retry policy never resends the call). grpc.aio's abort
+    path leaves native memory behind that neither ``gc`` nor ``malloc_trim`` gets back,
+    more the larger the request: the judge's RSS grew steadily in
+    ``benchmarks/bench_tenants.py --only soak``, whose over-budget requests are large;
+    ended this way, the same calls leave nothing.
+    """
+    from calibrl.admission import PUSHBACK_KEY
+
+    if any(key == PUSHBACK_KEY for key, _ in trailing_metadata):
+        await context.abort(code, details, trailing_metadata=trailing_metadata)  # raises AbortError
+    context.set_code(code)
+    context.set_details(details)
+    if trailing_metadata:
+        context.set_trailing_metadata(trailing_metadata)
+
+
 def rpc_errors(method: Callable[..., Awaitable[Any]]) -> Callable[..., Awaitable[Any]]:
     """Decorate an async servicer method: CalibrlError -> its status code; anything
     else -> INTERNAL with the traceback logged. The server keeps serving either way."""
@@ -112,7 +135,7 @@ def rpc_errors(method: Callable[..., Awaitable[Any]]) -> Callable[..., Awaitable
         except CalibrlError as exc:
             # hints a client can act on: retry pushback (shed calls), items that fit a budget
             trailer = exc.trailing_metadata() if hasattr(exc, "trailing_metadata") else ()
-            await context.abort(grpc_status_for(exc), str(exc), trailing_metadata=trailer)
+            await end_call(context, grpc_status_for(exc), str(exc), trailer)
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # noqa: BLE001 - the boundary of the service
@@ -121,7 +144,8 @@ def rpc_errors(method: Callable[..., Awaitable[Any]]) -> Callable[..., Awaitable
             if isinstance(exc, grpc.aio.AbortError):
                 raise
             log.exception("internal error in %s", method.__qualname__)
-            await context.abort(grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}")
+            await end_call(context, grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}")
+        return None
 
     return wrapper
 
@@ -234,10 +258,10 @@ class DecodeGuardInterceptor(_interceptor_base()):  # type: ignore[misc]
 
         async def guarded(request: Any, context: Any) -> Any:
             if isinstance(request, _Undecodable):
-                await context.abort(
-                    grpc.StatusCode.INVALID_ARGUMENT,
-                    f"request: not a valid {handler_call_details.method} message ({type(request.error).__name__})",
-                )
+                await end_call(context, grpc.StatusCode.INVALID_ARGUMENT,
+                               f"request: not a valid {handler_call_details.method} message "
+                               f"({type(request.error).__name__})")
+                return None
             return await inner(request, context)
 
         return grpc.unary_unary_rpc_method_handler(

@@ -263,6 +263,50 @@ async def test_the_published_service_config_makes_grpc_retry_shed_calls(tiny_ind
         await running.stop(grace=1.0)
 
 
+class _CountingInterceptor(grpc.aio.ServerInterceptor):
+    """Counts the calls that reach the server, per method."""
+
+    def __init__(self) -> None:
+        self.calls: dict[str, int] = {}
+
+    async def intercept_service(self, continuation, handler_call_details):
+        method = handler_call_details.method
+        self.calls[method] = self.calls.get(method, 0) + 1
+        return await continuation(handler_call_details)
+
+
+async def test_a_final_refusal_keeps_its_status_and_hints_and_the_published_retry_policy_never_resends_it(
+        rubric_dir):
+    from calibrl.serving import RETRY_SERVICE_CONFIG
+
+    counting = _CountingInterceptor()
+    # a 1 ms budget: 20 items of 100-character texts (~0.4 ms each in the cost model) are over it,
+    # in a request small enough for gRPC's retry buffer (a large one is never retried anyway)
+    running = await judge_server.start(_judge_config(rubric_dir, max_request_cost_s=0.001), interceptors=[counting])
+    try:
+        options = [("grpc.service_config", RETRY_SERVICE_CONFIG), ("grpc.enable_retries", 1),
+                   ("grpc.use_local_subchannel_pool", 1)]
+        text = ("VTSAX expense ratio 2024 " * 4)[:100]
+        over_budget = jpb.ScoreRequest(rubric_id="rewrite-test",
+                                       items=[jpb.JudgeItem(query=f"{i} {text}"[:100], output=text) for i in range(20)])
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{running.port}", options=options) as channel:
+            stub = judge_pb2_grpc.JudgeServiceStub(channel)
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                await stub.Score(over_budget, timeout=60)
+            with pytest.raises(grpc.aio.AioRpcError) as unknown:
+                await stub.Score(jpb.ScoreRequest(rubric_id="nope", items=[jpb.JudgeItem(query="q", output="o")]),
+                                 timeout=60)
+        # RESOURCE_EXHAUSTED is retryable in the policy, but this one carries no pushback: one attempt
+        assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "limit max_request_cost_s=0.001 s" in refused.value.details()
+        fits = int(dict(refused.value.trailing_metadata())["calibrl-max-items"])
+        assert 0 < fits < 20
+        assert unknown.value.code() == grpc.StatusCode.NOT_FOUND and "nope" in unknown.value.details()
+        assert counting.calls == {"/calibrl.v1.JudgeService/Score": 2}
+    finally:
+        await running.stop(grace=1.0)
+
+
 INTENT_RUBRIC_YAML = """\
 id: intent-test
 version: "1"
