@@ -481,9 +481,9 @@ async def test_calls_admitted_before_a_slowdown_are_refused_in_time_not_left_to_
 async def test_a_pace_that_moves_within_the_admission_margin_refuses_no_admitted_call():
     """The backend's pace swings by 1.4x, five units fast then five slow (less than the
     1.5x margin that admission leaves) under overload: no admitted call is refused for a
-    slowdown, and none runs out of time. Units of 30-42 ms, so that a busy host's own
-    hand-over time between units (a few ms when other processes take the cores) stays small
-    beside the 1.4x swing under test."""
+    slowdown, and none runs out of time. Deadlines of 3 s (about 60 units of 50 ms), so that
+    a busy host's own hand-over time between units (a few ms when other processes take the
+    cores) stays small beside the 1.4x swing under test."""
     backend = Backend(seconds_per_cost=0.6)
     paces = iter(([0.6] * 5 + [0.84] * 5) * 10_000)
 
