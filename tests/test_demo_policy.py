@@ -298,6 +298,37 @@ def test_the_rewriter_warm_started_beside_the_agent_is_the_model_trained_alone(d
     assert saved_hidden_size(folders[True].agent) == 48 and saved_hidden_size(folders[True].rewriter) == 32
 
 
+@pytest.mark.slow  # two warm starts at the full demo's sizes: about 30 s
+def test_the_warm_starts_on_two_threads_are_the_models_of_one_thread(domain: Domain, tmp_path: pathlib.Path,
+                                                                       one_thread) -> None:
+    """`calibrl demo` runs both warm starts one after the other on two threads: at the full
+    demo's own model sizes (the rewriter's and the search design's agent, large enough that
+    torch splits their kernels across threads), both saved models and the losses must be bit
+    for bit those of one thread, and the process keeps its thread count."""
+    import torch
+    from safetensors.torch import load_file
+
+    from calibrl.demo.settings import FULL
+
+    search_many, _ = fake_search_many(domain)
+    runs = {}
+    for threads in (None, 2):
+        runs[threads] = pol.build_base_policies(domain, tmp_path / f"threads_{threads}", search_many,
+                                                agent_spec=FULL.search.agent_spec(), rewriter_steps=3,
+                                                agent_steps=3, rewrite_count=120, teacher=pol.AgentTeacher(),
+                                                seed=5, progress=False, warm_threads=threads)
+        assert torch.get_num_threads() == 1
+    for kind in ("rewriter", "agent"):
+        one = load_file(str(getattr(runs[None], kind) / "model.safetensors"))
+        two = load_file(str(getattr(runs[2], kind) / "model.safetensors"))
+        assert one.keys() == two.keys()
+        for name in one:
+            assert torch.equal(one[name], two[name]), (kind, name)
+        assert getattr(runs[2], f"{kind}_result").losses == getattr(runs[None], f"{kind}_result").losses
+    with pytest.raises(ValueError, match="warm_threads=2: must be >= 1, and not with rewriter_beside"):
+        pol.build_base_policies(domain, tmp_path / "both", search_many, warm_threads=2, rewriter_beside=True)
+
+
 def saved_hidden_size(folder: pathlib.Path) -> int:
     """The hidden size a saved policy folder declares."""
     import json

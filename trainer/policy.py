@@ -19,6 +19,7 @@ import functools
 import inspect
 import json
 import pathlib
+import threading
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -95,6 +96,12 @@ def resolve_dtype(dtype: str, device: "torch.device") -> "torch.dtype":
     return getattr(torch, dtype)
 
 
+# transformers builds a model under process-wide patches (parameters created on the meta device):
+# two threads loading at once (``calibrl demo`` evaluates two arms at a time) would see each other's
+# patches, so models are built one at a time
+_LOADING = threading.Lock()
+
+
 def load_policy(
     path: str,
     *,
@@ -135,15 +142,15 @@ def load_policy(
     # Half precision on the CPU: transformers' eager attention (plain matmuls), since torch's CPU flash
     # kernel fails for bf16 on AMX CPUs whose ATen kernels are held below AVX-512 (calibrl.kernels).
     eager = {"attn_implementation": "eager"} if cpu_half_precision(torch_device, torch_dtype) else {}
-    model: torch.nn.Module = AutoModelForCausalLM.from_pretrained(str(base_path), dtype=torch_dtype,
-                                                                  local_files_only=True, **eager)
-    model.to(torch_device)
-
-    if adapter_config.exists():
-        peft = _import_peft()
-        model = peft.PeftModel.from_pretrained(model, str(folder), is_trainable=True)
-    elif lora is not None:
-        model = wrap_lora(model, lora)
+    with _LOADING:
+        model: torch.nn.Module = AutoModelForCausalLM.from_pretrained(str(base_path), dtype=torch_dtype,
+                                                                      local_files_only=True, **eager)
+        model.to(torch_device)
+        if adapter_config.exists():
+            peft = _import_peft()
+            model = peft.PeftModel.from_pretrained(model, str(folder), is_trainable=True)
+        elif lora is not None:
+            model = wrap_lora(model, lora)
     if gradient_checkpointing:
         enable_gradient_checkpointing(model)
     model.train()

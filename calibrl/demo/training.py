@@ -22,7 +22,7 @@ from calibrl.demo.search_design import RECORDED_FORWARD, describe_design
 from calibrl.demo.search_design import eval_settings as search_eval_settings
 from calibrl.demo.search_design import train_overrides as search_train_overrides
 from calibrl.demo.settings import (CONCURRENT_PAIR, RETRIEVAL_MODE, RUBRIC_ID, STEP_RUBRIC, STEP_RUBRIC_ID,
-                                   DemoSettings)
+                                   EVAL_THREADS, WARM_THREADS, DemoSettings)
 from calibrl.demo.context import DemoError, RunContext
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -137,18 +137,24 @@ def train_and_evaluate(run: RunContext, domain: "Domain", files: "DomainFiles", 
 
 
 def build_policies(run: RunContext, domain: "Domain", clients: Clients) -> "BasePolicies":
-    """Stage 6: one tokenizer, then both warm starts at once (the rewriter's in a process of its own)."""
+    """Stage 6: one tokenizer, then the two warm starts one after the other, each on
+    ``WARM_THREADS`` torch threads (or the demo's ``--threads`` when more): the models are
+    those of one thread, bit for bit (``build_base_policies``), and the agent's warm start,
+    the demo's longest stage, gets both cores."""
+    import torch
+
     from calibrl.demo.policy import PolicySpec, RewriteMix, build_base_policies
 
     settings = run.settings
-    with run.stages.stage("build the tiny policies: tokenizer, then both warm starts at once (the rewriter's in a "
-                          "process of its own)"):
+    threads = max(WARM_THREADS, torch.get_num_threads())
+    with run.stages.stage(f"build the tiny policies: tokenizer, then the two warm starts one after the other, "
+                          f"each on {threads} threads"):
         bases = build_base_policies(
             domain, run.out / "policies", lambda queries: clients.search_many(queries, settings.search.top_k),
             spec=PolicySpec(), agent_spec=settings.search.agent_spec(),
             rewriter_steps=settings.warm_rewriter_steps, agent_steps=settings.search.warm_steps,
             rewrite_count=settings.rewrite_examples, teacher=settings.search.teacher(), mix=RewriteMix(),
-            seed=run.seed, progress=run.progress, rewriter_beside=True,
+            seed=run.seed, progress=run.progress, warm_threads=threads,
         )
         for name, result in (("base rewriter", bases.rewriter_result), ("base search agent", bases.agent_result)):
             print(f"    {name}: {result.parameters / 1e6:.2f}M parameters, {result.examples} examples, "
@@ -274,15 +280,23 @@ class _PairWindow:
 
 
 def evaluate_checkpoints(run: RunContext, clients: Clients, heldout: HeldOut) -> CheckpointEvaluation:
-    """Stage 9: every checkpoint of every arm on the held-out tasks; the curves go into each
-    run's own tracker runs."""
+    """Stage 9: every checkpoint of every arm on the held-out tasks, ``EVAL_THREADS`` arms at
+    a time (Python threads, each running torch on the calling thread: every figure is the
+    one of arms evaluated one after another); the curves go into each run's own tracker runs."""
+    import concurrent.futures
+
     curves: dict[str, Curve] = {}
     finals: dict[AgentKind, dict[str, list]] = {"rewrite": {}, "search": {}}  # agent -> arm -> final figures
-    with run.stages.stage("evaluate every checkpoint on held-out tasks"):
+    with run.stages.stage(f"evaluate every checkpoint on held-out tasks ({EVAL_THREADS} arms at a time)"), \
+            concurrent.futures.ThreadPoolExecutor(EVAL_THREADS, thread_name_prefix="evaluate") as pool:
+        checkpoints_of = {arm.name: sorted((run.out / "runs" / arm.name / "checkpoints").glob("step_*"),
+                                           key=lambda p: int(p.name.split("_")[1])) for arm in ARMS}
+        evaluations = {arm.name: pool.submit(_EVALUATE_CHECKPOINTS[arm.agent], clients, arm, checkpoints_of[arm.name],
+                                             heldout) for arm in ARMS}
         for arm in ARMS:
             run_dir = run.out / "runs" / arm.name
-            checkpoints = sorted((run_dir / "checkpoints").glob("step_*"), key=lambda p: int(p.name.split("_")[1]))
-            metrics, final = _EVALUATE_CHECKPOINTS[arm.agent](clients, arm, checkpoints, heldout)
+            checkpoints = checkpoints_of[arm.name]
+            metrics, final = evaluations[arm.name].result()
             finals[arm.agent][arm.name] = final
             curve = [(int(c.name.split("_")[1]), m) for c, m in zip(checkpoints, metrics)]
             curves[arm.name] = curve
