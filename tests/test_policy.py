@@ -109,6 +109,28 @@ def test_load_policy_from_a_folder(policy_dir, tokenizer):
     assert next(bf16.model.parameters()).dtype == torch.bfloat16
 
 
+def test_threads_loading_policies_at_once_each_get_the_saved_weights(tokenizer, tmp_path):
+    """`calibrl demo` evaluates two arms at a time, each thread loading its checkpoints:
+    transformers builds a model under process-wide patches, so loads that overlap must not
+    leave a model on the meta device or with another's weights. The demo's policies tie
+    their input and output embeddings, the case where overlapping loads broke."""
+    import concurrent.futures
+
+    from calibrl.tiny_lm import TinyLMSpec, build_tiny_lm
+
+    folder = tmp_path / "tied"
+    build_tiny_lm(tokenizer, TinyLMSpec(tie_word_embeddings=True), 0).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    expected = load_policy(str(folder), device="cpu", dtype="float32").model.state_dict()
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        loaded = list(pool.map(lambda _: load_policy(str(folder), device="cpu", dtype="float32"), range(32)))
+    for policy in loaded:
+        state = policy.model.state_dict()
+        assert state.keys() == expected.keys()
+        for name, tensor in state.items():
+            assert tensor.device.type == "cpu" and torch.equal(tensor, expected[name]), name
+
+
 def test_load_policy_errors(policy_dir, tmp_path):
     with pytest.raises(NotFound, match="local folders"):
         load_policy(str(tmp_path / "missing"))

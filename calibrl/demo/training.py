@@ -281,8 +281,9 @@ class _PairWindow:
 
 def evaluate_checkpoints(run: RunContext, clients: Clients, heldout: HeldOut) -> CheckpointEvaluation:
     """Stage 9: every checkpoint of every arm on the held-out tasks, ``EVAL_THREADS`` arms at
-    a time (Python threads, each running torch on the calling thread: every figure is the
-    one of arms evaluated one after another); the curves go into each run's own tracker runs."""
+    a time (Python threads sharing the demo's torch threads; each arm's figures are those it
+    gets evaluated alone: greedy decoding of its own models, and retrieval results that do
+    not depend on what else the server batched); the curves go into each run's own tracker runs."""
     import concurrent.futures
 
     curves: dict[str, Curve] = {}
