@@ -535,6 +535,8 @@ def build_base_policies(
     With the pinned float kernels (:mod:`calibrl.kernels`) a warm start's model does not
     depend on the thread count (tests/test_demo_policy.py checks it bit for bit), so on
     two cores this is the faster way: the agent's warm start, much the longer, gets both."""
+    import torch
+
     if warm_threads is not None and (warm_threads < 1 or rewriter_beside):
         raise ValueError(f"warm_threads={warm_threads}: must be >= 1, and not with rewriter_beside")
     out = pathlib.Path(out_dir)
@@ -544,8 +546,6 @@ def build_base_policies(
     jobs = {"base_rewriter": (rewrites, rewriter_steps, 32, spec),
             "base_agent": (trajectories, agent_steps, 8, agent_spec or spec)}
     results: dict[str, Union[WarmStartResult, Future[WarmStartResult]]] = {}
-    import torch
-
     beside = None
     if rewriter_beside:
         import concurrent.futures

@@ -29,8 +29,8 @@ OTHER_RUNS = ("calibadv", "calibadv_silver", "binary", "binary_ds")
 # Torch threads of the two warm starts, which run one after the other in the demo process: the demo's
 # two cores (a warm start's model does not depend on the count: calibrl.demo.policy.build_base_policies).
 WARM_THREADS = 2
-# Arms whose checkpoints are evaluated at once (Python threads of the demo process, torch on one thread
-# each, so the figures are those of one arm after another).
+# Arms whose checkpoints are evaluated at once (Python threads of the demo process:
+# calibrl.demo.training.evaluate_checkpoints says why the figures are those of one arm after another).
 EVAL_THREADS = 2
 MARKER = ".calibrl-demo"  # marks a folder as a demo run's output, which a later run may replace
 RETRIEVAL_MODE = "bm25"
