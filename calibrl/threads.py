@@ -18,7 +18,11 @@ call the server refuses at once is answered while every core is busy scoring: th
 does not queue for a core behind the work it admitted. Linux gives each thread its own
 niceness; it orders the server's threads among themselves and, on a host shared with
 other busy processes of the same session or container, makes the workers yield to those
-too.
+too. Native libraries start their own compute threads (ONNX Runtime's intra-op pool when a
+session is created, OpenMP's team at a thread's first parallel region), and a new thread
+inherits its creator's niceness; so a server loads its models and warms them up in a thread
+at the workers' niceness (:func:`call_nicer`), or those pools would run beside the event loop
+at its priority.
 
 GIL switch interval: a server's event loop and its batcher's short lane need the GIL
 back quickly while a worker runs Python scorers over a long item; at CPython's default
@@ -31,6 +35,9 @@ import logging
 import os
 import sys
 import threading
+from typing import Callable, TypeVar
+
+T = TypeVar("T")
 
 log = logging.getLogger(__name__)
 
@@ -90,3 +97,27 @@ def lower_thread_priority(nice: int, name: str = "") -> int | None:
     if nice:
         log.info("thread %s runs at niceness %d", name, current)
     return current
+
+
+def call_nicer(nice: int, fn: Callable[..., T], *args: object, name: str = "model-loader") -> T:
+    """``fn(*args)`` in a new thread ``nice`` steps nicer than the caller (joined: the call
+    returns ``fn``'s result or raises its exception), so that threads native libraries start
+    inside it (an ONNX Runtime session's pool, an OpenMP team) inherit that niceness; the
+    calling thread keeps its own. ``nice`` 0 calls ``fn`` in the calling thread."""
+    if not nice:
+        return fn(*args)
+    outcome: dict[str, object] = {}
+
+    def run() -> None:
+        lower_thread_priority(nice, name)
+        try:
+            outcome["value"] = fn(*args)
+        except BaseException as exc:  # re-raised in the caller
+            outcome["error"] = exc
+
+    thread = threading.Thread(target=run, name=name, daemon=True)
+    thread.start()
+    thread.join()
+    if "error" in outcome:
+        raise outcome["error"]  # type: ignore[misc]
+    return outcome["value"]  # type: ignore[return-value]

@@ -77,11 +77,11 @@ def serve(argv: list[str]) -> int:
 
     from calibrl.serving import freeze_loaded_objects, serve_until_signal, stop_on_signals
     from calibrl.judge_server.server import start
-    from calibrl.threads import apply_thread_policy
+    from calibrl.threads import apply_thread_policy, call_nicer
 
     apply_thread_policy(config.torch_threads, "judge server")  # before the models load: they size to it
-    try:
-        _load_embedder_if_needed(config)
+    try:  # at the workers' niceness: the encoder's native threads inherit it (calibrl.threads)
+        call_nicer(config.serving.compute_nice, _load_embedder_if_needed, config)
     except CalibrlError as exc:
         return _fail(str(exc))
 

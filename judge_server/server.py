@@ -25,6 +25,7 @@ from calibrl import telemetry
 from calibrl.admission import check_budget
 from calibrl.batching import MicroBatcher
 from calibrl.security import tenant_weights
+from calibrl.threads import call_nicer
 from calibrl.serving import BATCHER_CLOSE_S, RunningServer, rpc_errors, start_server, tenant_of_call, time_remaining
 from calibrl.v1 import judge_pb2 as pb
 from calibrl.v1 import judge_pb2_grpc
@@ -223,8 +224,9 @@ async def start(config: JudgeServerConfig, judge: Judge | None = None,
                 tenant_of: TenantResolver = _authenticated_tenant,
                 interceptors: Sequence["ServerInterceptor"] = ()) -> RunningServer:
     """Start the judge server on the current event loop (port 0 picks a free port)."""
+    nice = config.serving.compute_nice  # models load at the workers' niceness (calibrl.threads.call_nicer)
     if judge is None:
-        judge = Judge.from_config(config.judge, config.rubrics)
+        judge = call_nicer(nice, Judge.from_config, config.judge, config.rubrics)
     log.info("judge model id %s; %d rubric(s) from %s", judge.model_id, len(judge.statuses()), config.rubrics)
     log_rubric_statuses(judge)
 
@@ -265,7 +267,7 @@ async def start(config: JudgeServerConfig, judge: Judge | None = None,
         on_no_new_calls=[batcher.end_windows],
         on_stop=[poller.stop, lambda: batcher.close(timeout_s=BATCHER_CLOSE_S), close_judge],
         interceptors=interceptors,
-        warm_up=lambda: asyncio.to_thread(warm_up, judge),
+        warm_up=lambda: asyncio.to_thread(call_nicer, nice, warm_up, judge),
     )
     poller.start()
     running.servicer = servicer  # type: ignore[attr-defined]

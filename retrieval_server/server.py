@@ -20,6 +20,7 @@ from typing import Any
 from calibrl.batching import MicroBatcher
 from calibrl.config import validate
 from calibrl.security import tenant_weights
+from calibrl.threads import call_nicer
 from calibrl.serving import (BATCHER_CLOSE_S, RunningServer, freeze_loaded_objects, serve_until_signal, start_server,
                              stop_on_signals)
 from calibrl.v1 import retrieval_pb2_grpc as pb_grpc
@@ -57,7 +58,8 @@ async def start(config: RetrievalServerConfig, retriever: Retriever | None = Non
     """
     validate(config)
     if retriever is None:
-        retriever = await asyncio.to_thread(Retriever.from_config, config)
+        # models load at the workers' niceness (calibrl.threads.call_nicer)
+        retriever = await asyncio.to_thread(call_nicer, config.serving.compute_nice, Retriever.from_config, config)
     batcher: MicroBatcher = MicroBatcher(
         lambda mode, work: answer_batch(retriever, mode, work),
         max_batch_items=config.batch_max_items,
@@ -77,7 +79,7 @@ async def start(config: RetrievalServerConfig, retriever: Retriever | None = Non
         [SERVICE_NAME],
         on_no_new_calls=[batcher.end_windows],
         on_stop=[lambda: batcher.close(timeout_s=BATCHER_CLOSE_S)],
-        warm_up=lambda: asyncio.to_thread(warm_up, retriever),
+        warm_up=lambda: asyncio.to_thread(call_nicer, config.serving.compute_nice, warm_up, retriever),
     )
     base = {f.name: getattr(running, f.name) for f in dataclasses.fields(RunningServer)}
     return RunningRetrievalServer(**base, host=config.serving.host, retriever=retriever, batcher=batcher)

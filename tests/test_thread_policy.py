@@ -140,3 +140,66 @@ def test_compute_nice_is_checked_and_5_for_both_servers_by_default():
     for bad in ("-1", "20"):
         with pytest.raises(ConfigError, match=f"serving.compute_nice={bad}: must be in 0..19"):
             load_config(JudgeServerConfig, None, ["rubrics=x", f"serving.compute_nice={bad}"])
+
+
+def _thread_ids() -> set[int]:
+    import os
+
+    return {int(name) for name in os.listdir("/proc/self/task")}
+
+
+def _thread_niceness(thread_id: int) -> int:
+    import os
+
+    return os.getpriority(os.PRIO_PROCESS, thread_id)
+
+
+@pytest.mark.skipif(not __import__("sys").platform.startswith("linux"), reason="per-thread niceness is Linux's")
+def test_an_onnx_session_made_in_call_nicer_runs_its_pool_at_that_niceness(tmp_path):
+    """ONNX Runtime starts its intra-op pool when a session is made; a server makes its
+    sessions inside call_nicer so that pool runs at the workers' niceness, not the loop's."""
+    import numpy as np
+    import onnx
+    import onnxruntime as ort
+    from onnx import TensorProto, helper
+
+    from calibrl.threads import MAX_NICE, call_nicer
+
+    graph = helper.make_graph([helper.make_node("MatMul", ["x", "w"], ["y"])], "g",
+                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, [64, 64])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [64, 64])],
+                              [helper.make_tensor("w", TensorProto.FLOAT, [64, 64], np.ones(64 * 64).tolist())])
+    path = tmp_path / "g.onnx"
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), str(path))
+
+    def make_session() -> "ort.InferenceSession":
+        options = ort.SessionOptions()
+        options.intra_op_num_threads = 3  # the caller's thread and a pool of 2
+        return ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+
+    base = _niceness()
+    before = _thread_ids()
+    session = call_nicer(4, make_session)
+    pool = _thread_ids() - before
+    x = np.ones((64, 64), dtype=np.float32)
+    assert session.run(None, {"x": x})[0][0, 0] == 64.0
+    assert len(pool) >= 2, pool  # the session's pool threads (the loader thread has ended)
+    assert {_thread_niceness(t) for t in pool} == {min(MAX_NICE, base + 4)}
+    assert _niceness() == base  # the caller keeps its priority
+
+    before = _thread_ids()
+    plain = make_session()  # made in the calling thread: its pool runs at the caller's niceness
+    assert {_thread_niceness(t) for t in _thread_ids() - before} == {base}
+    del plain
+
+
+def test_call_nicer_returns_the_result_raises_the_error_and_0_runs_in_place():
+    import threading
+
+    from calibrl.threads import call_nicer
+
+    base = _niceness()
+    assert call_nicer(2, lambda a, b: (a + b, _niceness()), 1, 2) == (3, min(19, base + 2))
+    with pytest.raises(ValueError, match="bad value"):
+        call_nicer(2, lambda: (_ for _ in ()).throw(ValueError("bad value")))
+    assert call_nicer(0, threading.get_native_id) == threading.get_native_id()
