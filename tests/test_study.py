@@ -433,12 +433,34 @@ def test_report_only_needs_a_study_folder(tmp_path, capsys):
 
 
 def test_the_headline_arms_run_first_under_every_setting():
-    order = [(setting, arm.name) for setting, arm in _tiny_plan().run_order()]
-    assert order[:3] == [("normal", "grpo"), ("normal", "calibadv"), ("normal", "calibadv_silver")]
-    assert sorted(order) == sorted((s, a.name) for s in SETTINGS for a in TINY_ARMS)
-    everything = dataclasses.replace(_tiny_plan(), arms=ARMS)
+    plan = _tiny_plan()
+    assert plan.normal_from_long
+    order = [(setting, arm.name) for setting, arm in plan.run_order()]
+    # the long runs give the normal setting (the headline) too, so they run first and no normal run is trained
+    assert order[:3] == [("long", "grpo"), ("long", "calibadv"), ("long", "calibadv_silver")]
+    assert sorted(order) == sorted((s, a.name) for s in SETTINGS if s != "normal" for a in TINY_ARMS)
+    everything = dataclasses.replace(plan, arms=ARMS)
     names = [(s, a.name) for s, a in everything.run_order()]
-    assert names.index(("long", "calibadv_silver")) < names.index(("normal", "grpo_steps"))
+    assert names.index(("stress", "calibadv_silver")) < names.index(("long", "grpo_steps"))
+    without_long = dataclasses.replace(plan, settings=("normal", "stress"))
+    assert not without_long.normal_from_long
+    assert [(s, a.name) for s, a in without_long.run_order()][:3] == [("normal", a.name) for a in TINY_ARMS]
+
+
+def test_the_normal_run_read_off_the_long_run_is_the_normal_run_trained_apart(tiny_study, tmp_path):
+    """The study reads the normal setting off the long run's checkpoint at the normal run's last
+    step; a normal run trained on its own gives the same steps and held-out figures, bit for bit."""
+    out, _ = tiny_study
+    derived = json.loads((out / "seed_0" / "seed_result.json").read_text(encoding="utf-8"))["runs"]["normal"]
+    assert all(derived[a.name]["from_long"] for a in TINY_ARMS)
+    grpo = [a for a in TINY_ARMS if a.name == "grpo"]
+    apart = dataclasses.replace(_tiny_plan(), arms=tuple(grpo), settings=("normal",))
+    run_study(apart, tmp_path / "apart", command="calibrl study (test, normal apart)")
+    trained = json.loads((tmp_path / "apart" / "seed_0" / "seed_result.json").read_text(encoding="utf-8"))
+    normal = trained["runs"]["normal"]["grpo"]
+    assert "from_long" not in normal and normal["wall_s"] > 0
+    assert normal["steps"] == derived["grpo"]["steps"]  # every per-step metric, exactly
+    assert normal["scores"] == derived["grpo"]["scores"]  # every held-out question's figures, exactly
 
 
 def test_h3_is_decided_by_the_last_minus_best_intervals_of_the_long_setting():

@@ -23,6 +23,10 @@ under the demo's learning rate (``normal``), under a stress setting, the same fo
 arm (``stress``: the learning rate times ``STRESS_LR_FACTOR``), and over a longer run at
 the normal learning rate (``long``: ``LONG_STEPS_FACTOR`` times the steps, with held-out
 search recall and answer F1 at ``LONG_CHECKPOINTS`` checkpoints: does an arm degrade?).
+When the long setting runs, the normal run is not trained apart: the long run's first steps
+are the normal run (the same seed, questions in the same order and a constant learning rate),
+so its checkpoint at the normal run's last step is the normal run's final policy, and its
+per-step metrics up to there are the normal run's (:meth:`StudyPlan.normal_from_long`).
 Every final policy and the base answer every held-out question greedily; the
 per-question answer F1 feeds ``calibrl.stats``: each arm's mean with a 95% bootstrap
 interval over questions (resampled within each seed: the seeds have different
@@ -133,11 +137,27 @@ class StudyPlan:
                                               checkpoints=LONG_CHECKPOINTS)
         return self.design
 
+    @property
+    def normal_from_long(self) -> bool:
+        """Whether the normal setting is read off the long run instead of trained apart: the
+        long run at the normal learning rate takes the same first steps as the normal run
+        (same seed, same questions in the same order, a constant learning rate) and keeps a
+        checkpoint at the normal run's last step (``LONG_STEPS_FACTOR`` equals
+        ``LONG_CHECKPOINTS``), so that checkpoint is the normal run's final policy. The
+        D18 study's records bear it out: in every seed and arm, the long run's first steps'
+        metrics and its first checkpoint's held-out figures equal the normal run's."""
+        return "normal" in self.settings and "long" in self.settings
+
     def run_order(self) -> list[tuple[str, Arm]]:
-        """(setting, arm) in the order they run: the plain arms first under every setting
-        (GRPO vs CalibAdv, normal and stress: the headline), then the step-rewarded ones,
-        so a study stopped part way has the headline in every seed."""
-        return [(setting, arm) for group in (False, True) for setting in self.settings
+        """(setting, arm) of the runs trained, in the order they run: the plain arms first
+        under every setting (GRPO vs CalibAdv, normal and stress: the headline), then the
+        step-rewarded ones, so a study stopped part way has the headline in every seed. With
+        :attr:`normal_from_long`, the long runs give the normal setting too: they run first and
+        no normal run is trained."""
+        settings = [s for s in self.settings if s != "normal"] if self.normal_from_long else list(self.settings)
+        if self.normal_from_long:
+            settings.sort(key=lambda s: s != "long")  # the long runs carry the headline (normal)
+        return [(setting, arm) for group in (False, True) for setting in settings
                 for arm in self.arms if arm.step_rewards == group]
 
     def describe(self) -> JsonObject:
@@ -253,22 +273,36 @@ def _train_and_score(plan: StudyPlan, seed: int, out: pathlib.Path, domain: "Dom
         "constant": constant_scores(domain, heldout), "runs": {}, "timings": timings, "complete": False,
     }
     save_seed_result(out, record)
+    normal_steps = plan.design.steps
     for setting, arm in plan.run_order():
         run = train_arm(plan, setting, arm, base_agent, files, clients, out, seed, progress)
         eval_started = time.perf_counter()
         checkpoints = run.pop("checkpoints")
+        normal: JsonObject | None = None
         if setting == "long":  # held-out figures along the run (the last checkpoint is the final policy)
             run["curve"] = []
             for step, path in checkpoints:
+                step_started = time.perf_counter()
                 scores = question_scores(path, heldout, clients, eval_settings, passages)
                 run["curve"].append({"step": step, **{k: scores[k] for k in CURVE_METRICS}})
+                if plan.normal_from_long and step == normal_steps:
+                    normal = {"steps": run["steps"][:normal_steps], "from_long": True, "scores": scores,
+                              "eval_s": time.perf_counter() - step_started}
+            if plan.normal_from_long and normal is None:
+                raise StudyError(f"seed {seed} long {arm.name}: no checkpoint at step {normal_steps} (checkpoints at "
+                                 f"{[step for step, _ in checkpoints]}), so the normal run cannot be read off it")
         run["scores"] = question_scores(run.pop("model"), heldout, clients, eval_settings, passages)
         run["eval_s"] = time.perf_counter() - eval_started
+        if normal is not None:
+            record["runs"].setdefault("normal", {})[arm.name] = normal
         record["runs"].setdefault(setting, {})[arm.name] = run
         timings["arms_s"] = time.perf_counter() - started - timings["base_agent_s"]
         save_seed_result(out, record)
-        print(f"    seed {seed} {setting} {arm.name}: trained in {run['wall_s']:.0f}s, held-out F1 "
-              f"{sum(run['scores']['f1']) / len(heldout):.3f}", flush=True)
+        for name, done in (("normal", normal), (setting, run)):
+            if done is not None:
+                how = "read off the long run" if done.get("from_long") else f"trained in {done['wall_s']:.0f}s"
+                print(f"    seed {seed} {name} {arm.name}: {how}, held-out F1 "
+                      f"{sum(done['scores']['f1']) / len(heldout):.3f}", flush=True)
     return record
 
 

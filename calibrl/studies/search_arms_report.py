@@ -367,11 +367,14 @@ def timing_lines(records: Sequence[JsonRecord]) -> list[str]:
     for record in records:
         timings = record.get("timings", {})
         runs = [run for runs in record.get("runs", {}).values() for run in runs.values()]
-        train = [run["wall_s"] for run in runs]
+        train = [run["wall_s"] for run in runs if not run.get("from_long")]  # a normal run read off the long one
         evaluation = _mean([run.get("eval_s", math.nan) for run in runs])
+        derived = sum(1 for run in runs if run.get("from_long"))
         parts.append(f"seed {record['seed']}: domain + index {_num(timings.get('domain_and_index_s', math.nan))}, "
                      f"base agent {_num(timings.get('base_agent_s', math.nan))}, {len(train)} runs trained in "
-                     f"{_num(_mean(train))} each on average, held-out evaluation {_num(evaluation)} each")
+                     f"{_num(_mean(train))} each on average"
+                     + (f" ({derived} normal runs read off the long runs)" if derived else "")
+                     + f", held-out evaluation {_num(evaluation)} each")
     return ["Seconds per seed: " + "; ".join(parts) + ".", ""] if parts else []
 
 
