@@ -93,8 +93,11 @@ SOLO_UNIT_COST = 0.5
 # Queued calls are refused for a slowdown at the faster of two paces (one stalled unit is not a
 # slowdown): the last unit's and the unit in progress's so far, or the last two units'.
 REVOKE_MIN_PACES = 2
-# A shed call's pushback is stretched by a random share of up to this (never shortened).
-PUSHBACK_JITTER = 0.5
+# A shed call's pushback is stretched by a random share of up to this (never shortened): up to
+# twice the wait. At half (0.5) the retries of 200 overload callers still came back in waves
+# every few seconds, and gRPC accepts new calls one at a time, so a call that arrived in a wave
+# waited 100-300 ms behind it before the server could refuse it (benchmarks/HISTORY.md).
+PUSHBACK_JITTER = 1.0
 # Tenants remembered (statistics, virtual times): without keys every connection is a tenant.
 MAX_TENANT_STATS = 1000
 # A call cancelled this close to its deadline, or later, was cancelled by its deadline (gRPC
@@ -463,7 +466,7 @@ class MicroBatcher(Generic[ItemT, ResultT]):
         return its :class:`Shed`, whose pushback is ``retry_after_s`` (at least 10 ms)
         stretched by a random share of up to ``PUSHBACK_JITTER``: callers refused together
         (told the same wait) that returned at once would queue behind each other in the
-        transport before any is seen."""
+        transport before any is seen, and so would every other new call meanwhile."""
         self.stats.rejected += 1
         self.stats.tenant(tenant).shed += 1
         telemetry.record("refusals", 1, tenant=tenant or "none", reason=reason, batcher=self.name)
