@@ -270,32 +270,30 @@ def test_rewrite_mix_is_a_distribution() -> None:
     assert rng.choices(names, weights)[0] in names
 
 
-def test_the_rewriter_warm_started_beside_the_agent_is_the_model_trained_alone(domain: Domain, tmp_path: pathlib.Path,
-                                                                                 one_thread) -> None:
-    """`calibrl demo` warm-starts the rewriter in a spawned process while it warm-starts the
-    agent: both saved models must be bit for bit those of the two warm starts one after another."""
+def test_the_agent_takes_its_own_shape_and_the_rewriter_the_demos(domain: Domain, tmp_path: pathlib.Path,
+                                                                    one_thread) -> None:
+    """The two warm starts share one tokenizer; the agent is sized by a design's
+    ``agent_spec``, the rewriter by ``spec``, and each saved model is the one a warm start
+    of that spec alone gives, bit for bit."""
     import torch
     from safetensors.torch import load_file
 
     search_many, _ = fake_search_many(domain)
     spec = pol.PolicySpec(hidden_size=32, num_layers=1, num_heads=2, intermediate_size=64, vocab_size=512)
-    folders = {}
-    for beside in (False, True):
-        bases = pol.build_base_policies(domain, tmp_path / f"beside_{beside}", search_many, spec=spec,
-                                        agent_spec=replace(spec, hidden_size=48, intermediate_size=96),
-                                        rewriter_steps=6, agent_steps=4, rewrite_count=120,
-                                        teacher=pol.AgentTeacher(), seed=3, progress=False,
-                                        rewriter_beside=beside)
-        folders[beside] = bases
-    for kind in ("rewriter", "agent"):
-        alone = load_file(str(getattr(folders[False], kind) / "model.safetensors"))
-        beside = load_file(str(getattr(folders[True], kind) / "model.safetensors"))
-        assert alone.keys() == beside.keys()
-        for name in alone:
-            assert torch.equal(alone[name], beside[name]), (kind, name)  # exact: same kernels, seed and data
-    assert folders[True].rewriter_result.losses == folders[False].rewriter_result.losses
-    # the agent takes its own shape (a design's agent_spec), the rewriter the demo's
-    assert saved_hidden_size(folders[True].agent) == 48 and saved_hidden_size(folders[True].rewriter) == 32
+    agent_spec = replace(spec, hidden_size=48, intermediate_size=96)
+    bases = pol.build_base_policies(domain, tmp_path / "both", search_many, spec=spec, agent_spec=agent_spec,
+                                    rewriter_steps=6, agent_steps=4, rewrite_count=120,
+                                    teacher=pol.AgentTeacher(), seed=3, progress=False)
+    assert saved_hidden_size(bases.agent) == 48 and saved_hidden_size(bases.rewriter) == 32
+    rewrites = pol.rewrite_examples(domain, 120, pol.RewriteMix(), 3)
+    trajectories = pol.search_examples(domain, search_many, pol.AgentTeacher(), 3)
+    tokenizer = pol.train_tokenizer(pol.tokenizer_corpus(domain, rewrites + trajectories), spec.vocab_size)
+    alone = pol._warm_start_and_save(tmp_path / "agent_alone", tokenizer, agent_spec, trajectories, 4, 8, 3)
+    assert alone.losses == bases.agent_result.losses
+    saved, again = (load_file(str(folder / "model.safetensors")) for folder in (bases.agent, tmp_path / "agent_alone"))
+    assert saved.keys() == again.keys() and all(torch.equal(saved[name], again[name]) for name in saved)
+    with pytest.raises(ValueError, match="warm_threads=0: must be >= 1"):
+        pol.build_base_policies(domain, tmp_path / "none", search_many, warm_threads=0)
 
 
 @pytest.mark.slow  # two warm starts at the full demo's sizes: about 30 s
@@ -325,8 +323,6 @@ def test_the_warm_starts_on_two_threads_are_the_models_of_one_thread(domain: Dom
         for name in one:
             assert torch.equal(one[name], two[name]), (kind, name)
         assert getattr(runs[2], f"{kind}_result").losses == getattr(runs[None], f"{kind}_result").losses
-    with pytest.raises(ValueError, match="warm_threads=2: must be >= 1, and not with rewriter_beside"):
-        pol.build_base_policies(domain, tmp_path / "both", search_many, warm_threads=2, rewriter_beside=True)
 
 
 def saved_hidden_size(folder: pathlib.Path) -> int:

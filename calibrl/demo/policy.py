@@ -30,8 +30,7 @@ import pathlib
 import random
 import re
 from dataclasses import dataclass, replace
-from concurrent.futures import Future
-from typing import TYPE_CHECKING, Callable, Iterable, Protocol, Sequence, Union
+from typing import TYPE_CHECKING, Callable, Iterable, Protocol, Sequence
 
 from calibrl.demo.domain import (
     ACCOUNT_ASPECTS,
@@ -516,7 +515,6 @@ def build_base_policies(
     mix: RewriteMix = RewriteMix(),
     seed: int = 0,
     progress: bool = True,
-    rewriter_beside: bool = False,
     warm_threads: int | None = None,
 ) -> BasePolicies:
     """Train one tokenizer on the domain, then warm-start two models from it (the agent
@@ -525,48 +523,29 @@ def build_base_policies(
     (query -> rewrite) examples, the search agent on reference trajectories (observations
     from ``search``).
 
-    ``rewriter_beside``: the rewriter warm-starts in a process of its own (spawned,
-    with this process's torch thread count) while this one warm-starts the agent, so
-    two cores take the time of the longer one; each model is the one it would be
-    alone (its own seed, no shared state: a process, not a thread).
-
-    ``warm_threads``: instead, the two warm starts run one after the other in this
-    process, each with this many torch threads (this process's count is restored after).
-    With the pinned float kernels (:mod:`calibrl.kernels`) a warm start's model does not
-    depend on the thread count (tests/test_demo_policy.py checks it bit for bit), so on
-    two cores this is the faster way: the agent's warm start, much the longer, gets both."""
+    The two warm starts run one after the other; ``warm_threads``: each with this many
+    torch threads (this process's count is restored after; None keeps it). With the pinned
+    float kernels (:mod:`calibrl.kernels`) a warm start's model does not depend on the
+    thread count (tests/test_demo_policy.py checks it bit for bit), so on two cores the
+    agent's warm start, much the longer, gets both."""
     import torch
 
-    if warm_threads is not None and (warm_threads < 1 or rewriter_beside):
-        raise ValueError(f"warm_threads={warm_threads}: must be >= 1, and not with rewriter_beside")
+    if warm_threads is not None and warm_threads < 1:
+        raise ValueError(f"warm_threads={warm_threads}: must be >= 1")
     out = pathlib.Path(out_dir)
     rewrites = rewrite_examples(domain, rewrite_count, mix, seed)
     trajectories = search_examples(domain, search_many, teacher, seed)
     tokenizer = train_tokenizer(tokenizer_corpus(domain, rewrites + trajectories), spec.vocab_size)
     jobs = {"base_rewriter": (rewrites, rewriter_steps, 32, spec),
             "base_agent": (trajectories, agent_steps, 8, agent_spec or spec)}
-    results: dict[str, Union[WarmStartResult, Future[WarmStartResult]]] = {}
-    beside = None
-    if rewriter_beside:
-        import concurrent.futures
-        import multiprocessing
-
-        beside = concurrent.futures.ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"))
-        examples, steps, batch, shape = jobs.pop("base_rewriter")
-        results["base_rewriter"] = beside.submit(
-            _warm_start_and_save, out / "base_rewriter", tokenizer, shape, examples, steps, batch, seed,
-            torch.get_num_threads())
+    results: dict[str, WarmStartResult] = {}
     threads_before = torch.get_num_threads()
     try:
         for name, (examples, steps, batch, shape) in jobs.items():
             results[name] = _warm_start_and_save(out / name, tokenizer, shape, examples, steps, batch, seed,
                                                  threads=warm_threads, progress=progress)
-        if beside is not None:
-            results["base_rewriter"] = results["base_rewriter"].result()
     finally:
         torch.set_num_threads(threads_before)
-        if beside is not None:
-            beside.shutdown(wait=True, cancel_futures=True)
     return BasePolicies(out / "base_rewriter", out / "base_agent", results["base_rewriter"], results["base_agent"])
 
 
@@ -574,7 +553,7 @@ def _warm_start_and_save(folder: pathlib.Path, tokenizer: "PreTrainedTokenizerFa
                          examples: Sequence[Example], steps: int, batch_size: int, seed: int,
                          threads: int | None = None, progress: bool = False, lr: float = 3e-3) -> WarmStartResult:
     """A fresh model from ``spec``, warm-started (peak learning rate ``lr``) and saved with
-    ``tokenizer`` as ``folder`` (``threads``: torch's thread count, set first in a spawned process)."""
+    ``tokenizer`` as ``folder`` (``threads``: torch's thread count, set first; None keeps it)."""
     if threads is not None:
         import torch
 
