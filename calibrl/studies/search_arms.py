@@ -154,9 +154,9 @@ class StudyPlan:
         step-rewarded ones, so a study stopped part way has the headline in every seed. With
         :attr:`normal_from_long`, the long runs give the normal setting too: they run first and
         no normal run is trained."""
-        settings = [s for s in self.settings if s != "normal"] if self.normal_from_long else list(self.settings)
-        if self.normal_from_long:
-            settings.sort(key=lambda s: s != "long")  # the long runs carry the headline (normal)
+        settings = list(self.settings)
+        if self.normal_from_long:  # the long runs carry the headline (normal), so they go first
+            settings = ["long", *(s for s in settings if s not in ("normal", "long"))]
         return [(setting, arm) for group in (False, True) for setting in settings
                 for arm in self.arms if arm.step_rewards == group]
 
