@@ -463,6 +463,77 @@ def test_the_normal_run_read_off_the_long_run_is_the_normal_run_trained_apart(ti
     assert normal["scores"] == derived["grpo"]["scores"]  # every held-out question's figures, exactly
 
 
+def _without_times(record):
+    """A seed record without what depends on the clock (seconds of stages, runs and evaluations)."""
+    if isinstance(record, dict):
+        return {k: _without_times(v) for k, v in record.items() if k not in ("timings", "wall_s", "eval_s")}
+    if isinstance(record, list):
+        return [_without_times(v) for v in record]
+    return record
+
+
+@pytest.mark.slow
+def test_tasks_in_worker_processes_give_the_record_one_process_writes(tiny_study, tmp_path, capsys):
+    """--jobs 2: the seed's base, then each run, as a worker process of its own, two at a time;
+    the seed's record is put together in run order and equals the one-process record, bit for bit."""
+    out, _ = tiny_study
+    tasks = tmp_path / "tasks"
+    run_study(_tiny_plan(), tasks, jobs=2, command="calibrl study (test, tasks)", native_kernels=True)
+    one = json.loads((out / "seed_0" / "seed_result.json").read_text(encoding="utf-8"))
+    put_together = json.loads((tasks / "seed_0" / "seed_result.json").read_text(encoding="utf-8"))
+    assert put_together["complete"]
+    assert list(put_together["runs"]) == list(one["runs"])  # settings, and arms within each, in run order
+    assert [list(runs) for runs in put_together["runs"].values()] == [list(runs) for runs in one["runs"].values()]
+    assert _without_times(put_together) == _without_times(one)
+    timings = put_together["timings"]
+    assert timings["seed_s"] > timings["arms_s"] > 0 and timings["base_agent_s"] > 0
+    printed = capsys.readouterr().out
+    runs = _tiny_plan().run_order()
+    assert printed.count("seed 0 base done") == 1
+    assert sum(f"seed 0 {s} {a.name} done" in printed for s, a in runs) == len(runs)
+    # the run workers ran two at a time: some run started before another had ended
+    spans = []
+    for setting, arm in runs:
+        log = tasks / "seed_0" / f"worker-{setting}-{arm.name}.log"
+        assert log.is_file()
+        result = tasks / "seed_0" / "run_results" / f"{setting}__{arm.name}.json"
+        spans.append((result.stat().st_mtime - json.loads(result.read_text(encoding="utf-8"))["task_s"],
+                      result.stat().st_mtime))
+    spans.sort()
+    assert any(later[0] < earlier[1] for earlier, later in zip(spans, spans[1:]))
+
+
+def test_a_failed_task_stops_the_study_and_names_it(tmp_path, monkeypatch):
+    """A worker that exits non-zero stops the study with its name and its log's end."""
+    from calibrl.studies import search_arms
+
+    def fail_at_once(plan, out, task, command, env, native_kernels, targets):
+        import subprocess
+        import sys
+
+        (out / f"seed_{task.seed}").mkdir(parents=True, exist_ok=True)
+        log = open(out / f"seed_{task.seed}" / "worker-base.log", "w", encoding="utf-8")
+        process = subprocess.Popen([sys.executable, "-c", "import sys; print('no index here'); sys.exit(3)"],
+                                   stdout=log, stderr=subprocess.STDOUT)
+        return task, process, log
+
+    monkeypatch.setattr(search_arms, "_start_task", fail_at_once)
+    with pytest.raises(search_arms.StudyError, match=r"seed 0 base failed \(exit 3\)[\s\S]*no index here"):
+        search_arms._run_tasks_in_processes(_tiny_plan(), tmp_path, jobs=2, native_kernels=False)
+
+
+def test_bases_come_first_then_long_runs_then_the_rest():
+    from calibrl.studies.search_arms import _Task
+
+    plan = dataclasses.replace(_tiny_plan(), seeds=(6, 7))
+    tasks = [_Task(seed, s, a.name) for seed in (7, 6) for s, a in plan.run_order()] + [_Task(7), _Task(6)]
+    ordered = sorted(tasks, key=lambda t: t.priority(plan))
+    assert [t.name for t in ordered[:2]] == ["seed 6 base", "seed 7 base"]
+    settings = [t.setting for t in ordered[2:]]
+    assert settings == sorted(settings, key=lambda s: s != "long")  # every long run before any other run
+    assert [t.seed for t in ordered[2:5]] == [6, 6, 6]
+
+
 def test_h3_is_decided_by_the_last_minus_best_intervals_of_the_long_setting():
     def curve(recall, well_formed):
         return {"last_minus_best_recall": dict(zip(("estimate", "low", "high"), recall), best_step=80),

@@ -806,11 +806,10 @@ class DomainFiles:
     multistep_validation: pathlib.Path | None = None  # where search design knobs are chosen
 
 
-def write_domain(domain: Domain, root: str | pathlib.Path) -> DomainFiles:
-    """Write the domain as the files a user would bring: BEIR corpus, task JSONL, SME JSONL."""
+def domain_files(root: str | pathlib.Path) -> DomainFiles:
+    """Where :func:`write_domain` puts (or put) each file under ``root``."""
     root = pathlib.Path(root)
-    (root / "qrels").mkdir(parents=True, exist_ok=True)
-    files = DomainFiles(
+    return DomainFiles(
         root=root,
         corpus=root / "corpus.jsonl",
         queries=root / "queries.jsonl",
@@ -824,6 +823,12 @@ def write_domain(domain: Domain, root: str | pathlib.Path) -> DomainFiles:
         sme_panel=root / "sme_panel.jsonl",
         multistep_validation=root / "multistep_validation.jsonl",
     )
+
+
+def write_domain(domain: Domain, root: str | pathlib.Path) -> DomainFiles:
+    """Write the domain as the files a user would bring: BEIR corpus, task JSONL, SME JSONL."""
+    files = domain_files(root)
+    (files.root / "qrels").mkdir(parents=True, exist_ok=True)
     _write_jsonl(files.corpus, ({"_id": p.doc_id, "title": p.title, "text": p.text} for p in domain.passages))
     _write_jsonl(files.queries, ({"_id": t.task_id, "text": t.query} for t in domain.rewrite_tasks))
     with files.qrels.open("w", encoding="utf-8") as out:
@@ -850,6 +855,6 @@ def _write_jsonl(path: pathlib.Path, records: Iterable[dict]) -> None:
 
 __all__ = [
     "Aspect", "Domain", "DomainFiles", "Entity", "ERROR_TAGS", "FAILURE_MODES", "MultiStepTask", "Passage",
-    "RewriteTask", "SMEFeedback", "SearchStep", "answer_of", "generate_domain", "passage_text",
+    "RewriteTask", "SMEFeedback", "SearchStep", "answer_of", "domain_files", "generate_domain", "passage_text",
     "value_choices", "write_domain",
 ]

@@ -1,7 +1,7 @@
 """`calibrl study`: the search-agent arms over several seeds, with intervals.
 
     calibrl study                       # seeds 6-10, the full demo's sizes, normal + stress + long setting
-    calibrl study --seeds 6,7 --jobs 2  # two seeds, each in its own process
+    calibrl study --seeds 6,7 --jobs 2  # two worker processes at a time
     calibrl study --quick               # every stage with few steps (the test's size)
 
 For each seed the study builds what ``calibrl demo --seed N`` builds for its search
@@ -32,9 +32,12 @@ per-question answer F1 feeds ``calibrl.stats``: each arm's mean with a 95% boots
 interval over questions (resampled within each seed: the seeds have different
 questions) and the paired bootstrap of every pair of arms and of each arm vs the base.
 
-Each seed writes ``seed_<N>/seed_result.json``; ``--jobs 2`` runs two seeds at a time
-as subprocesses (``calibrl study --worker``); the parent then writes ``results.json``,
-``report.md`` and ``plots/`` (:mod:`calibrl.studies.search_arms_report`). A study
+Each seed writes ``seed_<N>/seed_result.json``. ``--jobs 2`` runs the study as tasks, two
+worker processes at a time (``calibrl study --worker``): each seed's base, then each of its
+runs (the long runs first, the short ones last, so both workers end together); a seed's
+record is put together in run order as its runs end, the same record one process writes.
+The parent then writes ``results.json``, ``report.md`` and ``plots/``
+(:mod:`calibrl.studies.search_arms_report`). A study
 too long for one sitting can run its seeds apart (``--seeds 6,7`` now, ``--seeds 8,9``
 later or elsewhere); ``calibrl study --out DIR --merge A --merge B`` then writes one
 report over all their records, naming each study's command and wall time.
@@ -48,6 +51,7 @@ import json
 import math
 import os
 import pathlib
+import pickle
 import shutil
 import signal
 import subprocess
@@ -255,55 +259,92 @@ def _services(out: pathlib.Path) -> Iterator[tuple[str, str]]:
 
 def _train_and_score(plan: StudyPlan, seed: int, out: pathlib.Path, domain: "Domain", files: "DomainFiles",
                      clients: "Clients", timings: dict[str, float], progress: bool) -> JsonObject:
+    started = time.perf_counter()
+    record, base_agent = _base_record(plan, seed, out, domain, files, clients, timings, progress)
+    save_seed_result(out, record)
+    heldout, passages = _heldout(plan, files), {p.doc_id: p.text for p in domain.passages}
+    for setting, arm in plan.run_order():
+        run, normal = _run_entry(plan, setting, arm, base_agent, files, clients, out, seed, heldout, passages,
+                                 progress)
+        _add_run(record, setting, arm.name, run, normal)
+        timings["arms_s"] = time.perf_counter() - started - timings["base_agent_s"]
+        save_seed_result(out, record)
+        _print_run(seed, setting, arm.name, run, normal, len(heldout))
+    return record
+
+
+def _heldout(plan: StudyPlan, files: "DomainFiles") -> list["Task"]:
+    """The held-out questions every policy of the seed answers (the first ``heldout_limit``)."""
+    from calibrl.trainer.tasks import load_tasks
+
+    return load_tasks(files.multistep_heldout)[: plan.heldout_limit or plan.design.eval_questions or None]
+
+
+def _base_record(plan: StudyPlan, seed: int, out: pathlib.Path, domain: "Domain", files: "DomainFiles",
+                 clients: "Clients", timings: dict[str, float], progress: bool) -> tuple[JsonObject, pathlib.Path]:
+    """The seed's base agent (built and warm-started) and its record before any run: the
+    held-out questions, the base's and the best constant's per-question scores."""
     from calibrl.demo.search_design import eval_settings as search_eval_settings
     from calibrl.trainer.tasks import load_tasks
 
     started = time.perf_counter()
     base_agent = build_base_agent(plan.demo, domain, out, clients, seed, progress)
     timings["base_agent_s"] = time.perf_counter() - started
-    heldout = load_tasks(files.multistep_heldout)
-    heldout = heldout[: plan.heldout_limit or plan.design.eval_questions or None]
-    eval_settings = search_eval_settings(plan.design)
+    heldout = _heldout(plan, files)
     passages = {p.doc_id: p.text for p in domain.passages}
     record: JsonObject = {
         "seed": seed,
         "questions": [{"task_id": t.task_id, "question": t.query, "bridge": t.gold_doc_ids[0]} for t in heldout],
         "train_questions": len(load_tasks(files.multistep_train)),
-        "base": question_scores(base_agent, heldout, clients, eval_settings, passages),
+        "base": question_scores(base_agent, heldout, clients, search_eval_settings(plan.design), passages),
         "constant": constant_scores(domain, heldout), "runs": {}, "timings": timings, "complete": False,
     }
-    save_seed_result(out, record)
+    return record, base_agent
+
+
+def _run_entry(plan: StudyPlan, setting: str, arm: Arm, base_agent: pathlib.Path, files: "DomainFiles",
+               clients: "Clients", out: pathlib.Path, seed: int, heldout: Sequence["Task"],
+               passages: dict[str, str], progress: bool) -> tuple[JsonObject, JsonObject | None]:
+    """Train one run from the base and score it on the held-out questions: its record and,
+    for a long run with :attr:`StudyPlan.normal_from_long`, the normal run read off it."""
+    from calibrl.demo.search_design import eval_settings as search_eval_settings
+
+    eval_settings = search_eval_settings(plan.design)
     normal_steps = plan.design.steps
-    for setting, arm in plan.run_order():
-        run = train_arm(plan, setting, arm, base_agent, files, clients, out, seed, progress)
-        eval_started = time.perf_counter()
-        checkpoints = run.pop("checkpoints")
-        normal: JsonObject | None = None
-        if setting == "long":  # held-out figures along the run (the last checkpoint is the final policy)
-            run["curve"] = []
-            for step, path in checkpoints:
-                step_started = time.perf_counter()
-                scores = question_scores(path, heldout, clients, eval_settings, passages)
-                run["curve"].append({"step": step, **{k: scores[k] for k in CURVE_METRICS}})
-                if plan.normal_from_long and step == normal_steps:
-                    normal = {"steps": run["steps"][:normal_steps], "from_long": True, "scores": scores,
-                              "eval_s": time.perf_counter() - step_started}
-            if plan.normal_from_long and normal is None:
-                raise StudyError(f"seed {seed} long {arm.name}: no checkpoint at step {normal_steps} (checkpoints at "
-                                 f"{[step for step, _ in checkpoints]}), so the normal run cannot be read off it")
-        run["scores"] = question_scores(run.pop("model"), heldout, clients, eval_settings, passages)
-        run["eval_s"] = time.perf_counter() - eval_started
-        if normal is not None:
-            record["runs"].setdefault("normal", {})[arm.name] = normal
-        record["runs"].setdefault(setting, {})[arm.name] = run
-        timings["arms_s"] = time.perf_counter() - started - timings["base_agent_s"]
-        save_seed_result(out, record)
-        for name, done in (("normal", normal), (setting, run)):
-            if done is not None:
-                how = "read off the long run" if done.get("from_long") else f"trained in {done['wall_s']:.0f}s"
-                print(f"    seed {seed} {name} {arm.name}: {how}, held-out F1 "
-                      f"{sum(done['scores']['f1']) / len(heldout):.3f}", flush=True)
-    return record
+    run = train_arm(plan, setting, arm, base_agent, files, clients, out, seed, progress)
+    eval_started = time.perf_counter()
+    checkpoints = run.pop("checkpoints")
+    normal: JsonObject | None = None
+    if setting == "long":  # held-out figures along the run (the last checkpoint is the final policy)
+        run["curve"] = []
+        for step, path in checkpoints:
+            step_started = time.perf_counter()
+            scores = question_scores(path, heldout, clients, eval_settings, passages)
+            run["curve"].append({"step": step, **{k: scores[k] for k in CURVE_METRICS}})
+            if plan.normal_from_long and step == normal_steps:
+                normal = {"steps": run["steps"][:normal_steps], "from_long": True, "scores": scores,
+                          "eval_s": time.perf_counter() - step_started}
+        if plan.normal_from_long and normal is None:
+            raise StudyError(f"seed {seed} long {arm.name}: no checkpoint at step {normal_steps} (checkpoints at "
+                             f"{[step for step, _ in checkpoints]}), so the normal run cannot be read off it")
+    run["scores"] = question_scores(run.pop("model"), heldout, clients, eval_settings, passages)
+    run["eval_s"] = time.perf_counter() - eval_started
+    return run, normal
+
+
+def _add_run(record: JsonObject, setting: str, arm: str, run: JsonObject, normal: JsonObject | None) -> None:
+    """Put a run (and the normal run read off it) into the seed's record."""
+    if normal is not None:
+        record["runs"].setdefault("normal", {})[arm] = normal
+    record["runs"].setdefault(setting, {})[arm] = run
+
+
+def _print_run(seed: int, setting: str, arm: str, run: JsonObject, normal: JsonObject | None, questions: int) -> None:
+    for name, done in (("normal", normal), (setting, run)):
+        if done is not None:
+            how = "read off the long run" if done.get("from_long") else f"trained in {done['wall_s']:.0f}s"
+            print(f"    seed {seed} {name} {arm}: {how}, held-out F1 {sum(done['scores']['f1']) / questions:.3f}",
+                  flush=True)
 
 
 def build_base_agent(demo: "DemoSettings", domain: "Domain", out: pathlib.Path, clients: "Clients", seed: int,
@@ -424,9 +465,10 @@ def _category(record: "SearchRecord") -> str:
 
 
 def run_study(plan: StudyPlan, out: pathlib.Path, *, jobs: int = 1, progress: bool = False,
-              command: str = "calibrl study") -> pathlib.Path:
-    """Every seed (``jobs`` at a time, each in its own process when > 1), then the
-    report; returns the path of report.md."""
+              command: str = "calibrl study", native_kernels: bool = False) -> pathlib.Path:
+    """Every seed, then the report; returns the path of report.md. ``jobs`` 1: everything
+    in this process, seed after seed; more: each seed's base and then each of its runs as a
+    task of its own, ``jobs`` worker processes at a time (``native_kernels``: theirs)."""
     from calibrl.studies import search_arms_report as study_report
 
     started = time.perf_counter()
@@ -443,7 +485,7 @@ def run_study(plan: StudyPlan, out: pathlib.Path, *, jobs: int = 1, progress: bo
     if jobs == 1:
         records = [run_seed(plan, seed, out / f"seed_{seed}", progress) for seed in plan.seeds]
     else:
-        records = _run_seeds_in_processes(plan, out, jobs)
+        records = _run_tasks_in_processes(plan, out, jobs, native_kernels)
     wall = time.perf_counter() - started
     return study_report.write_study(plan.describe(), records, out, command=command, wall_s=wall,
                                     arm_labels={a.name: a.label for a in plan.arms}, machine=machine)
@@ -538,48 +580,207 @@ def _study_part(source: pathlib.Path) -> tuple[JsonObject, list[JsonObject], lis
     return plan, parts, paths
 
 
-def _run_seeds_in_processes(plan: StudyPlan, out: pathlib.Path, jobs: int) -> list[JsonObject]:
-    """``calibrl study --worker`` per seed, at most ``jobs`` at once; their seed results in seed order."""
+# --------------------------------------------------------------------------- tasks in processes
+#
+# With --jobs N > 1 the study is a set of tasks run by N worker processes at a time: each
+# seed's base (domain, index, base agent, base and best-constant scores), then each of its
+# runs once its base is done. A run's record depends only on its seed, base agent, setting
+# and arm (and on the services' answers, pure functions of their inputs), so it is the one
+# a single process would write; the parent puts the seed's record together in run order.
+
+BASE_RESULT = "base_result.json"  # a seed's record before its runs, and where its base agent is
+PLAN_FILE = "plan.pickle"  # the study's plan, for its worker processes
+RUN_RESULTS = "run_results"  # a seed's finished runs, one file each
+
+
+@dataclass(frozen=True)
+class _Task:
+    """One worker process's work: a seed's base (``setting`` empty) or one of its runs."""
+
+    seed: int
+    setting: str = ""
+    arm: str = ""
+
+    @property
+    def name(self) -> str:
+        return f"seed {self.seed} base" if not self.setting else f"seed {self.seed} {self.setting} {self.arm}"
+
+    def priority(self, plan: StudyPlan) -> tuple[int, int, int]:
+        """Bases first (each opens a seed's runs), then the long runs, then the rest, each in
+        seed and run order: the short runs come last and even out the workers' ends."""
+        if not self.setting:
+            return (0, plan.seeds.index(self.seed), 0)
+        order = [(s, a.name) for s, a in plan.run_order()]
+        return (1 if self.setting == "long" else 2, plan.seeds.index(self.seed), order.index((self.setting, self.arm)))
+
+
+def _run_file(seed_dir: pathlib.Path, setting: str, arm: str) -> pathlib.Path:
+    return seed_dir / RUN_RESULTS / f"{setting}__{arm}.json"
+
+
+def _write_json(path: pathlib.Path, record: JsonObject) -> None:
+    """Write ``record`` to ``path`` whole or not at all (the parent reads it when the worker ends)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_name(path.name + ".partial")
+    partial.write_text(json.dumps(record, indent=1), encoding="utf-8")
+    partial.replace(path)
+
+
+def seed_base(plan: StudyPlan, seed: int, out: pathlib.Path, progress: bool = False) -> JsonObject:
+    """A seed's base task: domain, index and base agent, with the services of the seed up
+    meanwhile; writes ``base_result.json`` (the seed's record with no run yet, the base
+    agent's path and the task's seconds) and ``seed_result.json``."""
+    import torch
+
+    from calibrl.demo.context import log_to_file
+    from calibrl.demo.domain import generate_domain, write_domain
+    from calibrl.demo.preparation import build_demo_index
+    from calibrl.demo.training import Clients
+    from calibrl.trainer.aio import BackgroundLoop
+
+    torch.set_num_threads(1)
+    out.mkdir(parents=True, exist_ok=True)
+    log_to_file(out / "study.log")
+    timings: dict[str, float] = {}
+    started = time.perf_counter()
+    domain = generate_domain(seed)
+    files = write_domain(domain, out / "data")
+    build_demo_index(files.corpus, out / "index")
+    timings["domain_and_index_s"] = time.perf_counter() - started
+    with _services(out) as (retrieval_target, judge_target), BackgroundLoop(name=f"study-{seed}") as background:
+        clients = Clients(retrieval_target, judge_target, background)
+        try:
+            record, base_agent = _base_record(plan, seed, out, domain, files, clients, timings, progress)
+        finally:
+            clients.close()
+    save_seed_result(out, record)
+    _write_json(out / BASE_RESULT, {"record": record, "base_agent": str(base_agent),
+                                    "task_s": time.perf_counter() - started})
+    return record
+
+
+def seed_run(plan: StudyPlan, seed: int, out: pathlib.Path, setting: str, arm_name: str,
+             targets: tuple[str, str], progress: bool = False) -> JsonObject:
+    """One run of a seed whose base task is done, against the seed's services at
+    ``targets`` (retrieval, judge); writes ``run_results/<setting>__<arm>.json``."""
+    import torch
+
+    from calibrl.demo.context import log_to_file
+    from calibrl.demo.domain import domain_files, generate_domain
+    from calibrl.demo.training import Clients
+    from calibrl.trainer.aio import BackgroundLoop
+
+    torch.set_num_threads(1)
+    started = time.perf_counter()
+    log_to_file(out / f"study-{setting}-{arm_name}.log")
+    arm = next(a for a in plan.arms if a.name == arm_name)
+    base = json.loads((out / BASE_RESULT).read_text(encoding="utf-8"))
+    files = domain_files(out / "data")
+    heldout = _heldout(plan, files)
+    passages = {p.doc_id: p.text for p in generate_domain(seed).passages}
+    with BackgroundLoop(name=f"study-{seed}-{setting}-{arm_name}") as background:
+        clients = Clients(*targets, background)
+        try:
+            run, normal = _run_entry(plan, setting, arm, pathlib.Path(base["base_agent"]), files, clients, out, seed,
+                                     heldout, passages, progress)
+        finally:
+            clients.close()
+    result = {"setting": setting, "arm": arm_name, "run": run, "normal": normal,
+              "task_s": time.perf_counter() - started}
+    _write_json(_run_file(out, setting, arm_name), result)
+    _print_run(seed, setting, arm_name, run, normal, len(heldout))
+    return result
+
+
+def assemble_seed(plan: StudyPlan, out: pathlib.Path) -> JsonObject:
+    """A seed's record from its base and the runs finished so far, in run order (the record
+    one process writes), saved as ``seed_result.json``; ``complete`` once every run is in.
+    Its ``arms_s`` and ``seed_s`` are the seconds its tasks took, added up."""
+    base = json.loads((out / BASE_RESULT).read_text(encoding="utf-8"))
+    record = base["record"]
+    tasks_s = 0.0
+    done = 0
+    for setting, arm in plan.run_order():
+        path = _run_file(out, setting, arm.name)
+        if path.is_file():
+            result = json.loads(path.read_text(encoding="utf-8"))
+            _add_run(record, setting, arm.name, result["run"], result["normal"])
+            tasks_s += result["task_s"]
+            done += 1
+    if done:
+        record["timings"]["arms_s"] = tasks_s
+    record["timings"]["seed_s"] = base["task_s"] + tasks_s
+    record["complete"] = done == len(plan.run_order())
+    save_seed_result(out, record)
+    return record
+
+
+def _run_tasks_in_processes(plan: StudyPlan, out: pathlib.Path, jobs: int, native_kernels: bool) -> list[JsonObject]:
+    """Every seed's base and runs as ``calibrl study --worker`` tasks, at most ``jobs`` at
+    once; each seed's services run from its base's end to its last run's. Returns the seed
+    records in seed order."""
     from calibrl.demo.services import calibrl_command, service_env
 
-    waiting = list(plan.seeds)
-    running: list[tuple[int, subprocess.Popen, IO[str]]] = []
+    with open(out / PLAN_FILE, "wb") as handle:
+        pickle.dump(plan, handle)
+    runs = plan.run_order()
+    ready = [_Task(seed) for seed in plan.seeds]
+    left = {seed: len(runs) for seed in plan.seeds}
+    running: list[tuple[_Task, subprocess.Popen, IO[str]]] = []
+    services: dict[int, tuple[contextlib.ExitStack, tuple[str, str]]] = {}
+    command, env = calibrl_command(), service_env(1)
     try:
-        _supervise(plan, out, jobs, waiting, running, calibrl_command(), service_env(1))
-    finally:  # a failed seed, or SIGTERM / Ctrl-C here: stop the other workers (they stop their services)
+        while ready or running:
+            while ready and len(running) < jobs:
+                task = min(ready, key=lambda t: t.priority(plan))
+                ready.remove(task)
+                running.append(_start_task(plan, out, task, command, env, native_kernels,
+                                           services[task.seed][1] if task.setting else None))
+            time.sleep(1.0)
+            for entry in list(running):
+                task, process, log = entry
+                if process.poll() is None:
+                    continue
+                running.remove(entry)
+                log.close()
+                seed_dir = out / f"seed_{task.seed}"
+                if process.returncode != 0:
+                    tail = pathlib.Path(log.name).read_text(encoding="utf-8", errors="replace")[-3000:]
+                    raise StudyError(f"{task.name} failed (exit {process.returncode}); its log ends:\n{tail}")
+                print(f"    {task.name} done", flush=True)
+                if not task.setting:  # the seed's runs can start: its services come up for them
+                    stack = contextlib.ExitStack()
+                    services[task.seed] = (stack, stack.enter_context(_services(seed_dir)))
+                    ready.extend(_Task(task.seed, setting, arm.name) for setting, arm in runs)
+                    continue
+                assemble_seed(plan, seed_dir)
+                left[task.seed] -= 1
+                if not left[task.seed]:
+                    services.pop(task.seed)[0].close()
+    finally:  # a failed task, or SIGTERM / Ctrl-C here: stop the workers, then the services
         for _, process, log in running:
             if process.poll() is None:
                 process.terminate()
                 with contextlib.suppress(subprocess.TimeoutExpired):
                     process.wait(60)
             log.close()
+        for stack, _ in services.values():
+            stack.close()
+        (out / PLAN_FILE).unlink(missing_ok=True)
     return [json.loads((out / f"seed_{seed}" / SEED_RESULT).read_text(encoding="utf-8")) for seed in plan.seeds]
 
 
-def _supervise(plan: StudyPlan, out: pathlib.Path, jobs: int, waiting: list[int],
-               running: list[tuple[int, subprocess.Popen, IO[str]]], command: list[str], env: dict[str, str]) -> None:
-    """Start workers while fewer than ``jobs`` run; raise StudyError when one fails."""
-    while waiting or running:
-        while waiting and len(running) < jobs:
-            seed = waiting.pop(0)
-            (out / f"seed_{seed}").mkdir(parents=True, exist_ok=True)
-            log = open(out / f"seed_{seed}" / "worker.log", "w", encoding="utf-8")
-            args = [*command, "study", "--worker", "--seeds", str(seed), "--out", str(out / f"seed_{seed}"),
-                    *(["--quick"] if plan.demo.name == "quick" else []),
-                    *(["--heldout-limit", str(plan.heldout_limit)] if plan.heldout_limit else []),
-                    "--arms", ",".join(arm.name for arm in plan.arms), "--settings", ",".join(plan.settings)]
-            running.append((seed, subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=env), log))
-        time.sleep(1.0)
-        for entry in list(running):
-            seed, process, log = entry
-            if process.poll() is None:
-                continue
-            running.remove(entry)
-            log.close()
-            if process.returncode != 0:
-                tail = (out / f"seed_{seed}" / "worker.log").read_text(encoding="utf-8", errors="replace")[-3000:]
-                raise StudyError(f"seed {seed} failed (exit {process.returncode}); its log ends:\n{tail}")
-            print(f"    seed {seed} done", flush=True)
+def _start_task(plan: StudyPlan, out: pathlib.Path, task: _Task, command: list[str], env: dict[str, str],
+                native_kernels: bool, targets: tuple[str, str] | None) -> tuple[_Task, subprocess.Popen, IO[str]]:
+    seed_dir = out / f"seed_{task.seed}"
+    seed_dir.mkdir(parents=True, exist_ok=True)
+    log = open(seed_dir / (f"worker-{task.setting}-{task.arm}.log" if task.setting else "worker-base.log"), "w",
+               encoding="utf-8")
+    args = [*command, "study", "--worker", "--plan-file", str(out / PLAN_FILE), "--seeds", str(task.seed),
+            "--out", str(seed_dir), *(["--native-kernels"] if native_kernels else [])]
+    if targets is not None:
+        args += ["--run", f"{task.setting}:{task.arm}", "--services", ",".join(targets)]
+    return task, subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=env), log
 
 
 class StudyError(CalibrlError):
@@ -617,7 +818,9 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--settings", default=",".join(SETTINGS),
                         help=f"comma-separated settings of {list(SETTINGS)} (default all)")
     parser.add_argument("--out", default="calibrl_study_out", help="output folder (default calibrl_study_out)")
-    parser.add_argument("--jobs", type=int, default=1, help="seeds run at once, each in its own process (default 1)")
+    parser.add_argument("--jobs", type=int, default=1,
+                        help="worker processes at once (default 1: everything in this process); each seed's base "
+                        "agent, then each of its runs, is a task of its own")
     parser.add_argument("--heldout-limit", type=int, default=0,
                         help="evaluate only the first N held-out questions of each seed (0 = all; for smoke runs)")
     parser.add_argument("--overwrite", action="store_true", help="replace --out even if it holds something else")
@@ -629,7 +832,10 @@ def _parser() -> argparse.ArgumentParser:
                         "apart (repeat: each DIR a study's --out or an earlier report's folder), and stop")
     parser.add_argument("--native-kernels", action="store_true",
                         help="this CPU's fastest float kernels instead of kernels pinned to AVX2 (calibrl.kernels)")
-    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)  # one seed, no report
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)  # one task, no report
+    parser.add_argument("--plan-file", help=argparse.SUPPRESS)  # the worker's plan (the parent's StudyPlan)
+    parser.add_argument("--run", help=argparse.SUPPRESS)  # the worker's run, SETTING:ARM (none: the seed's base)
+    parser.add_argument("--services", help=argparse.SUPPRESS)  # the run's retrieval and judge targets
     return parser
 
 
@@ -686,15 +892,28 @@ def main(argv: Sequence[str] | None = None) -> int:
     previous = signal.signal(signal.SIGTERM, _exit_on_sigterm)
     try:
         if args.worker:
-            run_seed(plan, seeds[0], out)
-            return 0
-        path = run_study(plan, out, jobs=min(args.jobs, len(seeds)), command=command.strip())
+            return _worker(args, plan, seeds[0], out)
+        path = run_study(plan, out, jobs=args.jobs, command=command.strip(), native_kernels=args.native_kernels)
     except CalibrlError as exc:
         print(f"\nstudy failed: {exc}", file=sys.stderr)
         return 1
     finally:
         signal.signal(signal.SIGTERM, previous)
     print(f"\ncalibrl study finished in {time.perf_counter() - started:.0f}s; report: {path}")
+    return 0
+
+
+def _worker(args: argparse.Namespace, plan: StudyPlan, seed: int, out: pathlib.Path) -> int:
+    """One task of a study run with --jobs > 1 (:func:`_run_tasks_in_processes`)."""
+    if args.plan_file:
+        with open(args.plan_file, "rb") as handle:  # written by this study's parent process
+            plan = pickle.load(handle)
+    if not args.run:
+        seed_base(plan, seed, out)
+        return 0
+    setting, _, arm = args.run.partition(":")
+    retrieval, _, judge = (args.services or "").partition(",")
+    seed_run(plan, seed, out, setting, arm, (retrieval, judge))
     return 0
 
 
