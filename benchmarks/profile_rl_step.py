@@ -16,6 +16,8 @@ Only training questions are read. Loading the policy is timed apart (``load_s``)
 
     calibrl demo --out /tmp/demo && python benchmarks/profile_rl_step.py --demo /tmp/demo --steps 6
 
+``--set KEY=VALUE`` (repeatable) adds a trainer override on top of the design's, to time a
+knob a later design might change (training questions only, as always).
 ``--record PATH`` also writes the table as a record (``benchmarks/records/NAME.json``,
 rendered into ``benchmarks/README.md`` by ``scripts/render_results.py``).
 """
@@ -53,6 +55,8 @@ def main() -> None:
     parser.add_argument("--arm", default="grpo", help="the search arm (grpo, calibadv, calibadv_silver)")
     parser.add_argument("--seed", type=int, default=6, help="the trainer's seed")
     parser.add_argument("--quick", action="store_true", help="the quick demo's search design")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="a trainer override on top of the design's (repeat; e.g. rollout.chunk_prompts=4)")
     parser.add_argument("--record", metavar="PATH", help="also write the table as a JSON record")
     args = parser.parse_args()
 
@@ -70,7 +74,7 @@ def main() -> None:
         overrides = train_overrides(design, args.arm, policy=demo / "policies" / "base_agent",
                                     tasks=demo / "data" / "multistep_train.jsonl", output_dir=out,
                                     retrieval="inprocess", seed=args.seed,
-                                    extra=[f"services.index_dir={demo / 'index'}", "checkpoint_every=0"])
+                                    extra=[f"services.index_dir={demo / 'index'}", "checkpoint_every=0", *args.set])
         config = load_train_config(None, overrides)
         retrieval, judge, _ = make_clients(config.services)
         profile = cProfile.Profile()
@@ -83,7 +87,7 @@ def main() -> None:
     per_step = {stage: cumulative(stats, *where) / args.steps for stage, where in STAGES.items()}
     per_step["other"] = per_step["step"] - per_step["generate"] - per_step["early_forward"] - per_step["backward"]
     print(json.dumps({
-        "arm": args.arm, "steps": len(result.history), "wall_s": round(wall, 2),
+        "arm": args.arm, "overrides": args.set, "steps": len(result.history), "wall_s": round(wall, 2),
         "load_s": round(wall - per_step["step"] * args.steps, 2),
         "seconds_per_step": {k: round(v, 3) for k, v in per_step.items()},
         "share_of_step": {k: round(v / per_step["step"], 3) for k, v in per_step.items() if k != "step"},

@@ -245,3 +245,23 @@ def test_the_demo_and_study_runs_keep_the_forward_their_records_were_made_with(t
         assert config.rollout.share_prompt_prefix is False
     assert "RECORDED_FORWARD" in inspect.getsource(living_rubric._train)
     assert RECORDED_FORWARD == "rollout.share_prompt_prefix=false"
+
+
+@pytest.mark.parametrize("prefix, generation, shared", [
+    ("true", "auto", True), ("false", "auto", False), ("false", "on", True), ("true", "off", False)])
+def test_the_engine_shares_prompts_as_share_generation_prompts_says(prefix, generation, shared):
+    """``rollout.share_generation_prompts``: auto follows share_prompt_prefix; on / off set the
+    engine's prefill sharing alone (the log-prob passes follow share_prompt_prefix)."""
+    from calibrl.trainer.run_setup import _engine_kwargs
+
+    config = load_train_config(None, ["policy.path=p", "tasks.path=t", "services.retrieval=x:1", "services.judge=none",
+                                      "reward.w_rubric=0", f"rollout.share_prompt_prefix={prefix}",
+                                      f"rollout.share_generation_prompts={generation}"])
+    assert _engine_kwargs(config)["share_prompts"] is shared
+    assert config.rollout.share_prompt_prefix is (prefix == "true")
+
+
+def test_share_generation_prompts_refuses_other_values():
+    with pytest.raises(Exception, match="share_generation_prompts"):
+        load_train_config(None, ["policy.path=p", "tasks.path=t", "services.retrieval=x:1", "services.judge=none",
+                                 "reward.w_rubric=0", "rollout.share_generation_prompts=sometimes"])

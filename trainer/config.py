@@ -196,6 +196,14 @@ class RolloutConfig:
         "the reference's log-probs) and let each rollout attend to its keys and values: the same numbers up to "
         "float rounding, several times less work when prompts are long; false: every rollout runs its whole prompt.",
     )
+    share_generation_prompts: Literal["auto", "on", "off"] = option(
+        "auto",
+        "The transformers engine's prefill alone: a prompt that appears several times in a generation batch (a "
+        "group's prompt; a search agent's conversations whose turns so far are the same) runs once and its keys "
+        "and values are copied to each row. auto = as share_prompt_prefix; on / off whatever it says, e.g. on with "
+        "share_prompt_prefix=false where prompts are a small share of each row and the shared log-prob pass costs "
+        "more than it saves.",
+    )
     prompt_template: str = option(
         "",
         "Policy prompt: empty = the task kind's built-in template; else text with {query} (required) and "

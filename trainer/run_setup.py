@@ -185,8 +185,10 @@ def _broadcast_parameters(model: "torch.nn.Module") -> None:
 def _engine_kwargs(config: "TrainConfig") -> dict[str, int | bool]:
     if config.rollout.engine != "transformers":
         return {}
-    return {"max_batch_size": config.rollout.generation_batch_size or None,
-            "share_prompts": config.rollout.share_prompt_prefix}
+    rollout = config.rollout
+    share = rollout.share_prompt_prefix if rollout.share_generation_prompts == "auto" \
+        else rollout.share_generation_prompts == "on"
+    return {"max_batch_size": rollout.generation_batch_size or None, "share_prompts": share}
 
 
 __all__ = ["TrainingRun", "build_run", "load_training_tasks", "lr_lambda", "seed_everything"]
