@@ -265,3 +265,23 @@ def test_share_generation_prompts_refuses_other_values():
     with pytest.raises(Exception, match="share_generation_prompts"):
         load_train_config(None, ["policy.path=p", "tasks.path=t", "services.retrieval=x:1", "services.judge=none",
                                  "reward.w_rubric=0", "rollout.share_generation_prompts=sometimes"])
+
+
+def test_a_search_design_passes_its_generation_knobs_to_the_trainer(tmp_path):
+    """chunk_prompts and share_generation_prompts reach the trainer's config when a design sets
+    them; at their defaults the overrides (and so a recorded run's command) are unchanged."""
+    from calibrl.demo.search_design import FULL_SEARCH, describe_design, train_overrides
+
+    def config(design):
+        overrides = train_overrides(design, "grpo", policy="p", tasks="t", output_dir=tmp_path, retrieval="x:1", seed=6)
+        return overrides, load_train_config(None, overrides).rollout
+
+    plain, rollout = config(FULL_SEARCH)
+    assert not any("chunk_prompts" in o or "share_generation_prompts" in o for o in plain)
+    assert rollout.chunk_prompts == 0 and rollout.share_generation_prompts == "auto"
+    changed = FULL_SEARCH.with_overrides(chunk_prompts=4, share_generation_prompts="on")
+    _, rollout = config(changed)
+    assert rollout.chunk_prompts == 4 and rollout.share_generation_prompts == "on"
+    assert rollout.share_prompt_prefix is False  # the log-prob passes keep the recorded forward
+    assert "4 questions per generation chunk" in describe_design(changed)
+    assert "generation chunk" not in describe_design(FULL_SEARCH)

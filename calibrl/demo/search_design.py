@@ -53,6 +53,8 @@ class SearchDesign:
     careless_second: float = 0.5  # warm start: share of second queries without the fund's style word
     agent_hidden: int = 96  # the base agent's hidden size (the rewriter keeps the demo's policy size)
     agent_layers: int = 3  # the base agent's decoder layers
+    chunk_prompts: int = 0  # questions generated per chunk of a step (0: the trainer's auto, two chunks)
+    share_generation_prompts: str = "auto"  # rollout.share_generation_prompts (auto: as the recorded forward, off)
 
     def teacher(self) -> "AgentTeacher":
         """The warm start's reference trajectories (:class:`calibrl.demo.policy.AgentTeacher`)."""
@@ -105,7 +107,10 @@ def describe_design(design: SearchDesign) -> str:
             f"KL beta {design.kl_beta:g}, up to {design.max_turns} turns, {design.top_k} documents per search, "
             f"reward answer F1 x format; warm start {design.warm_steps} steps on a teacher that reads what it "
             f"retrieved and leaves out the plan's industry word in {design.careless_first:.0%} of its first queries "
-            f"and the fund's style word in {design.careless_second:.0%} of its second queries")
+            f"and the fund's style word in {design.careless_second:.0%} of its second queries"
+            + (f"; {design.chunk_prompts} questions per generation chunk" if design.chunk_prompts else "")
+            + ("; a prompt repeated in a generation batch prefilled once"
+               if design.share_generation_prompts == "on" else ""))
 
 
 # The demo's and the study's records were made with every rollout running its whole prompt. Sharing a
@@ -132,6 +137,9 @@ def train_overrides(design: SearchDesign, arm: str, *, policy: str | pathlib.Pat
         f"rollout.search_top_k={design.top_k}", f"rollout.max_obs_tokens={design.max_obs_tokens}",
         f"rollout.temperature={design.temperature}",
         f"optimizer.lr={design.lr}", "services.judge=none", "reward.answer_metric=f1", "reward.w_rubric=0",
+        *([f"rollout.chunk_prompts={design.chunk_prompts}"] if design.chunk_prompts else []),
+        *([f"rollout.share_generation_prompts={design.share_generation_prompts}"]
+          if design.share_generation_prompts != "auto" else []),
         *estimator_overrides(arm), *extra,
     ]
 
