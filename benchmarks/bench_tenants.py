@@ -801,9 +801,12 @@ def record_tables(results: dict) -> tuple[list[dict], list[str]]:
     if "overload" in results:
         rows = results["overload"]
         first = rows[0]
+        servers = "; ".join(f"{name} server run with `{extra}`" for name, extra in results.get("server_args", {}).items()
+                            if extra)
         tables.append(rows_table(f"Overload: {first['callers']} concurrent callers for {first['seconds']:g} s, "
                                  f"{first['deadline_s']:g} s deadlines (server_* figures from the server's "
-                                 "Prometheus page; probe_*: a separate process's calls during the phase)", rows,
+                                 "Prometheus page; probe_*: a separate process's calls during the phase"
+                                 + (f"; {servers}" if servers else "") + ")", rows,
                                  drop=("callers", "seconds", "deadline_s", "shed_max_ms")))
         for row in rows:
             late = row.get("server_missed")
@@ -896,7 +899,7 @@ def main() -> None:
     work.mkdir(parents=True, exist_ok=True)
     index = _prepare(work)
     only = set(filter(None, args.only.split(","))) or {"calibrate", "worst", "small", "fair", "overload"}
-    results: dict = {}
+    results: dict = {"server_args": {"retrieval": args.retrieval_args.strip(), "judge": args.judge_args.strip()}}
     if "calibrate" in only:
         results["calibrate"] = calibrate(work)
     if only - {"calibrate"}:

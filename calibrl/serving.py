@@ -65,6 +65,12 @@ class ServingConfig:
            "to those too: the server serves fewer calls then, and a call admitted before they started that can "
            "no longer meet its deadline is refused with pushback. 0: the workers run at the server's priority "
            "(for a server whose cores are shared with other work that should not come first).")
+    nice: int | None = option(
+        None, "Niceness the whole server sets at start, before its models load (-20..19; none: as started). Below "
+              "the niceness it was started with needs CAP_SYS_NICE (root) or an RLIMIT_NICE that allows it (ulimit -e; "
+              "in a container --ulimit nice=25 allows -5), else the server refuses to start. A negative value puts the event loop and gRPC threads, and the "
+              "workers compute_nice steps after them, ahead of other processes on shared cores: refusals are "
+              "answered and admitted calls served sooner, at the neighbours' expense.")
     max_tenant_queue_cost_s: float = option(
         30.0, "Estimated work one tenant may have queued; beyond it the tenant's calls are shed at once "
               "(RESOURCE_EXHAUSTED with grpc-retry-pushback-ms).")
@@ -92,6 +98,8 @@ class ServingConfig:
             raise ConfigError(f"serving.max_request_cost_s={self.max_request_cost_s}: must be >= 0 (0: no budget)")
         if self.short_item_cost_s < 0:
             raise ConfigError(f"serving.short_item_cost_s={self.short_item_cost_s}: must be >= 0 (0: one worker)")
+        if self.nice is not None and not -20 <= self.nice <= 19:
+            raise ConfigError(f"serving.nice={self.nice}: must be in -20..19 (Linux niceness)")
         if not 0 <= self.compute_nice <= 19:
             raise ConfigError(f"serving.compute_nice={self.compute_nice}: must be in 0..19 (Linux niceness steps)")
         for name in ("max_unit_cost_s", "max_tenant_queue_cost_s"):

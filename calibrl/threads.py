@@ -24,6 +24,15 @@ inherits its creator's niceness; so a server loads its models and warms them up 
 at the workers' niceness (:func:`call_nicer`), or those pools would run beside the event loop
 at its priority.
 
+Server niceness: on cores shared with other busy processes, a server's event loop and gRPC
+threads queue for a core behind them, and a call it refuses at once waits for its turn.
+``serving.nice`` sets the niceness of the whole server at start (:func:`set_process_niceness`:
+every thread it has, and so every thread started later; the workers stay ``compute_nice``
+steps nicer), so an operator can put the server ahead of batch neighbours. A niceness below
+the one the server was started with needs ``CAP_SYS_NICE`` (root) or an ``RLIMIT_NICE`` that
+allows it (``ulimit -e``, 20 minus the lowest niceness); without it the server refuses to
+start, naming the field.
+
 GIL switch interval: a server's event loop and its batcher's short lane need the GIL
 back quickly while a worker runs Python scorers over a long item; at CPython's default
 (5 ms) every hand-over can cost a small call 5 ms. :func:`responsive_gil` lowers it.
@@ -33,6 +42,7 @@ from __future__ import annotations
 
 import logging
 import os
+import pathlib
 import sys
 import threading
 from typing import Callable, TypeVar
@@ -96,6 +106,33 @@ def lower_thread_priority(nice: int, name: str = "") -> int | None:
         return None
     if nice:
         log.info("thread %s runs at niceness %d", name, current)
+    return current
+
+
+def set_process_niceness(nice: int, field: str = "serving.nice") -> int:
+    """Give every thread of this process niceness ``nice`` (threads it starts later inherit
+    it from their creator); returns the niceness in force. Raises ConfigError naming
+    ``field`` where the system refuses (a value below the current one needs CAP_SYS_NICE)
+    or threads have no niceness of their own (not Linux: use ``nice`` to start the server)."""
+    from calibrl.errors import ConfigError
+
+    if not sys.platform.startswith("linux"):
+        raise ConfigError(f"{field}={nice}: per-thread niceness is Linux's; on {sys.platform} start the server "
+                          "under `nice -n N` instead")
+    tasks = pathlib.Path("/proc/self/task")
+    thread_ids = [int(t.name) for t in tasks.iterdir()] if tasks.is_dir() else [threading.get_native_id()]
+    for thread_id in thread_ids:
+        try:
+            os.setpriority(os.PRIO_PROCESS, thread_id, nice)
+        except ProcessLookupError:  # a thread that ended meanwhile
+            continue
+        except OSError as exc:
+            current = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+            raise ConfigError(f"{field}={nice}: the system refused to set it ({exc.strerror}); a niceness below the "
+                              f"one the server started with ({current}) needs CAP_SYS_NICE (root) or an RLIMIT_NICE "
+                              f"of at least {20 - nice} (ulimit -e; in a container --ulimit nice={20 - nice})") from exc
+    current = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    log.info("server niceness %d (its batch workers run nicer by serving.compute_nice)", current)
     return current
 
 

@@ -77,8 +77,13 @@ def serve(argv: list[str]) -> int:
 
     from calibrl.serving import freeze_loaded_objects, serve_until_signal, stop_on_signals
     from calibrl.judge_server.server import start
-    from calibrl.threads import apply_thread_policy, call_nicer
+    from calibrl.threads import apply_thread_policy, call_nicer, set_process_niceness
 
+    try:  # first: every thread from here on (gRPC's, the models' pools) inherits it
+        if config.serving.nice is not None:
+            set_process_niceness(config.serving.nice)
+    except CalibrlError as exc:
+        return _fail(str(exc))
     apply_thread_policy(config.torch_threads, "judge server")  # before the models load: they size to it
     try:  # at the workers' niceness: the encoder's native threads inherit it (calibrl.threads)
         call_nicer(config.serving.compute_nice, _load_embedder_if_needed, config)

@@ -164,6 +164,10 @@ def serve(argv: Sequence[str]) -> int:
         overrides.append(f"serving.host={args.host}")
     try:
         config = load_config(RetrievalServerConfig, args.config, overrides)
+        if config.serving.nice is not None:  # first: every thread from here on inherits it
+            from calibrl.threads import set_process_niceness
+
+            set_process_niceness(config.serving.nice)
         asyncio.run(serve_forever(config))
     except CalibrlError as exc:
         return _fail(exc)

@@ -3,6 +3,9 @@ policy wins, torch's thread count is set and reported, bad values are refused at
 
 from __future__ import annotations
 
+import os
+import pathlib
+
 import pytest
 
 from calibrl.errors import ConfigError
@@ -203,3 +206,100 @@ def test_call_nicer_returns_the_result_raises_the_error_and_0_runs_in_place():
     with pytest.raises(ValueError, match="bad value"):
         call_nicer(2, lambda: (_ for _ in ()).throw(ValueError("bad value")))
     assert call_nicer(0, threading.get_native_id) == threading.get_native_id()
+
+
+def test_set_process_niceness_reaches_every_thread_and_those_started_later():
+    """Run in a child process (a niceness once raised cannot be lowered without privilege)."""
+    import subprocess
+    import sys
+    import textwrap
+
+    code = textwrap.dedent("""
+        import os, threading, time
+        from calibrl.threads import set_process_niceness
+        base = os.getpriority(os.PRIO_PROCESS, 0)
+        started = threading.Event()
+        stop = threading.Event()
+        def before():
+            started.set()
+            stop.wait()
+        early = threading.Thread(target=before)
+        early.start()
+        started.wait()
+        target = min(19, base + 3)
+        assert set_process_niceness(target) == target
+        later = []
+        worker = threading.Thread(target=lambda: later.append(os.getpriority(os.PRIO_PROCESS, threading.get_native_id())))
+        worker.start(); worker.join()
+        nices = {int(open(f"/proc/self/task/{t}/stat").read().rsplit(")", 1)[1].split()[16]) for t in os.listdir("/proc/self/task")}
+        stop.set(); early.join()
+        print(base, target, later[0], sorted(nices))
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    base, target, later, nices = out.stdout.split(" ", 3)
+    assert int(target) == min(19, int(base) + 3)
+    assert int(later) == int(target)  # a thread started afterwards inherits it
+    assert nices.strip() == f"[{int(target)}]"  # the main thread and the one started before
+
+
+def test_a_refused_niceness_names_the_field_and_the_privilege(monkeypatch):
+    import errno
+
+    from calibrl.threads import set_process_niceness
+
+    def refuse(which, who, value):
+        raise PermissionError(errno.EACCES, "Permission denied")
+
+    monkeypatch.setattr(os, "setpriority", refuse)
+    with pytest.raises(ConfigError, match=r"serving.nice=-5: the system refused .* CAP_SYS_NICE \(root\) or an RLIMIT_NICE of at least 25"):
+        set_process_niceness(-5)
+
+
+def test_serving_nice_is_optional_and_checked():
+    from calibrl.config import load_config
+    from calibrl.judge_server.cli import _server_config_cls
+    from calibrl.retrieval_server.config import RetrievalServerConfig
+
+    assert load_config(_server_config_cls(), None, ["rubrics=x"]).serving.nice is None  # as started
+    assert load_config(RetrievalServerConfig, None, ["index_dir=x", "serving.nice=-5"]).serving.nice == -5
+    for bad in (-21, 20):
+        with pytest.raises(ConfigError, match=f"serving.nice={bad}: must be in -20..19"):
+            load_config(RetrievalServerConfig, None, ["index_dir=x", f"serving.nice={bad}"])
+
+
+def test_a_served_retrieval_server_runs_at_serving_nice_with_its_workers_compute_nice_after(tmp_path):
+    import subprocess
+    import sys
+
+    import grpc
+
+    from calibrl.testing import build_test_index
+    from calibrl.v1 import retrieval_pb2 as pb
+    from calibrl.v1 import retrieval_pb2_grpc as pb_grpc
+
+    index = build_test_index(tmp_path / "index")
+    base = os.getpriority(os.PRIO_PROCESS, 0)
+    nice = min(12, base + 2)
+    process = subprocess.Popen(
+        [sys.executable, "-m", "calibrl", "serve", "retrieval", "--index", str(index), "--port", "0", "device=cpu",
+         "torch_threads=1", f"serving.nice={nice}", "serving.compute_nice=5", "serving.drain_seconds=0"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        line = process.stdout.readline()
+        assert "listening on" in line, process.stderr.read() if process.poll() is not None else line
+        with grpc.insecure_channel(f"127.0.0.1:{line.strip().rsplit(':', 1)[1]}") as channel:
+            pb_grpc.RetrievalServiceStub(channel).Search(pb.SearchRequest(queries=["tower"], top_k=3), timeout=30)
+        nices = []
+        for task in (pathlib.Path(f"/proc/{process.pid}/task")).iterdir():
+            try:
+                nices.append(int((task / "stat").read_text().rsplit(")", 1)[1].split()[16]))
+            except FileNotFoundError:  # a thread that ended meanwhile
+                continue
+        main = int(pathlib.Path(f"/proc/{process.pid}/stat").read_text().rsplit(")", 1)[1].split()[16])
+        assert main == nice  # the event loop's thread
+        assert min(nices) == nice and max(nices) == nice + 5  # gRPC's threads as the loop; the workers after
+        assert set(nices) <= {nice, nice + 5}
+    finally:
+        process.terminate()
+        process.wait(30)
