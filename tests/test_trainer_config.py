@@ -276,7 +276,8 @@ def test_a_search_design_passes_its_generation_knobs_to_the_trainer(tmp_path):
         overrides = train_overrides(design, "grpo", policy="p", tasks="t", output_dir=tmp_path, retrieval="x:1", seed=6)
         return overrides, load_train_config(None, overrides).rollout
 
-    plain, rollout = config(FULL_SEARCH)
+    defaults = FULL_SEARCH.with_overrides(chunk_prompts=0, share_generation_prompts="auto")
+    plain, rollout = config(defaults)
     assert not any("chunk_prompts" in o or "share_generation_prompts" in o for o in plain)
     assert rollout.chunk_prompts == 0 and rollout.share_generation_prompts == "auto"
     changed = FULL_SEARCH.with_overrides(chunk_prompts=4, share_generation_prompts="on")
@@ -284,4 +285,4 @@ def test_a_search_design_passes_its_generation_knobs_to_the_trainer(tmp_path):
     assert rollout.chunk_prompts == 4 and rollout.share_generation_prompts == "on"
     assert rollout.share_prompt_prefix is False  # the log-prob passes keep the recorded forward
     assert "4 questions per generation chunk" in describe_design(changed)
-    assert "generation chunk" not in describe_design(FULL_SEARCH)
+    assert "generation chunk" not in describe_design(defaults)
