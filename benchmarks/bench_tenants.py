@@ -801,8 +801,8 @@ def record_tables(results: dict) -> tuple[list[dict], list[str]]:
     if "overload" in results:
         rows = results["overload"]
         first = rows[0]
-        servers = "; ".join(f"{name} server run with `{extra}`" for name, extra in results.get("server_args", {}).items()
-                            if extra)
+        servers = "; ".join(f"{name} server run with `{extra}`"
+                            for name, extra in results.get("server_args", {}).items() if extra)
         tables.append(rows_table(f"Overload: {first['callers']} concurrent callers for {first['seconds']:g} s, "
                                  f"{first['deadline_s']:g} s deadlines (server_* figures from the server's "
                                  "Prometheus page; probe_*: a separate process's calls during the phase"

@@ -67,10 +67,11 @@ class ServingConfig:
            "(for a server whose cores are shared with other work that should not come first).")
     nice: int | None = option(
         None, "Niceness the whole server sets at start, before its models load (-20..19; none: as started). Below "
-              "the niceness it was started with needs CAP_SYS_NICE (root) or an RLIMIT_NICE that allows it (ulimit -e; "
-              "in a container --ulimit nice=25 allows -5), else the server refuses to start. A negative value puts the event loop and gRPC threads, and the "
-              "workers compute_nice steps after them, ahead of other processes on shared cores: refusals are "
-              "answered and admitted calls served sooner, at the neighbours' expense.")
+              "the niceness it was started with needs CAP_SYS_NICE (root) or an RLIMIT_NICE that allows it "
+              "(ulimit -e; in a container --ulimit nice=25 allows -5), else the server refuses to start. A negative "
+              "value puts the event loop and gRPC threads, and the workers compute_nice steps after them, ahead of "
+              "other processes on shared cores: refusals are answered and admitted calls served sooner, at the "
+              "neighbours' expense.")
     max_tenant_queue_cost_s: float = option(
         30.0, "Estimated work one tenant may have queued; beyond it the tenant's calls are shed at once "
               "(RESOURCE_EXHAUSTED with grpc-retry-pushback-ms).")

@@ -229,9 +229,11 @@ def test_set_process_niceness_reaches_every_thread_and_those_started_later():
         target = min(19, base + 3)
         assert set_process_niceness(target) == target
         later = []
-        worker = threading.Thread(target=lambda: later.append(os.getpriority(os.PRIO_PROCESS, threading.get_native_id())))
+        own = lambda: os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+        worker = threading.Thread(target=lambda: later.append(own()))
         worker.start(); worker.join()
-        nices = {int(open(f"/proc/self/task/{t}/stat").read().rsplit(")", 1)[1].split()[16]) for t in os.listdir("/proc/self/task")}
+        nices = {int(open(f"/proc/self/task/{t}/stat").read().rsplit(")", 1)[1].split()[16])
+                 for t in os.listdir("/proc/self/task")}
         stop.set(); early.join()
         print(base, target, later[0], sorted(nices))
     """)
@@ -252,7 +254,8 @@ def test_a_refused_niceness_names_the_field_and_the_privilege(monkeypatch):
         raise PermissionError(errno.EACCES, "Permission denied")
 
     monkeypatch.setattr(os, "setpriority", refuse)
-    with pytest.raises(ConfigError, match=r"serving.nice=-5: the system refused .* CAP_SYS_NICE \(root\) or an RLIMIT_NICE of at least 25"):
+    with pytest.raises(ConfigError, match=r"serving.nice=-5: the system refused .* CAP_SYS_NICE \(root\) or an "
+                                          r"RLIMIT_NICE of at least 25"):
         set_process_niceness(-5)
 
 
