@@ -185,12 +185,26 @@ class StudyPlan:
 
 def run_seed(plan: StudyPlan, seed: int, out: pathlib.Path, progress: bool = False) -> JsonObject:
     """Everything of one seed; writes and returns its ``seed_result.json`` record."""
+    with _seed_world(seed, out) as (domain, files, clients, timings, started):
+        record = _train_and_score(plan, seed, out, domain, files, clients, timings, progress)
+    timings["seed_s"] = time.perf_counter() - started
+    record["complete"] = True
+    save_seed_result(out, record)
+    return record
+
+
+@contextlib.contextmanager
+def _seed_world(seed: int, out: pathlib.Path) -> Iterator[tuple["Domain", "DomainFiles", "Clients", dict[str, float],
+                                                                 float]]:
+    """A seed's domain, files and index (timed as ``domain_and_index_s``), its services and
+    their clients, one torch thread and the log in ``out/study.log``: (domain, files, clients,
+    timings, start time)."""
     import torch
 
     from calibrl.demo.context import log_to_file
+    from calibrl.demo.domain import generate_domain, write_domain
     from calibrl.demo.preparation import build_demo_index
     from calibrl.demo.training import Clients
-    from calibrl.demo.domain import generate_domain, write_domain
     from calibrl.trainer.aio import BackgroundLoop
 
     torch.set_num_threads(1)
@@ -205,13 +219,9 @@ def run_seed(plan: StudyPlan, seed: int, out: pathlib.Path, progress: bool = Fal
     with _services(out) as (retrieval_target, judge_target), BackgroundLoop(name=f"study-{seed}") as background:
         clients = Clients(retrieval_target, judge_target, background)
         try:
-            record = _train_and_score(plan, seed, out, domain, files, clients, timings, progress)
+            yield domain, files, clients, timings, started
         finally:
             clients.close()
-    timings["seed_s"] = time.perf_counter() - started
-    record["complete"] = True
-    save_seed_result(out, record)
-    return record
 
 
 def save_seed_result(out: pathlib.Path, record: JsonObject) -> None:
@@ -630,29 +640,8 @@ def seed_base(plan: StudyPlan, seed: int, out: pathlib.Path, progress: bool = Fa
     """A seed's base task: domain, index and base agent, with the services of the seed up
     meanwhile; writes ``base_result.json`` (the seed's record with no run yet, the base
     agent's path and the task's seconds) and ``seed_result.json``."""
-    import torch
-
-    from calibrl.demo.context import log_to_file
-    from calibrl.demo.domain import generate_domain, write_domain
-    from calibrl.demo.preparation import build_demo_index
-    from calibrl.demo.training import Clients
-    from calibrl.trainer.aio import BackgroundLoop
-
-    torch.set_num_threads(1)
-    out.mkdir(parents=True, exist_ok=True)
-    log_to_file(out / "study.log")
-    timings: dict[str, float] = {}
-    started = time.perf_counter()
-    domain = generate_domain(seed)
-    files = write_domain(domain, out / "data")
-    build_demo_index(files.corpus, out / "index")
-    timings["domain_and_index_s"] = time.perf_counter() - started
-    with _services(out) as (retrieval_target, judge_target), BackgroundLoop(name=f"study-{seed}") as background:
-        clients = Clients(retrieval_target, judge_target, background)
-        try:
-            record, base_agent = _base_record(plan, seed, out, domain, files, clients, timings, progress)
-        finally:
-            clients.close()
+    with _seed_world(seed, out) as (domain, files, clients, timings, started):
+        record, base_agent = _base_record(plan, seed, out, domain, files, clients, timings, progress)
     save_seed_result(out, record)
     _write_json(out / BASE_RESULT, {"record": record, "base_agent": str(base_agent),
                                     "task_s": time.perf_counter() - started})
