@@ -28,7 +28,7 @@ METRIC = re.compile(r"(?<![\w./-])([a-z_]+(?:/[a-z_@0-9<>]+)+)")
 FLAG = re.compile(r"(?<![\w-])(--[a-z][a-z0-9_-]*)")
 FILE_NAME = re.compile(r".*\.(?:py|pt|proto|jsonl|json|yaml|yml|md|txt|safetensors|png)$")
 # flags of other programs that calibrl's messages tell the user to pass, with the program
-OTHER_PROGRAMS_FLAGS = {"--nproc_per_node": "torchrun"}
+OTHER_PROGRAMS_FLAGS = {"--nproc_per_node": "torchrun", "--ulimit": "docker run / podman run"}
 LOGGERS = ("log", "logger", "logging")
 
 
