@@ -95,8 +95,11 @@ class SearchDesign:
 # D18 (experiments/LOG.md; D17 with a smaller agent, for the demo's and the study's wall time): hidden 128, 3 layers;
 # the same rules as D17. Measured: training bridge found 34.7% -> careless_first stays 0.5; validation bridge found
 # 35.4%, validation read-out 79.2%, training read-out 100.0% -> go.
-FULL_SEARCH = SearchDesign(warm_steps=2400, steps=40, prompts_per_step=4, group_size=8, lr=5e-4, agent_hidden=128,
-                           agent_layers=3, fresh_values=True)
+# D19 (experiments/LOG.md; D18 with a cheaper RL step, for the demo's and the study's wall time): all four questions
+# of a step in one generation chunk, the engine's prefill shared between repeated prompts, and 30 steps per arm
+# (a wall-time rule read on no result); the base agent is D18's, with D18's go / no-go.
+FULL_SEARCH = SearchDesign(warm_steps=2400, steps=30, prompts_per_step=4, group_size=8, lr=5e-4, agent_hidden=128,
+                           agent_layers=3, fresh_values=True, chunk_prompts=4, share_generation_prompts="on")
 QUICK_SEARCH = SearchDesign(warm_steps=100, steps=3, prompts_per_step=4, group_size=4, lr=5e-4, checkpoints=1,
                             eval_questions=24, fresh_values=True)
 
