@@ -347,6 +347,7 @@ def test_a_study_stopped_part_way_reports_the_runs_every_seed_finished(tmp_path)
     block = results_tables.render_text("<!-- BEGIN generated: study -->\n<!-- END generated: study -->\n", tmp_path)
     assert "seeds planned 0, 1, 2, with records from seeds 0, 1" in block
     assert str(tmp_path) not in block  # a study's scratch folder is no part of its result
+    assert f"wall time {results['wall_s']:.0f} s" in block and "Seconds per seed: seed 0:" in block
     assert "Stopped part way" in block and "stress/grpo (seed 1, 2)" in block
     assert "Held-out answer F1, normal setting:" in block and "stress setting" not in block.split("not run:")[1]
     assert "| GRPO | the base |" in block  # each arm against the base, with its intervals
@@ -405,6 +406,9 @@ def test_studies_run_apart_merge_into_one_report_naming_each(tmp_path, capsys):
     assert ("(`calibrl study --seeds 0,2 --out <dir>` for seeds 0; `calibrl study --seeds 1 --out <dir>` for seeds 1; "
             "`calibrl study --seeds 3 --out <dir>` for seeds 3; seeds planned 0, 1, 2, 3") in verdict
     assert "/x/" not in verdict
+    block = results_tables.render_text("<!-- BEGIN generated: study -->\n<!-- END generated: study -->\n", tmp_path)
+    assert "Records from 3 studies of the same plan, run apart" in block
+    assert "`calibrl study --seeds 1 --out <dir>` for seeds 1 (wall time" in block  # each sitting's own time
 
 
 @pytest.mark.parametrize("change, message", [

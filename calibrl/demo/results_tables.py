@@ -290,7 +290,8 @@ def study(records: JsonRecord | None) -> list[str]:
     from calibrl.studies import search_arms_report as report
 
     plan, summary, labels = records["plan"], records["summary"], _study_labels()
-    lines = study_verdict(records) + [""]
+    lines = study_verdict(records) + ["", report.provenance_line(records, hide_out=True), "",
+                                      *report.timing_lines(records.get("seeds", []))]
     for setting in summary["settings"]:
         lines += [f"Held-out answer F1, {setting} setting:", "", report.arm_table(plan, summary, setting, labels), "",
                   f"Paired differences of held-out answer F1 ({setting}), a - b:", "",

@@ -348,14 +348,15 @@ def commands_text(results: JsonRecord, hide_out: bool = False) -> str:
     return "; ".join(f"{shown(part['command'])} for seeds {', '.join(map(str, part['seeds']))}" for part in parts)
 
 
-def provenance_line(results: JsonRecord) -> str:
-    """The report's line on how its records were made: command(s), wall time(s), machine(s)."""
+def provenance_line(results: JsonRecord, hide_out: bool = False) -> str:
+    """The report's line on how its records were made: command(s), wall time(s), machine(s)
+    (``hide_out`` as in :func:`commands_text`)."""
     parts = results.get("parts")
     if not parts:
         machine = results.get("machine", "")
-        return (f"Command: {commands_text(results)}; wall time {results['wall_s']:.0f} s"
+        return (f"Command: {commands_text(results, hide_out)}; wall time {results['wall_s']:.0f} s"
                 + (f"; {machine}." if machine else "."))
-    described = [f"{commands_text({'command': part['command']})} for seeds {', '.join(map(str, part['seeds']))} "
+    described = [f"{commands_text({'command': part['command']}, hide_out)} for seeds {', '.join(map(str, part['seeds']))} "
                  f"(wall time {part['wall_s']:.0f} s" + (f"; {part['machine']}" if part.get("machine") else "") + ")"
                  for part in parts]
     return f"Records from {len(parts)} studies of the same plan, run apart: " + "; ".join(described) + "."
