@@ -356,7 +356,8 @@ def provenance_line(results: JsonRecord, hide_out: bool = False) -> str:
         machine = results.get("machine", "")
         return (f"Command: {commands_text(results, hide_out)}; wall time {results['wall_s']:.0f} s"
                 + (f"; {machine}." if machine else "."))
-    described = [f"{commands_text({'command': part['command']}, hide_out)} for seeds {', '.join(map(str, part['seeds']))} "
+    described = [f"{commands_text({'command': part['command']}, hide_out)} "
+                 f"for seeds {', '.join(map(str, part['seeds']))} "
                  f"(wall time {part['wall_s']:.0f} s" + (f"; {part['machine']}" if part.get("machine") else "") + ")"
                  for part in parts]
     return f"Records from {len(parts)} studies of the same plan, run apart: " + "; ".join(described) + "."
