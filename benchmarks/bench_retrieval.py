@@ -287,8 +287,8 @@ def verdicts(cells: list[Cell], ceiling: Sequence[tuple[float, float, float]] = 
         notes.append(f"encoder-only bound, same rounds: the queries only embedded, {threads} threads of "
                      f"{max(1, 8 // threads)} queries or of one query per call (the faster), / Search in process "
                      f"by 8 threads of one query: median {statistics.median(bounds):.2f}x, range {bounds[0]:.2f}x "
-                     f"to {bounds[-1]:.2f}x (a server that computes the same vectors with this encoder answers no faster; "
-                     f"the {CALLERS_RATIO_TARGET}x target is "
+                     f"to {bounds[-1]:.2f}x (a server that computes the same vectors with this encoder answers no "
+                     f"faster; the {CALLERS_RATIO_TARGET}x target is "
                      f"{'within' if statistics.median(bounds) >= CALLERS_RATIO_TARGET else 'out of'} reach here)")
     return notes
 
